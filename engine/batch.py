@@ -1,0 +1,106 @@
+"""The unit of work of one forward: a batch of sequences, each running some new
+tokens on top of what its pages and state slot already hold.
+
+This is the paged interface that the KV store and the workers build on: a
+sequence is named by its page table (full-attention KV) and its state slot
+(GDN recurrent state and conv window), never by a cache object of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's share of a forward.
+
+    tokens:      the new token ids to run, in order.
+    start:       how many tokens of this sequence the cache already holds; the
+                 first new token sits at position `start`.
+    page_table:  page ids covering positions [0, start + len(tokens)).
+    state_slot:  the GDN state slot (hybrid models); it holds the state after
+                 `start` tokens and is updated in place. -1 for dense models.
+    """
+
+    tokens: tuple[int, ...]
+    start: int
+    page_table: tuple[int, ...]
+    state_slot: int = -1
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            raise InvalidRequestError("a sequence in a forward needs at least one new token")
+        if self.start < 0:
+            raise InvalidRequestError(f"start must be >= 0, got {self.start}")
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tensors for a list of SequenceInput, built once per forward."""
+
+    seqs: list[SequenceInput]
+    page_size: int
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    kv_slots: torch.Tensor  # [T] long: page * page_size + offset, where each new token's KV goes
+    page_tables: list[torch.Tensor] = field(default_factory=list)  # per sequence, [n_pages] long
+    state_slots: torch.Tensor | None = None  # [B] long
+    offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
+
+    @classmethod
+    def build(cls, seqs: list[SequenceInput], page_size: int, device: torch.device | str) -> "ForwardBatch":
+        if not seqs:
+            raise InvalidRequestError("a forward needs at least one sequence")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        offsets = [0]
+        for seq in seqs:
+            _check_page_table(seq, page_size)
+            ids.extend(seq.tokens)
+            pos = range(seq.start, seq.end)
+            positions.extend(pos)
+            slots.extend(seq.page_table[p // page_size] * page_size + p % page_size for p in pos)
+            offsets.append(len(ids))
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        return cls(
+            seqs=seqs,
+            page_size=page_size,
+            input_ids=longs(ids),
+            positions=longs(positions),
+            kv_slots=longs(slots),
+            page_tables=[longs(list(s.page_table)) for s in seqs],
+            state_slots=longs([s.state_slot for s in seqs]),
+            offsets=offsets,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence runs exactly one new token."""
+        return self.num_tokens == len(self.seqs)
+
+    def last_token_indices(self) -> torch.Tensor:
+        return torch.tensor(self.offsets[1:], dtype=torch.long, device=self.input_ids.device) - 1
+
+
+def _check_page_table(seq: SequenceInput, page_size: int) -> None:
+    needed = -(-seq.end // page_size)
+    if len(seq.page_table) < needed:
+        raise InvalidRequestError(
+            f"page table has {len(seq.page_table)} pages but {seq.end} tokens need {needed} "
+            f"pages of {page_size}")

@@ -1,0 +1,83 @@
+"""The memory a forward reads and writes, as the model sees it.
+
+Full-attention layers keep K/V in pages of `page_size` tokens; GDN layers keep
+one recurrent state (fp32) and one conv window per state slot. Who owns which
+page or slot is not this module's business: the KV store hands out ids, the
+forward uses them.
+
+How K/V is encoded in a page is a KV format (engine/kv): bf16 (or any compute
+dtype) as is, int8, or the rotated 4-bit rk4.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+from engine.kv.formats import KVFormat
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """How much cache memory to lay out for one model."""
+
+    num_pages: int
+    page_size: int = 16
+    num_state_slots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_pages < 1 or self.page_size < 1 or self.num_state_slots < 0:
+            raise ValueError(f"invalid cache shape {self}")
+
+
+class PagedKVCache:
+    """Page pools for the full-attention layers and state slots for the GDN layers."""
+
+    def __init__(self, config: ModelConfig, shape: CacheShape, device: torch.device | str,
+                 kv_format: KVFormat, conv_dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.shape = shape
+        self.page_size = shape.page_size
+        self.device = torch.device(device)
+        self.kv_format = kv_format
+        self._attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        self._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
+        self.kv = [kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
+                                       config.head_dim, self.device)
+                   for _ in config.attention_layers]
+        slots = shape.num_state_slots if config.is_hybrid else 0
+        if config.is_hybrid and slots < 1:
+            raise ValueError("a hybrid model needs at least one GDN state slot")
+        self.recurrent = [torch.zeros(slots, config.linear_num_v_heads, config.linear_k_head_dim,
+                                      config.linear_v_head_dim, dtype=torch.float32, device=self.device)
+                          for _ in config.linear_layers]
+        self.conv = [torch.zeros(slots, config.linear_conv_dim, config.linear_conv_kernel - 1,
+                                 dtype=conv_dtype, device=self.device)
+                     for _ in config.linear_layers]
+
+    # --- full attention -------------------------------------------------
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv_format.write(self.kv[self._attn_index[layer]], slots, k, v)
+
+    def read_kv(self, layer: int, page_table: torch.Tensor, length: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_format.read(self.kv[self._attn_index[layer]], page_table, length, dtype)
+
+    # --- GDN state ------------------------------------------------------
+    def recurrent_state(self, layer: int) -> torch.Tensor:
+        """[num_slots, v_heads, k_dim, v_dim] fp32, indexed by state slot."""
+        return self.recurrent[self._gdn_index[layer]]
+
+    def conv_window(self, layer: int) -> torch.Tensor:
+        """[num_slots, conv_dim, kernel - 1]: the last inputs of the causal conv."""
+        return self.conv[self._gdn_index[layer]]
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy one slot's GDN state into another (snapshots, MTP verify slots)."""
+        for t in (*self.recurrent, *self.conv):
+            t[dst].copy_(t[src])
+
+    def clear_state(self, slot: int) -> None:
+        for t in (*self.recurrent, *self.conv):
+            t[slot].zero_()

@@ -1,0 +1,317 @@
+"""Triton kernels for the quantized KV formats, and their launch wrappers.
+
+Owns the device side of formats.py: quantize-and-scatter of new tokens into
+their page slots, and gather-and-dequantize of a page table into a dense
+[length, H, D] tensor, for int8 and rk4. The rk4 rotation is a torch matmul
+done by the caller (formats.py); these kernels see the stored space only.
+
+Each kernel mirrors the reference in formats.py operation for operation, so
+codes and scales come out bit-identical:
+  * divisions use div_rn (IEEE round-to-nearest; plain `/` may be approximate
+    on GPU);
+  * rounding is round-half-to-even built from floor, which is exact;
+  * e8m0 scales are built from exponent bits, never from exp2/log2.
+
+Work is split into rows: a (token, head) pair for int8, one block of `block`
+channels of one (token, head) for rk4. Row r of token t is stored at row
+slot(t) * rows_per_token + r % rows_per_token of the layer's flat buffer.
+
+Importing this module imports triton; under TRITON_INTERPRET=1 the kernels run
+on CPU tensors (the tests use this).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements per program: enough work per program for the GPU, and few enough
+# programs that the CPU interpreter stays fast.
+_TILE_ELEMENTS = 4096
+
+
+# ------------------------------------------------------------ shared helpers
+
+
+@triton.jit
+def _round_half_even(x):
+    # floor, x - floor(x) and f * 0.5 are exact in fp32, so this matches
+    # torch.round bit for bit (libdevice rint is not available to the
+    # interpreter).
+    f = tl.floor(x)
+    frac = x - f
+    half_f = f * 0.5
+    f_is_odd = (half_f - tl.floor(half_f)) != 0.0
+    round_up = (frac > 0.5) | ((frac == 0.5) & f_is_odd)
+    return tl.where(round_up, f + 1.0, f)
+
+
+@triton.jit
+def _quantize_symmetric(x, scale, QMAX: tl.constexpr):
+    """round(clamp(x / scale, +-QMAX)); scale broadcast to x; zero scale -> 1."""
+    safe = tl.where(scale == 0.0, 1.0, scale)
+    v = tl.math.div_rn(x, tl.broadcast_to(safe, x.shape))
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    return _round_half_even(v)
+
+
+@triton.jit
+def _fp16_scale(amax, QMAX: tl.constexpr):
+    """amax / QMAX rounded to fp16, as its fp32 value (formats.fp16_scale)."""
+    s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    s = tl.minimum(s, 65504.0)
+    return s.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _e8m0_scale(biased_exp):
+    """2**(E - 127) from its bits (formats.e8m0_to_scale)."""
+    return (biased_exp.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_ceil_exponent(amax):
+    """Biased exponent of the least power of two s with amax <= 7 s."""
+    bits = amax.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa = bits & 0x7FFFFF
+    e = exponent - 2 + (mantissa > 0x600000).to(tl.int32)
+    return tl.minimum(tl.maximum(e + 127, 1), 254)
+
+
+@triton.jit
+def _e8m0_block_error(x_even, x_odd, biased_exp):
+    """Squared error of each row's block at exponent E (exact terms, fp64 sum)."""
+    scale = _e8m0_scale(biased_exp)[:, None]
+    d_even = x_even - _quantize_symmetric(x_even, scale, 7.0) * scale
+    d_odd = x_odd - _quantize_symmetric(x_odd, scale, 7.0) * scale
+    d_even = d_even.to(tl.float64)
+    d_odd = d_odd.to(tl.float64)
+    return tl.sum(d_even * d_even, axis=1) + tl.sum(d_odd * d_odd, axis=1)
+
+
+@triton.jit
+def _e8m0_search_exponent(x_even, x_odd, amax):
+    """Among e, e-1, e+1 the exponent of least error; ties keep the earlier."""
+    ceil_exp = _e8m0_ceil_exponent(amax)
+    best = ceil_exp
+    best_err = _e8m0_block_error(x_even, x_odd, ceil_exp)
+    lower = tl.maximum(ceil_exp - 1, 1)
+    err = _e8m0_block_error(x_even, x_odd, lower)
+    take = err < best_err
+    best = tl.where(take, lower, best)
+    best_err = tl.where(take, err, best_err)
+    upper = tl.minimum(ceil_exp + 1, 254)
+    err = _e8m0_block_error(x_even, x_odd, upper)
+    best = tl.where(err < best_err, upper, best)
+    return best
+
+
+@triton.jit
+def _store_dense(ptr, offsets, values, mask, BF16_BITS: tl.constexpr):
+    """Store fp32 values in the output's dtype. bf16 is rounded here, to
+    nearest even on the bits, and stored as int16: the interpreter's own
+    fp32->bf16 cast truncates, so it would not match torch's rounding."""
+    if BF16_BITS:
+        bits = values.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptr + offsets, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + offsets, values.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _page_slot(page_table_ptr, token, PAGE_SIZE: tl.constexpr, mask):
+    page = tl.load(page_table_ptr + token // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+    return page * PAGE_SIZE + token % PAGE_SIZE
+
+
+# ---------------------------------------------------------------------- int8
+
+
+@triton.jit
+def _int8_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
+                       H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                       ROWS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, D_PAD)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    scale = _fp16_scale(tl.max(tl.abs(x), axis=1), 127.0)
+    codes = _quantize_symmetric(x, scale[:, None], 127.0)
+
+    slot = tl.load(slots_ptr + rows // H, mask=row_ok, other=0)
+    dst = slot * H + rows % H
+    tl.store(codes_ptr + dst[:, None] * D + cols[None, :], codes.to(tl.int8), mask=mask)
+    tl.store(scales_ptr + dst, scale.to(tl.float16), mask=row_ok)
+
+
+@triton.jit
+def _int8_read_kernel(codes_ptr, scales_ptr, page_table_ptr, out_ptr, n_rows,
+                      H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, BF16_BITS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    cols = tl.arange(0, D_PAD)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+
+    src = _page_slot(page_table_ptr, rows // H, PAGE_SIZE, row_ok) * H + rows % H
+    codes = tl.load(codes_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0)
+    scale = tl.load(scales_ptr + src, mask=row_ok, other=0.0).to(tl.float32)
+    values = codes.to(tl.float32) * scale[:, None]
+    _store_dense(out_ptr, rows[:, None] * D + cols[None, :], values, mask, BF16_BITS)
+
+
+def _rows_per_program(row_elements: int) -> int:
+    return max(1, _TILE_ELEMENTS // row_elements)
+
+
+def _dense_out(out: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The output as the kernel sees it: bf16 goes as raw int16 bits."""
+    if not out.is_contiguous():
+        raise ValueError("the dense output must be contiguous")
+    if out.dtype == torch.bfloat16:
+        return out.view(torch.int16), True
+    return out, False
+
+
+def _check_page_table(page_table: torch.Tensor, length: int, page_size: int) -> None:
+    needed = -(-length // page_size)
+    if needed > page_table.numel():
+        raise ValueError(f"length {length} needs {needed} pages of {page_size}, "
+                         f"page table has {page_table.numel()}")
+
+
+def int8_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
+               scales: torch.Tensor) -> None:
+    """Quantize x [T, H, D] and scatter into codes [P, S, H, D] / scales [P, S, H]."""
+    tokens, heads, head_dim = x.shape
+    n_rows = tokens * heads
+    if n_rows == 0:
+        return
+    d_pad = triton.next_power_of_2(head_dim)
+    rows = _rows_per_program(d_pad)
+    _int8_write_kernel[(triton.cdiv(n_rows, rows),)](
+        x.contiguous(), slots.to(torch.int64).contiguous(), codes, scales, n_rows,
+        H=heads, D=head_dim, D_PAD=d_pad, ROWS=rows)
+
+
+def int8_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor,
+              length: int, out: torch.Tensor) -> torch.Tensor:
+    """Gather the first `length` tokens of a page table into out [length, H, D]."""
+    _, page_size, heads, head_dim = codes.shape
+    _check_page_table(page_table, length, page_size)
+    n_rows = length * heads
+    if n_rows == 0:
+        return out
+    d_pad = triton.next_power_of_2(head_dim)
+    rows = _rows_per_program(d_pad)
+    out_arg, bf16_bits = _dense_out(out)
+    _int8_read_kernel[(triton.cdiv(n_rows, rows),)](
+        codes, scales, page_table.to(torch.int64).contiguous(), out_arg, n_rows,
+        H=heads, D=head_dim, D_PAD=d_pad, PAGE_SIZE=page_size, ROWS=rows, BF16_BITS=bf16_bits)
+    return out
+
+
+# ----------------------------------------------------------------------- rk4
+
+
+@triton.jit
+def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
+                      ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
+                      E8M0: tl.constexpr, ROWS: tl.constexpr):
+    # A row is one block of 2 * HALF channels, loaded contiguously and split
+    # into even and odd channels: they go to the low and high nibbles of the
+    # same byte.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    channels = tl.arange(0, 2 * HALF)
+    x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + channels[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x_even, x_odd = tl.split(tl.reshape(x, (ROWS, HALF, 2)))
+    pairs = tl.arange(0, HALF)
+    mask = row_ok[:, None] & (pairs < HALF)[None, :]
+    amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
+
+    if E8M0:
+        biased_exp = _e8m0_search_exponent(x_even, x_odd, amax)
+        scale = _e8m0_scale(biased_exp)
+        stored_scale = biased_exp.to(tl.uint8)
+    else:
+        scale = _fp16_scale(amax, 7.0)
+        stored_scale = scale.to(tl.float16)
+    low = _quantize_symmetric(x_even, scale[:, None], 7.0).to(tl.int32) + 8
+    high = _quantize_symmetric(x_odd, scale[:, None], 7.0).to(tl.int32) + 8
+    packed = (low | (high << 4)).to(tl.uint8)
+
+    slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
+    dst = slot * ROWS_PER_TOKEN + rows % ROWS_PER_TOKEN
+    tl.store(codes_ptr + dst[:, None] * HALF + pairs[None, :], packed, mask=mask)
+    tl.store(scales_ptr + dst, stored_scale, mask=row_ok)
+
+
+@triton.jit
+def _rk4_read_kernel(codes_ptr, scales_ptr, page_table_ptr, out_ptr, n_rows,
+                     ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, E8M0: tl.constexpr, ROWS: tl.constexpr,
+                     BF16_BITS: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    pairs = tl.arange(0, HALF)
+    mask = row_ok[:, None] & (pairs < HALF)[None, :]
+
+    token = rows // ROWS_PER_TOKEN
+    src = _page_slot(page_table_ptr, token, PAGE_SIZE, row_ok) * ROWS_PER_TOKEN \
+        + rows % ROWS_PER_TOKEN
+    packed = tl.load(codes_ptr + src[:, None] * HALF + pairs[None, :], mask=mask,
+                     other=0).to(tl.int32)
+    if E8M0:
+        scale = _e8m0_scale(tl.load(scales_ptr + src, mask=row_ok, other=127))
+    else:
+        scale = tl.load(scales_ptr + src, mask=row_ok, other=0.0).to(tl.float32)
+    low = ((packed & 0xF) - 8).to(tl.float32) * scale[:, None]
+    high = ((packed >> 4) - 8).to(tl.float32) * scale[:, None]
+
+    # Interleave in registers so the store is contiguous (two strided stores
+    # ran an order of magnitude slower on an H200).
+    values = tl.reshape(tl.join(low, high), (ROWS, 2 * HALF))
+    channels = tl.arange(0, 2 * HALF)
+    _store_dense(out_ptr, rows[:, None] * (2 * HALF) + channels[None, :], values,
+                 row_ok[:, None] & (channels < 2 * HALF)[None, :], BF16_BITS)
+
+
+def rk4_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+              block: int, scale_format: str) -> None:
+    """Quantize x [T, H, D] (stored space, fp32) into codes [P, S, H, D/2] and
+    scales [P, S, H, D/block] at the given slots."""
+    tokens, heads, head_dim = x.shape
+    rows_per_token = heads * (head_dim // block)
+    n_rows = tokens * rows_per_token
+    if n_rows == 0:
+        return
+    rows = _rows_per_program(block)
+    _rk4_write_kernel[(triton.cdiv(n_rows, rows),)](
+        x.to(torch.float32).contiguous(), slots.to(torch.int64).contiguous(), codes, scales,
+        n_rows, ROWS_PER_TOKEN=rows_per_token, HALF=block // 2,
+        E8M0=scale_format == "e8m0", ROWS=rows)
+
+
+def rk4_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor, length: int,
+             out: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
+    """Gather and dequantize the first `length` tokens into out [length, H, D]
+    (stored space; out's dtype is the output dtype)."""
+    _, page_size, heads, half_dim = codes.shape
+    _check_page_table(page_table, length, page_size)
+    rows_per_token = heads * (2 * half_dim // block)
+    n_rows = length * rows_per_token
+    if n_rows == 0:
+        return out
+    rows = _rows_per_program(block)
+    out_arg, bf16_bits = _dense_out(out)
+    _rk4_read_kernel[(triton.cdiv(n_rows, rows),)](
+        codes, scales, page_table.to(torch.int64).contiguous(), out_arg, n_rows,
+        ROWS_PER_TOKEN=rows_per_token, HALF=block // 2, PAGE_SIZE=page_size,
+        E8M0=scale_format == "e8m0", ROWS=rows, BF16_BITS=bf16_bits)
+    return out

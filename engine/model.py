@@ -1,0 +1,269 @@
+"""The model forward over the paged interface, for both families:
+
+- "llama": dense decoder (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with
+  per-head q/k RMSNorm);
+- "qwen3_5": the hybrid of Gated DeltaNet layers and gated full-attention
+  layers with zero-centred norms and partial rotary, plus the MTP head's
+  weights (kept for speculative decoding).
+
+Module and parameter names are Hugging Face's, so a checkpoint's state dict
+loads as is. The forward takes a ForwardBatch of sequences of different
+lengths and positions and reads/writes KV pages and GDN state slots in a
+PagedKVCache; on the CPU everything is plain PyTorch.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.cache import PagedKVCache
+from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
+from engine.rotary import Rotary
+
+
+class RMSNorm(nn.Module):
+    """Llama-style RMSNorm (w * x̂), or Qwen3.5's zero-centred one ((1 + w) * x̂,
+    multiplied in fp32): the two round differently in bf16, so both are kept."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.zero_centered = zero_centered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: RMSNorm per head, then times SiLU(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Full attention with GQA over paged KV; optional q/k norm and output gate."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.output_gate = config.attn_output_gate
+        q_out = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        kv_out = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.zero_centered_norm)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.zero_centered_norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
+                rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, -1)
+        gate = None
+        if self.output_gate:  # per head: [query | gate]
+            q, gate = q.split(self.head_dim, dim=-1)
+            gate = gate.reshape(tokens, -1)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+        cache.write_kv(self.layer, batch.kv_slots, k, v)
+        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for i, seq in enumerate(batch.seqs):
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            out[lo:hi] = self._attend(q[lo:hi], seq.start, batch.page_tables[i], cache)
+        out = out.reshape(tokens, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, start: int, page_table: torch.Tensor,
+                cache: PagedKVCache) -> torch.Tensor:
+        """Causal attention of n new queries over the sequence's first start+n keys."""
+        n = q.shape[0]
+        k, v = cache.read_kv(self.layer, page_table, start + n, q.dtype)
+        key_pos = torch.arange(start + n, device=q.device)
+        query_pos = torch.arange(start, start + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=self.head_dim ** -0.5, enable_gqa=True)
+        return out.transpose(0, 1)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer; its memory is one state slot per sequence."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_k_heads, self.num_v_heads = config.linear_num_k_heads, config.linear_num_v_heads
+        self.k_dim, self.v_dim = config.linear_k_head_dim, config.linear_v_head_dim
+        key_total = self.num_k_heads * self.k_dim
+        value_total = self.num_v_heads * self.v_dim
+        conv_dim = config.linear_conv_dim
+        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(config.hidden_size, value_total, bias=False)
+        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel, groups=conv_dim,
+                                bias=False, padding=config.linear_conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(value_total, config.hidden_size, bias=False)
+        self._split = (key_total, key_total, value_total)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        tokens = x.shape[0]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(tokens, self.num_v_heads, self.v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
+        weight = self.conv1d.weight[:, 0, :]
+        for i, seq in enumerate(batch.seqs):
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            slot = seq.state_slot
+            fresh = seq.start == 0  # a new sequence starts from zeros, whatever the slot held
+            window = torch.zeros_like(windows[slot]) if fresh else windows[slot]
+            conv_out, windows[slot] = causal_conv1d(mixed[lo:hi], window, weight)
+            q, k, v = conv_out.split(self._split, dim=-1)
+            q = q.view(1, hi - lo, self.num_k_heads, self.k_dim)
+            k = k.view(1, hi - lo, self.num_k_heads, self.k_dim)
+            v = v.view(1, hi - lo, self.num_v_heads, self.v_dim)
+            initial = None if fresh else states[slot][None]
+            rule = recurrent_gated_delta_rule if hi - lo == 1 else chunked_gated_delta_rule
+            o, final = rule(q, k, v, g[None, lo:hi], beta[None, lo:hi], initial)
+            states[slot] = final[0]
+            out[lo:hi] = o[0]
+        out = self.norm(out, z).reshape(tokens, -1)
+        return self.out_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.is_linear = config.layer_types[layer] == LINEAR_ATTENTION
+        zc = config.zero_centered_norm
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zc)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zc)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config, layer)
+        else:
+            self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+
+    def forward(self, x, batch, cache, rotary, cos_sin):
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            h = self.linear_attn(h, batch, cache)
+        else:
+            h = self.self_attn(h, batch, cache, rotary, cos_sin)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.zero_centered_norm)
+
+
+class MTPHead(nn.Module):
+    """Qwen3.5's multi-token-prediction layer: fc(concat(norm(embed(next)), norm(h)))
+    then one full-attention decoder layer with its own KV and a final norm; the
+    lm_head is shared. Loaded now, run by the speculative decoder."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, zc, eps = config.hidden_size, config.zero_centered_norm, config.rms_norm_eps
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, zc)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, zc)
+        mtp_config = _full_attention_view(config)  # MTP layers are full attention
+        self.layers = nn.ModuleList(DecoderLayer(mtp_config, config.num_layers + i)
+                                    for i in range(config.mtp_num_layers))
+        self.norm = RMSNorm(h, eps, zc)
+
+
+def _full_attention_view(config: ModelConfig) -> ModelConfig:
+    """A config whose every layer (including MTP ones past the end) is full attention."""
+    total = config.num_layers + config.mtp_num_layers
+    return replace(config, num_layers=total, layer_types=("full_attention",) * total)
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers -> norm -> lm_head, over paged KV."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPHead(config) if config.mtp_num_layers else None
+        self.rotary = Rotary(config)
+
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, all_logits: bool = False,
+                return_hidden: bool = False):
+        """Runs the batch, updating its pages and state slots. Returns logits for
+        the last token of each sequence [B, V] (or of every token [T, V] with
+        all_logits), and with return_hidden also the final hidden states before
+        the norm at the same positions (what the MTP head consumes)."""
+        x = self.model.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, batch, cache, self.rotary, cos_sin)
+        if not all_logits:
+            x = x.index_select(0, batch.last_token_indices())
+        logits = F.linear(self.model.norm(x), self.output_embedding)
+        return (logits, x) if return_hidden else logits

@@ -1,0 +1,125 @@
+"""Free lists for the KV store's two fixed pools: KV pages and GDN state slots.
+
+Both pools hand out small integer ids in [0, num_total). The contract is the
+same for both:
+
+* `allocate(n)` is all-or-nothing: it returns exactly n ids or raises
+  (`OutOfPages` / `OutOfSlots`) and changes nothing.
+* Ids come out lowest first, so the order is deterministic and tests can
+  expect exact ids.
+* `free(ids)` checks every id before releasing any: an id out of range, one
+  that is already free, or one listed twice raises ValueError and the pool is
+  left exactly as it was. A bug in a caller never corrupts the pool.
+
+Pure Python; no torch. The owner of the actual tensors maps ids to memory.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from engine.errors import TandemError
+
+
+class OutOfCapacity(TandemError):
+    """A pool has fewer free ids than asked for; evict or wait, then retry."""
+
+
+class OutOfPages(OutOfCapacity):
+    """Fewer free KV pages than asked for."""
+
+
+class OutOfSlots(OutOfCapacity):
+    """Fewer free GDN state slots than asked for."""
+
+
+class IdAllocator:
+    """Free list of ids 0..num_total-1, handing out the lowest free ids first."""
+
+    kind = "id"
+    out_of_capacity: type[OutOfCapacity] = OutOfCapacity
+
+    def __init__(self, num_total: int):
+        if isinstance(num_total, bool) or not isinstance(num_total, int) or num_total < 0:
+            raise ValueError(f"{self.kind} pool size must be an int >= 0, got {num_total!r}")
+        self._num_total = num_total
+        self._free_heap: list[int] = list(range(num_total))  # sorted, hence a valid heap
+        self._is_free = bytearray(b"\x01") * num_total
+
+    @property
+    def num_total(self) -> int:
+        return self._num_total
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_heap)
+
+    @property
+    def num_used(self) -> int:
+        return self._num_total - len(self._free_heap)
+
+    def can_allocate(self, n: int) -> bool:
+        return 0 <= n <= len(self._free_heap)
+
+    def is_free(self, id_: int) -> bool:
+        self._check_in_range(id_)
+        return bool(self._is_free[id_])
+
+    def allocate(self, n: int) -> list[int]:
+        """Take n ids, lowest first; raise (taking none) when fewer are free."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"cannot allocate {n!r} {self.kind}s: need an int >= 0")
+        if n > len(self._free_heap):
+            raise self.out_of_capacity(
+                f"asked for {n} {self.kind}s but only {len(self._free_heap)} of "
+                f"{self._num_total} are free; evict cached entries or wait for requests to finish"
+            )
+        ids = [heapq.heappop(self._free_heap) for _ in range(n)]
+        for i in ids:
+            self._is_free[i] = 0
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Return ids to the pool. Checks all of them first; on error frees none."""
+        ids = list(ids)
+        self._check_freeable(ids)
+        for i in ids:
+            self._is_free[i] = 1
+            heapq.heappush(self._free_heap, i)
+
+    def _check_freeable(self, ids: list[int]) -> None:
+        seen: set[int] = set()
+        for i in ids:
+            self._check_in_range(i)
+            if self._is_free[i]:
+                raise ValueError(f"double free: {self.kind} {i} is already free")
+            if i in seen:
+                raise ValueError(f"double free: {self.kind} {i} is listed twice in one free()")
+            seen.add(i)
+
+    def _check_in_range(self, id_: int) -> None:
+        if isinstance(id_, bool) or not isinstance(id_, int) or not 0 <= id_ < self._num_total:
+            raise ValueError(f"{self.kind} id {id_!r} is out of range [0, {self._num_total})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(free={self.num_free}/{self.num_total})"
+
+
+class PageAllocator(IdAllocator):
+    """Free list of fixed-size KV pages (page_size tokens of full-attention KV each)."""
+
+    kind = "page"
+    out_of_capacity = OutOfPages
+
+    def __init__(self, num_pages: int):
+        super().__init__(num_pages)
+
+
+class SlotAllocator(IdAllocator):
+    """Free list of GDN recurrent-state slots (one sequence's state per slot)."""
+
+    kind = "state slot"
+    out_of_capacity = OutOfSlots
+
+    def __init__(self, num_slots: int):
+        super().__init__(num_slots)

@@ -1,0 +1,110 @@
+"""PageAllocator / SlotAllocator: exact ids, all-or-nothing, errors never corrupt state."""
+import pytest
+
+from engine.errors import TandemError
+from kvstore.allocator import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
+
+
+def snapshot(a):
+    return a.num_free, [a.is_free(i) for i in range(a.num_total)]
+
+
+def test_allocates_lowest_ids_first():
+    a = PageAllocator(8)
+    assert a.allocate(3) == [0, 1, 2]
+    assert a.allocate(2) == [3, 4]
+    a.free([1, 3])
+    assert a.allocate(1) == [1]
+    assert a.allocate(3) == [3, 5, 6]
+    assert a.num_free == 1 and a.num_total == 8 and a.num_used == 7
+
+
+def test_free_order_does_not_matter():
+    a = PageAllocator(6)
+    a.allocate(6)
+    a.free([5, 2, 4])
+    assert a.allocate(3) == [2, 4, 5]
+
+
+def test_allocate_zero_and_can_allocate():
+    a = PageAllocator(2)
+    assert a.allocate(0) == []
+    assert a.can_allocate(2) and not a.can_allocate(3) and a.can_allocate(0)
+    assert not a.can_allocate(-1)
+    a.allocate(2)
+    assert not a.can_allocate(1) and a.can_allocate(0)
+
+
+def test_all_or_nothing():
+    a = PageAllocator(4)
+    a.allocate(2)
+    before = snapshot(a)
+    with pytest.raises(OutOfPages) as err:
+        a.allocate(3)
+    assert "only 2 of 4" in str(err.value)
+    assert isinstance(err.value, TandemError)
+    assert snapshot(a) == before
+    assert a.allocate(2) == [2, 3]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.0, True, "1"])
+def test_allocate_rejects_bad_counts(bad):
+    a = PageAllocator(4)
+    with pytest.raises(ValueError):
+        a.allocate(bad)
+    assert a.num_free == 4
+
+
+def test_double_free_leaves_state_unchanged():
+    a = PageAllocator(5)
+    a.allocate(3)
+    a.free([1])
+    before = snapshot(a)
+    with pytest.raises(ValueError, match="double free"):
+        a.free([0, 1])  # 0 is in use, 1 is already free: neither may be freed
+    assert snapshot(a) == before
+    with pytest.raises(ValueError, match="listed twice"):
+        a.free([2, 2])
+    assert snapshot(a) == before
+    assert a.allocate(2) == [1, 3]
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 100, True, 1.5, None])
+def test_out_of_range_free_leaves_state_unchanged(bad):
+    a = PageAllocator(5)
+    a.allocate(5)
+    before = snapshot(a)
+    with pytest.raises(ValueError, match="out of range"):
+        a.free([0, bad])
+    assert snapshot(a) == before
+    with pytest.raises(ValueError):
+        a.is_free(bad)
+
+
+def test_free_accepts_any_iterable():
+    a = PageAllocator(3)
+    a.allocate(3)
+    a.free(i for i in (2, 0))
+    assert a.allocate(2) == [0, 2]
+
+
+def test_empty_pool_and_bad_size():
+    a = PageAllocator(0)
+    assert a.allocate(0) == [] and a.num_free == 0
+    with pytest.raises(OutOfPages):
+        a.allocate(1)
+    with pytest.raises(ValueError):
+        PageAllocator(-1)
+
+
+def test_slot_allocator_same_contract():
+    s = SlotAllocator(3)
+    assert s.allocate(2) == [0, 1]
+    with pytest.raises(OutOfSlots):
+        s.allocate(2)
+    assert s.num_free == 1
+    s.free([0])
+    with pytest.raises(ValueError, match="double free"):
+        s.free([0])
+    assert s.allocate(2) == [0, 2]
+    assert not issubclass(OutOfSlots, OutOfPages) and issubclass(OutOfSlots, TandemError)

@@ -1,0 +1,53 @@
+"""The same forward on a CUDA device (skipped where there is none; run by hand
+on the GPU machine, see BENCHMARKS.md): logits against transformers on the CPU,
+and a batch of mixed sequences through the offline engine."""
+import pytest
+import torch
+
+from engine.batch import ForwardBatch, SequenceInput
+from engine.cache import CacheShape, PagedKVCache
+from engine.kv import make_format
+from engine.llm import EngineConfig, OfflineEngine
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_logits_match_transformers(tiny_hf_dir, family, dtype):
+    directory, hf_model = tiny_hf_dir(family)
+    loaded = load_model(str(directory), device="cuda", dtype=dtype, progress=False)
+    ids = [(13 * i + 5) % 512 for i in range(50)]
+    cache = PagedKVCache(loaded.config, CacheShape(16, 4, 2), "cuda", make_format("bf16", dtype=dtype))
+    # prefill 40, then 10 single steps: both GDN forms and paged reads on the GPU
+    out = [loaded.model(ForwardBatch.build([SequenceInput(tuple(ids[:40]), 0, tuple(range(13)), 1)],
+                                           4, "cuda"), cache, all_logits=True)]
+    for t in range(40, 50):
+        out.append(loaded.model(ForwardBatch.build([SequenceInput((ids[t],), t, tuple(range(13)), 1)],
+                                                   4, "cuda"), cache))
+    ours = torch.cat(out).float().cpu()
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-3, atol=1e-3)
+    else:
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+        assert (ours - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_cuda_engine_matches_cpu_engine_greedy():
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(30, 60))]
+    results = []
+    for device in ("cpu", "cuda"):
+        loaded = load_model("tiny-qwen3.5", dtype=torch.float32, seed=3)  # same weights on both
+        loaded.model.to(device)
+        loaded.device = torch.device(device)
+        engine = OfflineEngine(loaded, EngineConfig(max_batch=3, max_context=128))
+        got = {i: [] for i in range(3)}
+        for e in engine.generate(prompts, params):
+            got[e.index].append(e.token_id)
+        results.append(got)
+    assert results[0] == results[1]
