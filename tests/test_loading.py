@@ -114,3 +114,23 @@ def test_dummy_shapes_generate(shape):
     assert engine.generate_ids([1, 2, 3, 4, 5], params) == a
     assert load_model(shape, seed=1).model.model.embed_tokens.weight.equal(
         loaded.model.model.embed_tokens.weight)
+
+
+def test_qwen35_mtp_weights_are_loaded_and_kept(tiny_hf_dir, tmp_path):
+    """Real Qwen3.5 checkpoints carry mtp.* tensors (transformers drops them);
+    tandem keeps them for speculative decoding, under the same names."""
+    d = _copy(tiny_hf_dir, tmp_path, "qwen3_5")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in CausalLM(ModelConfig.from_hf(cfg)).named_parameters()
+                  if n.startswith("mtp.")}
+    gen = torch.Generator().manual_seed(0)
+    mtp = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    assert "mtp.fc.weight" in mtp and "mtp.layers.0.self_attn.q_proj.weight" in mtp
+    _edit_weights(d, lambda t: t.update(mtp))
+    loaded = load_model(str(d), progress=False)
+    state = loaded.model.state_dict()
+    for name, tensor in mtp.items():
+        assert torch.equal(state[name], tensor), name

@@ -1,0 +1,46 @@
+"""Where a prefill is cut into forwards, and where the GDN state is captured.
+
+A prefill of positions [start, end) runs in chunks of at most `chunk_size`
+tokens (so a long prompt never holds the GPU for long), and is also cut at every
+snapshot point: a page-aligned position where the caller copies the sequence's
+GDN state into a snapshot slot for the prefix cache. Snapshots are page-aligned
+so that a restored prefix is always whole pages plus its state (see
+kvstore/radix.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int
+    end: int
+    snapshot: bool  # copy the GDN state after this chunk (its end is a snapshot point)
+
+
+def snapshot_points(start: int, end: int, page_size: int, every: int = 0,
+                    prompt_end_snapshot: bool = True) -> list[int]:
+    """Page-aligned positions in (start, end] after which to snapshot: every
+    `every` tokens (0 = never), and the last page boundary of the prompt."""
+    if every and every % page_size:
+        raise ValueError(f"snapshot interval {every} must be a multiple of the page size {page_size}")
+    points = set(range(every, end + 1, every)) if every else set()
+    if prompt_end_snapshot:
+        points.add(end // page_size * page_size)
+    return sorted(p for p in points if start < p <= end)
+
+
+def prefill_chunks(start: int, end: int, chunk_size: int, snapshots: list[int] = ()) -> list[Chunk]:
+    """Cut [start, end) at `chunk_size` and at each snapshot point."""
+    if not 0 <= start < end:
+        raise ValueError(f"empty or negative prefill range [{start}, {end})")
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be >= 1")
+    cuts = sorted({*range(start + chunk_size, end, chunk_size), *snapshots, end} - {start})
+    marks = set(snapshots)
+    chunks, lo = [], start
+    for hi in cuts:
+        chunks.append(Chunk(lo, hi, hi in marks))
+        lo = hi
+    return chunks
