@@ -202,6 +202,16 @@ class SequenceSamplingState:
             self._output_count_vec[token_id] += 1
             self._seen_mask[token_id] = True
 
+    def skip_draws(self, count: int, vocab_size: int, device: torch.device | str) -> None:
+        """Advance past `count` draws made in another process (the prefill worker
+        samples a request's first token, the decode worker the rest), so a
+        seeded request gives the same tokens as in one process."""
+        if self.params.is_greedy:
+            return  # greedy rows consume no randomness
+        gen = self.generator(torch.device(device))
+        for _ in range(count):
+            torch.empty(vocab_size, dtype=torch.float32, device=device).exponential_(generator=gen)
+
     def generator(self, device: torch.device) -> torch.Generator:
         """This sequence's generator on `device`, seeded from `self.seed`.
 

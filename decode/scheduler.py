@@ -1,0 +1,172 @@
+"""Continuous batching for the decode worker: sequences join and leave between
+steps; each step is one forward of every running sequence's last token over
+its pages, then per-request sampling and stop checks.
+
+Owns the running set and the per-step work. Does not own text (stop strings
+are the router's: it aborts a sequence whose text matched one) nor where pages
+come from (a PageSource: the KV store's client, or a local allocator in tests).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from engine.batch import ForwardBatch, SequenceInput
+from engine.cache import PagedKVCache
+from engine.model import CausalLM
+from engine.sampling import SamplingParams, SequenceSamplingState, sample
+from engine.stopping import FinishReason, StopChecker
+
+
+class PageSource(Protocol):
+    def allocate_pages(self, count: int) -> list[int]:
+        """`count` new page ids for this worker, or raise engine.errors.TandemError."""
+
+
+@dataclass
+class DecodeSequence:
+    """A request handed over after prefill: the prompt's KV is in `pages` and
+    `state_slot`, and `output` holds the first token the prefill sampled."""
+
+    request_id: str
+    prompt: list[int]
+    output: list[int]
+    params: SamplingParams
+    pages: list[int]
+    state_slot: int
+    eos_token_ids: Sequence[int]
+    # where the GDN state is copied each time the sequence fills a page, so a
+    # finished request leaves a page-aligned snapshot for the prefix cache
+    boundary_slot: int = -1
+    boundary_tokens: int = 0
+    sampling: SequenceSamplingState = field(init=False)
+    stop: StopChecker = field(init=False)
+    finish_reason: FinishReason | None = None
+    finish_detail: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.output:
+            raise ValueError("a decode sequence starts with the prefill's first token")
+        self.sampling = SequenceSamplingState(self.params, self.prompt)
+        for token in self.output:
+            self.sampling.append(token)
+        self.stop = StopChecker(self.params, self.eos_token_ids)
+
+    @property
+    def length(self) -> int:
+        """Tokens so far; the KV of all but the last is in the pages."""
+        return len(self.prompt) + len(self.output)
+
+
+@dataclass
+class TokenOut:
+    request_id: str
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: FinishReason | None
+
+
+class DecodeScheduler:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, pages: PageSource,
+                 max_batch: int = 32, max_context: int | None = None) -> None:
+        self.model = model
+        self.cache = cache
+        self.page_source = pages
+        self.page_size = cache.page_size
+        self.max_batch = max_batch
+        self.max_context = max_context or model.config.max_position_embeddings
+        self.running: list[DecodeSequence] = []
+        self.waiting: list[DecodeSequence] = []
+
+    # --- membership -----------------------------------------------------
+    def add(self, seq: DecodeSequence) -> None:
+        """Joins at the next step (or when a batch place frees up)."""
+        seq.sampling.skip_draws(len(seq.output), self.model.config.vocab_size, self.cache.device)
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> DecodeSequence | None:
+        """Removes a sequence now; the caller gives back its pages and slots."""
+        for group in (self.running, self.waiting):
+            for seq in group:
+                if seq.request_id == request_id:
+                    group.remove(seq)
+                    seq.finish_reason = FinishReason.ABORT
+                    return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --- one step -------------------------------------------------------
+    def step(self) -> tuple[list[TokenOut], list[DecodeSequence]]:
+        """Runs one decode step. Returns the tokens produced and the sequences
+        that finished (their pages and slots are the caller's to release)."""
+        self._admit()
+        finished = self._ensure_pages()
+        if not self.running:
+            return [], finished
+        logits = self.model(self._batch(), self.cache)
+        self._capture_boundaries()
+        result = sample(logits, [s.sampling for s in self.running])
+        outs = []
+        for row, seq in enumerate(list(self.running)):
+            token = result.token_ids[row]
+            seq.output.append(token)
+            seq.sampling.append(token)
+            seq.finish_reason = seq.stop.check_token(token, len(seq.output))
+            if seq.finish_reason is None and seq.length >= self.max_context:
+                seq.finish_reason = FinishReason.LENGTH
+            outs.append(TokenOut(seq.request_id, token, result.logprobs[row],
+                                 result.top_logprobs[row], seq.finish_reason))
+            if seq.finish_reason is not None:
+                self.running.remove(seq)
+                finished.append(seq)
+        return outs, finished
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            self.running.append(self.waiting.pop(0))
+
+    def _ensure_pages(self) -> list[DecodeSequence]:
+        """Every running sequence gets a page for the token this step writes;
+        one that cannot is finished with ABORT (its pages go back to the caller)."""
+        from engine.errors import TandemError
+
+        dropped = []
+        for seq in list(self.running):
+            needed = -(-seq.length // self.page_size) - len(seq.pages)
+            if needed <= 0:
+                continue
+            try:
+                seq.pages.extend(self.page_source.allocate_pages(needed))
+            except TandemError as e:
+                seq.finish_reason, seq.finish_detail = FinishReason.ABORT, f"out of KV pages: {e}"
+                self.running.remove(seq)
+                dropped.append(seq)
+        return dropped
+
+    def _batch(self) -> ForwardBatch:
+        inputs = [SequenceInput((s.output[-1],), s.length - 1, tuple(s.pages), s.state_slot)
+                  for s in self.running]
+        return ForwardBatch.build(inputs, self.page_size, self.cache.device)
+
+    def _capture_boundaries(self) -> None:
+        """After this step a sequence's state covers `length` tokens; when that
+        is a whole number of pages, keep a copy for the prefix cache."""
+        for seq in self.running:
+            if seq.boundary_slot >= 0 and seq.length % self.page_size == 0:
+                self.cache.copy_state(seq.state_slot, seq.boundary_slot)
+                seq.boundary_tokens = seq.length
+
+
+@torch.inference_mode()
+def run_to_completion(scheduler: DecodeScheduler) -> list[TokenOut]:
+    """Steps until nothing is left (tests and the offline comparison)."""
+    outs: list[TokenOut] = []
+    while scheduler.has_work:
+        outs.extend(scheduler.step()[0])
+    return outs
