@@ -1,0 +1,60 @@
+"""One prefill, minus the RPC: restore the cached prefix's state, run the
+uncached suffix in bounded chunks into the request's pages, take the GDN
+snapshots the router asked for, and sample the first token."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.batch import ForwardBatch, SequenceInput
+from engine.cache import PagedKVCache
+from engine.chunking import prefill_chunks
+from engine.errors import InvalidRequestError
+from engine.model import CausalLM
+from engine.sampling import SamplingParams, SampleResult, SequenceSamplingState, sample
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    tokens: tuple[int, ...]
+    start: int  # tokens already in the pages (and in restore_slot's state)
+    pages: tuple[int, ...]
+    state_slot: int
+    restore_slot: int = -1
+    snapshots: tuple[tuple[int, int], ...] = ()  # (page-aligned token count, slot)
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def check(self, page_size: int, vocab_size: int) -> None:
+        n = len(self.tokens)
+        if not 0 <= self.start < n:
+            raise InvalidRequestError(f"prefill start {self.start} must be in [0, {n})")
+        if len(self.pages) * page_size < n:
+            raise InvalidRequestError(f"{len(self.pages)} pages cannot hold {n} tokens")
+        for count, _slot in self.snapshots:
+            if count % page_size or not self.start < count <= n:
+                raise InvalidRequestError(f"snapshot at {count} tokens is not a page boundary "
+                                          f"in ({self.start}, {n}]")
+        if any(not 0 <= t < vocab_size for t in self.tokens):
+            raise InvalidRequestError(f"a token id is outside the vocabulary [0, {vocab_size})")
+
+
+@torch.inference_mode()
+def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_size: int,
+                between_chunks: Callable[[], None] = lambda: None) -> SampleResult:
+    """Runs `job`; `between_chunks` is called after each chunk (the worker
+    yields the GPU there and checks for cancellation)."""
+    job.check(cache.page_size, model.config.vocab_size)
+    if job.restore_slot >= 0:
+        cache.copy_state(job.restore_slot, job.state_slot)
+    snapshot_slot = dict(job.snapshots)
+    logits = None
+    for chunk in prefill_chunks(job.start, len(job.tokens), chunk_size, sorted(snapshot_slot)):
+        seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, job.pages, job.state_slot)
+        logits = model(ForwardBatch.build([seq], cache.page_size, cache.device), cache)
+        if chunk.snapshot:
+            cache.copy_state(job.state_slot, snapshot_slot[chunk.end])
+        between_chunks()
+    return sample(logits, [SequenceSamplingState(job.params, job.tokens)])
