@@ -56,6 +56,28 @@ class PagedKVCache:
                                  dtype=conv_dtype, device=self.device)
                      for _ in config.linear_layers]
 
+    @classmethod
+    def from_tensors(cls, config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
+                     kv_buffers: list[dict[str, torch.Tensor]], recurrent: list[torch.Tensor],
+                     conv: list[torch.Tensor]) -> "PagedKVCache":
+        """A cache over existing memory (the KV store's shared arenas): nothing is
+        allocated or copied. One kv_buffers dict per full-attention layer, one
+        recurrent and conv tensor per GDN layer, in layer order."""
+        if len(kv_buffers) != len(config.attention_layers) or \
+                len(recurrent) != len(config.linear_layers) or len(conv) != len(config.linear_layers):
+            raise ValueError(f"from_tensors: {len(kv_buffers)} KV layers and {len(recurrent)}/"
+                             f"{len(conv)} GDN layers given; the model has "
+                             f"{len(config.attention_layers)} and {len(config.linear_layers)}")
+        cache = cls.__new__(cls)
+        cache.config, cache.shape, cache.page_size = config, shape, shape.page_size
+        cache.kv_format = kv_format
+        first = next(iter(kv_buffers[0].values())) if kv_buffers else recurrent[0]
+        cache.device = first.device
+        cache._attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        cache._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
+        cache.kv, cache.recurrent, cache.conv = list(kv_buffers), list(recurrent), list(conv)
+        return cache
+
     # --- full attention -------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.kv_format.write(self.kv[self._attn_index[layer]], slots, k, v)

@@ -30,11 +30,13 @@ class EngineConfig:
     page_size: int = 16
     max_context: int = 4096  # capped at the model's own context length
     prefill_chunk: int = 512
+    kv_format: str = "bf16"  # "bf16" stores the compute dtype as is; or "int8", "rk4"
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "max_context", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        make_format(self.kv_format)  # an unknown format fails here, naming the known ones
 
 
 @dataclass
@@ -93,8 +95,9 @@ class OfflineEngine:
         shape = CacheShape(num_pages=pages_per_seq * self.config.max_batch,
                            page_size=self.config.page_size,
                            num_state_slots=self.config.max_batch)
+        kv_options = {"dtype": loaded.dtype} if self.config.kv_format == "bf16" else {}
         self.cache = PagedKVCache(loaded.config, shape, loaded.device,
-                                  make_format("bf16", dtype=loaded.dtype))
+                                  make_format(self.config.kv_format, **kv_options))
         self.pages = _FreeList(shape.num_pages)
         self.slots = _FreeList(self.config.max_batch)
 

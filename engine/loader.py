@@ -127,3 +127,35 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.T
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def peek_config(spec: str | None) -> ModelConfig | None:
+    """The config of `spec` without reading any weights, where that is cheap: a
+    named shape or a Hugging Face directory. None for a GGUF file (its config
+    comes from the same parse as its tensors): load it to know."""
+    spec = spec or EMBEDDED
+    if spec in shape_names():
+        return ModelConfig.from_hf(shape_hf_config(spec))
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        from engine.weights.hf import read_hf_config
+        return ModelConfig.from_hf(read_hf_config(path))
+    return None
+
+
+def load_tokenizer(spec: str | None):
+    """Just the tokenizer of `spec` (the router needs no weights): from GGUF
+    metadata, an HF directory's tokenizer files, or a byte tokenizer for shapes."""
+    from engine.tokenizer import ByteTokenizer, Tokenizer
+
+    spec = spec or EMBEDDED
+    if spec in shape_names():
+        return ByteTokenizer(ModelConfig.from_hf(shape_hf_config(spec)).vocab_size)
+    if spec == EMBEDDED:
+        from engine.weights.gguf import embedded_model_path
+        spec = str(embedded_model_path())
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    from engine.weights.gguf import open_gguf
+    return Tokenizer.from_gguf(open_gguf(path))

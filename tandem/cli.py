@@ -54,7 +54,7 @@ def _run_generate(args) -> int:
     return 0
 
 
-_BENCHES = {"decode": "bench.decode"}
+_BENCHES = {"decode": "bench.decode", "kv-quality": "bench.kv_quality"}
 
 
 def _add_bench(sub) -> None:
@@ -70,10 +70,136 @@ def _run_bench(which: str, rest: list[str]) -> int:
     return importlib.import_module(_BENCHES[which]).main(rest)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the service: kvstore, prefill, decode and router",
+                       description="Starts the four processes in order, each once the previous "
+                                   "one reports SERVING, prints one line to stdout when all are "
+                                   "up, and runs until Ctrl-C or SIGTERM. Internal traffic goes "
+                                   "over unix sockets in a private temporary directory.")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face directory or dummy shape (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the public gRPC API")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port")
+    p.add_argument("--kv-format", default="rk4", help="KV cache format: bf16, int8, rk4, ...")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-context-tokens", type=int, default=65536)
+    p.add_argument("--live-slots", type=int, default=16, help="sequences that can run at once")
+    p.add_argument("--snapshot-slots", type=int, default=64,
+                   help="cached hybrid-state snapshots kept for the prefix cache")
+    p.add_argument("--max-batch", type=int, default=16, help="decode batch size")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--gpu-memory-budget", default=None,
+                   help="e.g. 24GiB: the kvstore refuses to start when its plan exceeds it")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when a GPU is present")
+    p.add_argument("--socket-dir", default=None,
+                   help="directory for the internal unix sockets (default: a private temp dir)")
+    p.set_defaults(run=_run_serve)
+
+
+# engine.loader.EMBEDDED, spelled out: importing engine.loader pulls in torch,
+# which this process (it only supervises) never needs.
+_EMBEDDED_MODEL = "embedded"
+_UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+
+
+def serve_specs(args, socket_dir: str) -> list:
+    """The four processes of `tandem serve`, in start order, for parsed ARGS
+    (with args.device already chosen) and sockets under SOCKET_DIR."""
+    import os
+
+    from tandem.supervisor import ProcessSpec
+
+    sock = {name: os.path.join(socket_dir, f"{name}.sock")
+            for name in ("kvstore", "prefill", "decode")}
+    too_long = [p for p in sock.values() if len(os.fsencode(p)) > _UNIX_PATH_MAX]
+    if too_long:
+        raise TandemError(f"socket path {too_long[0]!r} is longer than {_UNIX_PATH_MAX} bytes; "
+                          "set TMPDIR to a shorter directory")
+    device = args.device
+    py = sys.executable
+    kvstore = [py, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
+               "--socket", sock["kvstore"], "--kv-format", args.kv_format,
+               "--page-size", str(args.page_size),
+               "--max-context-tokens", str(args.max_context_tokens),
+               "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
+               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device]
+    if args.gpu_memory_budget:
+        kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
+    prefill = [py, "-m", "prefill.server", "--store", sock["kvstore"], "--socket", sock["prefill"],
+               "--chunk", str(args.prefill_chunk), "--device", device]
+    decode = [py, "-m", "decode.server", "--store", sock["kvstore"], "--socket", sock["decode"],
+              "--max-batch", str(args.max_batch), "--device", device]
+    router = [py, "-m", "router.server", "--store", sock["kvstore"], "--prefill", sock["prefill"],
+              "--decode", sock["decode"], "--host", args.host, "--port", str(args.grpc_port),
+              "--metrics-port", str(args.metrics_port)]
+    # The kvstore loads the weights (minutes for a large GGUF); workers map them.
+    return [
+        ProcessSpec("kvstore", kvstore, f"unix://{sock['kvstore']}", False, start_timeout_s=900),
+        ProcessSpec("prefill", prefill, f"unix://{sock['prefill']}", True, start_timeout_s=300),
+        ProcessSpec("decode", decode, f"unix://{sock['decode']}", True, start_timeout_s=300),
+        ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
+                    start_timeout_s=120),
+    ]
+
+
+def _local_target(host: str, port: int) -> str:
+    """Where this machine reaches a server bound to HOST:PORT."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _default_device() -> str:
+    """cuda when NVML sees a GPU we may use, else cpu (without importing torch)."""
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return "cpu"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return "cuda" if pynvml.nvmlDeviceGetCount() > 0 else "cpu"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, no device: all mean "no GPU"
+        return "cpu"
+
+
+def _run_serve(args) -> int:
+    import shutil
+    import tempfile
+
+    from tandem.supervisor import StartupInterrupted, Supervisor
+
+    args.device = args.device or _default_device()
+    owned = args.socket_dir is None
+    socket_dir = tempfile.mkdtemp(prefix="tandem-") if owned else args.socket_dir  # mode 0700
+    try:
+        with Supervisor(serve_specs(args, socket_dir)) as supervisor:
+            supervisor.start()
+            model = args.model or _EMBEDDED_MODEL
+            print(f"tandem: serving {model} on {args.host}:{args.grpc_port} "
+                  f"(metrics on :{args.metrics_port})", flush=True)
+            return supervisor.run()
+    except StartupInterrupted:
+        return 130
+    finally:
+        if owned:
+            shutil.rmtree(socket_dir, ignore_errors=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_bench(sub)
     return parser
 

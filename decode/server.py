@@ -1,0 +1,188 @@
+"""The decode worker process: maps the store's memory once and serves
+tandem.internal.v1.DecodeService. One thread runs the continuous-batching step
+loop; each Decode call is an asyncio stream fed from that thread.
+
+    python -m decode.server --store DIR/kvstore.sock --socket DIR/decode.sock
+
+Pages for a request's whole output are reserved by the router before the
+call, so a step never waits on the store; cancelling the call aborts the
+request at the next step."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
+from engine.errors import InvalidRequestError, TandemError
+from engine.stopping import FinishReason
+from kvstore.client import StoreClient, wait_for_store
+from prefill.server import sampling_from_pb
+from tandem.internal.v1 import workers_pb2 as pb
+from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
+from tandem.serving import abort_with, log, run_server, serve
+
+PROCESS = "decode"
+_FINISH_PB = {FinishReason.STOP: pb.DECODE_FINISH_STOP, FinishReason.LENGTH: pb.DECODE_FINISH_LENGTH,
+              FinishReason.ABORT: pb.DECODE_FINISH_ABORT}
+
+
+class ReservedPagesOnly:
+    """The router reserves every page a request may need; asking for more is a
+    bug upstream, reported as an abort of that request only."""
+
+    def allocate_pages(self, count: int) -> list[int]:
+        raise TandemError("the request outgrew the pages the router reserved")
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+
+
+class StepLoop:
+    """Owns the scheduler; every other thread talks to it through `commands`."""
+
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        self.scheduler = scheduler
+        self.commands: queue.Queue = queue.Queue()
+        self.subscribers: dict[str, _Subscriber] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="decode-steps", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.commands.put(("wake", None))
+        self.thread.join(timeout=5)
+
+    def submit(self, seq: DecodeSequence, subscriber: _Subscriber) -> None:
+        self.commands.put(("add", (seq, subscriber)))
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    @torch.inference_mode()
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            self._drain_commands(block=not self.scheduler.has_work)
+            if not self.scheduler.has_work:
+                continue
+            try:
+                outs, finished = self.scheduler.step()
+            except Exception as e:  # a bug must not wedge every stream: fail them all loudly
+                log(PROCESS, f"step failed: {e!r}")
+                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                    self.scheduler.abort(seq.request_id)
+                    seq.finish_detail = f"decode step failed: {e}"
+                    self._publish_finished(seq)
+                continue
+            for out in outs:
+                self._publish_token(out)
+            for seq in finished:
+                self._publish_finished(seq)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command, arg = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if command == "add":
+                seq, subscriber = arg
+                self.subscribers[seq.request_id] = subscriber
+                self.scheduler.add(seq)
+            elif command == "abort":
+                seq = self.scheduler.abort(arg)
+                if seq is not None:
+                    self._publish_finished(seq)
+            try:
+                command, arg = self.commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _send(self, request_id: str, event, last: bool = False) -> None:
+        sub = self.subscribers.pop(request_id, None) if last else self.subscribers.get(request_id)
+        if sub is not None:
+            sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
+
+    def _publish_token(self, out: TokenOut) -> None:
+        top = [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs or []]
+        token = pb.GeneratedToken(token_id=out.token_id, logprob=out.logprob or 0.0, top=top)
+        self._send(out.request_id, pb.DecodeEvent(tokens=pb.DecodeTokens(tokens=[token])))
+
+    def _publish_finished(self, seq: DecodeSequence) -> None:
+        finished = pb.DecodeFinished(reason=_FINISH_PB[seq.finish_reason], detail=seq.finish_detail,
+                                     pages=seq.pages, boundary_tokens=seq.boundary_tokens)
+        self._send(seq.request_id, pb.DecodeEvent(finished=finished), last=True)
+
+
+def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids) -> DecodeSequence:
+    if not r.prompt:
+        raise InvalidRequestError("a decode request needs its prompt")
+    return DecodeSequence(
+        request_id=r.request_id, prompt=list(r.prompt), output=[r.first_token],
+        params=sampling_from_pb(r.sampling), pages=list(r.pages), state_slot=r.state_slot,
+        eos_token_ids=eos_token_ids, boundary_slot=r.boundary_slot)
+
+
+class DecodeService(pb_grpc.DecodeServiceServicer):
+    def __init__(self, steps: StepLoop) -> None:
+        self.steps = steps
+
+    async def Decode(self, request, context):
+        try:
+            # stop ids arrive resolved (EOS included unless ignore_eos)
+            seq = sequence_from_pb(request, eos_token_ids=())
+        except InvalidRequestError as e:
+            await abort_with(context, e)
+        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+        self.steps.submit(seq, subscriber)
+        done = False
+        try:
+            while not done:
+                event = await subscriber.events.get()
+                done = event.HasField("finished")
+                yield event
+        finally:
+            if not done:  # the router cancelled or went away
+                self.steps.abort(seq.request_id)
+
+
+async def _main(args) -> None:
+    wait_for_store(args.store, timeout=args.store_timeout)
+    store = StoreClient.connect(args.store, name=PROCESS)
+    log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
+    scheduler = DecodeScheduler(store.model, store.cache, ReservedPagesOnly(), max_batch=args.max_batch)
+    steps = StepLoop(scheduler)
+    steps.start()
+
+    async def on_stop() -> None:
+        steps.stop()
+        store.close()
+
+    await serve(PROCESS, args.socket, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(
+        DecodeService(steps), s), ("tandem.internal.v1.DecodeService",), on_stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m decode.server", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True, help="the kvstore's unix socket")
+    p.add_argument("--socket", required=True, help="unix socket to serve on")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--device", default=None, help="ignored: the store's memory decides")
+    p.add_argument("--store-timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    return run_server(PROCESS, lambda: _main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""What the KV store keeps in shared memory, and how any process rebuilds the
+model and the paged cache around it without copying.
+
+Three arenas (kvstore/arena.py):
+  weights  every parameter, by its state-dict name;
+  kv       `kv.{layer}.{buffer}`: each full-attention layer's KV-format buffers
+           ([num_pages, page_size, kv_heads, ...]);
+  state    `recurrent.{layer}` (fp32 [slots, v_heads, k_dim, v_dim]) and
+           `conv.{layer}` ([slots, conv_dim, kernel - 1]) for each GDN layer.
+           One slot pool: live sequences and prefix-cache snapshots both draw
+           from it, so a snapshot is a state copy within the same tensors.
+
+Owns these names and shapes, copying weights in once, and building a CausalLM
+and a PagedKVCache over views. Must not know about sessions, the radix tree,
+who holds which page, or how handles travel (the RPC's business).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from engine.cache import CacheShape, PagedKVCache
+from engine.config import ModelConfig
+from engine.kv import KVFormat, make_format
+from engine.loader import build_model
+from engine.model import CausalLM
+from kvstore.arena import Arena, ArenaHandle, Layout, dtype_from_name, dtype_name
+
+WEIGHTS, KV, STATE = "weights", "kv", "state"
+ARENA_NAMES = (WEIGHTS, KV, STATE)
+# PagedKVCache's default; the conv window is tiny, so fp32 costs nothing.
+CONV_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class KVFormatSpec:
+    """A KV format by name and options, serialisable for the RPC (a torch dtype
+    option travels as its name)."""
+
+    name: str
+    options: dict = field(default_factory=dict, hash=False)
+
+    def build(self) -> KVFormat:
+        return make_format(self.name, **self.options)
+
+    def to_json(self) -> str:
+        return json.dumps({k: dtype_name(v) if isinstance(v, torch.dtype) else v
+                           for k, v in sorted(self.options.items())})
+
+    @classmethod
+    def from_json(cls, name: str, text: str) -> "KVFormatSpec":
+        options = json.loads(text or "{}")
+        if "dtype" in options:
+            options["dtype"] = dtype_from_name(options["dtype"])
+        return cls(name, options)
+
+    def describe(self) -> str:
+        """The name and options, as used in cache namespaces and logs."""
+        return f"{self.name}{self.to_json() if self.options else ''}"
+
+
+def config_to_json(config: ModelConfig) -> str:
+    return json.dumps(asdict(config), sort_keys=True)
+
+
+def config_from_json(text: str) -> ModelConfig:
+    d = json.loads(text)
+    d["layer_types"] = tuple(d["layer_types"])
+    return ModelConfig(**d)
+
+
+# ----------------------------------------------------------------- layouts
+
+
+def weights_layout(model: nn.Module) -> Layout:
+    return Layout.pack((name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items())
+
+
+def kv_layout(config: ModelConfig, shape: CacheShape, kv_format: KVFormat) -> Layout:
+    """Every full-attention layer's buffers, as the format would allocate them."""
+    entries = []
+    for layer in config.attention_layers:
+        # On the meta device: shapes and dtypes without a byte of memory.
+        buffers = kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
+                                     config.head_dim, "meta")
+        entries += [(f"kv.{layer}.{name}", t.dtype, tuple(t.shape)) for name, t in buffers.items()]
+    return Layout.pack(entries)
+
+
+def state_layout(config: ModelConfig, num_slots: int) -> Layout:
+    entries = []
+    for layer in config.linear_layers:
+        entries.append((f"recurrent.{layer}", torch.float32,
+                        (num_slots, config.linear_num_v_heads, config.linear_k_head_dim,
+                         config.linear_v_head_dim)))
+        entries.append((f"conv.{layer}", CONV_DTYPE,
+                        (num_slots, config.linear_conv_dim, config.linear_conv_kernel - 1)))
+    return Layout.pack(entries)
+
+
+# ------------------------------------------------------------------ arenas
+
+
+@dataclass
+class StoreArenas:
+    weights: Arena
+    kv: Arena
+    state: Arena
+
+    def by_name(self) -> dict[str, Arena]:
+        return {WEIGHTS: self.weights, KV: self.kv, STATE: self.state}
+
+    def handles(self) -> dict[str, ArenaHandle]:
+        return {name: arena.handle for name, arena in self.by_name().items()}
+
+    def close(self) -> None:
+        for arena in self.by_name().values():
+            arena.close()
+
+
+def create_arenas(model: nn.Module, config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
+                  device: torch.device | str, store_id: str) -> StoreArenas:
+    """Allocate all three arenas once and copy the model's weights in."""
+    made: list[Arena] = []
+    try:
+        for name, layout in ((WEIGHTS, weights_layout(model)),
+                             (KV, kv_layout(config, shape, kv_format)),
+                             (STATE, state_layout(config, shape.num_state_slots))):
+            made.append(Arena.create(name, layout, device, store_id))
+    except BaseException:
+        for arena in made:  # no half-made store leaves files behind
+            arena.close()
+        raise
+    arenas = StoreArenas(*made)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            arenas.weights.tensor(name).copy_(t)
+    if torch.device(device).type == "cuda":
+        # Workers map the memory later on other streams: the copies must be done.
+        torch.cuda.synchronize(device)
+    return arenas
+
+
+def open_arenas(handles: dict[str, ArenaHandle], owner_pid: int | None = None) -> StoreArenas:
+    return StoreArenas(*(Arena.open(name, handles[name], owner_pid) for name in ARENA_NAMES))
+
+
+# --------------------------------------------------------------- rebuilding
+
+
+def model_on_arena(config: ModelConfig, weights: Arena, dtype: torch.dtype,
+                   source: str) -> CausalLM:
+    """A CausalLM whose parameters are views of the weights arena (zero copy)."""
+    device = weights.buffer.device
+    return build_model(config, weights.tensors(), device, dtype, source)
+
+
+def cache_on_arenas(config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
+                    arenas: StoreArenas) -> PagedKVCache:
+    """A PagedKVCache whose pages and state slots are views of the kv and state arenas."""
+    kv_buffers = [{name.removeprefix(f"kv.{layer}."): t
+                   for name, t in arenas.kv.tensors(f"kv.{layer}.").items()}
+                  for layer in config.attention_layers]
+    recurrent = [arenas.state.tensor(f"recurrent.{layer}") for layer in config.linear_layers]
+    conv = [arenas.state.tensor(f"conv.{layer}") for layer in config.linear_layers]
+    return PagedKVCache.from_tensors(config, shape, kv_format, kv_buffers, recurrent, conv)

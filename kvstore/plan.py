@@ -1,0 +1,239 @@
+"""The KV store's capacity plan: how many bytes each part of the store needs,
+checked against a memory budget before anything is allocated.
+
+Owns the sizing formulas and the over-budget message. Exact for the arenas
+(weights, KV pages, GDN slots: the same layouts the store allocates); an
+estimate, with its formula stated, for what workers need beside them
+(activations) and for allocator slack. Must not allocate memory, load weights
+or know about processes.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache import CacheShape
+from engine.config import ModelConfig
+from engine.errors import TandemError
+from kvstore.arena import HEADER_BYTES
+from kvstore.memory import KVFormatSpec, kv_layout, state_layout
+
+GiB = 1 << 30
+MiB = 1 << 20
+# Caching-allocator rounding and fragmentation, cuBLAS and Triton workspaces.
+# The CUDA context itself (~0.5 GiB per process) is outside torch's allocator:
+# leave it out of --gpu-memory-budget.
+SLACK_FIXED_BYTES = 256 * MiB
+SLACK_ACTIVATION_FRACTION = 0.10
+
+
+class OverBudgetError(TandemError):
+    """The capacity plan does not fit the memory budget; the message is the plan."""
+
+
+@dataclass(frozen=True)
+class PlanLine:
+    name: str
+    bytes: int
+    detail: str  # how the number was made, for the table
+    lower: str   # what to lower when this line does not fit
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """All memory the store and its workers need, validated on creation.
+
+    max_context_tokens: tokens the page pool holds across all sequences and the
+    prefix cache together. live_slots + snapshot_slots: the one GDN slot pool
+    (hybrid models; ignored for dense ones). gpu_memory_budget: bytes, None for
+    no limit. weight_bytes: the weights as stored (see weight_bytes_of).
+    activation_bytes: bytes per activation element in workers (2 for bf16).
+
+    Activation reserve (an estimate, per worker forward):
+      prefill_chunk_tokens x (6 hidden + 3 intermediate + q_width + 2 kv_width
+                              + 2 conv_dim) x activation_bytes     the widest layer's live tensors
+      + 2 x context x kv_heads x head_dim x activation_bytes      one layer's K and V dequantized
+      + live_slots x vocab x 4                                    fp32 logits of a decode batch
+    where context = min(max_context_tokens, max_position_embeddings).
+    Allocator slack: 256 MiB + 10% of the activation reserve.
+    """
+
+    config: ModelConfig
+    kv_format: KVFormatSpec
+    page_size: int
+    max_context_tokens: int
+    live_slots: int
+    snapshot_slots: int
+    gpu_memory_budget: int | None
+    weight_bytes: int
+    prefill_chunk_tokens: int = 2048
+    activation_bytes: int = 2
+    lines: tuple[PlanLine, ...] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        object.__setattr__(self, "lines", self._compute_lines())
+
+    # ----------------------------------------------------------- derived
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.max_context_tokens // self.page_size)
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.live_slots + self.snapshot_slots if self.config.is_hybrid else 0
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        return CacheShape(self.num_pages, self.page_size, self.num_state_slots)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(line.bytes for line in self.lines)
+
+    def line(self, name: str) -> PlanLine:
+        return next(line for line in self.lines if line.name == name)
+
+    # -------------------------------------------------------------- check
+
+    def check(self) -> None:
+        """Raise OverBudgetError naming the first line that does not fit."""
+        if self.gpu_memory_budget is None:
+            return
+        used = 0
+        for line in self.lines:
+            used += line.bytes
+            if used > self.gpu_memory_budget:
+                raise OverBudgetError(self._over_budget_message(line, used))
+
+    def table(self, mark: str | None = None) -> str:
+        """The plan as a small text table; `mark` flags one line."""
+        head = (f"capacity plan: {self.config.model_type}, {self.config.num_layers} layers "
+                f"({len(self.config.attention_layers)} full attention, "
+                f"{len(self.config.linear_layers)} GDN), KV format {self.kv_format.describe()}, "
+                f"page size {self.page_size}")
+        width = max(len(line.name) for line in self.lines)
+        rows, used = [head], 0
+        for line in self.lines:
+            used += line.bytes
+            flag = "  <- does not fit" if line.name == mark else ""
+            rows.append(f"  {line.name:<{width}}  {format_bytes(line.bytes):>11}  "
+                        f"(cumulative {format_bytes(used):>11})  {line.detail}{flag}")
+        rows.append(f"  {'total':<{width}}  {format_bytes(self.total_bytes):>11}")
+        budget = ("unlimited" if self.gpu_memory_budget is None
+                  else format_bytes(self.gpu_memory_budget))
+        rows.append(f"  {'budget':<{width}}  {budget:>11}")
+        return "\n".join(rows)
+
+    def _over_budget_message(self, line: PlanLine, used: int) -> str:
+        over = used - self.gpu_memory_budget
+        return (f"{self.table(mark=line.name)}\n"
+                f"over budget: {line.name} ({format_bytes(line.bytes)}) does not fit: the "
+                f"lines up to it need {format_bytes(used)} of the "
+                f"{format_bytes(self.gpu_memory_budget)} budget ({format_bytes(over)} over); "
+                f"{line.lower}")
+
+    # ------------------------------------------------------------- lines
+
+    def _compute_lines(self) -> tuple[PlanLine, ...]:
+        cfg = self.config
+        kv = kv_layout(cfg, self.cache_shape, self.kv_format.build()).total_bytes - HEADER_BYTES
+        per_slot = _state_bytes_per_slot(cfg)
+        activations = self._activation_reserve()
+        return (
+            PlanLine("weights", self.weight_bytes, "as stored",
+                     "the weights alone do not fit: use a smaller or quantized model, or raise "
+                     "--gpu-memory-budget"),
+            PlanLine("kv pages", kv,
+                     f"{self.num_pages} pages x {self.page_size} tokens x "
+                     f"{len(cfg.attention_layers)} layers",
+                     f"lower --max-context-tokens (now {self.max_context_tokens}) or pick a "
+                     "smaller --kv-format (rk4 is 4.5 bits per element)"),
+            PlanLine("gdn live slots", self.live_slots * per_slot if cfg.is_hybrid else 0,
+                     f"{self.live_slots if cfg.is_hybrid else 0} x {format_bytes(per_slot)}",
+                     f"lower --live-slots (now {self.live_slots})"),
+            PlanLine("gdn snapshot slots", self.snapshot_slots * per_slot if cfg.is_hybrid else 0,
+                     f"{self.snapshot_slots if cfg.is_hybrid else 0} x {format_bytes(per_slot)}",
+                     f"lower --snapshot-slots (now {self.snapshot_slots})"),
+            PlanLine("activation reserve", activations,
+                     f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens",
+                     f"lower --prefill-chunk-tokens (now {self.prefill_chunk_tokens}) or "
+                     "--max-context-tokens"),
+            PlanLine("allocator slack",
+                     SLACK_FIXED_BYTES + int(SLACK_ACTIVATION_FRACTION * activations),
+                     "256 MiB + 10% of activations",
+                     "lower any line above or raise --gpu-memory-budget"),
+        )
+
+    def _activation_reserve(self) -> int:
+        cfg = self.config
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+        kv_width = cfg.num_kv_heads * cfg.head_dim
+        conv = cfg.linear_conv_dim if cfg.is_hybrid else 0
+        per_token = (6 * cfg.hidden_size + 3 * cfg.intermediate_size + q_width + 2 * kv_width
+                     + 2 * conv)
+        context = min(self.max_context_tokens, cfg.max_position_embeddings)
+        chunk = self.prefill_chunk_tokens * per_token * self.activation_bytes
+        dense_kv = 2 * context * kv_width * self.activation_bytes
+        logits = max(self.live_slots, 1) * cfg.vocab_size * 4
+        return chunk + dense_kv + logits
+
+    def _validate(self) -> None:
+        def positive(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"capacity plan: {name} must be an int >= {minimum}, got {value!r}")
+
+        for name in ("page_size", "max_context_tokens", "prefill_chunk_tokens",
+                     "activation_bytes"):
+            positive(name)
+        for name in ("snapshot_slots", "weight_bytes"):
+            positive(name, 0)
+        positive("live_slots", 1 if self.config.is_hybrid else 0)
+        if self.gpu_memory_budget is not None:
+            positive("gpu_memory_budget")
+        self.kv_format.build()  # unknown names and bad options raise here, not at start-up
+
+
+def _state_bytes_per_slot(cfg: ModelConfig) -> int:
+    one = state_layout(cfg, 1).total_bytes - HEADER_BYTES
+    zero = state_layout(cfg, 0).total_bytes - HEADER_BYTES
+    return max(one - zero, 0)
+
+
+def weight_bytes_of(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters in `dtype`, counted on the meta device."""
+    from engine.model import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    return sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
+
+
+_UNITS = {"": 1, "b": 1,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'24GiB' -> 25769803776. KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB
+    and the bare K/M/G/T are powers of 1024 (as `free -g` and docker's -m read)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: write e.g. 24GiB, 512MiB, 20GB "
+                         "or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

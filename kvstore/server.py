@@ -1,0 +1,414 @@
+"""The KV store process: loads the model once, allocates every byte of shared
+memory at start-up (weights, KV pages, GDN state slots) within a checked
+capacity plan, exports it, and serves the control RPC (tandem.internal.v1.KVStore)
+and gRPC health on one unix domain socket.
+
+    python -m kvstore.server --model tiny-qwen3.5 --socket /tmp/kv.sock \\
+        --kv-format rk4 --page-size 16 --max-context-tokens 65536 \\
+        --live-slots 8 --snapshot-slots 32 --gpu-memory-budget 24GiB --device cuda
+
+Exit status: 0 after SIGTERM/SIGINT (shared memory files unlinked, socket
+removed); 2 when the plan is over budget (the plan on stderr) or a flag or
+the model is wrong (one line on stderr).
+
+Owns the process: flags, start-up order, signals, protobuf <-> dataclass
+conversion and mapping ControlError to status codes. Ownership rules live in
+kvstore/control.py, memory in kvstore/memory.py; this module never runs a
+forward.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import os
+import secrets
+import signal
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.errors import TandemError
+from engine.loader import default_dtype, load_model, peek_config
+from kvstore.arena import ArenaHandle, Layout
+from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
+                             InvalidArgument, MatchResult, ResourceExhausted, StoreControl,
+                             StoreStats)
+from kvstore.memory import KVFormatSpec, StoreArenas, config_to_json, create_arenas
+from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes, weight_bytes_of
+from tandem.internal.v1 import kvstore_pb2 as pb
+from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "tandem.internal.v1.KVStore"
+# Token lists of long prompts exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+EXIT_BAD_START = 2
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The store's flags, validated on creation."""
+
+    socket: str
+    model: str | None = None
+    kv_format: str = "rk4"
+    kv_options: dict = field(default_factory=dict, hash=False)
+    page_size: int = 16
+    max_context_tokens: int = 65536
+    live_slots: int = 8
+    snapshot_slots: int = 32
+    gpu_memory_budget: int | None = None
+    device: str = "cpu"
+    prefill_chunk_tokens: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        # sockaddr_un.sun_path is 108 bytes including the NUL.
+        if len(os.fsencode(self.socket)) > 107:
+            raise ValueError(f"--socket path is {len(self.socket)} bytes; unix sockets allow 107")
+
+
+# ---------------------------------------------------------------- start-up
+
+
+@dataclass
+class Store:
+    """What the process owns once started."""
+
+    options: ServerOptions
+    plan: CapacityPlan
+    model_id: str
+    config_json: str
+    dtype: torch.dtype
+    kv_spec: KVFormatSpec
+    arenas: StoreArenas
+    control: StoreControl
+
+
+def plan_for(options: ServerOptions, config, dtype: torch.dtype, weight_bytes: int) -> CapacityPlan:
+    return CapacityPlan(
+        config=config, kv_format=kv_spec_for(options, dtype), page_size=options.page_size,
+        max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
+        snapshot_slots=options.snapshot_slots, gpu_memory_budget=options.gpu_memory_budget,
+        weight_bytes=weight_bytes, prefill_chunk_tokens=options.prefill_chunk_tokens,
+        activation_bytes=dtype.itemsize)
+
+
+def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
+    kv_options = dict(options.kv_options)
+    if options.kv_format == "bf16":
+        # "bf16" stores K/V as computed: the model's dtype (fp32 on the CPU).
+        kv_options.setdefault("dtype", dtype)
+    return KVFormatSpec(options.kv_format, kv_options)
+
+
+def start_store(options: ServerOptions) -> Store:
+    """Plan (refusing over budget before touching memory), load, allocate once."""
+    device = torch.device(options.device)
+    dtype = default_dtype(device)
+    config = peek_config(options.model)
+    plan = None
+    if config is not None:  # plan before loading: an over-budget store loads nothing
+        plan = _checked_plan(options, config, dtype, weight_bytes_of(config, dtype))
+    # Loaded on the CPU and copied into the arena once, so a GPU never holds two copies.
+    loaded = load_model(options.model, "cpu", dtype=dtype, progress=False, seed=options.seed)
+    if plan is None:
+        weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
+        plan = _checked_plan(options, loaded.config, dtype, weight_bytes)
+    kv_spec = plan.kv_format
+    store_id = f"tandem-{os.getpid()}-{secrets.token_hex(4)}"
+    arenas = create_arenas(loaded.model, loaded.config, plan.cache_shape, kv_spec.build(),
+                           device, store_id)
+    atexit.register(arenas.close)
+    control = StoreControl(plan.num_pages, plan.num_state_slots, plan.page_size,
+                           loaded.config.is_hybrid, loaded.config.vocab_size,
+                           namespace_prefix=f"{loaded.source}|{kv_spec.describe()}")
+    return Store(options, plan, loaded.source, config_to_json(loaded.config), dtype, kv_spec,
+                 arenas, control)
+
+
+def _checked_plan(options, config, dtype, weight_bytes) -> CapacityPlan:
+    plan = plan_for(options, config, dtype, weight_bytes)
+    plan.check()
+    print(plan.table(), flush=True)
+    return plan
+
+
+# ----------------------------------------------------------------- protobuf
+
+
+def layout_to_pb(layout: Layout) -> pb.ArenaLayout:
+    return pb.ArenaLayout(
+        tensors=[pb.TensorSlice(name=s["name"], dtype=s["dtype"], shape=s["shape"],
+                                offset=s["offset"]) for s in layout.to_dict()["tensors"]],
+        total_bytes=layout.total_bytes)
+
+
+def arena_to_pb(handle: ArenaHandle) -> pb.ArenaInfo:
+    if handle.cuda is not None:
+        c = handle.cuda
+        memory = pb.MemoryHandle(cuda=pb.CudaIpcHandle(
+            device=c.device, handle=c.handle, storage_size_bytes=c.storage_size_bytes,
+            storage_offset_bytes=c.storage_offset_bytes, ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required))
+    else:
+        memory = pb.MemoryHandle(shm=pb.SharedMemoryFile(path=handle.shm_path))
+    return pb.ArenaInfo(layout=layout_to_pb(handle.layout), handle=memory, canary=handle.canary)
+
+
+def attached_to_pb(store: Store, session_id: str) -> pb.Attached:
+    handles = store.arenas.handles()
+    return pb.Attached(
+        session_id=session_id,
+        model=pb.ModelInfo(model_id=store.model_id, config_json=store.config_json,
+                           dtype=str(store.dtype).removeprefix("torch.")),
+        kv_format=pb.KVFormatInfo(name=store.kv_spec.name, options_json=store.kv_spec.to_json()),
+        page_size=store.plan.page_size, num_pages=store.plan.num_pages,
+        num_state_slots=store.plan.num_state_slots,
+        weights=arena_to_pb(handles["weights"]), kv=arena_to_pb(handles["kv"]),
+        state=arena_to_pb(handles["state"]), store_pid=os.getpid())
+
+
+def match_to_pb(m: MatchResult) -> pb.MatchReply:
+    return pb.MatchReply(num_tokens=m.num_tokens, pages=m.pages, snapshot_slot=m.snapshot_slot,
+                         node_id=m.node_id, locked=m.locked)
+
+
+def insert_to_pb(r: InsertResult) -> pb.InsertReply:
+    return pb.InsertReply(node_id=r.node_id, num_tokens=r.num_tokens, pages=r.pages,
+                          new_pages=r.new_pages, freed_duplicate_pages=r.freed_duplicate_pages,
+                          snapshot_taken=r.snapshot_taken, locked=r.locked)
+
+
+def stats_to_pb(s: StoreStats) -> pb.StatsReply:
+    return pb.StatsReply(**asdict(s))
+
+
+def _optional(message, name: str) -> int | None:
+    return getattr(message, name) if message.HasField(name) else None
+
+
+# ----------------------------------------------------------------- service
+
+_STATUS = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+           FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+           ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class KVStoreService(pb_grpc.KVStoreServicer):
+    """gRPC face of a Store. Handlers run on one event loop and never await in
+    the middle of a state change, so the control state needs no lock."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.control = store.control
+        self.closing = asyncio.Event()  # set on shutdown: ends every Attach stream
+
+    async def Attach(self, request, context):
+        session = self.control.open_session(request.client_name)
+        # Either path ends the session: the done callback fires when the RPC
+        # ends for any reason (client gone, cancelled, server stopping); the
+        # finally covers the generator being closed first. close is idempotent.
+        context.add_done_callback(lambda _ctx: self._end_session(session.id))
+        _log(f"session {session.id} attached ({request.client_name or 'unnamed'})")
+        try:
+            yield pb.AttachEvent(attached=attached_to_pb(self.store, session.id))
+            await self.closing.wait()
+        finally:
+            self._end_session(session.id)
+
+    def _end_session(self, session_id: str) -> None:
+        if session_id in self.control.sessions:
+            self.control.close_session(session_id)
+            _log(f"session {session_id} ended; its pages, slots and locks are released")
+
+    async def Match(self, request, context):
+        return await _answer(context, lambda: match_to_pb(self.control.match(
+            request.session_id, request.cache_salt, request.tokens, request.lock)))
+
+    async def Allocate(self, request, context):
+        def allocate():
+            a: Allocation = self.control.allocate(request.session_id, request.num_pages,
+                                                  request.num_slots)
+            return pb.AllocateReply(pages=a.pages, slots=a.slots)
+        return await _answer(context, allocate)
+
+    async def Insert(self, request, context):
+        return await _answer(context, lambda: insert_to_pb(self.control.insert(
+            request.session_id, request.cache_salt, request.tokens, request.pages,
+            _optional(request, "snapshot_slot"), request.lock)))
+
+    async def Lock(self, request, context):
+        def lock():
+            self.control.lock(request.session_id, request.node_ids)
+            return pb.LockReply()
+        return await _answer(context, lock)
+
+    async def Unlock(self, request, context):
+        def unlock():
+            self.control.unlock(request.session_id, request.node_ids)
+            return pb.UnlockReply()
+        return await _answer(context, unlock)
+
+    async def Release(self, request, context):
+        def release():
+            self.control.release(request.session_id, request.pages, request.slots)
+            return pb.ReleaseReply()
+        return await _answer(context, release)
+
+    async def Stats(self, request, context):
+        return await _answer(context, lambda: stats_to_pb(self.control.stats()))
+
+
+async def _answer(context, handle):
+    """Run one request; a ControlError becomes its status code with the message."""
+    try:
+        return handle()
+    except ControlError as e:
+        await context.abort(_STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), str(e))
+
+
+# ------------------------------------------------------------------ serving
+
+
+async def serve(store: Store) -> None:
+    """Serve until SIGTERM or SIGINT, then stop cleanly."""
+    path = store.options.socket
+    _claim_socket_path(path)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    service = KVStoreService(store)
+    pb_grpc.add_KVStoreServicer_to_server(service, server)
+    health_service = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    server.add_insecure_port(f"unix:{path}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _log(f"serving on unix:{path}")
+    try:
+        await stop.wait()
+    finally:
+        await health_service.enter_graceful_shutdown()
+        service.closing.set()
+        await server.stop(grace=1.0)
+        _remove(path)
+
+
+def _claim_socket_path(path: str) -> None:
+    """Remove a stale socket file; refuse if a live store is listening there."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        _remove(path)  # nobody listens: left over from a killed store
+        return
+    finally:
+        probe.close()
+    raise TandemError(f"another process is serving on {path}; stop it or pick another --socket")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---------------------------------------------------------------------- cli
+
+
+def parse_args(argv: list[str] | None = None) -> ServerOptions:
+    p = argparse.ArgumentParser(prog="python -m kvstore.server",
+                                description="The tandem KV store: shared weights, KV pages, GDN "
+                                            "state slots and the prefix cache of one model.")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face directory or dummy shape (default: embedded)")
+    p.add_argument("--socket", required=True, help="unix socket path to serve on")
+    p.add_argument("--kv-format", default="rk4", help="bf16, int8 or rk4 (default rk4)")
+    p.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a KV format option, e.g. block=32 or scale_format=e8m0 (repeatable)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-context-tokens", type=int, default=65536,
+                   help="tokens the page pool holds in all (sequences and prefix cache)")
+    p.add_argument("--live-slots", type=int, default=8, help="GDN state slots for running sequences")
+    p.add_argument("--snapshot-slots", type=int, default=32,
+                   help="GDN state slots for prefix-cache snapshots (same pool as live slots)")
+    p.add_argument("--gpu-memory-budget", default=None,
+                   help="e.g. 24GiB; refuse to start when the plan needs more (default: no limit)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
+                   help="largest prefill chunk workers run (sizes the activation reserve)")
+    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    a = p.parse_args(argv)
+    budget = None if a.gpu_memory_budget is None else parse_bytes(a.gpu_memory_budget)
+    return ServerOptions(
+        socket=a.socket, model=a.model, kv_format=a.kv_format,
+        kv_options=_parse_kv_options(a.kv_option), page_size=a.page_size,
+        max_context_tokens=a.max_context_tokens, live_slots=a.live_slots,
+        snapshot_slots=a.snapshot_slots, gpu_memory_budget=budget, device=a.device,
+        prefill_chunk_tokens=a.prefill_chunk_tokens, seed=a.seed)
+
+
+def _parse_kv_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--kv-option wants KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)  # numbers and true/false
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _exit_on_signal(signum, _frame) -> None:
+    # Before the event loop runs (while loading), turn SIGTERM into SystemExit
+    # so atexit still unlinks any shared memory already created.
+    raise SystemExit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        options = parse_args(argv)
+        store = start_store(options)
+    except OverBudgetError as e:
+        print(e, file=sys.stderr, flush=True)
+        return EXIT_BAD_START
+    except (TandemError, ValueError) as e:
+        print(f"kvstore: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_START
+    try:
+        asyncio.run(serve(store))
+    except TandemError as e:
+        print(f"kvstore: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_START
+    finally:
+        store.arenas.close()
+    _log("stopped; shared memory unlinked")
+    return 0
+
+
+def _log(message: str) -> None:
+    print(f"kvstore: {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

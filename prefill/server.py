@@ -1,0 +1,112 @@
+"""The prefill worker process: maps the store's weights and KV memory once and
+serves tandem.internal.v1.PrefillService over a unix socket.
+
+    python -m prefill.server --store DIR/kvstore.sock --socket DIR/prefill.sock
+
+One prefill runs at a time, on a worker thread, in bounded chunks; between
+chunks it checks whether the router cancelled the call (and, on a GPU, gives
+the decode worker's higher-priority stream its turn)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.errors import InvalidRequestError, TandemError
+from engine.sampling import SamplingParams
+from kvstore.client import StoreClient, wait_for_store
+from prefill.runner import PrefillJob, run_prefill
+from tandem.internal.v1 import workers_pb2 as pb
+from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
+from tandem.serving import abort_with, log, run_server, serve
+
+PROCESS = "prefill"
+
+
+class Cancelled(TandemError):
+    """The router gave up on the request mid-prefill."""
+
+
+def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, seed=s.seed,
+        max_new_tokens=max(1, s.max_new_tokens), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, logprobs=None if s.logprobs < 0 else s.logprobs)
+
+
+def job_from_pb(r: pb.PrefillRequest) -> PrefillJob:
+    return PrefillJob(
+        request_id=r.request_id, tokens=tuple(r.tokens), start=r.start, pages=tuple(r.pages),
+        state_slot=r.state_slot, restore_slot=r.restore_slot,
+        snapshots=tuple((s.tokens, s.slot) for s in r.snapshots),
+        params=sampling_from_pb(r.sampling))
+
+
+def generated_token_pb(result, row: int = 0) -> pb.GeneratedToken:
+    top = result.top_logprobs[row] or []
+    return pb.GeneratedToken(token_id=result.token_ids[row], logprob=result.logprobs[row] or 0.0,
+                             top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
+
+
+class PrefillService(pb_grpc.PrefillServiceServicer):
+    def __init__(self, store: StoreClient, chunk: int) -> None:
+        self.store = store
+        self.chunk = chunk
+        self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+
+    async def Prefill(self, request, context):
+        try:
+            job = job_from_pb(request)
+        except InvalidRequestError as e:
+            await abort_with(context, e)
+        cancelled = threading.Event()
+        context.add_done_callback(lambda _ctx: cancelled.set())
+
+        def between_chunks() -> None:
+            if cancelled.is_set():
+                raise Cancelled(f"request {job.request_id} was cancelled during prefill")
+
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(
+                self.gpu, run_prefill, self.store.model, self.store.cache, job, self.chunk,
+                between_chunks)
+        except InvalidRequestError as e:
+            await abort_with(context, e)
+        except Cancelled:
+            return pb.PrefillResponse()  # nobody is listening
+        return pb.PrefillResponse(first=generated_token_pb(result),
+                                  prefilled_tokens=len(job.tokens) - job.start)
+
+
+async def _main(args) -> None:
+    wait_for_store(args.store, timeout=args.store_timeout)
+    store = StoreClient.connect(args.store, name=PROCESS)
+    log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
+    service = PrefillService(store, args.chunk)
+
+    async def on_stop() -> None:
+        service.gpu.shutdown(wait=False, cancel_futures=True)
+        store.close()
+
+    await serve(PROCESS, args.socket, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(service, s),
+                ("tandem.internal.v1.PrefillService",), on_stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m prefill.server", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True, help="the kvstore's unix socket")
+    p.add_argument("--socket", required=True, help="unix socket to serve on")
+    p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
+    p.add_argument("--device", default=None, help="ignored: the store's memory decides")
+    p.add_argument("--store-timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    return run_server(PROCESS, lambda: _main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Turning a public GenerateRequest into a validated, fully resolved request.
+
+Protobuf stops here: everything after works on `GenerationRequest`. Every
+defect becomes an InvalidRequestError whose message says what to fix; the
+server maps it to INVALID_ARGUMENT."""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 256
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams  # seed always set, so prefill and decode draw alike
+    cache_salt: str
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
+def prompt_from_pb(pb, tokenizer) -> list[int]:
+    """Token ids of a request's `input` oneof (text, token_ids or chat)."""
+    kind = pb.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("the request has no input: set one of text, token_ids or chat")
+    if kind == "text":
+        if not pb.text:
+            raise InvalidRequestError("input.text is empty")
+        return tokenizer.encode(pb.text)
+    if kind == "token_ids":
+        return list(pb.token_ids.ids)
+    return chat_prompt(pb.chat, tokenizer)
+
+
+def chat_prompt(chat_pb, tokenizer) -> list[int]:
+    if not chat_pb.messages:
+        raise InvalidRequestError("input.chat has no messages")
+    messages = []
+    for i, m in enumerate(chat_pb.messages):
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidRequestError(f"chat message {i} has role {m.role!r}; use system, user, "
+                                      "assistant or tool")
+        messages.append({"role": m.role, "content": m.content})
+    add_prompt = chat_pb.add_generation_prompt if chat_pb.HasField("add_generation_prompt") else True
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt)
+    except Exception as e:  # a template's raise_exception: the conversation is malformed
+        raise InvalidRequestError(f"the chat template rejected the conversation: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def sampling_from_pb(pb, prompt_len: int, max_context: int) -> SamplingParams:
+    """Resolved sampling parameters: unset fields take SamplingParams' defaults;
+    max_new_tokens is capped by what the context leaves."""
+    s = pb.sampling
+    given = {name: getattr(s, name) for name in _SAMPLING_FIELDS if s.HasField(name)}
+    room = max_context - prompt_len
+    wanted = pb.max_new_tokens if pb.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+    if pb.HasField("max_new_tokens") and wanted < 1:
+        raise InvalidRequestError("max_new_tokens must be >= 1")
+    return SamplingParams(
+        **given,
+        seed=s.seed if s.HasField("seed") else int.from_bytes(os.urandom(7), "little"),
+        max_new_tokens=max(1, min(wanted, room)),
+        stop=tuple(pb.stop),
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+    )
+
+
+def request_from_pb(pb, tokenizer, max_context: int, vocab_size: int) -> GenerationRequest:
+    prompt = prompt_from_pb(pb, tokenizer)
+    if not prompt:
+        raise InvalidRequestError("the prompt tokenizes to nothing")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) >= max_context:
+        raise InvalidRequestError(
+            f"the prompt has {len(prompt)} tokens but this server's context holds {max_context} "
+            "(prompt plus at least one generated token): shorten the prompt")
+    if len(pb.request_id) > 128:
+        raise InvalidRequestError("request_id is longer than 128 characters")
+    return GenerationRequest(
+        request_id=pb.request_id or new_request_id(),
+        prompt=tuple(prompt),
+        params=sampling_from_pb(pb, len(prompt), max_context),
+        cache_salt=pb.cache_salt,
+    )

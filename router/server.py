@@ -1,0 +1,383 @@
+"""The router process: the public tandem.v1.GenerationService (grpc.aio on
+uvloop), tokenization and chat templates, and the orchestration of each
+request through the store, the prefill worker and the decode worker.
+
+    python -m router.server --store DIR/kvstore.sock --prefill DIR/prefill.sock \\
+        --decode DIR/decode.sock --host 127.0.0.1 --port 50051 --metrics-port 9464
+
+One request: validate -> match the prompt in the prefix cache (locking it) ->
+reserve pages for prompt and output and GDN slots -> Prefill the uncached
+suffix (taking page-aligned snapshots) -> insert the prompt into the cache ->
+Decode, streaming text back -> insert prompt+output -> release the rest.
+Everything the request holds is given back in `finally`, whatever happened.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.chunking import snapshot_points
+from engine.errors import InvalidRequestError, TandemError
+from engine.loader import load_tokenizer
+from kvstore.client import StoreCapacityError, StoreClient, StoreError, wait_for_store
+from router.metrics import RouterMetrics
+from router.requests import GenerationRequest, chat_prompt, request_from_pb
+from router.text import TextStream
+from tandem.internal.v1 import workers_pb2 as wpb
+from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
+from tandem.serving import GRPC_OPTIONS, log, run_server, serve, status_of, unix_target
+from tandem.v1 import generation_pb2 as pb
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+
+PROCESS = "router"
+SERVICE = "tandem.v1.GenerationService"
+_FINISH = {wpb.DECODE_FINISH_STOP: pb.FINISH_REASON_STOP,
+           wpb.DECODE_FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
+           wpb.DECODE_FINISH_ABORT: pb.FINISH_REASON_ABORT}
+_FINISH_NAME = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    snapshot_every: int = 0  # extra GDN snapshots every N prompt tokens (0 = prompt end only)
+    model_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every < 0:
+            raise ValueError("snapshot_every must be >= 0")
+
+
+@dataclass
+class Held:
+    """What one request holds in the store; given back in `finally`."""
+
+    pages: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    nodes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Running:
+    """A live request, as Abort sees it."""
+
+    request_id: str
+    aborted: bool = False
+    decode_call: object = None
+
+
+@dataclass
+class Plan:
+    """Where a request's prompt and output go."""
+
+    cached: int  # prompt tokens restored from the cache
+    pages: list[int]  # the whole page table: cached prefix + reserved
+    state_slot: int = -1
+    restore_slot: int = -1
+    boundary_slot: int = -1
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (tokens, slot)
+
+
+class Router(pb_grpc.GenerationServiceServicer):
+    def __init__(self, store: StoreClient, prefill, decode, tokenizer, metrics: RouterMetrics,
+                 config: RouterConfig) -> None:
+        self.store = store
+        self.prefill = prefill
+        self.decode = decode
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.config = config
+        info = store.info
+        self.model_config = info.config
+        self.page_size = info.page_size
+        self.hybrid = info.config.is_hybrid
+        self.max_context = min(info.config.max_position_embeddings, info.num_pages * info.page_size)
+        self.running: dict[str, Running] = {}
+
+    # --- public RPCs ------------------------------------------------------
+    async def Generate(self, request, context):
+        started = time.perf_counter()
+        try:
+            req = request_from_pb(request, self.tokenizer, self.max_context,
+                                  self.model_config.vocab_size)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if req.request_id in self.running:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id {req.request_id!r} is already running; use a new id")
+        handle = self.running[req.request_id] = Running(req.request_id)
+        self.metrics.request_started()
+        held = Held()
+        try:
+            async for response in self._generate(req, handle, held, context, started):
+                yield response
+        except (StoreError, TandemError) as e:
+            await context.abort(status_of(e), str(e))
+        except grpc.aio.AioRpcError as e:
+            await context.abort(*_worker_failure(e))
+        finally:
+            self.running.pop(req.request_id, None)
+            await self._give_back(held)
+
+    async def Abort(self, request, context):
+        handle = self.running.get(request.request_id)
+        if handle is None:
+            return pb.AbortResponse(found=False)
+        handle.aborted = True
+        if handle.decode_call is not None:
+            handle.decode_call.cancel()
+        return pb.AbortResponse(found=True)
+
+    async def Tokenize(self, request, context):
+        try:
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = chat_prompt(request.chat, self.tokenizer)
+            elif kind == "text":
+                ids = self.tokenizer.encode(request.text)
+            else:
+                raise InvalidRequestError("set one of text or chat")
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(token_ids=ids, prompt_text=self.tokenizer.decode(ids))
+
+    async def GetModelInfo(self, request, context):
+        info = self.store.info
+        return pb.ModelInfo(model=self.config.model_name or info.model_id,
+                            architecture=self.model_config.arch, max_context_tokens=self.max_context,
+                            vocab_size=self.model_config.vocab_size, kv_format=info.kv_format.name,
+                            page_size=self.page_size, speculative="none")
+
+    # --- one request --------------------------------------------------------
+    async def _generate(self, req: GenerationRequest, handle: Running, held: Held, context, started):
+        plan = await self._reserve(req, held)
+        self.metrics.cache_query(len(req.prompt), plan.cached)
+        first = await self._run_prefill(req, plan, context)
+        await self._cache_prompt(req, plan, held)
+        text = TextStream(self.tokenizer, req.params.stop, _stop_ids(req, self.tokenizer))
+        output = [first.token_id]
+        self.metrics.first_token(time.perf_counter() - started)
+        yield _chunk(req.request_id, first, text.push(first.token_id))
+        finish, boundary = self._finish_of_first(req, first.token_id, text)
+        last = time.perf_counter()
+        if finish is None and not handle.aborted:
+            call = handle.decode_call = self.decode.Decode(
+                self._decode_request(req, plan, first.token_id), timeout=context.time_remaining())
+            try:
+                async for event in call:
+                    if event.HasField("finished"):
+                        finish = _FINISH[event.finished.reason]
+                        boundary = event.finished.boundary_tokens
+                        break
+                    for token in event.tokens.tokens:
+                        now = time.perf_counter()
+                        self.metrics.token(now - last)
+                        last = now
+                        output.append(token.token_id)
+                        yield _chunk(req.request_id, token, text.push(token.token_id))
+                    if text.stopped:  # a stop string: the router ends what decode cannot see
+                        call.cancel()
+                        finish = pb.FINISH_REASON_STOP
+                        break
+            except asyncio.CancelledError:
+                if not handle.aborted:
+                    raise  # the client went away
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.CANCELLED or not handle.aborted:
+                    raise
+        if handle.aborted and finish is None:
+            finish = pb.FINISH_REASON_ABORT
+        tail = text.finish()
+        if tail:
+            yield pb.GenerateResponse(request_id=req.request_id, chunk=pb.Chunk(text=tail))
+        await self._cache_output(req, plan, held, output, boundary)
+        self.metrics.request_finished(_FINISH_NAME[finish], len(req.prompt), len(output), plan.cached,
+                                      time.perf_counter() - started)
+        usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(output),
+                         cached_tokens=plan.cached)
+        yield pb.GenerateResponse(request_id=req.request_id,
+                                  complete=pb.Complete(finish_reason=finish, usage=usage))
+
+    def _finish_of_first(self, req, token: int, text: TextStream):
+        if token in _stop_ids(req, self.tokenizer) or text.stopped:
+            return pb.FINISH_REASON_STOP, 0
+        if req.params.max_new_tokens <= 1:
+            return pb.FINISH_REASON_LENGTH, 0
+        return None, 0
+
+    async def _reserve(self, req: GenerationRequest, held: Held) -> Plan:
+        """Match and lock the cached prefix; reserve pages for the rest of the
+        prompt and the whole output, and the GDN slots, or RESOURCE_EXHAUSTED."""
+        prompt = req.prompt
+        match = await asyncio.to_thread(self.store.match, prompt, req.cache_salt, True)
+        if match.locked:
+            held.nodes.append(match.node_id)
+        total_pages = -(-(len(prompt) + req.params.max_new_tokens) // self.page_size)
+        points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
+                                  self.config.snapshot_every) if self.hybrid else [])
+        slots = 2 + len(points) if self.hybrid else 0
+        try:
+            grant = await asyncio.to_thread(self.store.allocate,
+                                            total_pages - len(match.pages), slots)
+        except StoreCapacityError as e:
+            raise StoreCapacityError(e.code, f"no KV capacity for a {len(prompt)}-token prompt plus "
+                                             f"{req.params.max_new_tokens} new tokens now: {e}") from None
+        held.pages.extend(grant.pages)
+        held.slots.extend(grant.slots)
+        plan = Plan(cached=match.num_tokens, pages=list(match.pages) + list(grant.pages))
+        if self.hybrid:
+            plan.state_slot, plan.boundary_slot = grant.slots[0], grant.slots[1]
+            plan.restore_slot = match.snapshot_slot if match.num_tokens else -1
+            plan.snapshots = list(zip(points, grant.slots[2:]))
+        return plan
+
+    async def _run_prefill(self, req: GenerationRequest, plan: Plan, context) -> wpb.GeneratedToken:
+        reply = await self.prefill.Prefill(wpb.PrefillRequest(
+            request_id=req.request_id, tokens=req.prompt, start=plan.cached, pages=plan.pages,
+            state_slot=plan.state_slot, restore_slot=plan.restore_slot,
+            snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
+            sampling=_sampling_pb(req, self.tokenizer)), timeout=context.time_remaining())
+        return reply.first
+
+    async def _cache_prompt(self, req: GenerationRequest, plan: Plan, held: Held) -> None:
+        """Hand the prompt's whole pages (with its snapshots) to the prefix cache,
+        locked while this request reads them; the cache may answer with its own
+        copies of pages another request wrote first, which we then read instead."""
+        if self.hybrid:
+            inserts = plan.snapshots
+        else:
+            end = len(req.prompt) // self.page_size * self.page_size
+            inserts = [(end, None)] if end > plan.cached else []
+        for tokens, slot in inserts:
+            n = tokens // self.page_size
+            result = await asyncio.to_thread(self.store.insert, req.prompt[:tokens], plan.pages[:n],
+                                             slot, req.cache_salt, True)
+            self._forget(held, plan.pages[:n], [] if slot is None else [slot])
+            plan.pages[:n] = result.pages
+            if result.locked:
+                held.nodes.append(result.node_id)
+
+    async def _cache_output(self, req: GenerationRequest, plan: Plan, held: Held, output: list[int],
+                            boundary: int) -> None:
+        """Insert prompt + output up to the last page boundary whose state (and
+        KV) exists, so the next turn of a conversation starts from it."""
+        tokens = list(req.prompt) + output
+        if self.hybrid:
+            end, slot = boundary, plan.boundary_slot
+        else:  # the last sampled token never ran: its KV does not exist
+            end, slot = (len(tokens) - 1) // self.page_size * self.page_size, None
+        if end <= max(plan.cached, len(req.prompt) // self.page_size * self.page_size):
+            return
+        n = end // self.page_size
+        await asyncio.to_thread(self.store.insert, tokens[:end], plan.pages[:n], slot,
+                                req.cache_salt, False)
+        self._forget(held, plan.pages[:n], [] if slot is None else [slot])
+
+    @staticmethod
+    def _forget(held: Held, pages, slots) -> None:
+        gone_pages, gone_slots = set(pages), set(slots)
+        held.pages = [p for p in held.pages if p not in gone_pages]
+        held.slots = [s for s in held.slots if s not in gone_slots]
+
+    async def _give_back(self, held: Held) -> None:
+        """Runs even when the request's task is being cancelled: shielded."""
+        async def release() -> None:
+            try:
+                if held.nodes:
+                    await asyncio.to_thread(self.store.unlock, held.nodes)
+                if held.pages or held.slots:
+                    await asyncio.to_thread(self.store.release, held.pages, held.slots)
+                stats = await asyncio.to_thread(self.store.stats)
+                self.metrics.set_kv_usage(stats.total_pages - stats.free_pages, stats.total_pages)
+            except StoreError as e:
+                log(PROCESS, f"could not give back a request's pages: {e}")
+
+        await asyncio.shield(asyncio.ensure_future(release()))
+
+    def _decode_request(self, req: GenerationRequest, plan: Plan, first: int) -> wpb.DecodeRequest:
+        return wpb.DecodeRequest(request_id=req.request_id, prompt=req.prompt, first_token=first,
+                                 sampling=_sampling_pb(req, self.tokenizer), pages=plan.pages,
+                                 state_slot=plan.state_slot, boundary_slot=plan.boundary_slot)
+
+
+def _stop_ids(req: GenerationRequest, tokenizer) -> tuple[int, ...]:
+    eos = () if req.params.ignore_eos else tuple(tokenizer.eos_token_ids)
+    return tuple(dict.fromkeys((*req.params.stop_token_ids, *eos)))
+
+
+def _sampling_pb(req: GenerationRequest, tokenizer) -> wpb.Sampling:
+    p = req.params
+    return wpb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k),
+                        min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                        seed=p.seed, max_new_tokens=p.max_new_tokens,
+                        stop_token_ids=_stop_ids(req, tokenizer), ignore_eos=p.ignore_eos,
+                        logprobs=-1 if p.logprobs is None else p.logprobs)
+
+
+def _chunk(request_id: str, token: wpb.GeneratedToken, text: str) -> pb.GenerateResponse:
+    chunk = pb.Chunk(token_ids=[token.token_id], text=text)
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
+
+
+def _worker_failure(e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+    code = e.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return code, "the request's deadline passed before it finished"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return grpc.StatusCode.UNAVAILABLE, (f"a worker is unavailable ({e.details()}); the server "
+                                             "keeps its cache: retry shortly")
+    return code, e.details() or code.name
+
+
+async def _main(args) -> None:
+    wait_for_store(args.store, timeout=args.store_timeout)
+    store = StoreClient.connect(args.store, name=PROCESS, map_memory=False)
+    tokenizer = load_tokenizer(store.info.model_id)
+    prefill_channel = grpc.aio.insecure_channel(unix_target(args.prefill), options=GRPC_OPTIONS)
+    decode_channel = grpc.aio.insecure_channel(unix_target(args.decode), options=GRPC_OPTIONS)
+    metrics = RouterMetrics()
+    metrics_server = metrics.serve(args.metrics_port, args.host) if args.metrics_port else None
+    router = Router(store, wpb_grpc.PrefillServiceStub(prefill_channel),
+                    wpb_grpc.DecodeServiceStub(decode_channel), tokenizer, metrics,
+                    RouterConfig(snapshot_every=args.snapshot_every, model_name=args.model_name))
+
+    def register(server) -> None:
+        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
+        names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+                 reflection.SERVICE_NAME, "grpc.health.v1.Health")
+        reflection.enable_server_reflection(names, server)
+
+    async def on_stop() -> None:
+        await prefill_channel.close()
+        await decode_channel.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        store.close()
+
+    await serve(PROCESS, f"{args.host}:{args.port}", register, (SERVICE,), on_stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m router.server", description=__doc__.splitlines()[0])
+    p.add_argument("--store", required=True)
+    p.add_argument("--prefill", required=True)
+    p.add_argument("--decode", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=0, help="0 = no metrics endpoint")
+    p.add_argument("--snapshot-every", type=int, default=0)
+    p.add_argument("--model-name", default="")
+    p.add_argument("--store-timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    return run_server(PROCESS, lambda: _main(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The store's capacity plan (Qwen3.5-27B shape, plan only: no weights are
+allocated) and its arenas' layouts and shared memory files, in one process."""
+import os
+
+import pytest
+import torch
+
+from engine.cache import CacheShape
+from engine.config import ModelConfig, shape_hf_config
+from engine.errors import TandemError
+from engine.loader import load_model
+from kvstore.arena import ALIGNMENT, Arena, ArenaMapError, Layout, SHM_DIR
+from kvstore.memory import (KVFormatSpec, cache_on_arenas, config_from_json, config_to_json,
+                            create_arenas, kv_layout, model_on_arena, open_arenas)
+from kvstore.plan import GiB, CapacityPlan, OverBudgetError, parse_bytes, weight_bytes_of
+
+
+def _qwen27b():
+    return ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
+
+
+def _plan(config, weight_bytes, budget="24GiB", **kw):
+    args = dict(config=config, kv_format=KVFormatSpec("rk4"), page_size=16,
+                max_context_tokens=262_144, live_slots=8, snapshot_slots=32,
+                gpu_memory_budget=parse_bytes(budget), weight_bytes=weight_bytes)
+    args.update(kw)
+    return CapacityPlan(**args)
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * GiB
+    assert parse_bytes("24G") == 24 * GiB
+    assert parse_bytes("20GB") == 20 * 10**9
+    assert parse_bytes("512 MiB") == 512 << 20
+    assert parse_bytes("1.5GiB") == 3 * GiB // 2
+    assert parse_bytes("4096") == 4096
+    for bad in ("", "GiB", "24 parsecs", "-1GiB"):
+        with pytest.raises(ValueError, match="cannot read"):
+            parse_bytes(bad)
+
+
+def test_qwen27b_rk4_kv_for_262k_tokens_fits_in_4_5_gib():
+    plan = _plan(_qwen27b(), weight_bytes=13 * 10**9, budget="64GiB")
+    kv = plan.line("kv pages").bytes
+    assert kv <= 4.5 * GiB
+    # 16 attention layers x 4 KV heads x (128 code bytes + 8 fp16 scales) x K and V
+    assert kv == 262_144 * 16 * 2 * 4 * (128 + 16)
+    plan.check()
+
+
+def test_qwen27b_bf16_weights_do_not_fit_24gib():
+    config = _qwen27b()
+    weight_bytes = weight_bytes_of(config, torch.bfloat16)
+    assert 50e9 < weight_bytes < 58e9  # ~27B parameters (and the MTP head) in bf16
+    plan = _plan(config, weight_bytes)
+    with pytest.raises(OverBudgetError) as e:
+        plan.check()
+    message = str(e.value)
+    assert isinstance(e.value, TandemError)
+    assert "over budget: weights" in message and "does not fit" in message
+    assert "weights alone do not fit" in message
+    for line in ("weights", "kv pages", "gdn live slots", "gdn snapshot slots",
+                 "activation reserve", "allocator slack", "total", "budget"):
+        assert line in message  # the whole plan is printed
+    assert "24.00 GiB" in message
+
+
+def test_the_first_line_past_the_budget_is_named_with_what_to_lower():
+    plan = _plan(_qwen27b(), weight_bytes=14 * 10**9, snapshot_slots=64)
+    with pytest.raises(OverBudgetError, match=r"gdn snapshot slots .* does not fit.*"
+                                              r"lower --snapshot-slots \(now 64\)"):
+        plan.check()
+
+
+def test_plan_validates_on_creation():
+    config = _qwen27b()
+    with pytest.raises(ValueError, match="page_size"):
+        _plan(config, 1, page_size=0)
+    with pytest.raises(ValueError, match="live_slots"):
+        _plan(config, 1, live_slots=0)  # a hybrid model needs a live slot
+    with pytest.raises(ValueError, match="unknown KV format"):
+        _plan(config, 1, kv_format=KVFormatSpec("fp3"))
+    with pytest.raises(ValueError, match="block"):
+        _plan(config, 1, kv_format=KVFormatSpec("rk4", {"block": 48}))
+
+
+def test_layout_aligns_and_round_trips():
+    layout = Layout.pack([("a", torch.float32, (3,)), ("b", torch.uint8, (5, 7)),
+                          ("c", torch.float16, (0,))])
+    assert all(s.offset % ALIGNMENT == 0 for s in layout.tensors)
+    assert Layout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(ValueError, match="overlaps"):
+        Layout.from_dict({"tensors": [{"name": "x", "dtype": "float32", "shape": [4],
+                                       "offset": 8}], "total_bytes": 512})
+
+
+def test_arenas_round_trip_model_and_cache_without_copies():
+    loaded = load_model("tiny-qwen3.5", seed=1)
+    fmt = KVFormatSpec("int8")
+    shape = CacheShape(8, 4, 3)
+    arenas = create_arenas(loaded.model, loaded.config, shape, fmt.build(), "cpu",
+                           f"tandem-test-{os.getpid()}")
+    try:
+        names = {a.handle.shm_path for a in arenas.by_name().values()}
+        assert all(os.path.exists(n) for n in names)
+        mapped = open_arenas(arenas.handles())
+        config = config_from_json(config_to_json(loaded.config))
+        model = model_on_arena(config, mapped.weights, torch.float32, "test")
+        assert all(mapped.weights.contains(p) for p in model.parameters())
+        cache = cache_on_arenas(config, shape, fmt.build(), mapped)
+        assert mapped.kv.contains(cache.kv[0]["k_codes"])
+        # a write through one mapping is seen through the other
+        cache.recurrent_state(0)[2].fill_(7.0)
+        assert arenas.state.tensor("recurrent.0")[2].eq(7.0).all()
+        assert kv_layout(config, shape, fmt.build()).names == ["kv.3.k_codes", "kv.3.k_scales",
+                                                               "kv.3.v_codes", "kv.3.v_scales"]
+    finally:
+        arenas.close()
+    assert not any(os.path.exists(n) for n in names)
+
+
+def test_mapping_a_missing_or_foreign_file_fails_loudly(tmp_path):
+    layout = Layout.pack([("x", torch.float32, (4,))])
+    arena = Arena.create("probe", layout, "cpu", f"tandem-test-{os.getpid()}")
+    handle = arena.handle
+    try:
+        # same size, different bytes: the canary catches it
+        other = Arena.create("other", layout, "cpu", f"tandem-test-{os.getpid()}")
+        foreign = type(handle)(layout, handle.canary, shm_path=other.handle.shm_path)
+        with pytest.raises(ArenaMapError, match="canary"):
+            Arena.open("probe", foreign)
+        other.close()
+    finally:
+        arena.close()
+    with pytest.raises(ArenaMapError, match="does not exist"):
+        Arena.open("probe", handle)
+    assert not os.path.exists(handle.shm_path)  # mapping never creates the file
+    assert not list(SHM_DIR.glob(f"tandem-test-{os.getpid()}-*"))

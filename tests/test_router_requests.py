@@ -1,0 +1,71 @@
+"""Public requests become validated GenerationRequests; every defect is an
+InvalidRequestError that says what to fix."""
+import pytest
+
+from engine.errors import InvalidRequestError
+from engine.loader import load_model
+from router.requests import request_from_pb
+from router.text import TextStream
+from tandem.v1 import generation_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model(progress=False).tokenizer
+
+
+def _req(**kw):
+    return pb.GenerateRequest(**kw)
+
+
+def test_chat_text_and_ids_inputs(tokenizer):
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="Hi there")])
+    r = request_from_pb(_req(chat=chat), tokenizer, 2048, 49152)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])
+    assert list(r.prompt) == tokenizer.encode(text, add_special_tokens=False)
+    assert r.request_id.startswith("req-") and r.params.seed is not None
+    assert r.params.temperature == 1.0 and r.params.max_new_tokens == 256
+    r = request_from_pb(_req(text="hello", request_id="mine"), tokenizer, 2048, 49152)
+    assert r.request_id == "mine" and list(r.prompt) == tokenizer.encode("hello")
+    r = request_from_pb(_req(token_ids=pb.TokenIds(ids=[5, 6, 7])), tokenizer, 2048, 49152)
+    assert r.prompt == (5, 6, 7)
+
+
+def test_explicit_zero_differs_from_unset(tokenizer):
+    r = request_from_pb(_req(text="x", sampling=pb.SamplingParameters(temperature=0.0, seed=5),
+                             max_new_tokens=3, stop=["\n"], logprobs=0), tokenizer, 2048, 49152)
+    assert r.params.is_greedy and r.params.seed == 5 and r.params.max_new_tokens == 3
+    assert r.params.stop == ("\n",) and r.params.logprobs == 0
+
+
+def test_max_new_tokens_is_capped_by_the_context(tokenizer):
+    r = request_from_pb(_req(token_ids=pb.TokenIds(ids=list(range(90))), max_new_tokens=500),
+                        tokenizer, 100, 49152)
+    assert r.params.max_new_tokens == 10
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({}, "no input"),
+    ({"text": ""}, "empty"),
+    ({"token_ids": pb.TokenIds(ids=[1, 60000])}, "outside the vocabulary"),
+    ({"token_ids": pb.TokenIds(ids=list(range(120)))}, "120 tokens.*100"),
+    ({"chat": pb.Chat()}, "no messages"),
+    ({"chat": pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")])}, "role 'wizard'"),
+    ({"text": "x", "sampling": pb.SamplingParameters(top_p=1.5)}, "top_p"),
+    ({"text": "x", "sampling": pb.SamplingParameters(temperature=-1)}, "temperature"),
+    ({"text": "x", "max_new_tokens": 0}, "max_new_tokens"),
+    ({"text": "x", "logprobs": 50}, "logprobs"),
+])
+def test_bad_requests_say_what_to_fix(tokenizer, kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        request_from_pb(_req(**kwargs), tokenizer, 100, 49152)
+
+
+def test_text_stream_hides_stop_strings_and_stop_tokens(tokenizer):
+    ids = tokenizer.encode("Hello world, goodbye world")
+    stream = TextStream(tokenizer, ["goodbye"], stop_token_ids=[2])
+    text = "".join(stream.push(t) for t in ids) + stream.finish()
+    assert text == "Hello world, " and stream.stopped
+    stream = TextStream(tokenizer, [], stop_token_ids=[2])
+    text = "".join(stream.push(t) for t in ids + [2]) + stream.finish()
+    assert text == "Hello world, goodbye world"

@@ -1,0 +1,259 @@
+"""The service as users meet it: `tandem serve` starts the kvstore, prefill,
+decode and router as separate processes talking real gRPC over the shared
+store, with the real embedded model. Checked against the offline engine."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from engine.llm import EngineConfig, OfflineEngine
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+from kvstore.client import StoreClient
+from tandem.v1 import generation_pb2 as pb
+from tandem.v1 import generation_pb2_grpc as pb_grpc
+
+PAGE = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, directory):
+        self.dir = str(directory)
+        self.port, self.metrics_port = _free_port(), _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "serve", "--device", "cpu", "--kv-format", "rk4",
+             "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--max-context-tokens", "8192", "--live-slots", "12", "--max-batch", "8",
+             "--socket-dir", self.dir],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stderr: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        line = self.proc.stdout.readline()
+        if "serving" not in line:
+            self.stop()
+            raise RuntimeError("tandem serve did not start:\n" + "".join(self.stderr[-40:]))
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+
+    def _drain(self):
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+
+    def store_stats(self):
+        with StoreClient.connect(os.path.join(self.dir, "kvstore.sock"), name="test",
+                                 map_memory=False) as client:
+            return client.stats()
+
+    def pid_of(self, module: str) -> int:
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                if module.encode() in cmd and self.dir.encode() in b" ".join(cmd):
+                    return int(pid)
+        raise LookupError(module)
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    svc = Service(tmp_path_factory.mktemp("svc"))
+    yield svc
+    svc.channel.close()
+    svc.stop()
+    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return OfflineEngine(load_model(progress=False),
+                         EngineConfig(max_batch=1, max_context=8192, kv_format="rk4"))
+
+
+def _chat(text):
+    return pb.Chat(messages=[pb.ChatMessage(role="user", content=text)])
+
+
+def _generate(stub, timeout=120, **kwargs):
+    ids, text, complete = [], "", None
+    for r in stub.Generate(pb.GenerateRequest(**kwargs), timeout=timeout):
+        if r.HasField("chunk"):
+            ids += r.chunk.token_ids
+            text += r.chunk.text
+        else:
+            complete = r.complete
+    return ids, text, complete
+
+
+GREEDY = pb.SamplingParameters(temperature=0.0)
+
+
+def test_greedy_matches_the_offline_engine(service, offline):
+    for i, prompt in enumerate(["Name three colours.", "What is 2 + 2? Explain."]):
+        ids, text, complete = _generate(service.stub, chat=_chat(prompt), sampling=GREEDY,
+                                        max_new_tokens=24, cache_salt=f"greedy-{i}")
+        expected = offline.generate_ids(offline.chat_prompt([{"role": "user", "content": prompt}]),
+                                        SamplingParams(temperature=0.0, max_new_tokens=24))
+        assert ids == expected
+        assert text == offline.tokenizer.decode(ids, skip_special_tokens=True)
+        assert complete.usage.completion_tokens == len(ids)
+
+
+def test_concurrent_streams_interleave_correctly(service, offline):
+    """8 streams at once, each well-formed and each a greedy continuation of its
+    own prompt. Batched fp32 matmuls round differently from single-row ones,
+    so near-ties may flip: every token must be the offline argmax or within a
+    hair of it, checked by teacher forcing the stream through the offline model."""
+    prompts = [f"Write one sentence about the number {n}." for n in range(8)]
+    results = [None] * 8
+
+    def one(i):
+        results[i] = _generate(service.stub, chat=_chat(prompts[i]), sampling=GREEDY,
+                               max_new_tokens=12, cache_salt=f"concurrent-{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (ids, text, complete) in enumerate(results):
+        prompt = offline.chat_prompt([{"role": "user", "content": prompts[i]}])
+        assert complete.usage.completion_tokens == len(ids) and complete.usage.prompt_tokens == len(prompt)
+        assert "\ufffd" not in text and text == offline.tokenizer.decode(ids, skip_special_tokens=True)
+        logits = _teacher_forced_logits(offline, prompt, ids)
+        chosen = logits[torch.arange(len(ids)), torch.tensor(ids)]
+        assert (logits.max(dim=-1).values - chosen).max() < 1e-2, i
+
+
+def _teacher_forced_logits(offline, prompt, ids):
+    """Logits that predicted each of `ids`, from one offline forward over prompt + ids."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+
+    tokens = list(prompt) + list(ids)
+    cache = PagedKVCache(offline.loaded.config, CacheShape(-(-len(tokens) // PAGE), PAGE, 0), "cpu",
+                         make_format("rk4"))
+    seq = SequenceInput(tuple(tokens), 0, tuple(range(cache.shape.num_pages)), -1)
+    logits = offline.model(ForwardBatch.build([seq], PAGE, "cpu"), cache, all_logits=True)
+    return logits[len(prompt) - 1: len(tokens) - 1]
+
+
+def test_next_turn_reuses_the_previous_turn(service):
+    messages = [pb.ChatMessage(role="user", content="Tell me about the moon.")]
+    first_ids, first_text, first = _generate(service.stub, chat=pb.Chat(messages=messages),
+                                             sampling=GREEDY, max_new_tokens=40, cache_salt="turns")
+    messages += [pb.ChatMessage(role="assistant", content=first_text),
+                 pb.ChatMessage(role="user", content="And the sun?")]
+    _, _, second = _generate(service.stub, chat=pb.Chat(messages=messages), sampling=GREEDY,
+                             max_new_tokens=8, cache_salt="turns")
+    previous = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.cached_tokens >= (previous - 1) // PAGE * PAGE
+    assert second.usage.cached_tokens < second.usage.prompt_tokens
+    # another tenant never sees it
+    _, _, other = _generate(service.stub, chat=pb.Chat(messages=messages), sampling=GREEDY,
+                            max_new_tokens=2, cache_salt="someone-else")
+    assert other.usage.cached_tokens == 0
+
+
+def test_cancel_and_deadline_give_back_every_page(service):
+    baseline = service.store_stats().held_pages
+    call = service.stub.Generate(pb.GenerateRequest(chat=_chat("Count to one hundred."),
+                                                    max_new_tokens=500, ignore_eos=True))
+    next(call)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(service.stub, timeout=0.3, chat=_chat("Count to one hundred."),
+                  max_new_tokens=500, ignore_eos=True)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.time() + 5
+    while service.store_stats().held_pages != baseline and time.time() < deadline:
+        time.sleep(0.1)
+    assert service.store_stats().held_pages == baseline
+
+
+def test_abort_by_id(service):
+    call = service.stub.Generate(pb.GenerateRequest(request_id="to-abort", chat=_chat("Hello"),
+                                                    max_new_tokens=300, ignore_eos=True))
+    next(call)
+    assert service.stub.Abort(pb.AbortRequest(request_id="to-abort")).found
+    last = list(call)[-1]
+    assert last.complete.finish_reason == pb.FINISH_REASON_ABORT
+    assert not service.stub.Abort(pb.AbortRequest(request_id="to-abort")).found
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({}, "no input"),
+    ({"token_ids": pb.TokenIds(ids=[1, 10**6])}, "vocabulary"),
+    ({"text": "x", "sampling": pb.SamplingParameters(top_p=2.0)}, "top_p"),
+    ({"token_ids": pb.TokenIds(ids=[5] * 9000)}, "context"),
+])
+def test_bad_input_is_invalid_argument_and_service_keeps_serving(service, kwargs, message):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(service.stub, **kwargs)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    ids, _, _ = _generate(service.stub, text="Hi", max_new_tokens=2)
+    assert len(ids) >= 1
+
+
+def test_tokenize_model_info_health_and_metrics(service):
+    ids = service.stub.Tokenize(pb.TokenizeRequest(text="hello world")).token_ids
+    assert len(ids) >= 2
+    info = service.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.kv_format == "rk4" and info.page_size == PAGE and info.vocab_size == 49152
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    health = health_pb2_grpc.HealthStub(service.channel).Check(health_pb2.HealthCheckRequest())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    text = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics").read().decode()
+    assert "tandem_time_to_first_token_seconds_count" in text
+    assert "tandem_prefix_cache_hit_tokens_total" in text
+
+
+def test_killed_decode_worker_is_unavailable_then_restarted_with_cache(service):
+    prompt = _chat("Describe a river in detail.")
+    _generate(service.stub, chat=prompt, sampling=GREEDY, max_new_tokens=4, cache_salt="survive")
+    call = service.stub.Generate(pb.GenerateRequest(chat=_chat("Write a long poem."),
+                                                    max_new_tokens=400, ignore_eos=True), timeout=60)
+    next(call)
+    os.kill(service.pid_of("decode.server"), signal.SIGKILL)
+    started = time.time()
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.time() - started < 5
+    deadline = time.time() + 60
+    while True:  # the supervisor restarts decode; the store kept the cache
+        try:
+            _, _, complete = _generate(service.stub, chat=prompt, sampling=GREEDY, max_new_tokens=4,
+                                       cache_salt="survive")
+            break
+        except grpc.RpcError:
+            assert time.time() < deadline, "decode did not come back"
+            time.sleep(0.5)
+    assert complete.usage.cached_tokens > 0
+    assert any("decode exited" in line for line in service.stderr)
