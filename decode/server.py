@@ -25,7 +25,7 @@ from kvstore.client import StoreClient, wait_for_store
 from prefill.server import sampling_from_pb
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import abort_with, log, run_server, serve
+from tandem.serving import abort_with, log, run_server, serve, share_cpu_with_the_other_worker
 
 PROCESS = "decode"
 _FINISH_PB = {FinishReason.STOP: pb.DECODE_FINISH_STOP, FinishReason.LENGTH: pb.DECODE_FINISH_LENGTH,
@@ -158,6 +158,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
 
 
 async def _main(args) -> None:
+    share_cpu_with_the_other_worker()
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")

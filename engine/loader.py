@@ -149,6 +149,7 @@ def load_tokenizer(spec: str | None):
     from engine.tokenizer import ByteTokenizer, Tokenizer
 
     spec = spec or EMBEDDED
+    spec = spec.removeprefix("dummy:")  # LoadedModel.source of a shape
     if spec in shape_names():
         return ByteTokenizer(ModelConfig.from_hf(shape_hf_config(spec)).vocab_size)
     if spec == EMBEDDED:

@@ -122,8 +122,9 @@ class StoreArenas:
 
 
 def create_arenas(model: nn.Module, config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
-                  device: torch.device | str, store_id: str) -> StoreArenas:
-    """Allocate all three arenas once and copy the model's weights in."""
+                  device: torch.device | str, store_id: str, copy_weights: bool = True) -> StoreArenas:
+    """Allocate all three arenas once and copy the model's weights in (a model
+    on the meta device only lays out the weights arena: copy_weights=False)."""
     made: list[Arena] = []
     try:
         for name, layout in ((WEIGHTS, weights_layout(model)),
@@ -136,7 +137,7 @@ def create_arenas(model: nn.Module, config: ModelConfig, shape: CacheShape, kv_f
         raise
     arenas = StoreArenas(*made)
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in model.state_dict().items() if copy_weights else ():
             arenas.weights.tensor(name).copy_(t)
     if torch.device(device).type == "cuda":
         # Workers map the memory later on other streams: the copies must be done.

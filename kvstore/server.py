@@ -34,12 +34,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.errors import TandemError
+from engine.config import shape_names
 from engine.loader import default_dtype, load_model, peek_config
 from kvstore.arena import ArenaHandle, Layout
 from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
                              InvalidArgument, MatchResult, ResourceExhausted, StoreControl,
                              StoreStats)
-from kvstore.memory import KVFormatSpec, StoreArenas, config_to_json, create_arenas
+from kvstore.memory import (KVFormatSpec, StoreArenas, config_to_json, create_arenas,
+                            model_on_arena)
 from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes, weight_bytes_of
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
@@ -119,21 +121,44 @@ def start_store(options: ServerOptions) -> Store:
     plan = None
     if config is not None:  # plan before loading: an over-budget store loads nothing
         plan = _checked_plan(options, config, dtype, weight_bytes_of(config, dtype))
-    # Loaded on the CPU and copied into the arena once, so a GPU never holds two copies.
-    loaded = load_model(options.model, "cpu", dtype=dtype, progress=False, seed=options.seed)
-    if plan is None:
-        weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
-        plan = _checked_plan(options, loaded.config, dtype, weight_bytes)
-    kv_spec = plan.kv_format
     store_id = f"tandem-{os.getpid()}-{secrets.token_hex(4)}"
-    arenas = create_arenas(loaded.model, loaded.config, plan.cache_shape, kv_spec.build(),
-                           device, store_id)
+    if options.model in shape_names():
+        loaded, arenas = _dummy_in_arena(options, config, plan, dtype, device, store_id)
+    else:
+        # Loaded on the CPU and copied into the arena once, so a GPU never holds two copies.
+        loaded = load_model(options.model, "cpu", dtype=dtype, progress=False, seed=options.seed)
+        if plan is None:
+            weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
+            plan = _checked_plan(options, loaded.config, dtype, weight_bytes)
+        arenas = create_arenas(loaded.model, loaded.config, plan.cache_shape, plan.kv_format.build(),
+                               device, store_id)
+    kv_spec = plan.kv_format
     atexit.register(arenas.close)
     control = StoreControl(plan.num_pages, plan.num_state_slots, plan.page_size,
                            loaded.config.is_hybrid, loaded.config.vocab_size,
                            namespace_prefix=f"{loaded.source}|{kv_spec.describe()}")
     return Store(options, plan, loaded.source, config_to_json(loaded.config), dtype, kv_spec,
                  arenas, control)
+
+
+def _dummy_in_arena(options, config, plan, dtype, device, store_id):
+    """Random weights drawn straight into the arena on the device: a 27B shape
+    never exists on the CPU, and the values equal load_model(shape, device)'s."""
+    from engine.loader import LoadedModel
+    from engine.model import CausalLM
+    from engine.tokenizer import ByteTokenizer
+    from engine.weights.dummy import randomize
+
+    with torch.device("meta"):
+        layout_model = CausalLM(config).to(dtype)
+    arenas = create_arenas(layout_model, config, plan.cache_shape, plan.kv_format.build(), device,
+                           store_id, copy_weights=False)
+    model = model_on_arena(config, arenas.weights, dtype, f"dummy:{options.model}")
+    randomize(model, options.seed)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return LoadedModel(config, model, ByteTokenizer(config.vocab_size), f"dummy:{options.model}",
+                       device, dtype), arenas
 
 
 def _checked_plan(options, config, dtype, weight_bytes) -> CapacityPlan:

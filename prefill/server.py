@@ -20,7 +20,7 @@ from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import abort_with, log, run_server, serve
+from tandem.serving import abort_with, log, run_server, serve, share_cpu_with_the_other_worker
 
 PROCESS = "prefill"
 
@@ -84,6 +84,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
 
 
 async def _main(args) -> None:
+    share_cpu_with_the_other_worker()
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")

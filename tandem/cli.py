@@ -195,11 +195,22 @@ def _run_serve(args) -> int:
             shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="talk to a running server (keeps the conversation)")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--system", default=None, help="an optional system message")
+    p.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.set_defaults(run=lambda a: __import__("tandem.chat", fromlist=["chat_loop"]).chat_loop(
+        a.address, a.system, a.temperature, a.max_new_tokens))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
+    _add_chat(sub)
     _add_bench(sub)
     return parser
 

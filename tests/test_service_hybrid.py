@@ -1,0 +1,46 @@
+"""The service on the hybrid Qwen3.5 shape (tiny, dummy weights): GDN state
+snapshots at the prompt's end and at the finished request's last page
+boundary let the next agent turn skip the conversation so far, and the
+continued output equals the offline engine's full recomputation."""
+import pytest
+
+from engine.llm import EngineConfig, OfflineEngine
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+from tandem.v1 import generation_pb2 as pb
+from tests.test_service import DEVICE, Service, _generate
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    svc = Service(tmp_path_factory.mktemp("hybrid"), model="tiny-qwen3.5")
+    yield svc
+    svc.channel.close()
+    svc.stop()
+    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+
+
+def test_agent_turns_restore_snapshots_and_match_offline(service):
+    offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE),
+                            EngineConfig(max_batch=1, kv_format="rk4"))
+    prompt = [(7 * i + 3) % 250 for i in range(40)]
+    cached = []
+    for turn in range(3):
+        ids, _, complete = _generate(service.stub, token_ids=pb.TokenIds(ids=prompt),
+                                     sampling=pb.SamplingParameters(temperature=0.0),
+                                     max_new_tokens=20, ignore_eos=True, cache_salt="agent")
+        expected = offline.generate_ids(prompt, SamplingParams(temperature=0.0, max_new_tokens=20,
+                                                               ignore_eos=True))
+        assert ids == expected, f"turn {turn}"
+        cached.append(complete.usage.cached_tokens)
+        previous = len(prompt) + len(ids)
+        prompt = prompt + ids + [(5 * i + turn) % 250 for i in range(10)]
+        if turn:
+            # the last page boundary the previous turn's state passed: (len - 1) // PAGE * PAGE
+            assert cached[-1] == (previous_turn_len - 1) // PAGE * PAGE
+        previous_turn_len = previous
+    assert cached[0] == 0
+    stats = service.store_stats()
+    assert stats.snapshots >= 2 and stats.held_pages == 0 and stats.held_slots == 0
