@@ -9,7 +9,6 @@ call, so a step never waits on the store; cancelling the call aborts the
 request at the next step."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import queue
 import sys
@@ -25,7 +24,8 @@ from kvstore.client import StoreClient, wait_for_store
 from prefill.server import sampling_from_pb
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import abort_with, log, run_server, serve, share_cpu_with_the_other_worker
+from tandem.serving import (abort_with, log, run_server, serve, share_cpu_with_the_other_worker,
+                            worker_arguments)
 
 PROCESS = "decode"
 _FINISH_PB = {FinishReason.STOP: pb.DECODE_FINISH_STOP, FinishReason.LENGTH: pb.DECODE_FINISH_LENGTH,
@@ -175,12 +175,8 @@ async def _main(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m decode.server", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True, help="the kvstore's unix socket")
-    p.add_argument("--socket", required=True, help="unix socket to serve on")
+    p = worker_arguments("python -m decode.server", __doc__.splitlines()[0])
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--device", default=None, help="ignored: the store's memory decides")
-    p.add_argument("--store-timeout", type=float, default=60.0)
     args = p.parse_args(argv)
     return run_server(PROCESS, lambda: _main(args))
 

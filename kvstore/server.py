@@ -25,13 +25,11 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 from dataclasses import asdict, dataclass, field
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.errors import TandemError
 from engine.config import shape_names
@@ -308,51 +306,16 @@ async def _answer(context, handle):
 
 async def serve(store: Store) -> None:
     """Serve until SIGTERM or SIGINT, then stop cleanly."""
-    path = store.options.socket
-    _claim_socket_path(path)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    from tandem.serving import serve as serve_grpc
+
     service = KVStoreService(store)
-    pb_grpc.add_KVStoreServicer_to_server(service, server)
-    health_service = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    server.add_insecure_port(f"unix:{path}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _log(f"serving on unix:{path}")
-    try:
-        await stop.wait()
-    finally:
-        await health_service.enter_graceful_shutdown()
+
+    async def on_stop() -> None:
         service.closing.set()
-        await server.stop(grace=1.0)
-        _remove(path)
 
-
-def _claim_socket_path(path: str) -> None:
-    """Remove a stale socket file; refuse if a live store is listening there."""
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        _remove(path)  # nobody listens: left over from a killed store
-        return
-    finally:
-        probe.close()
-    raise TandemError(f"another process is serving on {path}; stop it or pick another --socket")
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    await serve_grpc("kvstore", store.options.socket,
+                     lambda server: pb_grpc.add_KVStoreServicer_to_server(service, server),
+                     (SERVICE_NAME,), on_stop)
 
 
 # ---------------------------------------------------------------------- cli

@@ -8,7 +8,6 @@ chunks it checks whether the router cancelled the call (and, on a GPU, gives
 the decode worker's higher-priority stream its turn)."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import threading
@@ -20,7 +19,8 @@ from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import abort_with, log, run_server, serve, share_cpu_with_the_other_worker
+from tandem.serving import (abort_with, log, run_server, serve, share_cpu_with_the_other_worker,
+                            worker_arguments)
 
 PROCESS = "prefill"
 
@@ -99,12 +99,8 @@ async def _main(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m prefill.server", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True, help="the kvstore's unix socket")
-    p.add_argument("--socket", required=True, help="unix socket to serve on")
+    p = worker_arguments("python -m prefill.server", __doc__.splitlines()[0])
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
-    p.add_argument("--device", default=None, help="ignored: the store's memory decides")
-    p.add_argument("--store-timeout", type=float, default=60.0)
     args = p.parse_args(argv)
     return run_server(PROCESS, lambda: _main(args))
 

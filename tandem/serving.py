@@ -34,6 +34,18 @@ def share_cpu_with_the_other_worker() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
 
+def worker_arguments(prog: str, description: str):
+    """The flags every worker shares: where the store is and where to serve."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--store", required=True, help="the kvstore's unix socket")
+    p.add_argument("--socket", required=True, help="unix socket to serve on")
+    p.add_argument("--device", default=None, help="ignored: the store's memory decides")
+    p.add_argument("--store-timeout", type=float, default=60.0)
+    return p
+
+
 def log(process: str, message: str) -> None:
     print(f"{process}: {message}", file=sys.stderr, flush=True)
 
