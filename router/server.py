@@ -163,7 +163,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         text = TextStream(self.tokenizer, req.params.stop, _stop_ids(req, self.tokenizer))
         output = [first.token_id]
         self.metrics.first_token(time.perf_counter() - started)
-        yield _chunk(req.request_id, first, text.push(first.token_id))
+        with_logprobs = req.params.logprobs is not None
+        yield _chunk(req.request_id, first, text.push(first.token_id), with_logprobs)
         finish, boundary = self._finish_of_first(req, first.token_id, text)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
@@ -180,7 +181,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                         self.metrics.token(now - last)
                         last = now
                         output.append(token.token_id)
-                        yield _chunk(req.request_id, token, text.push(token.token_id))
+                        yield _chunk(req.request_id, token, text.push(token.token_id), with_logprobs)
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
                         finish = pb.FINISH_REASON_STOP
@@ -321,8 +322,12 @@ def _sampling_pb(req: GenerationRequest, tokenizer) -> wpb.Sampling:
                         logprobs=-1 if p.logprobs is None else p.logprobs)
 
 
-def _chunk(request_id: str, token: wpb.GeneratedToken, text: str) -> pb.GenerateResponse:
+def _chunk(request_id: str, token: wpb.GeneratedToken, text: str,
+           with_logprobs: bool) -> pb.GenerateResponse:
     chunk = pb.Chunk(token_ids=[token.token_id], text=text)
+    if with_logprobs:
+        top = [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in token.top]
+        chunk.logprobs.append(pb.Logprobs(logprob=token.logprob, top=top))
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
