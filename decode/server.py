@@ -68,7 +68,16 @@ class StepLoop:
         self.commands.put(("add", (seq, subscriber)))
 
     def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
+        self.commands.put(("abort", (request_id, None)))
+
+    def abort_and_wait(self, request_id: str, timeout: float = 10.0) -> bool:
+        """Abort, and return once the step loop has let go of the request: no
+        step that could write its KV is running any more."""
+        done = threading.Event()
+        found: list[bool] = []
+        self.commands.put(("abort", (request_id, (done, found))))
+        done.wait(timeout)
+        return bool(found and found[0])
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -101,9 +110,13 @@ class StepLoop:
                 self.subscribers[seq.request_id] = subscriber
                 self.scheduler.add(seq)
             elif command == "abort":
-                seq = self.scheduler.abort(arg)
+                request_id, ack = arg
+                seq = self.scheduler.abort(request_id)
                 if seq is not None:
                     self._publish_finished(seq)
+                if ack is not None:  # between steps: nothing of it runs now
+                    ack[1].append(seq is not None)
+                    ack[0].set()
             try:
                 command, arg = self.commands.get_nowait()
             except queue.Empty:
@@ -137,6 +150,10 @@ def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids) -> DecodeSequence:
 class DecodeService(pb_grpc.DecodeServiceServicer):
     def __init__(self, steps: StepLoop) -> None:
         self.steps = steps
+
+    async def Abort(self, request, context):
+        found = await asyncio.to_thread(self.steps.abort_and_wait, request.request_id)
+        return pb.AbortWorkReply(found=found)
 
     async def Decode(self, request, context):
         try:

@@ -52,35 +52,63 @@ def generated_token_pb(result, row: int = 0) -> pb.GeneratedToken:
                              top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
 
 
+class _Work:
+    """A prefill the worker has accepted: how to stop it and when it is over."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+
+
 class PrefillService(pb_grpc.PrefillServiceServicer):
     def __init__(self, store: StoreClient, chunk: int) -> None:
         self.store = store
         self.chunk = chunk
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self.work: dict[str, _Work] = {}
 
     async def Prefill(self, request, context):
         try:
             job = job_from_pb(request)
         except InvalidRequestError as e:
             await abort_with(context, e)
-        cancelled = threading.Event()
-        context.add_done_callback(lambda _ctx: cancelled.set())
+        work = self.work[job.request_id] = _Work()
+        context.add_done_callback(lambda _ctx: work.cancelled.set())
 
         def between_chunks() -> None:
-            if cancelled.is_set():
+            if work.cancelled.is_set():
                 raise Cancelled(f"request {job.request_id} was cancelled during prefill")
+
+        def run():
+            try:
+                between_chunks()  # it may have been cancelled while queued
+                return run_prefill(self.store.model, self.store.cache, job, self.chunk,
+                                   between_chunks)
+            finally:
+                # forgotten only here, by the thread: until the chunk in flight
+                # is done, Abort must find the work and wait for it
+                if self.work.get(job.request_id) is work:
+                    del self.work[job.request_id]
+                work.finished.set()
 
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(
-                self.gpu, run_prefill, self.store.model, self.store.cache, job, self.chunk,
-                between_chunks)
+            result = await loop.run_in_executor(self.gpu, run)
         except InvalidRequestError as e:
             await abort_with(context, e)
         except Cancelled:
             return pb.PrefillResponse()  # nobody is listening
         return pb.PrefillResponse(first=generated_token_pb(result),
                                   prefilled_tokens=len(job.tokens) - job.start)
+
+    async def Abort(self, request, context):
+        """Returns once the request's chunk in flight (if any) has finished."""
+        work = self.work.get(request.request_id)
+        if work is None:
+            return pb.AbortWorkReply(found=False)
+        work.cancelled.set()
+        await asyncio.to_thread(work.finished.wait, 30.0)
+        return pb.AbortWorkReply(found=True)
 
 
 async def _main(args) -> None:

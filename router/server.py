@@ -70,6 +70,9 @@ class Running:
     request_id: str
     aborted: bool = False
     decode_call: object = None
+    # the worker that may still be writing this request's KV ("prefill" or
+    # "decode"); asked to stop, and waited for, before the pages are given back
+    busy_in: str | None = None
 
 
 @dataclass
@@ -123,7 +126,7 @@ class Router(pb_grpc.GenerationServiceServicer):
             await context.abort(*_worker_failure(e))
         finally:
             self.running.pop(req.request_id, None)
-            await self._give_back(held)
+            await self._give_back(held, handle)
 
     async def Abort(self, request, context):
         handle = self.running.get(request.request_id)
@@ -158,7 +161,9 @@ class Router(pb_grpc.GenerationServiceServicer):
     async def _generate(self, req: GenerationRequest, handle: Running, held: Held, context, started):
         plan = await self._reserve(req, held)
         self.metrics.cache_query(len(req.prompt), plan.cached)
+        handle.busy_in = "prefill"
         first = await self._run_prefill(req, plan, context)
+        handle.busy_in = None
         await self._cache_prompt(req, plan, held)
         text = TextStream(self.tokenizer, req.params.stop, _stop_ids(req, self.tokenizer))
         output = [first.token_id]
@@ -168,11 +173,13 @@ class Router(pb_grpc.GenerationServiceServicer):
         finish, boundary = self._finish_of_first(req, first.token_id, text)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
+            handle.busy_in = "decode"
             call = handle.decode_call = self.decode.Decode(
                 self._decode_request(req, plan, first.token_id), timeout=context.time_remaining())
             try:
                 async for event in call:
-                    if event.HasField("finished"):
+                    if event.HasField("finished"):  # decode has let go of it
+                        handle.busy_in = None
                         finish = _FINISH[event.finished.reason]
                         boundary = event.finished.boundary_tokens
                         break
@@ -184,6 +191,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                         yield _chunk(req.request_id, token, text.push(token.token_id), with_logprobs)
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
+                        await self._stop_worker(handle)
+                        handle.busy_in = None
                         finish = pb.FINISH_REASON_STOP
                         break
             except asyncio.CancelledError:
@@ -193,6 +202,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                 if e.code() != grpc.StatusCode.CANCELLED or not handle.aborted:
                     raise
         if handle.aborted and finish is None:
+            await self._stop_worker(handle)
+            handle.busy_in = None
             finish = pb.FINISH_REASON_ABORT
         tail = text.finish()
         if tail:
@@ -286,9 +297,12 @@ class Router(pb_grpc.GenerationServiceServicer):
         held.pages = [p for p in held.pages if p not in gone_pages]
         held.slots = [s for s in held.slots if s not in gone_slots]
 
-    async def _give_back(self, held: Held) -> None:
-        """Runs even when the request's task is being cancelled: shielded."""
+    async def _give_back(self, held: Held, handle: Running) -> None:
+        """Runs even when the request's task is being cancelled: shielded. A
+        worker still busy with the request is stopped first, so no step of it
+        writes into pages another request already got."""
         async def release() -> None:
+            await self._stop_worker(handle)
             try:
                 if held.nodes:
                     await asyncio.to_thread(self.store.unlock, held.nodes)
@@ -300,6 +314,17 @@ class Router(pb_grpc.GenerationServiceServicer):
                 log(PROCESS, f"could not give back a request's pages: {e}")
 
         await asyncio.shield(asyncio.ensure_future(release()))
+
+    async def _stop_worker(self, handle: Running) -> None:
+        stub = {"prefill": self.prefill, "decode": self.decode}.get(handle.busy_in)
+        if stub is None:
+            return
+        try:
+            await stub.Abort(wpb.AbortWork(request_id=handle.request_id), timeout=30)
+        except grpc.aio.AioRpcError as e:
+            # a dead worker writes nothing any more; anything else is worth a line
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id}: {e.code().name}")
 
     def _decode_request(self, req: GenerationRequest, plan: Plan, first: int) -> wpb.DecodeRequest:
         return wpb.DecodeRequest(request_id=req.request_id, prompt=req.prompt, first_token=first,

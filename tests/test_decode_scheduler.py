@@ -1,6 +1,8 @@
 """Continuous batching in the decode worker: sequences joining at different
 steps, with different lengths, produce exactly what the offline engine (one
 sequence at a time) produces; boundary snapshots capture the right state."""
+import time
+
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, run_to_completion
@@ -111,3 +113,32 @@ def test_boundary_snapshot_holds_the_state_at_a_page_end():
     for layer in loaded.config.linear_layers:
         torch.testing.assert_close(cache.recurrent_state(layer)[seq.boundary_slot],
                                    cache.recurrent_state(layer)[spare], rtol=1e-4, atol=1e-5)
+
+
+def test_step_loop_abort_returns_only_when_the_sequence_is_gone():
+    """The router gives a cancelled request's pages away only after this ack:
+    no step that could still write the request's KV may be running then."""
+    import asyncio
+
+    from decode.server import StepLoop, _Subscriber
+
+    loaded = load_model("tiny-llama", seed=1)
+    cache = PagedKVCache(loaded.config, CacheShape(64, PAGE, 0), "cpu", make_format("bf16", dtype=torch.float32))
+    pages, slots = PageAllocator(64), SlotAllocator(2)
+    steps = StepLoop(DecodeScheduler(loaded.model, cache, _LocalPages(pages), max_batch=2))
+    steps.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=200, ignore_eos=True)
+        seq = _prefill(loaded, cache, pages, slots, [1, 2, 3], params, "long")
+        steps.submit(seq, _Subscriber(asyncio.new_event_loop(), asyncio.Queue()))
+        deadline = time.time() + 10
+        while len(seq.output) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        assert steps.abort_and_wait("long")
+        produced = len(seq.output)
+        time.sleep(0.2)
+        assert len(seq.output) == produced  # no step touched it after the ack
+        assert not steps.scheduler.has_work
+        assert not steps.abort_and_wait("long")  # already gone: found is False
+    finally:
+        steps.stop()

@@ -72,6 +72,18 @@ class SnapshotPoint(_message.Message):
     slot: int
     def __init__(self, tokens: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
+class AbortWork(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortWorkReply(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "tokens", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class PrefillServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/tandem.internal.v1.PrefillService/Abort',
+                request_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -52,6 +57,14 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Stops a request's prefill and returns only once nothing of it runs any
+        more, so the router may give its pages to another request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -98,6 +116,33 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.PrefillService/Abort',
+            tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -113,6 +158,11 @@ class DecodeServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/tandem.internal.v1.DecodeService/Abort',
+                request_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -120,7 +170,15 @@ class DecodeServiceServicer:
 
     def Decode(self, request, context):
         """Continues a prefilled request in the decode worker's batch; streams its
-        tokens. Cancel the call to abort the request.
+        tokens. Cancelling the call stops the request at the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Removes a request from the batch and returns only after the step that
+        may still write its KV has finished, so its pages can be reused.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +191,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.DecodeEvent.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,6 +225,33 @@ class DecodeService:
             '/tandem.internal.v1.DecodeService/Decode',
             tandem_dot_internal_dot_v1_dot_workers__pb2.DecodeRequest.SerializeToString,
             tandem_dot_internal_dot_v1_dot_workers__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.internal.v1.DecodeService/Abort',
+            tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.FromString,
             options,
             channel_credentials,
             insecure,
