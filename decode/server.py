@@ -21,11 +21,11 @@ from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
 from kvstore.client import StoreClient, wait_for_store
-from prefill.server import sampling_from_pb
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
 from tandem.serving import (abort_with, log, run_server, serve, share_cpu_with_the_other_worker,
                             worker_arguments)
+from tandem.wire import generated_token_pb, sampling_from_pb
 
 PROCESS = "decode"
 _FINISH_PB = {FinishReason.STOP: pb.DECODE_FINISH_STOP, FinishReason.LENGTH: pb.DECODE_FINISH_LENGTH,
@@ -128,8 +128,7 @@ class StepLoop:
             sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
 
     def _publish_token(self, out: TokenOut) -> None:
-        top = [pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in out.top_logprobs or []]
-        token = pb.GeneratedToken(token_id=out.token_id, logprob=out.logprob or 0.0, top=top)
+        token = generated_token_pb(out.token_id, out.logprob, out.top_logprobs)
         self._send(out.request_id, pb.DecodeEvent(tokens=pb.DecodeTokens(tokens=[token])))
 
     def _publish_finished(self, seq: DecodeSequence) -> None:

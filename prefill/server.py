@@ -14,13 +14,13 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.errors import InvalidRequestError, TandemError
-from engine.sampling import SamplingParams
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
 from tandem.serving import (abort_with, log, run_server, serve, share_cpu_with_the_other_worker,
                             worker_arguments)
+from tandem.wire import generated_token_pb, sampling_from_pb
 
 PROCESS = "prefill"
 
@@ -29,27 +29,12 @@ class Cancelled(TandemError):
     """The router gave up on the request mid-prefill."""
 
 
-def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, seed=s.seed,
-        max_new_tokens=max(1, s.max_new_tokens), stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, logprobs=None if s.logprobs < 0 else s.logprobs)
-
-
 def job_from_pb(r: pb.PrefillRequest) -> PrefillJob:
     return PrefillJob(
         request_id=r.request_id, tokens=tuple(r.tokens), start=r.start, pages=tuple(r.pages),
         state_slot=r.state_slot, restore_slot=r.restore_slot,
         snapshots=tuple((s.tokens, s.slot) for s in r.snapshots),
         params=sampling_from_pb(r.sampling))
-
-
-def generated_token_pb(result, row: int = 0) -> pb.GeneratedToken:
-    top = result.top_logprobs[row] or []
-    return pb.GeneratedToken(token_id=result.token_ids[row], logprob=result.logprobs[row] or 0.0,
-                             top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
 
 
 class _Work:
@@ -98,7 +83,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             await abort_with(context, e)
         except Cancelled:
             return pb.PrefillResponse()  # nobody is listening
-        return pb.PrefillResponse(first=generated_token_pb(result),
+        return pb.PrefillResponse(first=generated_token_pb(result.token_ids[0], result.logprobs[0],
+                                                           result.top_logprobs[0]),
                                   prefilled_tokens=len(job.tokens) - job.start)
 
     async def Abort(self, request, context):

@@ -32,6 +32,7 @@ from router.text import TextStream
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
 from tandem.serving import GRPC_OPTIONS, log, run_server, serve, status_of, unix_target
+from tandem.wire import sampling_to_pb
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -338,13 +339,7 @@ def _stop_ids(req: GenerationRequest, tokenizer) -> tuple[int, ...]:
 
 
 def _sampling_pb(req: GenerationRequest, tokenizer) -> wpb.Sampling:
-    p = req.params
-    return wpb.Sampling(temperature=p.temperature, top_p=p.top_p, top_k=max(0, p.top_k),
-                        min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                        seed=p.seed, max_new_tokens=p.max_new_tokens,
-                        stop_token_ids=_stop_ids(req, tokenizer), ignore_eos=p.ignore_eos,
-                        logprobs=-1 if p.logprobs is None else p.logprobs)
+    return sampling_to_pb(req.params, _stop_ids(req, tokenizer))
 
 
 def _chunk(request_id: str, token: wpb.GeneratedToken, text: str,
