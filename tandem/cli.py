@@ -82,7 +82,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address of the public gRPC API")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port")
-    p.add_argument("--kv-format", default="rk4", help="KV cache format: bf16, int8, rk4, ...")
+    p.add_argument("--kv-format", default="int8",
+                   help="KV cache format: int8 (default), rk4 (4.5 bits; misses its quality goal for now), bf16")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--max-context-tokens", type=int, default=65536)
     p.add_argument("--live-slots", type=int, default=16, help="sequences that can run at once")

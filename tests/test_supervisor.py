@@ -326,7 +326,7 @@ def test_serve_specs_builds_the_four_command_lines():
     assert [s.restartable for s in specs] == [False, True, True, False]
     assert list(specs[0].argv) == [
         py, "-m", "kvstore.server", "--model", "embedded", "--socket", f"{d}/kvstore.sock",
-        "--kv-format", "rk4", "--page-size", "16", "--max-context-tokens", "65536",
+        "--kv-format", "int8", "--page-size", "16", "--max-context-tokens", "65536",
         "--live-slots", "16", "--snapshot-slots", "64", "--prefill-chunk-tokens", "512",
         "--device", "cpu"]
     assert list(specs[1].argv) == [
