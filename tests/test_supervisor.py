@@ -58,8 +58,9 @@ event("serving")
 print(f"{name} serving", file=sys.stderr, flush=True)
 while not stop.wait(0.1):
     pass
-server.stop(0)
+server.stop(0).wait(2)
 event("stopped")
+os._exit(0)  # do not wait on grpc's worker threads at interpreter exit
 '''
 
 
