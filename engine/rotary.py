@@ -40,9 +40,12 @@ class Rotary:
     def __init__(self, config: ModelConfig) -> None:
         self.rotary_dim = config.rotary_dim
         self.inv_freq = inverse_frequencies(config)
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # not copied to the GPU every step
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

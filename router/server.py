@@ -160,23 +160,25 @@ class Router(pb_grpc.GenerationServiceServicer):
 
     # --- one request --------------------------------------------------------
     async def _generate(self, req: GenerationRequest, handle: Running, held: Held, context, started):
+        stop_ids = _stop_ids(req, self.tokenizer)
+        sampling = sampling_to_pb(req.params, stop_ids)
         plan = await self._reserve(req, held)
         self.metrics.cache_query(len(req.prompt), plan.cached)
         handle.busy_in = "prefill"
-        first = await self._run_prefill(req, plan, context)
+        first = await self._run_prefill(req, plan, sampling, context)
         handle.busy_in = None
         await self._cache_prompt(req, plan, held)
-        text = TextStream(self.tokenizer, req.params.stop, _stop_ids(req, self.tokenizer))
+        text = TextStream(self.tokenizer, req.params.stop, stop_ids)
         output = [first.token_id]
         self.metrics.first_token(time.perf_counter() - started)
         with_logprobs = req.params.logprobs is not None
         yield _chunk(req.request_id, first, text.push(first.token_id), with_logprobs)
-        finish, boundary = self._finish_of_first(req, first.token_id, text)
+        finish, boundary = self._finish_of_first(req, first.token_id, text, stop_ids)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
             handle.busy_in = "decode"
             call = handle.decode_call = self.decode.Decode(
-                self._decode_request(req, plan, first.token_id), timeout=context.time_remaining())
+                self._decode_request(req, plan, first.token_id, sampling), timeout=context.time_remaining())
             try:
                 async for event in call:
                     if event.HasField("finished"):  # decode has let go of it
@@ -217,8 +219,9 @@ class Router(pb_grpc.GenerationServiceServicer):
         yield pb.GenerateResponse(request_id=req.request_id,
                                   complete=pb.Complete(finish_reason=finish, usage=usage))
 
-    def _finish_of_first(self, req, token: int, text: TextStream):
-        if token in _stop_ids(req, self.tokenizer) or text.stopped:
+    @staticmethod
+    def _finish_of_first(req, token: int, text: TextStream, stop_ids):
+        if token in stop_ids or text.stopped:
             return pb.FINISH_REASON_STOP, 0
         if req.params.max_new_tokens <= 1:
             return pb.FINISH_REASON_LENGTH, 0
@@ -250,12 +253,13 @@ class Router(pb_grpc.GenerationServiceServicer):
             plan.snapshots = list(zip(points, grant.slots[2:]))
         return plan
 
-    async def _run_prefill(self, req: GenerationRequest, plan: Plan, context) -> wpb.GeneratedToken:
+    async def _run_prefill(self, req: GenerationRequest, plan: Plan, sampling: wpb.Sampling,
+                           context) -> wpb.GeneratedToken:
         reply = await self.prefill.Prefill(wpb.PrefillRequest(
             request_id=req.request_id, tokens=req.prompt, start=plan.cached, pages=plan.pages,
             state_slot=plan.state_slot, restore_slot=plan.restore_slot,
             snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
-            sampling=_sampling_pb(req, self.tokenizer)), timeout=context.time_remaining())
+            sampling=sampling), timeout=context.time_remaining())
         return reply.first
 
     async def _cache_prompt(self, req: GenerationRequest, plan: Plan, held: Held) -> None:
@@ -327,19 +331,17 @@ class Router(pb_grpc.GenerationServiceServicer):
             if e.code() != grpc.StatusCode.UNAVAILABLE:
                 log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id}: {e.code().name}")
 
-    def _decode_request(self, req: GenerationRequest, plan: Plan, first: int) -> wpb.DecodeRequest:
+    @staticmethod
+    def _decode_request(req: GenerationRequest, plan: Plan, first: int,
+                        sampling: wpb.Sampling) -> wpb.DecodeRequest:
         return wpb.DecodeRequest(request_id=req.request_id, prompt=req.prompt, first_token=first,
-                                 sampling=_sampling_pb(req, self.tokenizer), pages=plan.pages,
+                                 sampling=sampling, pages=plan.pages,
                                  state_slot=plan.state_slot, boundary_slot=plan.boundary_slot)
 
 
 def _stop_ids(req: GenerationRequest, tokenizer) -> tuple[int, ...]:
     eos = () if req.params.ignore_eos else tuple(tokenizer.eos_token_ids)
     return tuple(dict.fromkeys((*req.params.stop_token_ids, *eos)))
-
-
-def _sampling_pb(req: GenerationRequest, tokenizer) -> wpb.Sampling:
-    return sampling_to_pb(req.params, _stop_ids(req, tokenizer))
 
 
 def _chunk(request_id: str, token: wpb.GeneratedToken, text: str,

@@ -202,8 +202,13 @@ def _add_chat(sub) -> None:
     p.add_argument("--system", default=None, help="an optional system message")
     p.add_argument("--temperature", type=float, default=None, help="default: the server's")
     p.add_argument("--max-new-tokens", type=int, default=512)
-    p.set_defaults(run=lambda a: __import__("tandem.chat", fromlist=["chat_loop"]).chat_loop(
-        a.address, a.system, a.temperature, a.max_new_tokens))
+    p.set_defaults(run=_run_chat)
+
+
+def _run_chat(args) -> int:
+    from tandem.chat import chat_loop
+
+    return chat_loop(args.address, args.system, args.temperature, args.max_new_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
