@@ -54,7 +54,8 @@ def _run_generate(args) -> int:
     return 0
 
 
-_BENCHES = {"decode": "bench.decode", "kv-quality": "bench.kv_quality"}
+_BENCHES = {"decode": "bench.decode", "kv-quality": "bench.kv_quality",
+            "kv-ablation": "bench.kv_ablation"}
 
 
 def _add_bench(sub) -> None:
