@@ -107,27 +107,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         cache.write_kv(self.layer, batch.kv_slots, k, v)
-        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for i, seq in enumerate(batch.seqs):
-            lo, hi = batch.offsets[i], batch.offsets[i + 1]
-            out[lo:hi] = self._attend(q[lo:hi], seq.start, batch.page_tables[i], cache)
+        out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
         out = out.reshape(tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
-
-    def _attend(self, q: torch.Tensor, start: int, page_table: torch.Tensor,
-                cache: PagedKVCache) -> torch.Tensor:
-        """Causal attention of n new queries over the sequence's first start+n keys."""
-        n = q.shape[0]
-        k, v = cache.read_kv(self.layer, page_table, start + n, q.dtype)
-        key_pos = torch.arange(start + n, device=q.device)
-        query_pos = torch.arange(start, start + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=self.head_dim ** -0.5, enable_gqa=True)
-        return out.transpose(0, 1)
 
 
 class GatedDeltaNet(nn.Module):
