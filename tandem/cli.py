@@ -54,7 +54,9 @@ def _run_generate(args) -> int:
     return 0
 
 
-_BENCHES = {"decode": "bench.decode", "kv-quality": "bench.kv_quality"}
+_BENCHES = {"decode": "bench.decode", "prefill": "bench.prefill", "agent-loop": "bench.agent_loop",
+            "interference": "bench.interference", "memory": "bench.memory",
+            "kv-quality": "bench.kv_quality"}
 
 
 def _add_bench(sub) -> None:
