@@ -24,7 +24,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + 31 * i) % 250 + 1 for i in range(n)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench interference", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cpu")
@@ -36,22 +36,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-context-tokens", type=int, default=65536)
     p.add_argument("--gpu-memory-budget", default=None)
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
                  args.prefill_chunk, args.gpu_memory_budget) as svc:
-        svc.generate(token_ids=prompt(1, 64), max_new_tokens=8)  # warm-up (graphs, kernels)
-        idle = svc.generate(token_ids=prompt(2, 64), max_new_tokens=args.decode_tokens)
-        solo = svc.generate(token_ids=prompt(3, args.prefill_tokens), max_new_tokens=1)
+        run(svc, args)
+    return 0
 
-        busy = StreamResult(started=0.0)
-        thread = threading.Thread(target=svc.generate, kwargs=dict(
-            token_ids=prompt(4, 64), max_new_tokens=args.decode_tokens, into=busy))
-        thread.start()
-        while len(busy.stamps) < 4 and thread.is_alive():  # decode is streaming
-            time.sleep(0.01)
-        shared = svc.generate(token_ids=prompt(5, args.prefill_tokens), max_new_tokens=1)
-        thread.join()
+
+def run(svc: Service, args) -> dict:
+    """Against a running service; prints the table, returns the JSON."""
+    svc.generate(token_ids=prompt(1, 64), max_new_tokens=8)  # warm-up (graphs, kernels)
+    idle = svc.generate(token_ids=prompt(2, 64), max_new_tokens=args.decode_tokens)
+    solo = svc.generate(token_ids=prompt(3, args.prefill_tokens), max_new_tokens=1)
+
+    busy = StreamResult(started=0.0)
+    thread = threading.Thread(target=svc.generate, kwargs=dict(
+        token_ids=prompt(4, 64), max_new_tokens=args.decode_tokens, into=busy))
+    thread.start()
+    while len(busy.stamps) < 4 and thread.is_alive():  # decode is streaming
+        time.sleep(0.01)
+    shared = svc.generate(token_ids=prompt(5, args.prefill_tokens), max_new_tokens=1)
+    thread.join()
     window = (shared.started, shared.stamps[0])
     during = [b - a for a, b in zip(busy.stamps, busy.stamps[1:])
               if window[0] <= b <= window[1]]
@@ -67,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_solo_tok_s": solo_rate, "prefill_shared_tok_s": shared_rate,
         "prefill_kept_pct": 100 * shared_rate / solo_rate,
     }
-    write_json(args.json, {"env": environment(), "args": vars(args), "result": result})
+    payload = {"env": environment(), "args": vars(args), "result": result}
+    write_json(args.json, payload)
     print_table(f"interference ({args.model or 'embedded'}, {args.device}, prefill "
                 f"{args.prefill_tokens} tokens in chunks of {args.prefill_chunk})",
                 ["", "ITL p50 ms", "ITL p99 ms", "samples", "prefill tok/s"],
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"p99 during prefill / idle p50: "
           f"{result['busy_itl_p99_ms'] / result['idle_itl_p50_ms']:.2f}x; prefill keeps "
           f"{result['prefill_kept_pct']:.0f}% of its solo throughput")
-    return 0
+    return payload
 
 
 if __name__ == "__main__":
