@@ -67,6 +67,9 @@ class Service:
 
         from tandem.v1 import generation_pb2_grpc as pb_grpc
 
+        if threading.current_thread() is threading.main_thread():
+            # a time limit's SIGTERM must still stop the service's processes
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
