@@ -67,9 +67,10 @@ class Service:
 
         from tandem.v1 import generation_pb2_grpc as pb_grpc
 
+        self._old_sigterm = None
         if threading.current_thread() is threading.main_thread():
             # a time limit's SIGTERM must still stop the service's processes
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+            self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -82,12 +83,16 @@ class Service:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.channel.close()
-        self.proc.send_signal(signal.SIGTERM)
         try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.channel.close()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        finally:
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
 
     def pids(self) -> dict[int, str]:
         """The serve process and its children: pid -> process name."""

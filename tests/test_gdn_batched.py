@@ -43,8 +43,8 @@ def test_batched_gdn_matches_per_sequence_reference(monkeypatch):
     loaded = load_model("tiny-qwen3.5", device=DEVICE, dtype=torch.float32, seed=6)
     ref_logits, ref_states = run_steps(loaded, False, monkeypatch)
     logits, states = run_steps(loaded, True, monkeypatch)
-    # fla (CUDA) computes in tf32/bf16 blocks; the CPU fallback is the same math
-    tol = dict(rtol=2e-3, atol=2e-3) if gdn_batched.fla_available() and DEVICE == "cuda" \
+    # CUDA: fla's kernels and tf32 attention dots; the CPU fallback is the same math
+    tol = dict(rtol=1e-2, atol=1e-2) if DEVICE == "cuda" \
         else dict(rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, ref_logits, **tol)
     for s, r in zip(states, ref_states):
