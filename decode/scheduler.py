@@ -15,6 +15,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
+from engine.cuda_graphs import DecodeForward
 from engine.model import CausalLM
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
 from engine.stopping import FinishReason, StopChecker
@@ -71,7 +72,8 @@ class TokenOut:
 
 class DecodeScheduler:
     def __init__(self, model: CausalLM, cache: PagedKVCache, pages: PageSource,
-                 max_batch: int = 32, max_context: int | None = None) -> None:
+                 max_batch: int = 32, max_context: int | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.page_source = pages
@@ -80,6 +82,8 @@ class DecodeScheduler:
         self.max_context = max_context or model.config.max_position_embeddings
         self.running: list[DecodeSequence] = []
         self.waiting: list[DecodeSequence] = []
+        # decode steps replay CUDA graphs on a GPU (None: on for CUDA caches)
+        self.forward = DecodeForward(model, cache, self.max_context, enabled=cuda_graphs)
 
     # --- membership -----------------------------------------------------
     def add(self, seq: DecodeSequence) -> None:
@@ -109,7 +113,7 @@ class DecodeScheduler:
         finished = self._ensure_pages()
         if not self.running:
             return [], finished
-        logits = self.model(self._batch(), self.cache)
+        logits = self.forward(self._batch())
         self._capture_boundaries()
         result = sample(logits, [s.sampling for s in self.running])
         outs = []

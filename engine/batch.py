@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.kv.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class ForwardBatch:
     page_tables: list[torch.Tensor] = field(default_factory=list)  # per sequence, [n_pages] long
     state_slots: torch.Tensor | None = None  # [B] long
     offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
+    _attention: AttentionMetadata | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], page_size: int, device: torch.device | str) -> "ForwardBatch":
@@ -84,6 +86,14 @@ class ForwardBatch:
             state_slots=longs([s.state_slot for s in seqs]),
             offsets=offsets,
         )
+
+    @property
+    def attention(self) -> AttentionMetadata:
+        """Which keys each sequence's queries see; built once, shared by all layers."""
+        if self._attention is None:
+            self._attention = AttentionMetadata.build(
+                self.offsets, [s.end for s in self.seqs], self.page_tables, self.input_ids.device)
+        return self._attention
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.kv.attention import AttentionMetadata, paged_attention
 from engine.kv.formats import KVFormat
 
 
@@ -85,6 +86,13 @@ class PagedKVCache:
     def read_kv(self, layer: int, page_table: torch.Tensor, length: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_format.read(self.kv[self._attn_index[layer]], page_table, length, dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+               softmax_scale: float) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over the layer's pages (the new
+        tokens' K/V already written): Triton on CUDA, PyTorch elsewhere."""
+        return paged_attention(self.kv_format, self.kv[self._attn_index[layer]], q, meta,
+                               softmax_scale)
 
     # --- GDN state ------------------------------------------------------
     def recurrent_state(self, layer: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import CacheShape, PagedKVCache
+from engine.cuda_graphs import DecodeForward
 from engine.kv import make_format
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
@@ -31,6 +32,7 @@ class EngineConfig:
     max_context: int = 4096  # capped at the model's own context length
     prefill_chunk: int = 512
     kv_format: str = "bf16"  # "bf16" stores the compute dtype as is; or "int8", "rk4"
+    cuda_graphs: bool | None = None  # decode steps from CUDA graphs; None: on for CUDA
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "max_context", "prefill_chunk"):
@@ -100,6 +102,11 @@ class OfflineEngine:
                                   make_format(self.config.kv_format, **kv_options))
         self.pages = _FreeList(shape.num_pages)
         self.slots = _FreeList(self.config.max_batch)
+        graphs = self.config.cuda_graphs
+        if graphs is None:
+            graphs = loaded.device.type == "cuda"
+        self.decode_forward = DecodeForward(self.model, self.cache, self.max_context,
+                                            enabled=graphs)
 
     # --- public ---------------------------------------------------------
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
@@ -183,7 +190,7 @@ class OfflineEngine:
             self._ensure_pages(seq, seq.length)
             inputs.append(SequenceInput((seq.output[-1],), seq.length - 1, tuple(seq.pages), seq.slot))
         batch = ForwardBatch.build(inputs, self.config.page_size, self.loaded.device)
-        return self.model(batch, self.cache)
+        return self.decode_forward(batch)
 
     def _advance(self, seqs: list[_Sequence], logits: torch.Tensor,
                  running: list[_Sequence]) -> Iterator[GenerationEvent]:

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.batch import ForwardBatch
 from engine.cache import PagedKVCache
+from engine import gdn_batched
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from engine.rotary import Rotary
@@ -107,27 +108,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         cache.write_kv(self.layer, batch.kv_slots, k, v)
-        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for i, seq in enumerate(batch.seqs):
-            lo, hi = batch.offsets[i], batch.offsets[i + 1]
-            out[lo:hi] = self._attend(q[lo:hi], seq.start, batch.page_tables[i], cache)
+        out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
         out = out.reshape(tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
-
-    def _attend(self, q: torch.Tensor, start: int, page_table: torch.Tensor,
-                cache: PagedKVCache) -> torch.Tensor:
-        """Causal attention of n new queries over the sequence's first start+n keys."""
-        n = q.shape[0]
-        k, v = cache.read_kv(self.layer, page_table, start + n, q.dtype)
-        key_pos = torch.arange(start + n, device=q.device)
-        query_pos = torch.arange(start, start + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=self.head_dim ** -0.5, enable_gqa=True)
-        return out.transpose(0, 1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -160,9 +145,12 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
+        if gdn_batched.use_batched_path(x):
+            out = self._forward_batched(mixed, g, beta, batch, states, windows, weight)
+            return self.out_proj(self.norm(out, z).reshape(tokens, -1))
+        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, seq in enumerate(batch.seqs):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             slot = seq.state_slot
@@ -180,6 +168,28 @@ class GatedDeltaNet(nn.Module):
             out[lo:hi] = o[0]
         out = self.norm(out, z).reshape(tokens, -1)
         return self.out_proj(out)
+
+    def _forward_batched(self, mixed, g, beta, batch, states, windows, weight):
+        """All sequences at once with device-indexed state slots (CUDA; graph-safe
+        for decode steps); see engine/gdn_batched.py."""
+        tokens = mixed.shape[0]
+        slots = batch.state_slots
+        if batch.is_decode:
+            fresh = batch.positions == 0
+            conv_out = gdn_batched.decode_conv(mixed, windows, slots, fresh, weight)
+        else:
+            fresh_host = [seq.start == 0 for seq in batch.seqs]
+            fresh = torch.tensor(fresh_host, device=mixed.device)
+            conv_out = gdn_batched.prefill_conv(mixed, windows, [s.state_slot for s in batch.seqs],
+                                                fresh_host, batch.offsets, weight)
+        q, k, v = conv_out.split(self._split, dim=-1)
+        q = q.view(tokens, self.num_k_heads, self.k_dim)
+        k = k.view(tokens, self.num_k_heads, self.k_dim)
+        v = v.view(tokens, self.num_v_heads, self.v_dim)
+        if batch.is_decode:
+            return gdn_batched.gated_delta_rule_decode(q, k, v, g, beta, states, slots, fresh)
+        return gdn_batched.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, fresh,
+                                                    batch.offsets)
 
 
 class DecoderLayer(nn.Module):

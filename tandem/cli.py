@@ -54,8 +54,9 @@ def _run_generate(args) -> int:
     return 0
 
 
-_BENCHES = {"decode": "bench.decode", "kv-quality": "bench.kv_quality",
-            "kv-ablation": "bench.kv_ablation"}
+_BENCHES = {"decode": "bench.decode", "prefill": "bench.prefill", "agent-loop": "bench.agent_loop",
+            "interference": "bench.interference", "memory": "bench.memory",
+            "kv-quality": "bench.kv_quality", "kv-ablation": "bench.kv_ablation"}
 
 
 def _add_bench(sub) -> None:
@@ -92,6 +93,8 @@ def _add_serve(sub) -> None:
                    help="cached hybrid-state snapshots kept for the prefix cache")
     p.add_argument("--max-batch", type=int, default=16, help="decode batch size")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode steps eagerly instead of replaying CUDA graphs (GPU only)")
     p.add_argument("--gpu-memory-budget", default=None,
                    help="e.g. 24GiB: the kvstore refuses to start when its plan exceeds it")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -134,6 +137,8 @@ def serve_specs(args, socket_dir: str) -> list:
                "--chunk", str(args.prefill_chunk), "--device", device]
     decode = [py, "-m", "decode.server", "--store", sock["kvstore"], "--socket", sock["decode"],
               "--max-batch", str(args.max_batch), "--device", device]
+    if getattr(args, "no_cuda_graphs", False):
+        decode.append("--no-cuda-graphs")
     router = [py, "-m", "router.server", "--store", sock["kvstore"], "--prefill", sock["prefill"],
               "--decode", sock["decode"], "--host", args.host, "--port", str(args.grpc_port),
               "--metrics-port", str(args.metrics_port)]
