@@ -36,7 +36,8 @@ from engine.kv.kernels import _e8m0_scale, _store_dense
 
 # KV layouts the kernel knows (constexpr KIND).
 DENSE, DENSE_BF16, INT8, RK4 = 0, 1, 2, 3
-_NEG_BIG = -1.0e30  # finite "minus infinity" for the running max: no inf - inf
+# constexpr: compiled kernels may only read globals that are constexpr
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: no inf - inf
 LOG2E = 1.4426950408889634
 
 
