@@ -73,8 +73,9 @@ def _run_bench(which: str, rest: list[str]) -> int:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="run the service: kvstore, prefill, decode and router",
-                       description="Starts the four processes in order, each once the previous "
+    p = sub.add_parser("serve", help="run the service: kvstore, prefill, decode, router and "
+                                     "the OpenAI HTTP gateway",
+                       description="Starts the processes in order, each once the previous "
                                    "one reports SERVING, prints one line to stdout when all are "
                                    "up, and runs until Ctrl-C or SIGTERM. Internal traffic goes "
                                    "over unix sockets in a private temporary directory.")
@@ -101,6 +102,11 @@ def _add_serve(sub) -> None:
                    help="default: cuda when a GPU is present")
     p.add_argument("--socket-dir", default=None,
                    help="directory for the internal unix sockets (default: a private temp dir)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API on --host; 0 = do not start it")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the HTTP API "
+                        "(default: $TANDEM_API_KEY, else no key)")
     p.set_defaults(run=_run_serve)
 
 
@@ -108,11 +114,13 @@ def _add_serve(sub) -> None:
 # which this process (it only supervises) never needs.
 _EMBEDDED_MODEL = "embedded"
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+API_KEY_ENV = "TANDEM_API_KEY"  # openai_api.__main__.API_KEY_ENV, without importing aiohttp
 
 
 def serve_specs(args, socket_dir: str) -> list:
-    """The four processes of `tandem serve`, in start order, for parsed ARGS
-    (with args.device already chosen) and sockets under SOCKET_DIR."""
+    """The processes of `tandem serve`, in start order, for parsed ARGS (with
+    args.device already chosen) and sockets under SOCKET_DIR: kvstore,
+    prefill, decode, router, and the OpenAI HTTP gateway unless --http-port 0."""
     import os
 
     from tandem.supervisor import ProcessSpec
@@ -123,6 +131,9 @@ def serve_specs(args, socket_dir: str) -> list:
     if too_long:
         raise TandemError(f"socket path {too_long[0]!r} is longer than {_UNIX_PATH_MAX} bytes; "
                           "set TMPDIR to a shorter directory")
+    if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
+        raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
+                          "and differ from --grpc-port")
     device = args.device
     py = sys.executable
     kvstore = [py, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
@@ -143,13 +154,22 @@ def serve_specs(args, socket_dir: str) -> list:
               "--decode", sock["decode"], "--host", args.host, "--port", str(args.grpc_port),
               "--metrics-port", str(args.metrics_port)]
     # The kvstore loads the weights (minutes for a large GGUF); workers map them.
-    return [
+    specs = [
         ProcessSpec("kvstore", kvstore, f"unix://{sock['kvstore']}", False, start_timeout_s=900),
         ProcessSpec("prefill", prefill, f"unix://{sock['prefill']}", True, start_timeout_s=300),
         ProcessSpec("decode", decode, f"unix://{sock['decode']}", True, start_timeout_s=300),
         ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
                     start_timeout_s=120),
     ]
+    if args.http_port:
+        # the gateway holds no state: a crash is reported and it is restarted
+        gateway = [py, "-m", "openai_api", "--router", _local_target(args.host, args.grpc_port),
+                   "--host", args.host, "--port", str(args.http_port)]
+        key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
+        specs.append(ProcessSpec("openai", gateway,
+                                 f"http://{_local_target(args.host, args.http_port)}/health", True,
+                                 start_timeout_s=120, env=((API_KEY_ENV, key),)))
+    return specs
 
 
 def _local_target(host: str, port: int) -> str:
@@ -192,8 +212,9 @@ def _run_serve(args) -> int:
         with Supervisor(serve_specs(args, socket_dir)) as supervisor:
             supervisor.start()
             model = args.model or _EMBEDDED_MODEL
+            http = f", OpenAI HTTP API on :{args.http_port}" if args.http_port else ""
             print(f"tandem: serving {model} on {args.host}:{args.grpc_port} "
-                  f"(metrics on :{args.metrics_port})", flush=True)
+                  f"(metrics on :{args.metrics_port}{http})", flush=True)
             return supervisor.run()
     except StartupInterrupted:
         return 130
