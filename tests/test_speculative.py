@@ -209,3 +209,41 @@ def test_ngram_index_proposes_what_followed_the_latest_match():
     index.extend([3])
     assert index.propose(2) == [7, 8]
     assert NgramIndex([4, 5, 6], 1, 3).propose(3) == []
+
+
+# --- the decode worker's scheduler ---------------------------------------
+
+def test_decode_scheduler_speculates_with_exact_greedy_parity(qwen35):
+    """The service path: prefill (prefill/runner.py, which fills the MTP KV),
+    then the decode scheduler with MTP k=3 over reserved pages and spare GDN
+    slots, a batch mixing a speculating and a plain sequence."""
+    from decode.scheduler import DecodeScheduler, DecodeSequence, run_to_completion
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from prefill.runner import PrefillJob, run_prefill
+
+    page, k = 4, 3
+    params = SamplingParams(temperature=0, max_new_tokens=14, ignore_eos=True)
+    reference, _ = _run(qwen35, TINY_PROMPTS[:2], params)
+    cache = PagedKVCache(qwen35.config, CacheShape(64, page, 2 * (2 + k), mtp_layers=1), "cpu",
+                         make_format("bf16", dtype=torch.float32))
+
+    class NoMorePages:
+        def allocate_pages(self, count):
+            raise AssertionError("speculation asked for pages beyond the reservation")
+
+    sched = DecodeScheduler(qwen35.model, cache, NoMorePages(), max_batch=4,
+                            speculative=SpeculativeConfig("mtp", k))
+    seqs = []
+    for i, prompt in enumerate(TINY_PROMPTS[:2]):
+        pages = tuple(range(i * 32, i * 32 + -(-(len(prompt) + 14) // page)))
+        slot = i * (2 + k)
+        first = run_prefill(qwen35.model, cache, PrefillJob(f"r{i}", tuple(prompt), 0, pages, slot,
+                                                            params=params), 8).token_ids[0]
+        spare = list(range(slot + 2, slot + 2 + k)) if i == 0 else []  # r1 does not speculate
+        seqs.append(DecodeSequence(f"r{i}", list(prompt), [first], params, list(pages), slot,
+                                   (), boundary_slot=slot + 1, spare_slots=spare))
+        sched.add(seqs[-1])
+    run_to_completion(sched)
+    assert [s.output for s in seqs] == reference
+    assert seqs[0].spec is not None and seqs[0].spec.drafted > 0 and seqs[1].spec is None
