@@ -25,18 +25,27 @@ class SequenceInput:
     page_table:  page ids covering positions [0, start + len(tokens)).
     state_slot:  the GDN state slot (hybrid models); it holds the state after
                  `start` tokens and is updated in place. -1 for dense models.
+    position_slots: empty, or one GDN slot per new token (speculative verify):
+                 the state after new token j is written to position_slots[j]
+                 (state_slot is only read, unless it is one of them), so the
+                 caller can pick the state of whichever prefix it accepts
+                 without running anything again.
     """
 
     tokens: tuple[int, ...]
     start: int
     page_table: tuple[int, ...]
     state_slot: int = -1
+    position_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise InvalidRequestError("a sequence in a forward needs at least one new token")
         if self.start < 0:
             raise InvalidRequestError(f"start must be >= 0, got {self.start}")
+        if self.position_slots and len(self.position_slots) != len(self.tokens):
+            raise InvalidRequestError(f"{len(self.position_slots)} position slots for "
+                                      f"{len(self.tokens)} new tokens: give one per token")
 
     @property
     def end(self) -> int:

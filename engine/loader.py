@@ -61,6 +61,7 @@ def _load_gguf(path: Path, device, dtype, progress) -> LoadedModel:
     _log(f"loading {path}")
     gguf = read_gguf(path, dtype=dtype, progress=progress)
     config = ModelConfig.from_hf(gguf.hf_config)
+    config = _with_trained_head(config, gguf.tensors, path, dtype)
     model = build_model(config, gguf.tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, gguf.tokenizer, str(path), device, dtype)
 
@@ -74,6 +75,7 @@ def _load_hf_dir(path: Path, device, dtype, progress) -> LoadedModel:
     _log(f"loading {path}")
     config = ModelConfig.from_hf(read_hf_config(path))
     tensors = read_safetensors(path, dtype, progress)
+    config = _with_trained_head(config, tensors, path, dtype)
     model = build_model(config, tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, Tokenizer.from_hf_dir(path), str(path), device, dtype)
 
@@ -89,6 +91,22 @@ def _load_dummy(name: str, device, dtype, seed: int) -> LoadedModel:
     randomize(model, seed)
     model.eval()
     return LoadedModel(config, model, ByteTokenizer(config.vocab_size), f"dummy:{name}", device, dtype)
+
+
+def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
+                       dtype: torch.dtype) -> ModelConfig:
+    """A model without MTP weights picks up a head trained by `tandem train-mtp`
+    (engine/speculative/heads.py says where it looks); its tensors join `tensors`."""
+    from engine.speculative.heads import head_path_for, read_head
+
+    if config.mtp_num_layers or any(n.startswith("mtp.") for n in tensors):
+        return config
+    head = head_path_for(source)
+    if head is None:
+        return config
+    _log(f"using the MTP head {head}")
+    tensors.update(read_head(head, config, dtype))
+    return replace(config, mtp_num_layers=1)
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,

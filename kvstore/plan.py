@@ -47,7 +47,10 @@ class CapacityPlan:
 
     max_context_tokens: tokens the page pool holds across all sequences and the
     prefix cache together. live_slots + snapshot_slots: the one GDN slot pool
-    (hybrid models; ignored for dense ones). gpu_memory_budget: bytes, None for
+    (hybrid models; ignored for dense ones). draft_slots_per_sequence: spare
+    GDN slots each running sequence holds for speculative verify (one per
+    draft position; 0 without speculation). mtp_kv_layers: MTP layers whose
+    KV gets a page pool (the MTP drafter), indexed by the same page tables. gpu_memory_budget: bytes, None for
     no limit. weight_bytes: the weights as stored (see weight_bytes_of).
     activation_bytes: bytes per activation element in workers (2 for bf16).
 
@@ -70,6 +73,8 @@ class CapacityPlan:
     weight_bytes: int
     prefill_chunk_tokens: int = 2048
     activation_bytes: int = 2
+    draft_slots_per_sequence: int = 0
+    mtp_kv_layers: int = 0
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,12 +88,18 @@ class CapacityPlan:
         return -(-self.max_context_tokens // self.page_size)
 
     @property
+    def num_draft_slots(self) -> int:
+        return self.live_slots * self.draft_slots_per_sequence if self.config.is_hybrid else 0
+
+    @property
     def num_state_slots(self) -> int:
-        return self.live_slots + self.snapshot_slots if self.config.is_hybrid else 0
+        if not self.config.is_hybrid:
+            return 0
+        return self.live_slots + self.snapshot_slots + self.num_draft_slots
 
     @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(self.num_pages, self.page_size, self.num_state_slots)
+        return CacheShape(self.num_pages, self.page_size, self.num_state_slots, self.mtp_kv_layers)
 
     @property
     def total_bytes(self) -> int:
@@ -140,7 +151,10 @@ class CapacityPlan:
 
     def _compute_lines(self) -> tuple[PlanLine, ...]:
         cfg = self.config
-        kv = kv_layout(cfg, self.cache_shape, self.kv_format.build()).total_bytes - HEADER_BYTES
+        fmt = self.kv_format.build()
+        target_shape = CacheShape(self.num_pages, self.page_size, self.num_state_slots)
+        kv = kv_layout(cfg, target_shape, fmt).total_bytes - HEADER_BYTES
+        mtp_kv = kv_layout(cfg, self.cache_shape, fmt).total_bytes - HEADER_BYTES - kv
         per_slot = _state_bytes_per_slot(cfg)
         activations = self._activation_reserve()
         return (
@@ -152,12 +166,20 @@ class CapacityPlan:
                      f"{len(cfg.attention_layers)} layers",
                      f"lower --max-context-tokens (now {self.max_context_tokens}) or pick a "
                      "smaller --kv-format (rk4 is 4.5 bits per element)"),
+            PlanLine("mtp kv pages", mtp_kv,
+                     f"{self.num_pages} pages x {self.page_size} tokens x {self.mtp_kv_layers} "
+                     "MTP layers (speculative decoding)",
+                     "use --speculative ngram (no MTP KV) or lower --max-context-tokens"),
             PlanLine("gdn live slots", self.live_slots * per_slot if cfg.is_hybrid else 0,
                      f"{self.live_slots if cfg.is_hybrid else 0} x {format_bytes(per_slot)}",
                      f"lower --live-slots (now {self.live_slots})"),
             PlanLine("gdn snapshot slots", self.snapshot_slots * per_slot if cfg.is_hybrid else 0,
                      f"{self.snapshot_slots if cfg.is_hybrid else 0} x {format_bytes(per_slot)}",
                      f"lower --snapshot-slots (now {self.snapshot_slots})"),
+            PlanLine("gdn draft slots", self.num_draft_slots * per_slot,
+                     f"{self.num_draft_slots} x {format_bytes(per_slot)} "
+                     f"({self.draft_slots_per_sequence} per live sequence)",
+                     "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens",
                      f"lower --prefill-chunk-tokens (now {self.prefill_chunk_tokens}) or "
@@ -190,7 +212,7 @@ class CapacityPlan:
         for name in ("page_size", "max_context_tokens", "prefill_chunk_tokens",
                      "activation_bytes"):
             positive(name)
-        for name in ("snapshot_slots", "weight_bytes"):
+        for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "mtp_kv_layers"):
             positive(name, 0)
         positive("live_slots", 1 if self.config.is_hybrid else 0)
         if self.gpu_memory_budget is not None:

@@ -27,21 +27,38 @@ def _add_generate(sub) -> None:
     p.add_argument("--system", default=None, help="an optional system message")
     p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    _add_speculative_flags(p)
     p.set_defaults(run=_run_generate)
+
+
+def _add_speculative_flags(p) -> None:
+    p.add_argument("--speculative", choices=["none", "mtp", "ngram"], default="none",
+                   help="speculative decoding: the model's MTP head (shipped, or trained with "
+                        "`tandem train-mtp`), prompt lookup (ngram), or none (default)")
+    p.add_argument("--draft-tokens", type=int, default=3, metavar="K",
+                   help="draft tokens verified per step, 1..4 (default 3)")
+
+
+def _speculative_config(args):
+    from engine.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(args.speculative, args.draft_tokens)
 
 
 def _run_generate(args) -> int:
     import torch
 
-    from engine.llm import OfflineEngine
+    from engine.llm import EngineConfig, OfflineEngine
     from engine.loader import load_model
     from engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, max_new_tokens=args.max_new_tokens)
+    speculative = _speculative_config(args)  # bad flags fail before the model loads
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = OfflineEngine(load_model(args.model, device=device))
+    engine = OfflineEngine(load_model(args.model, device=device),
+                           EngineConfig(speculative=speculative))
     if args.raw:
         prompt = engine.tokenizer.encode(args.prompt)
     else:
@@ -51,6 +68,67 @@ def _run_generate(args) -> int:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if speculative.enabled:
+        t = engine.spec_totals
+        print(f"tandem: speculative {speculative.method} k={speculative.num_draft_tokens}: mean "
+              f"accepted length {engine.mean_accepted_length:.2f} tokens per target forward "
+              f"({t['accepted']} of {t['drafted']} drafts accepted in {t['steps']} steps)",
+              file=sys.stderr)
+    return 0
+
+
+def _add_train_mtp(sub) -> None:
+    p = sub.add_parser("train-mtp", help="train an MTP head for a model that has none",
+                       description="Self-distillation: the model answers built-in chat and code "
+                                   "prompts, and a head of Qwen3.5's MTP structure learns to "
+                                   "predict its greedy token two positions ahead. Writes a bf16 "
+                                   "safetensors file where --model finds it (see README).")
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory "
+                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", default=None, help="output file (default: where --model looks)")
+    p.add_argument("--time-budget", type=float, default=600.0, help="training seconds")
+    p.add_argument("--samples-per-prompt", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--depth", type=int, default=3, help="unrolled draft steps trained")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.set_defaults(run=_run_train_mtp)
+
+
+def _run_train_mtp(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from engine.loader import load_model
+    from engine.speculative.heads import SHIPPED, save_head
+    from engine.speculative.train import TrainConfig, train_head
+
+    try:
+        cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
+                          depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
+                          seed=args.seed)
+    except ValueError as e:
+        raise TandemError(str(e)) from e
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(args.model, device=device, progress=False)
+    if loaded.config.mtp_num_layers:
+        raise TandemError(f"{loaded.source} already has an MTP head; nothing to train")
+    if loaded.source.startswith("dummy:"):
+        raise TandemError("train-mtp needs real weights (a GGUF file or HF directory)")
+    source = Path(loaded.source)
+    out = Path(args.out) if args.out else (
+        source / "mtp.safetensors" if source.is_dir()
+        else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
+        else source.with_name(source.stem + ".mtp.safetensors"))
+    head, stats = train_head(loaded, cfg)
+    tensors = {f"mtp.{name}": t for name, t in head.state_dict().items()}
+    save_head(out, loaded.config, tensors,
+              {"base_model": source.name, "train_steps": str(stats["steps"]),
+               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"])})
+    print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; held-out draft accuracy "
+          f"by depth {[round(a, 3) for a in stats['accuracy']]})")
     return 0
 
 
@@ -245,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_chat(sub)
     _add_bench(sub)
+    _add_train_mtp(sub)
     return parser
 
 
