@@ -73,6 +73,10 @@ class TokenOut:
     logprob: float | None
     top_logprobs: list[tuple[int, float]] | None
     finish_reason: FinishReason | None
+    # speculative steps: set on the first token of a sequence's step, so that
+    # summing over the tokens counts each step once
+    drafted: int = 0  # drafts the step verified
+    accepted: int = 0  # of those, kept and emitted
 
 
 class DecodeScheduler:
@@ -151,6 +155,7 @@ class DecodeScheduler:
         verified = self.spec.verify(self.running)
         for seq, v in zip(list(self.running), verified):
             kept = 0
+            first = len(outs)
             for j, token in enumerate(v.tokens):
                 kept += 1
                 seq.output.append(token)
@@ -162,6 +167,9 @@ class DecodeScheduler:
                                      seq.finish_reason))
                 if seq.finish_reason is not None:
                     break
+            # counted as SpecState counts them: drafts cut off by a stop rule are not accepted
+            outs[first].drafted = v.num_drafts
+            outs[first].accepted = min(v.num_accepted, kept - 1)
             self._capture_verified_boundary(seq, v)
             self.spec.commit(seq, v, kept)
             if seq.finish_reason is not None:

@@ -99,8 +99,7 @@ class StepLoop:
                     seq.finish_detail = f"decode step failed: {e}"
                     self._publish_finished(seq)
                 continue
-            for out in outs:
-                self._publish_token(out)
+            self._publish_tokens(outs)
             for seq in finished:
                 self._publish_finished(seq)
 
@@ -132,9 +131,17 @@ class StepLoop:
         if sub is not None:
             sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
 
-    def _publish_token(self, out: TokenOut) -> None:
-        token = generated_token_pb(out.token_id, out.logprob, out.top_logprobs)
-        self._send(out.request_id, pb.DecodeEvent(tokens=pb.DecodeTokens(tokens=[token])))
+    def _publish_tokens(self, outs: list[TokenOut]) -> None:
+        """One event per request per step: a speculative step emits several
+        tokens at once, with the step's draft counts."""
+        events: dict[str, pb.DecodeTokens] = {}
+        for out in outs:
+            event = events.setdefault(out.request_id, pb.DecodeTokens())
+            event.tokens.append(generated_token_pb(out.token_id, out.logprob, out.top_logprobs))
+            event.drafted += out.drafted
+            event.accepted += out.accepted
+        for request_id, event in events.items():
+            self._send(request_id, pb.DecodeEvent(tokens=event))
 
     def _publish_finished(self, seq: DecodeSequence) -> None:
         finished = pb.DecodeFinished(reason=_FINISH_PB[seq.finish_reason], detail=seq.finish_detail,
@@ -148,7 +155,8 @@ def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids) -> DecodeSequence:
     return DecodeSequence(
         request_id=r.request_id, prompt=list(r.prompt), output=[r.first_token],
         params=sampling_from_pb(r.sampling), pages=list(r.pages), state_slot=r.state_slot,
-        eos_token_ids=eos_token_ids, boundary_slot=r.boundary_slot)
+        eos_token_ids=eos_token_ids, boundary_slot=r.boundary_slot,
+        spare_slots=list(r.spare_slots))
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):
@@ -183,8 +191,12 @@ async def _main(args) -> None:
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
+    spec = store.info.speculative  # the store laid out its memory (MTP KV, spare slots)
     scheduler = DecodeScheduler(store.model, store.cache, ReservedPagesOnly(), max_batch=args.max_batch,
-                                cuda_graphs=False if args.no_cuda_graphs else None)
+                                cuda_graphs=False if args.no_cuda_graphs else None,
+                                speculative=spec)
+    if spec.enabled:
+        log(PROCESS, f"speculative decoding: {spec.method}, {spec.num_draft_tokens} draft tokens")
     steps = StepLoop(scheduler)
     steps.start()
 

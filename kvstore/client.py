@@ -31,6 +31,7 @@ from engine.cache import CacheShape, PagedKVCache
 from engine.config import ModelConfig
 from engine.errors import TandemError
 from engine.model import CausalLM
+from engine.speculative import SpeculativeConfig
 from kvstore.arena import ArenaHandle, CudaIpcHandle, Layout, TensorSpec, dtype_from_name
 from kvstore.control import Allocation, InsertResult, MatchResult, StoreStats
 from kvstore.memory import (KVFormatSpec, StoreArenas, cache_on_arenas, config_from_json,
@@ -76,6 +77,14 @@ class StoreInfo:
     num_state_slots: int
     store_pid: int
     arenas: dict[str, ArenaHandle]
+    # the service's drafter, which the store laid out memory for
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    mtp_kv_layers: int = 0  # MTP layers with KV page pools in the kv arena
+
+    @property
+    def spare_slots_per_sequence(self) -> int:
+        """GDN slots a running sequence holds for speculative verify."""
+        return self.speculative.spare_slots(self.config)
 
 
 def wait_for_store(socket_path: str, timeout: float = 30.0) -> None:
@@ -173,7 +182,8 @@ class StoreClient:
         info = self.info
         self.arenas = open_arenas(info.arenas, info.store_pid)
         kv_format = info.kv_format.build()
-        shape = CacheShape(info.num_pages, info.page_size, info.num_state_slots)
+        shape = CacheShape(info.num_pages, info.page_size, info.num_state_slots,
+                           info.mtp_kv_layers)
         self.model = model_on_arena(info.config, self.arenas.weights, info.dtype, info.model_id)
         self.cache = cache_on_arenas(info.config, shape, kv_format, self.arenas)
 
@@ -260,6 +270,13 @@ def _info_from_pb(a: pb.Attached) -> StoreInfo:
         config=config_from_json(a.model.config_json), dtype=dtype_from_name(a.model.dtype),
         kv_format=KVFormatSpec.from_json(a.kv_format.name, a.kv_format.options_json),
         page_size=a.page_size, num_pages=a.num_pages, num_state_slots=a.num_state_slots,
-        store_pid=a.store_pid,
+        store_pid=a.store_pid, speculative=_speculative_from_pb(a.speculative),
+        mtp_kv_layers=a.speculative.mtp_kv_layers,
         arenas={"weights": _arena_from_pb(a.weights), "kv": _arena_from_pb(a.kv),
                 "state": _arena_from_pb(a.state)})
+
+
+def _speculative_from_pb(s: pb.SpeculativeInfo) -> SpeculativeConfig:
+    if s.method in ("", "none"):  # proto3 leaves an unset method empty
+        return SpeculativeConfig()
+    return SpeculativeConfig(s.method, s.draft_tokens)

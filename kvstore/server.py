@@ -5,7 +5,8 @@ and gRPC health on one unix domain socket.
 
     python -m kvstore.server --model tiny-qwen3.5 --socket /tmp/kv.sock \\
         --kv-format rk4 --page-size 16 --max-context-tokens 65536 \\
-        --live-slots 8 --snapshot-slots 32 --gpu-memory-budget 24GiB --device cuda
+        --live-slots 8 --snapshot-slots 32 --gpu-memory-budget 24GiB --device cuda \\
+        --speculative mtp --draft-tokens 3
 
 Exit status: 0 after SIGTERM/SIGINT (shared memory files unlinked, socket
 removed); 2 when the plan is over budget (the plan on stderr) or a flag or
@@ -31,8 +32,9 @@ import grpc
 import torch
 
 from engine.errors import TandemError
-from engine.config import shape_names
+from engine.config import ModelConfig, shape_names
 from engine.loader import default_dtype, load_model, peek_config
+from engine.speculative import SpeculativeConfig
 from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
 from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
                              InvalidArgument, MatchResult, ResourceExhausted, StoreControl,
@@ -67,8 +69,13 @@ class ServerOptions:
     device: str = "cpu"
     prefill_chunk_tokens: int = 2048
     seed: int = 0
+    # the decode workers' drafter: the store lays out its memory (MTP KV pools,
+    # k spare GDN slots per live sequence) and tells every process
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("speculative must be a SpeculativeConfig")
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         # sockaddr_un.sun_path is 108 bytes including the NUL.
@@ -93,13 +100,19 @@ class Store:
     control: StoreControl
 
 
-def plan_for(options: ServerOptions, config, dtype: torch.dtype, weight_bytes: int) -> CapacityPlan:
+def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype,
+             weight_bytes: int) -> CapacityPlan:
+    """The plan for `config`; --speculative mtp on a model without an MTP head
+    fails here (InvalidRequestError naming `tandem train-mtp`)."""
+    spec = options.speculative
+    spec.check_model(config)
     return CapacityPlan(
         config=config, kv_format=kv_spec_for(options, dtype), page_size=options.page_size,
         max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
         snapshot_slots=options.snapshot_slots, gpu_memory_budget=options.gpu_memory_budget,
         weight_bytes=weight_bytes, prefill_chunk_tokens=options.prefill_chunk_tokens,
-        activation_bytes=dtype.itemsize)
+        activation_bytes=dtype.itemsize, draft_slots_per_sequence=spec.spare_slots(config),
+        mtp_kv_layers=spec.mtp_kv_layers(config))
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
@@ -115,6 +128,11 @@ def start_store(options: ServerOptions) -> Store:
     device = torch.device(options.device)
     dtype = default_dtype(device)
     config = peek_config(options.model)
+    if (options.speculative.uses_mtp and config is not None
+            and options.model not in shape_names()):
+        # whether a directory's model has an MTP head (its own mtp.* tensors or
+        # a trained head file beside it) is only known once loaded
+        config = None
     plan = None
     if config is not None:  # plan before loading: an over-budget store loads nothing
         plan = _checked_plan(options, config, dtype, weight_bytes_of(config, dtype))
@@ -193,6 +211,7 @@ def arena_to_pb(handle: ArenaHandle) -> pb.ArenaInfo:
 
 def attached_to_pb(store: Store, session_id: str) -> pb.Attached:
     handles = store.arenas.handles()
+    spec = store.options.speculative
     return pb.Attached(
         session_id=session_id,
         model=pb.ModelInfo(model_id=store.model_id, config_json=store.config_json,
@@ -201,7 +220,9 @@ def attached_to_pb(store: Store, session_id: str) -> pb.Attached:
         page_size=store.plan.page_size, num_pages=store.plan.num_pages,
         num_state_slots=store.plan.num_state_slots,
         weights=arena_to_pb(handles["weights"]), kv=arena_to_pb(handles["kv"]),
-        state=arena_to_pb(handles["state"]), store_pid=os.getpid())
+        state=arena_to_pb(handles["state"]), store_pid=os.getpid(),
+        speculative=pb.SpeculativeInfo(method=spec.method, draft_tokens=spec.num_draft_tokens,
+                                       mtp_kv_layers=store.plan.mtp_kv_layers))
 
 
 def match_to_pb(m: MatchResult) -> pb.MatchReply:
@@ -345,6 +366,12 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
                    help="largest prefill chunk workers run (sizes the activation reserve)")
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--speculative", default="none",
+                   help="the decode workers' drafter: none (default), mtp (lays out MTP KV "
+                        "pools) or ngram")
+    p.add_argument("--draft-tokens", type=int, default=3,
+                   help="draft tokens per step, 1..4: hybrid models get that many spare GDN "
+                        "slots per live sequence")
     a = p.parse_args(argv)
     budget = None if a.gpu_memory_budget is None else parse_bytes(a.gpu_memory_budget)
     return ServerOptions(
@@ -352,7 +379,8 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         kv_options=_parse_kv_options(a.kv_option), page_size=a.page_size,
         max_context_tokens=a.max_context_tokens, live_slots=a.live_slots,
         snapshot_slots=a.snapshot_slots, gpu_memory_budget=budget, device=a.device,
-        prefill_chunk_tokens=a.prefill_chunk_tokens, seed=a.seed)
+        prefill_chunk_tokens=a.prefill_chunk_tokens, seed=a.seed,
+        speculative=SpeculativeConfig(a.speculative, a.draft_tokens))
 
 
 def _parse_kv_options(items: list[str]) -> dict:

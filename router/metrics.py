@@ -62,10 +62,12 @@ class RouterMetrics:
                                            "Tokens looked up in the prefix cache", registry=r)
         self._cache_hit_tokens = Counter("tandem_prefix_cache_hit_tokens",
                                          "Looked-up tokens found in the prefix cache", registry=r)
-        self._draft_tokens = Counter("tandem_spec_draft_tokens",
-                                     "Speculative (MTP) draft tokens proposed", registry=r)
+        self._draft_tokens = Counter("tandem_spec_drafted_tokens",
+                                     "Speculative decoding: draft tokens verified by the target",
+                                     registry=r)
         self._accepted_tokens = Counter("tandem_spec_accepted_tokens",
-                                        "Speculative (MTP) draft tokens accepted", registry=r)
+                                        "Speculative decoding: draft tokens accepted and emitted",
+                                        registry=r)
         self._kv_pages_used = Gauge("tandem_kv_pages_used", "KV pages in use (live or cached)",
                                     registry=r)
         self._kv_pages_total = Gauge("tandem_kv_pages_total", "KV pages in the store's pool",

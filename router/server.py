@@ -85,6 +85,7 @@ class Plan:
     state_slot: int = -1
     restore_slot: int = -1
     boundary_slot: int = -1
+    spare_slots: list[int] = field(default_factory=list)  # speculative verify on hybrid models
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (tokens, slot)
 
 
@@ -101,6 +102,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         self.model_config = info.config
         self.page_size = info.page_size
         self.hybrid = info.config.is_hybrid
+        self.speculative = info.speculative
+        self.spare_slots = info.spare_slots_per_sequence
         self.max_context = min(info.config.max_position_embeddings, info.num_pages * info.page_size)
         self.running: dict[str, Running] = {}
 
@@ -156,7 +159,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         return pb.ModelInfo(model=self.config.model_name or info.model_id,
                             architecture=self.model_config.arch, max_context_tokens=self.max_context,
                             vocab_size=self.model_config.vocab_size, kv_format=info.kv_format.name,
-                            page_size=self.page_size, speculative="none")
+                            page_size=self.page_size, speculative=_describe(self.speculative))
 
     # --- one request --------------------------------------------------------
     async def _generate(self, req: GenerationRequest, handle: Running, held: Held, context, started):
@@ -187,6 +190,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                         finish = _FINISH[event.finished.reason]
                         boundary = event.finished.boundary_tokens
                         break
+                    if event.tokens.drafted:
+                        self.metrics.spec_decode(event.tokens.drafted, event.tokens.accepted)
                     for token in event.tokens.tokens:
                         now = time.perf_counter()
                         self.metrics.token(now - last)
@@ -194,6 +199,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                         output.append(token.token_id)
                         yield _chunk(req.request_id, token, text.push(token.token_id), self.tokenizer,
                                      with_logprobs)
+                        if text.stopped:  # a speculative step's later tokens are past the stop
+                            break
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
                         await self._stop_worker(handle)
@@ -239,7 +246,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         total_pages = -(-(len(prompt) + req.params.max_new_tokens) // self.page_size)
         points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
                                   self.config.snapshot_every) if self.hybrid else [])
-        slots = 2 + len(points) if self.hybrid else 0
+        slots = 2 + self.spare_slots + len(points) if self.hybrid else 0
         try:
             grant = await asyncio.to_thread(self.store.allocate,
                                             total_pages - len(match.pages), slots)
@@ -252,7 +259,9 @@ class Router(pb_grpc.GenerationServiceServicer):
         if self.hybrid:
             plan.state_slot, plan.boundary_slot = grant.slots[0], grant.slots[1]
             plan.restore_slot = match.snapshot_slot if match.num_tokens else -1
-            plan.snapshots = list(zip(points, grant.slots[2:]))
+            spare_end = 2 + self.spare_slots
+            plan.spare_slots = list(grant.slots[2:spare_end])
+            plan.snapshots = list(zip(points, grant.slots[spare_end:]))
         return plan
 
     async def _run_prefill(self, req: GenerationRequest, plan: Plan, sampling: wpb.Sampling,
@@ -338,7 +347,13 @@ class Router(pb_grpc.GenerationServiceServicer):
                         sampling: wpb.Sampling) -> wpb.DecodeRequest:
         return wpb.DecodeRequest(request_id=req.request_id, prompt=req.prompt, first_token=first,
                                  sampling=sampling, pages=plan.pages,
-                                 state_slot=plan.state_slot, boundary_slot=plan.boundary_slot)
+                                 state_slot=plan.state_slot, boundary_slot=plan.boundary_slot,
+                                 spare_slots=plan.spare_slots)
+
+
+def _describe(spec) -> str:
+    """ModelInfo.speculative: "none", or the drafter and k, e.g. "mtp:3"."""
+    return f"{spec.method}:{spec.num_draft_tokens}" if spec.enabled else "none"
 
 
 def _stop_ids(req: GenerationRequest, tokenizer) -> tuple[int, ...]:

@@ -185,6 +185,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on the HTTP API "
                         "(default: $TANDEM_API_KEY, else no key)")
+    _add_speculative_flags(p)
     p.set_defaults(run=_run_serve)
 
 
@@ -193,6 +194,7 @@ def _add_serve(sub) -> None:
 _EMBEDDED_MODEL = "embedded"
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
 API_KEY_ENV = "TANDEM_API_KEY"  # openai_api.__main__.API_KEY_ENV, without importing aiohttp
+_MAX_DRAFT_TOKENS = 4  # engine.speculative.MAX_DRAFT_TOKENS, without importing torch
 
 
 def serve_specs(args, socket_dir: str) -> list:
@@ -212,6 +214,9 @@ def serve_specs(args, socket_dir: str) -> list:
     if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
         raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
                           "and differ from --grpc-port")
+    if not 1 <= args.draft_tokens <= _MAX_DRAFT_TOKENS:
+        raise TandemError(f"--draft-tokens must be in 1..{_MAX_DRAFT_TOKENS}, got "
+                          f"{args.draft_tokens}")
     device = args.device
     py = sys.executable
     kvstore = [py, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
@@ -219,7 +224,10 @@ def serve_specs(args, socket_dir: str) -> list:
                "--page-size", str(args.page_size),
                "--max-context-tokens", str(args.max_context_tokens),
                "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
-               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device]
+               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device,
+               # the store lays out the drafter's memory; the workers and the router
+               # read the setting from it
+               "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
     if args.gpu_memory_budget:
         kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
     prefill = [py, "-m", "prefill.server", "--store", sock["kvstore"], "--socket", sock["prefill"],

@@ -46,7 +46,7 @@ def test_one_request_updates_every_series():
     assert value(m, "tandem_prefix_cache_queries_total") == 1
     assert value(m, "tandem_prefix_cache_query_tokens_total") == 100
     assert value(m, "tandem_prefix_cache_hit_tokens_total") == 64
-    assert value(m, "tandem_spec_draft_tokens_total") == 6
+    assert value(m, "tandem_spec_drafted_tokens_total") == 6
     assert value(m, "tandem_spec_accepted_tokens_total") == 4
     assert value(m, "tandem_kv_pages_used") == 10
     assert value(m, "tandem_kv_pages_total") == 4096

@@ -35,10 +35,11 @@ def _free_port() -> int:
 
 class Service:
     """`tandem serve` in a subprocess; the OpenAI HTTP gateway only when `http`
-    (on a free port, with `api_key` if given)."""
+    (on a free port, with `api_key` if given); `extra` flags go last (they
+    override the defaults here, e.g. --kv-format)."""
 
     def __init__(self, directory, model: str | None = None, http: bool = False,
-                 api_key: str | None = None):
+                 api_key: str | None = None, extra: tuple[str, ...] = ()):
         self.dir = str(directory)
         self.port, self.metrics_port = _free_port(), _free_port()
         self.http_port = _free_port() if http else 0
@@ -47,7 +48,7 @@ class Service:
              "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--http-port", str(self.http_port), *(["--api-key", api_key] if api_key else []),
              "--max-context-tokens", "8192", "--live-slots", "12", "--max-batch", "8",
-             "--socket-dir", self.dir, *(["--model", model] if model else [])],
+             "--socket-dir", self.dir, *(["--model", model] if model else []), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
@@ -61,6 +62,14 @@ class Service:
     def _drain(self):
         for line in self.proc.stderr:
             self.stderr.append(line)
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample of the router's /metrics (0 when absent)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics").read().decode()
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
 
     def store_stats(self):
         with StoreClient.connect(os.path.join(self.dir, "kvstore.sock"), name="test",

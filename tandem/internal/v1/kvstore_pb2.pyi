@@ -19,7 +19,7 @@ class AttachEvent(_message.Message):
     def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid")
+    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class Attached(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STORE_PID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: ModelInfo
     kv_format: KVFormatInfo
@@ -40,7 +41,18 @@ class Attached(_message.Message):
     kv: ArenaInfo
     state: ArenaInfo
     store_pid: int
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ...) -> None: ...
+    speculative: SpeculativeInfo
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ...) -> None: ...
+
+class SpeculativeInfo(_message.Message):
+    __slots__ = ("method", "draft_tokens", "mtp_kv_layers")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MTP_KV_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    draft_tokens: int
+    mtp_kv_layers: int
+    def __init__(self, method: _Optional[str] = ..., draft_tokens: _Optional[int] = ..., mtp_kv_layers: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "config_json", "dtype")

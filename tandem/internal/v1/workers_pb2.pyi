@@ -113,7 +113,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[GeneratedToken, _Mapping]] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "lease", "prompt", "first_token", "sampling", "pages", "state_slot", "boundary_slot")
+    __slots__ = ("request_id", "lease", "prompt", "first_token", "sampling", "pages", "state_slot", "boundary_slot", "spare_slots")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class DecodeRequest(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SPARE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -130,13 +131,18 @@ class DecodeRequest(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     state_slot: int
     boundary_slot: int
-    def __init__(self, request_id: _Optional[str] = ..., lease: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., boundary_slot: _Optional[int] = ...) -> None: ...
+    spare_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., boundary_slot: _Optional[int] = ..., spare_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "drafted", "accepted")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[GeneratedToken]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ...) -> None: ...
+    drafted: int
+    accepted: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
     __slots__ = ("reason", "detail", "pages", "boundary_tokens")
