@@ -67,6 +67,15 @@ def test_sockets_wire_the_services_together(services):
     assert flag(router, "--port") == "50051" and flag(router, "--metrics-port") == "9464"
 
 
+def test_speculation_is_set_on_the_kvstore_only(services):
+    """The store lays out the drafter's memory and tells the workers and router."""
+    kvstore = services["kvstore"]
+    assert flag(kvstore, "--speculative") == "${TANDEM_SPECULATIVE:-none}"
+    assert flag(kvstore, "--draft-tokens") == "${TANDEM_DRAFT_TOKENS:-3}"
+    for name in (*WORKERS, "router"):
+        assert "--speculative" not in argv(services[name])
+
+
 def test_workers_share_the_kvstore_ipc_and_pid_namespaces(services):
     kvstore = services["kvstore"]
     assert kvstore["ipc"] == "shareable"

@@ -48,6 +48,15 @@ def mtp_service(tmp_path_factory):
     assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
 
 
+@pytest.fixture(scope="module")
+def hybrid_ngram_service(tmp_path_factory):
+    svc = _serve(tmp_path_factory, "hybrid-ngram", "tiny-qwen3.5", "ngram")
+    yield svc
+    svc.channel.close()
+    svc.stop()
+    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+
+
 def _concurrently(stub, requests: list[dict]) -> list:
     results = [None] * len(requests)
 
@@ -146,6 +155,39 @@ def test_mtp_on_the_hybrid_shape_equals_plain_greedy(mtp_service):
     # 19 decode tokens per request; every step after the first drafts (random
     # weights: the head's drafts are almost never accepted)
     assert svc.metric(DRAFTED) - drafted >= 3 * 3 * 10
+    stats = svc.store_stats()
+    assert stats.held_pages == 0 and stats.held_slots == 0
+
+
+def test_ngram_on_the_hybrid_shape_selects_gdn_states_across_turns(hybrid_ngram_service):
+    """Accepted drafts on a GDN model: the state after the kept prefix is in
+    one of the spare slots, whose id the decode worker swaps in. A negative
+    presence penalty makes the random model repeat itself, so lookup drafts
+    get accepted to different depths. Each turn (three concurrent
+    conversations) equals plain greedy, and the next turn restores the
+    snapshot a verify step left at the last page boundary."""
+    svc = hybrid_ngram_service
+    page = 16
+    plain = SamplingParams(temperature=0.0, presence_penalty=-2.0, max_new_tokens=24,
+                           ignore_eos=True)
+    sampling = pb.SamplingParameters(temperature=0.0, presence_penalty=-2.0)
+    offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE, progress=False),
+                            EngineConfig(max_batch=1, max_context=1024))
+    prompts = [[(7 * i + 3 + j) % 250 for i in range(30)] for j in range(3)]
+    accepted = svc.metric(ACCEPTED)
+    previous = None
+    for turn in range(2):
+        results = _concurrently(svc.stub, [
+            dict(token_ids=pb.TokenIds(ids=p), sampling=sampling, max_new_tokens=24,
+                 ignore_eos=True, cache_salt=f"turns-{i}") for i, p in enumerate(prompts)])
+        for i, (ids, _, complete) in enumerate(results):
+            assert ids == offline.generate_ids(prompts[i], plain), (turn, i)
+            if previous is not None:  # the last page boundary the previous turn passed
+                assert complete.usage.cached_tokens == (previous[i] - 1) // page * page
+        previous = [len(p) + len(r[0]) for p, r in zip(prompts, results)]
+        prompts = [p + r[0] + [(5 * k + i) % 250 for k in range(6)]
+                   for i, (p, r) in enumerate(zip(prompts, results))]
+    assert svc.metric(ACCEPTED) > accepted
     stats = svc.store_stats()
     assert stats.held_pages == 0 and stats.held_slots == 0
 
