@@ -37,6 +37,17 @@ class _Graph:
 
     def __init__(self, size: int, pages: int, device: torch.device, num_splits: int,
                  max_context: int, page_size: int) -> None:
+        with torch.inference_mode(False):  # see _allocate_buffers
+            self._allocate_buffers(size, pages, device)
+        self.num_splits = num_splits
+        self.max_context = max_context
+        self.page_size = page_size
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _allocate_buffers(self, size: int, pages: int, device: torch.device) -> None:
+        # Normal tensors, not inference tensors: fill() must be able to update
+        # them whether or not the caller runs under torch.inference_mode.
         longs = dict(dtype=torch.long, device=device)
         self.size = size
         self.input_ids = torch.zeros(size, **longs)
@@ -46,11 +57,6 @@ class _Graph:
         self.kv_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(size, pages, dtype=torch.int32, device=device)
         self.q_offsets = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.num_splits = num_splits
-        self.max_context = max_context
-        self.page_size = page_size
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
 
     def fill(self, batch: ForwardBatch) -> None:
         """Copies the batch into the static buffers, padding with its last row."""
@@ -99,6 +105,7 @@ class DecodeForward:
         self._pool = None
         self.replays = 0  # steps served from a graph (tests and benches read it)
 
+    @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bucket = self._bucket(batch)
         if bucket is None:
