@@ -22,6 +22,8 @@ the CPU `DecodeForward` is a plain call of the model.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
@@ -37,6 +39,17 @@ class _Graph:
 
     def __init__(self, size: int, pages: int, device: torch.device, num_splits: int,
                  max_context: int, page_size: int) -> None:
+        with torch.inference_mode(False):  # see _allocate_buffers
+            self._allocate_buffers(size, pages, device)
+        self.num_splits = num_splits
+        self.max_context = max_context
+        self.page_size = page_size
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _allocate_buffers(self, size: int, pages: int, device: torch.device) -> None:
+        # Normal tensors, not inference tensors: fill() must be able to update
+        # them whether or not the caller runs under torch.inference_mode.
         longs = dict(dtype=torch.long, device=device)
         self.size = size
         self.input_ids = torch.zeros(size, **longs)
@@ -46,11 +59,6 @@ class _Graph:
         self.kv_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(size, pages, dtype=torch.int32, device=device)
         self.q_offsets = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.num_splits = num_splits
-        self.max_context = max_context
-        self.page_size = page_size
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
 
     def fill(self, batch: ForwardBatch) -> None:
         """Copies the batch into the static buffers, padding with its last row."""
@@ -96,12 +104,15 @@ class DecodeForward:
         if self.enabled and cache.device.type != "cuda":
             raise ValueError("CUDA graphs need the cache on a CUDA device")
         self._graphs: dict[int, _Graph] = {}
+        self._eager_buckets: set[int] = set()
         self._pool = None
         self.replays = 0  # steps served from a graph (tests and benches read it)
+        self.capture_errors: list[str] = []  # buckets that fell back to eager steps
 
+    @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         bucket = self._bucket(batch)
-        if bucket is None:
+        if bucket is None or bucket in self._eager_buckets:
             return self.model(batch, self.cache)
         graph = self._graphs.get(bucket)
         if graph is None or graph.graph is None:
@@ -147,7 +158,17 @@ class DecodeForward:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph, pool=self._pool):
-            graph.logits = self.model(static, self.cache, all_logits=True)
+        try:
+            with torch.cuda.graph(cuda_graph, pool=self._pool):
+                graph.logits = self.model(static, self.cache, all_logits=True)
+        except RuntimeError as e:
+            # A forward that cannot be captured (a host copy somewhere in it)
+            # must not take the service down: this bucket runs eagerly, loudly.
+            self._eager_buckets.add(bucket)
+            self._graphs.pop(bucket, None)
+            self.capture_errors.append(f"bucket {bucket}: {e}")
+            print(f"cuda graphs: bucket {bucket} runs eagerly, capture failed: {e}",
+                  file=sys.stderr, flush=True)
+            return logits
         graph.graph = cuda_graph
         return logits
