@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context-tokens", type=int, default=32768)
     ap.add_argument("--gpu-memory-budget", default=None)
     ap.add_argument("--kv-format", default="rk4")
+    ap.add_argument("--speculative", default="none", help="none, mtp or ngram (tandem serve's flag)")
+    ap.add_argument("--draft-tokens", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--device", args.device,
            "--kv-format", args.kv_format, "--grpc-port", str(port), "--metrics-port", str(_free_port()),
            "--max-context-tokens", str(args.max_context_tokens), "--live-slots", "4", "--http-port", "0",
-           "--snapshot-slots", "8", "--socket-dir", tempfile.mkdtemp(prefix="tandem-bench-")]
+           "--snapshot-slots", "8", "--socket-dir", tempfile.mkdtemp(prefix="tandem-bench-"),
+           "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
     if args.gpu_memory_budget:
         cmd += ["--gpu-memory-budget", args.gpu_memory_budget]
     t0 = time.perf_counter()
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     if gpu:
         print_table("GPU memory (NVML)", ["pid", "process", "GiB"],
                     [[g["pid"], g["process"], g["bytes"] / 2**30] for g in gpu])
-    print_table(f"tandem serve {args.model} ({args.device}, {args.kv_format} KV)",
+    print_table(f"tandem serve {args.model} ({args.device}, {args.kv_format} KV, speculative "
+                f"{args.speculative})",
                 ["turn", "prompt", "cached", "TTFT s", "decode tok/s"], rows)
     return 0
 
