@@ -334,7 +334,7 @@ def test_serve_specs_builds_the_five_command_lines(monkeypatch):
         py, "-m", "kvstore.server", "--model", "embedded", "--socket", f"{d}/kvstore.sock",
         "--kv-format", "int8", "--page-size", "16", "--max-context-tokens", "65536",
         "--live-slots", "16", "--snapshot-slots", "64", "--prefill-chunk-tokens", "512",
-        "--device", "cpu"]
+        "--device", "cpu", "--speculative", "none", "--draft-tokens", "3"]
     assert list(specs[1].argv) == [
         py, "-m", "prefill.server", "--store", f"{d}/kvstore.sock", "--socket",
         f"{d}/prefill.sock", "--chunk", "512", "--device", "cpu"]
@@ -352,6 +352,15 @@ def test_serve_specs_builds_the_five_command_lines(monkeypatch):
     assert [s.health_target for s in specs] == [
         f"unix://{d}/kvstore.sock", f"unix://{d}/prefill.sock", f"unix://{d}/decode.sock",
         "127.0.0.1:50051", "http://127.0.0.1:8000/health"]
+
+
+def test_serve_specs_hand_speculation_to_the_kvstore_only():
+    """The store lays out the drafter's memory; the others read it from the store."""
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative", "mtp",
+                                      "--draft-tokens", "2"])
+    specs = serve_specs(args, "/tmp/t")
+    assert specs[0].argv[-4:] == ("--speculative", "mtp", "--draft-tokens", "2")
+    assert all("--speculative" not in s.argv for s in specs[1:])
 
 
 def test_serve_specs_http_gateway_flags(monkeypatch):
@@ -381,7 +390,8 @@ def test_serve_specs_passes_the_flags_through():
         "--device", "cuda"])
     kvstore, prefill, decode, router, _ = serve_specs(args, "/tmp/t")
     assert kvstore.argv[3:5] == ("--model", "tiny-qwen3.5")
-    assert kvstore.argv[-4:] == ("--device", "cuda", "--gpu-memory-budget", "24GiB")
+    assert kvstore.argv[-2:] == ("--gpu-memory-budget", "24GiB")
+    assert kvstore.argv[kvstore.argv.index("--device") + 1] == "cuda"
     assert "int8" in kvstore.argv and "32" in kvstore.argv and "4096" in kvstore.argv
     assert prefill.argv[-4:] == ("--chunk", "256", "--device", "cuda")
     assert decode.argv[-4:] == ("--max-batch", "8", "--device", "cuda")
