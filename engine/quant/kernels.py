@@ -33,9 +33,14 @@ GEMV_MAX_ROWS = 8
 
 def reference_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """x [..., K] @ dequantize(qt).T in x's dtype (fp32 dequantization)."""
-    w = qt.dequantize(x.dtype)
-    y = torch.nn.functional.linear(x, w)
+    """x [..., K] @ dequantize(qt).T in x's dtype (fp32 dequantization). 4-bit
+    weights are used as their even and odd columns, which skips interleaving."""
+    if qt.bits == 4:
+        w_even, w_odd = qt.dequantize_halves(x.dtype)
+        y = torch.nn.functional.linear(x[..., 0::2], w_even)
+        y = y.add_(torch.nn.functional.linear(x[..., 1::2], w_odd))
+    else:
+        y = torch.nn.functional.linear(x, qt.dequantize(x.dtype))
     return y if bias is None else y + bias
 
 
@@ -164,9 +169,9 @@ def _gemm_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
             x_ok = m_mask[:, None] & j_ok[None, :]
             xe = tl.load(x_off, mask=x_ok, other=0.0)
             xo = tl.load(x_off + 1, mask=x_ok, other=0.0)
-            if IEEE:
-                acc += tl.dot(xe, w_lo.to(xe.dtype), input_precision="ieee")
-                acc += tl.dot(xo, w_hi.to(xo.dtype), input_precision="ieee")
+            if IEEE:  # fp32 activations, or the interpreter (its bf16 dot is wrong)
+                acc += tl.dot(xe.to(tl.float32), w_lo, input_precision="ieee")
+                acc += tl.dot(xo.to(tl.float32), w_hi, input_precision="ieee")
             else:
                 acc += tl.dot(xe, w_lo.to(xe.dtype))
                 acc += tl.dot(xo, w_hi.to(xo.dtype))
@@ -179,7 +184,7 @@ def _gemm_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
             xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
                          mask=m_mask[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
-                acc += tl.dot(xv, w.to(xv.dtype), input_precision="ieee")
+                acc += tl.dot(xv.to(tl.float32), w, input_precision="ieee")
             else:
                 acc += tl.dot(xv, w.to(xv.dtype))
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -238,6 +243,11 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     return result
 
 
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _split_k(device: torch.device, n_blocks: int, k_dim: int, block_k: int) -> int:
     """Enough programs for about two waves of the GPU's SMs."""
     if device.type != "cuda":
@@ -248,7 +258,7 @@ def _split_k(device: torch.device, n_blocks: int, k_dim: int, block_k: int) -> i
 
 
 def gemm(x: torch.Tensor, qt: QuantTensor, block_m: int = 64, block_n: int = 64,
-         block_k: int = 64) -> torch.Tensor:
+         block_k: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (any M) -> [M, N] in x's dtype, via tl.dot on dequantized tiles."""
     m_rows, k_dim = x.shape
     n_dim = qt.out_features
@@ -256,13 +266,14 @@ def gemm(x: torch.Tensor, qt: QuantTensor, block_m: int = 64, block_n: int = 64,
     block_k = _block_k(qt, block_k)
     if qt.bits == 4:
         block_k = max(block_k, 32)  # halves of >= 16 for tl.dot
-    out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m_rows, block_m), triton.cdiv(n_dim, block_n))
     _gemm_kernel[grid](
         x, *_parts(qt), out, m_rows, n_dim, k_dim, x.stride(0), out.stride(0),
         BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(k_dim, block_k),
-        IEEE=x.dtype == torch.float32)
+        IEEE=x.dtype == torch.float32 or _interpreting())
     return out
 
 

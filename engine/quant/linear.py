@@ -149,7 +149,7 @@ def swap_in(model: nn.Module, quantized: dict[str, QuantTensor], compute_dtype: 
         old = getattr(parent, child, None)
         if isinstance(old, nn.Linear):
             expected = (old.out_features, old.in_features)
-            new = QuantLinear(qt, biases.get(name), compute_dtype)
+            new = QuantLinear(qt, biases.get(name, old.bias), compute_dtype)
         elif isinstance(old, nn.Embedding):
             expected = (old.num_embeddings, old.embedding_dim)
             new = QuantEmbedding(qt, compute_dtype)

@@ -129,20 +129,27 @@ class QuantTensor:
 
     # ---------------------------------------------------------- reference
 
-    def codes(self) -> torch.Tensor:
-        """The integer codes [N, K] as int32."""
+    def codes(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """The integer codes [N, K]."""
         if self.bits == 8:
-            return self.qweight.to(torch.int32)
-        q = self.qweight.to(torch.int32)
-        return torch.stack([q & 0xF, q >> 4], dim=-1).reshape(self.out_features, -1)
+            return self.qweight.to(dtype)
+        q = self.qweight.to(torch.int32)  # torch's uint8 & is an order slower on the CPU
+        out = torch.empty(self.out_features, q.shape[1], 2, dtype=dtype, device=q.device)
+        out[..., 0] = q & 0xF
+        out[..., 1] = q >> 4
+        return out.view(self.out_features, -1)
 
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """fp32 per-group scale d*sc and minimum dmin*m, [N, K/G] each."""
         per = self.superblock // self.group
-        scale = self.d.float().repeat_interleave(per, dim=1) * self.sc.float()
+
+        def widen(x):
+            x = x.float()
+            return x if per == 1 else x.repeat_interleave(per, dim=1)
+        scale = widen(self.d) * self.sc.float()
         if not self.asymmetric:
             return scale, None
-        return scale, self.dmin.float().repeat_interleave(per, dim=1) * self.m.float()
+        return scale, widen(self.dmin) * self.m.float()
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
                    ) -> torch.Tensor:
@@ -151,10 +158,27 @@ class QuantTensor:
         t = self if rows is None else self.select_rows(rows)
         scale, minimum = t.group_scales()
         n, g = t.out_features, t.group
-        w = t.codes().float().view(n, -1, g) * scale[..., None]
+        w = t.codes(torch.float32).view(n, -1, g)
+        w.mul_(scale[..., None])
         if minimum is not None:
-            w = w - minimum[..., None]
+            w.sub_(minimum[..., None])
         return w.view(n, -1).to(dtype)
+
+    def dequantize_halves(self, dtype: torch.dtype = torch.float32
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """4-bit only: the dense weight's even and odd columns [N, K/2] each
+        (no interleaving: the CPU matmul uses them against x's even and odd
+        columns). Same values as dequantize()."""
+        scale, minimum = self.group_scales()
+        n, half = self.out_features, self.group // 2
+        q = self.qweight.to(torch.int32)
+        out = []
+        for codes in (q & 0xF, q >> 4):
+            w = codes.to(torch.float32).view(n, -1, half).mul_(scale[..., None])
+            if minimum is not None:
+                w.sub_(minimum[..., None])
+            out.append(w.view(n, -1).to(dtype))
+        return out[0], out[1]
 
     # -------------------------------------------------------- permutations
 

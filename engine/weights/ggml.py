@@ -40,6 +40,20 @@ class UnsupportedGGMLType(ValueError):
     """A ggml type tandem does not decode."""
 
 
+# type -> (code bits as packed, group, superblock, asymmetric): QuantTensor's layout
+PACKED = {"Q4_0": (4, 32, 32, True), "Q4_1": (4, 32, 32, True), "Q5_0": (8, 32, 32, False),
+          "Q5_1": (8, 32, 32, True), "Q8_0": (8, 32, 32, False), "Q4_K": (4, 32, 256, True),
+          "Q5_K": (8, 32, 256, True), "Q6_K": (8, 16, 256, False)}
+
+
+def packed_nbytes(type_name: str, rows: int, cols: int) -> int:
+    """Bytes of decode_blocks(...)'s QuantTensor for a [rows, cols] tensor."""
+    bits, group, superblock, asym = PACKED[type_name]
+    per_group, per_super = (2, 4) if asym else (1, 2)
+    return (rows * cols * bits // 8 + rows * (cols // group) * per_group
+            + rows * (cols // superblock) * per_super)
+
+
 def is_quantized(type_name: str) -> bool:
     return type_name in BLOCKS
 
@@ -167,11 +181,14 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0":
 def _to_quant_tensor(parts, rows: int, cols: int) -> QuantTensor:
     bits, codes, d, sc, dmin, m = parts
 
-    def per_row(x, dtype=None):
+    def per_row(x):
         if x is None:
             return None
-        x = np.ascontiguousarray(x).reshape(rows, -1)
-        return torch.from_numpy(x.astype(dtype) if dtype is not None else x.copy())
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(rows, -1).copy())
 
-    return QuantTensor.from_codes(per_row(codes, np.int16), bits, per_row(d), per_row(sc),
-                                  per_row(dmin), per_row(m))
+    codes = codes.reshape(rows, cols)
+    if bits == 4:  # two codes a byte, k = 2j low, 2j + 1 high
+        qweight = codes[:, 0::2].astype(np.uint8) | (codes[:, 1::2].astype(np.uint8) << 4)
+    else:
+        qweight = codes.astype(np.int8)
+    return QuantTensor(per_row(qweight), per_row(d), per_row(sc), per_row(dmin), per_row(m))
