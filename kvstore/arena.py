@@ -29,6 +29,9 @@ CANARY_BYTES = 16
 # points at other memory (or at a fresh, zeroed file) is caught at attach time.
 HEADER_BYTES = ALIGNMENT
 SHM_DIR = Path("/dev/shm")
+# Store ids are "tandem-<creator pid>-<random hex>": the pid lets a later store
+# recognise files whose creator died without unlinking them (SIGKILL, OOM kill).
+STORE_ID_PREFIX = "tandem-"
 
 
 class ArenaMapError(TandemError):
@@ -230,6 +233,52 @@ class Arena:
 
 
 # --------------------------------------------------------------------- shm
+
+
+def new_store_id(pid: int | None = None) -> str:
+    """A store id that names its creator's pid (see sweep_orphaned_shm)."""
+    return f"{STORE_ID_PREFIX}{os.getpid() if pid is None else pid}-{secrets.token_hex(4)}"
+
+
+def sweep_orphaned_shm(shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Unlink arena files whose creating store process no longer exists.
+
+    A store unlinks its files on a clean exit; one killed by SIGKILL or the OOM
+    killer cannot, and its tmpfs pages would stay committed until reboot. Only
+    files of this user are touched, and only when their pid is not alive in this
+    pid namespace (a store in another namespace sharing /dev/shm would look dead:
+    run one store per shared /dev/shm, as compose.yaml does).
+    """
+    removed = []
+    for path in shm_dir.glob(f"{STORE_ID_PREFIX}*"):
+        pid = _creator_pid(path.name)
+        if pid is None or _pid_alive(pid):
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except (FileNotFoundError, PermissionError):
+            continue
+        removed.append(path)
+    return removed
+
+
+def _creator_pid(file_name: str) -> int | None:
+    parts = file_name[len(STORE_ID_PREFIX):].split("-", 2)
+    if len(parts) < 3 or not parts[0].isdigit():
+        return None
+    return int(parts[0])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _create_shm(layout: Layout, path: Path) -> torch.Tensor:

@@ -23,7 +23,6 @@ import asyncio
 import atexit
 import json
 import os
-import secrets
 import signal
 import sys
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,7 @@ import torch
 from engine.errors import TandemError
 from engine.config import shape_names
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
-from kvstore.arena import ArenaHandle, Layout
+from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
 from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
                              InvalidArgument, MatchResult, ResourceExhausted, StoreControl,
                              StoreStats)
@@ -121,7 +120,10 @@ def start_store(options: ServerOptions) -> Store:
     # plan before loading (from configs and tensor tables): an over-budget store loads nothing
     config, weight_bytes, weight_format = plan_inputs(options.model, options.weights, device)
     plan = _checked_plan(options, config, dtype, weight_bytes, weight_format)
-    store_id = f"tandem-{os.getpid()}-{secrets.token_hex(4)}"
+    store_id = new_store_id()
+    if device.type == "cpu":
+        for path in sweep_orphaned_shm():
+            print(f"kvstore: removed {path}, left by a store that was killed", file=sys.stderr)
     if options.model in shape_names():
         loaded, arenas = _dummy_in_arena(options, config, plan, dtype, device, store_id)
     else:

@@ -239,6 +239,27 @@ def test_dense_store_serves_then_stops_cleanly_on_sigterm(tmp_path):
     assert "shared memory unlinked" in store.stderr()
 
 
+def test_files_of_a_killed_store_are_swept_by_the_next_store(tmp_path):
+    dense = ("--model", "tiny-llama", "--kv-format", "int8", "--page-size", "8",
+             "--max-context-tokens", "64")
+    (tmp_path / "a").mkdir()
+    killed = StoreProcess(tmp_path / "a", *dense).wait_serving()
+    orphans = killed.shm_files()
+    assert orphans
+    killed.proc.kill()  # SIGKILL: no chance to unlink
+    killed.proc.wait(timeout=20)
+    assert all(f.exists() for f in orphans)
+    (tmp_path / "b").mkdir()
+    successor = StoreProcess(tmp_path / "b", *dense).wait_serving()
+    try:
+        assert not any(f.exists() for f in orphans)
+        assert successor.shm_files()  # its own files are untouched
+        assert "left by a store that was killed" in successor.stderr()
+    finally:
+        assert successor.terminate() == 0
+    assert successor.shm_files() == []
+
+
 def test_real_weights_are_shared_not_copied(tmp_path):
     """The embedded SmolLM2: a worker's parameters are views of the store's
     file; a byte written through this process's mapping is seen by the worker;
