@@ -132,8 +132,9 @@ def serve_specs(args, socket_dir: str) -> list:
                "--page-size", str(args.page_size),
                "--max-context-tokens", str(args.max_context_tokens),
                "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
-               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device,
-               "--weights", getattr(args, "weights", "auto")]
+               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device]
+    if getattr(args, "weights", "auto") != "auto":
+        kvstore += ["--weights", args.weights]
     if args.gpu_memory_budget:
         kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
     prefill = [py, "-m", "prefill.server", "--store", sock["kvstore"], "--socket", sock["prefill"],

@@ -105,7 +105,9 @@ def test_quant_linear_weight_goes_through_f_linear():
         via_weight = F.linear(x, layer.weight, layer.bias)  # what the output head does
         dense = layer.weight.float()  # any other use dequantizes
     torch.testing.assert_close(via_module, via_weight, rtol=0, atol=0)
-    torch.testing.assert_close(via_module, F.linear(x, qt.dequantize(), layer.bias))
+    # the module sums even and odd columns separately: fp32 rounding differs
+    torch.testing.assert_close(via_module, F.linear(x, qt.dequantize(), layer.bias),
+                               rtol=1e-5, atol=1e-4)
     assert torch.equal(dense, qt.dequantize())
     assert set(layer.state_dict()) == {"qweight", "qd", "qsc", "qdmin", "qm", "bias"}
 

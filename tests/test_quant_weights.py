@@ -185,3 +185,34 @@ def test_embedded_int4_path_agrees_with_dequantized_path():
         outputs.append(got)
     assert outputs[0] == outputs[1]
     assert all(len(v) == 32 for v in outputs[0].values())
+
+
+def test_packed_weights_travel_through_the_weights_arena():
+    """What a worker does: map the store's weights arena and rebuild the model
+    on it. Packed modules come back (from tensor names alone), as views of the
+    arena, and compute the same logits."""
+    import os
+
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from kvstore.memory import KVFormatSpec, create_arenas, model_on_arena, open_arenas
+
+    loaded = load_model("tiny-qwen3.5", seed=1, weights="q4_k_m")
+    shape = CacheShape(8, 4, 2)
+    arenas = create_arenas(loaded.model, loaded.config, shape, KVFormatSpec("int8").build(),
+                           "cpu", f"tandem-test-quant-{os.getpid()}")
+    try:
+        mapped = open_arenas(arenas.handles())
+        model = model_on_arena(loaded.config, mapped.weights, torch.float32, "test")
+        packed = [m for m in model.modules() if type(m).__name__ == "QuantLinear"]
+        assert packed and all(mapped.weights.contains(m.qweight) for m in packed)
+        logits = []
+        for m in (loaded.model, model):
+            cache = PagedKVCache(loaded.config, shape, "cpu", make_format("bf16", dtype=torch.float32))
+            batch = ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 0)], 4, "cpu")
+            logits.append(m(batch, cache))
+        assert torch.isfinite(logits[0]).all()
+        assert torch.equal(logits[0], logits[1])
+    finally:
+        arenas.close()
