@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--device", args.device,
            "--kv-format", args.kv_format, "--grpc-port", str(port), "--metrics-port", str(_free_port()),
-           "--max-context-tokens", str(args.max_context_tokens), "--live-slots", "4",
+           "--max-context-tokens", str(args.max_context_tokens), "--live-slots", "4", "--http-port", "0",
            "--snapshot-slots", "8", "--socket-dir", tempfile.mkdtemp(prefix="tandem-bench-")]
     if args.gpu_memory_budget:
         cmd += ["--gpu-memory-budget", args.gpu_memory_budget]

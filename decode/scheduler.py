@@ -15,8 +15,10 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
+from engine.cuda_graphs import DecodeForward
 from engine.model import CausalLM
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
+from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker
 
 
@@ -41,6 +43,10 @@ class DecodeSequence:
     # finished request leaves a page-aligned snapshot for the prefix cache
     boundary_slot: int = -1
     boundary_tokens: int = 0
+    # GDN slots for the states after draft positions (hybrid models with
+    # speculation); held by the request like state_slot, whose id may swap with one
+    spare_slots: list[int] = field(default_factory=list)
+    spec: SpecState | None = None
     sampling: SequenceSamplingState = field(init=False)
     stop: StopChecker = field(init=False)
     finish_reason: FinishReason | None = None
@@ -71,7 +77,9 @@ class TokenOut:
 
 class DecodeScheduler:
     def __init__(self, model: CausalLM, cache: PagedKVCache, pages: PageSource,
-                 max_batch: int = 32, max_context: int | None = None) -> None:
+                 max_batch: int = 32, max_context: int | None = None,
+                 cuda_graphs: bool | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model = model
         self.cache = cache
         self.page_source = pages
@@ -80,6 +88,11 @@ class DecodeScheduler:
         self.max_context = max_context or model.config.max_position_embeddings
         self.running: list[DecodeSequence] = []
         self.waiting: list[DecodeSequence] = []
+        # decode steps replay CUDA graphs on a GPU (None: on for CUDA caches)
+        self.forward = DecodeForward(model, cache, self.max_context, enabled=cuda_graphs)
+        speculative = speculative or SpeculativeConfig()
+        self.spec = (SpeculativeDecoder(model, cache, speculative, self.max_context)
+                     if speculative.enabled else None)
 
     # --- membership -----------------------------------------------------
     def add(self, seq: DecodeSequence) -> None:
@@ -109,7 +122,9 @@ class DecodeScheduler:
         finished = self._ensure_pages()
         if not self.running:
             return [], finished
-        logits = self.model(self._batch(), self.cache)
+        if self.spec is not None:
+            return self._speculative_step(finished)
+        logits = self.forward(self._batch())
         self._capture_boundaries()
         result = sample(logits, [s.sampling for s in self.running])
         outs = []
@@ -127,9 +142,57 @@ class DecodeScheduler:
                 finished.append(seq)
         return outs, finished
 
+    def _speculative_step(self, finished: list[DecodeSequence]
+                          ) -> tuple[list[TokenOut], list[DecodeSequence]]:
+        """Verify each sequence's drafts in one forward; emit the kept tokens
+        (a stop rule may cut a step short); draft for the next step. Sequences
+        without speculation (no spare slots on a hybrid model) run one token."""
+        outs = []
+        verified = self.spec.verify(self.running)
+        for seq, v in zip(list(self.running), verified):
+            kept = 0
+            for j, token in enumerate(v.tokens):
+                kept += 1
+                seq.output.append(token)
+                seq.sampling.append(token)
+                seq.finish_reason = seq.stop.check_token(token, len(seq.output))
+                if seq.finish_reason is None and seq.length >= self.max_context:
+                    seq.finish_reason = FinishReason.LENGTH
+                outs.append(TokenOut(seq.request_id, token, v.logprobs[j], v.top_logprobs[j],
+                                     seq.finish_reason))
+                if seq.finish_reason is not None:
+                    break
+            self._capture_verified_boundary(seq, v)
+            self.spec.commit(seq, v, kept)
+            if seq.finish_reason is not None:
+                self.running.remove(seq)
+                finished.append(seq)
+        self.spec.draft(self.running)
+        return outs, finished
+
+    def _capture_verified_boundary(self, seq: DecodeSequence, v) -> None:
+        """The state after each kept token is in a slot until the next step:
+        copy the last page-aligned one for the prefix cache."""
+        if seq.boundary_slot < 0:
+            return
+        cached = seq.length - 1  # tokens whose KV and state this step produced
+        for tokens in range(cached, v.base, -1):
+            if tokens % self.page_size == 0:
+                slot = v.state_slot_covering(tokens)
+                if slot is not None:
+                    self.cache.copy_state(slot, seq.boundary_slot)
+                    seq.boundary_tokens = tokens
+                return
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
-            self.running.append(self.waiting.pop(0))
+            seq = self.waiting.pop(0)
+            if self.spec is not None and seq.spec is None and self._can_speculate(seq):
+                seq.spec = self.spec.start(seq, seq.spare_slots)
+            self.running.append(seq)
+
+    def _can_speculate(self, seq: DecodeSequence) -> bool:
+        return len(seq.spare_slots) >= self.spec.config.spare_slots(self.model.config)
 
     def _ensure_pages(self) -> list[DecodeSequence]:
         """Every running sequence gets a page for the token this step writes;

@@ -20,6 +20,7 @@ import torch
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
+from engine.streams import worker_stream
 from kvstore.client import StoreClient, wait_for_store
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
@@ -81,6 +82,10 @@ class StepLoop:
 
     @torch.inference_mode()
     def _run(self) -> None:
+        with worker_stream(self.scheduler.cache.device, high_priority=True):
+            self._loop()
+
+    def _loop(self) -> None:
         while not self.stopping.is_set():
             self._drain_commands(block=not self.scheduler.has_work)
             if not self.scheduler.has_work:
@@ -178,7 +183,8 @@ async def _main(args) -> None:
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
-    scheduler = DecodeScheduler(store.model, store.cache, ReservedPagesOnly(), max_batch=args.max_batch)
+    scheduler = DecodeScheduler(store.model, store.cache, ReservedPagesOnly(), max_batch=args.max_batch,
+                                cuda_graphs=False if args.no_cuda_graphs else None)
     steps = StepLoop(scheduler)
     steps.start()
 
@@ -193,6 +199,8 @@ async def _main(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = worker_arguments("python -m decode.server", __doc__.splitlines()[0])
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every decode step eagerly (graphs are on by default on CUDA)")
     args = p.parse_args(argv)
     return run_server(PROCESS, lambda: _main(args))
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.kv.attention import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,27 @@ class SequenceInput:
     page_table:  page ids covering positions [0, start + len(tokens)).
     state_slot:  the GDN state slot (hybrid models); it holds the state after
                  `start` tokens and is updated in place. -1 for dense models.
+    position_slots: empty, or one GDN slot per new token (speculative verify):
+                 the state after new token j is written to position_slots[j]
+                 (state_slot is only read, unless it is one of them), so the
+                 caller can pick the state of whichever prefix it accepts
+                 without running anything again.
     """
 
     tokens: tuple[int, ...]
     start: int
     page_table: tuple[int, ...]
     state_slot: int = -1
+    position_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.tokens:
             raise InvalidRequestError("a sequence in a forward needs at least one new token")
         if self.start < 0:
             raise InvalidRequestError(f"start must be >= 0, got {self.start}")
+        if self.position_slots and len(self.position_slots) != len(self.tokens):
+            raise InvalidRequestError(f"{len(self.position_slots)} position slots for "
+                                      f"{len(self.tokens)} new tokens: give one per token")
 
     @property
     def end(self) -> int:
@@ -54,6 +64,7 @@ class ForwardBatch:
     page_tables: list[torch.Tensor] = field(default_factory=list)  # per sequence, [n_pages] long
     state_slots: torch.Tensor | None = None  # [B] long
     offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
+    _attention: AttentionMetadata | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], page_size: int, device: torch.device | str) -> "ForwardBatch":
@@ -84,6 +95,14 @@ class ForwardBatch:
             state_slots=longs([s.state_slot for s in seqs]),
             offsets=offsets,
         )
+
+    @property
+    def attention(self) -> AttentionMetadata:
+        """Which keys each sequence's queries see; built once, shared by all layers."""
+        if self._attention is None:
+            self._attention = AttentionMetadata.build(
+                self.offsets, [s.end for s in self.seqs], self.page_tables, self.input_ids.device)
+        return self._attention
 
     @property
     def num_tokens(self) -> int:

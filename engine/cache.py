@@ -7,6 +7,11 @@ forward uses them.
 
 How K/V is encoded in a page is a KV format (engine/kv): bf16 (or any compute
 dtype) as is, int8, or the rotated 4-bit rk4.
+
+The MTP head's full-attention layer(s) are one more page pool each when the
+shape asks for them (`mtp_layers`), indexed by the same page table as the
+target's layers: position p of a sequence is row p of both, so one page
+reservation covers the target and its drafter.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.kv.attention import AttentionMetadata, paged_attention
 from engine.kv.formats import KVFormat
 
 
@@ -25,10 +31,22 @@ class CacheShape:
     num_pages: int
     page_size: int = 16
     num_state_slots: int = 0
+    mtp_layers: int = 0  # MTP layers that get a KV page pool (speculative decoding)
 
     def __post_init__(self) -> None:
-        if self.num_pages < 1 or self.page_size < 1 or self.num_state_slots < 0:
+        if self.num_pages < 1 or self.page_size < 1 or self.num_state_slots < 0 \
+                or self.mtp_layers < 0:
             raise ValueError(f"invalid cache shape {self}")
+
+
+def kv_layer_ids(config: ModelConfig, shape: CacheShape) -> tuple[int, ...]:
+    """Layers with a page pool, in pool order: the target's full-attention layers,
+    then the MTP layers (numbered after the target's, as the MTP head numbers them)."""
+    if shape.mtp_layers > config.mtp_num_layers:
+        raise ValueError(f"the cache shape asks for {shape.mtp_layers} MTP KV pools but the "
+                         f"model has {config.mtp_num_layers} MTP layers")
+    mtp = tuple(range(config.num_layers, config.num_layers + shape.mtp_layers))
+    return tuple(config.attention_layers) + mtp
 
 
 class PagedKVCache:
@@ -41,11 +59,11 @@ class PagedKVCache:
         self.page_size = shape.page_size
         self.device = torch.device(device)
         self.kv_format = kv_format
-        self._attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        self._attn_index = {layer: i for i, layer in enumerate(kv_layer_ids(config, shape))}
         self._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
         self.kv = [kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
                                        config.head_dim, self.device)
-                   for _ in config.attention_layers]
+                   for _ in self._attn_index]
         slots = shape.num_state_slots if config.is_hybrid else 0
         if config.is_hybrid and slots < 1:
             raise ValueError("a hybrid model needs at least one GDN state slot")
@@ -62,21 +80,27 @@ class PagedKVCache:
                      conv: list[torch.Tensor]) -> "PagedKVCache":
         """A cache over existing memory (the KV store's shared arenas): nothing is
         allocated or copied. One kv_buffers dict per full-attention layer, one
-        recurrent and conv tensor per GDN layer, in layer order."""
-        if len(kv_buffers) != len(config.attention_layers) or \
+        recurrent and conv tensor per GDN layer, in layer order (kv_layer_ids)."""
+        kv_layers = kv_layer_ids(config, shape)
+        if len(kv_buffers) != len(kv_layers) or \
                 len(recurrent) != len(config.linear_layers) or len(conv) != len(config.linear_layers):
             raise ValueError(f"from_tensors: {len(kv_buffers)} KV layers and {len(recurrent)}/"
                              f"{len(conv)} GDN layers given; the model has "
-                             f"{len(config.attention_layers)} and {len(config.linear_layers)}")
+                             f"{len(kv_layers)} and {len(config.linear_layers)}")
         cache = cls.__new__(cls)
         cache.config, cache.shape, cache.page_size = config, shape, shape.page_size
         cache.kv_format = kv_format
         first = next(iter(kv_buffers[0].values())) if kv_buffers else recurrent[0]
         cache.device = first.device
-        cache._attn_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        cache._attn_index = {layer: i for i, layer in enumerate(kv_layers)}
         cache._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
         cache.kv, cache.recurrent, cache.conv = list(kv_buffers), list(recurrent), list(conv)
         return cache
+
+    @property
+    def has_mtp_kv(self) -> bool:
+        """The MTP layers have page pools: prefill and decode keep their KV."""
+        return self.shape.mtp_layers > 0
 
     # --- full attention -------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -85,6 +109,13 @@ class PagedKVCache:
     def read_kv(self, layer: int, page_table: torch.Tensor, length: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_format.read(self.kv[self._attn_index[layer]], page_table, length, dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+               softmax_scale: float) -> torch.Tensor:
+        """Causal attention of q [T, Hq, D] over the layer's pages (the new
+        tokens' K/V already written): Triton on CUDA, PyTorch elsewhere."""
+        return paged_attention(self.kv_format, self.kv[self._attn_index[layer]], q, meta,
+                               softmax_scale)
 
     # --- GDN state ------------------------------------------------------
     def recurrent_state(self, layer: int) -> torch.Tensor:

@@ -15,10 +15,12 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import CacheShape, PagedKVCache
+from engine.cuda_graphs import DecodeForward
 from engine.kv import make_format
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
+from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker, StopStringMatcher
 
 
@@ -31,12 +33,16 @@ class EngineConfig:
     max_context: int = 4096  # capped at the model's own context length
     prefill_chunk: int = 512
     kv_format: str = "bf16"  # "bf16" stores the compute dtype as is; or "int8", "rk4"
+    cuda_graphs: bool | None = None  # decode steps from CUDA graphs; None: on for CUDA
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "page_size", "max_context", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
         make_format(self.kv_format)  # an unknown format fails here, naming the known ones
+        if not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("engine config: speculative must be a SpeculativeConfig")
 
 
 @dataclass
@@ -60,9 +66,12 @@ class _Sequence:
     stop: StopChecker
     matcher: StopStringMatcher
     detokenizer: object
-    slot: int
+    state_slot: int
     pages: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
+    spare_slots: list[int] = field(default_factory=list)  # GDN slots for draft positions
+    spec: SpecState | None = None
+    mtp_tail: tuple[int, torch.Tensor] | None = None  # prompt's last position and its hidden
 
     @property
     def length(self) -> int:
@@ -91,15 +100,27 @@ class OfflineEngine:
         self.tokenizer = loaded.tokenizer
         self.config = config or EngineConfig()
         self.max_context = min(self.config.max_context, loaded.config.max_position_embeddings)
+        spec = self.config.speculative
+        spec.check_model(loaded.config)
+        self.spare_slots = spec.spare_slots(loaded.config)
         pages_per_seq = -(-self.max_context // self.config.page_size)
+        slots = self.config.max_batch * (1 + self.spare_slots)
         shape = CacheShape(num_pages=pages_per_seq * self.config.max_batch,
                            page_size=self.config.page_size,
-                           num_state_slots=self.config.max_batch)
+                           num_state_slots=slots, mtp_layers=spec.mtp_kv_layers(loaded.config))
         kv_options = {"dtype": loaded.dtype} if self.config.kv_format == "bf16" else {}
         self.cache = PagedKVCache(loaded.config, shape, loaded.device,
                                   make_format(self.config.kv_format, **kv_options))
         self.pages = _FreeList(shape.num_pages)
-        self.slots = _FreeList(self.config.max_batch)
+        self.slots = _FreeList(slots)
+        self.spec = (SpeculativeDecoder(self.model, self.cache, spec, self.max_context)
+                     if spec.enabled else None)
+        self.spec_totals = {"steps": 0, "drafted": 0, "accepted": 0}
+        graphs = self.config.cuda_graphs
+        if graphs is None:
+            graphs = loaded.device.type == "cuda"
+        self.decode_forward = DecodeForward(self.model, self.cache, self.max_context,
+                                            enabled=graphs)
 
     # --- public ---------------------------------------------------------
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
@@ -109,12 +130,18 @@ class OfflineEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> Iterator[GenerationEvent]:
-        """Streams events for all prompts, interleaved step by step."""
+                 params: SamplingParams | Sequence[SamplingParams],
+                 speculate: Sequence[bool] | None = None) -> Iterator[GenerationEvent]:
+        """Streams events for all prompts, interleaved step by step. With a
+        speculative config, `speculate` can leave some prompts out of
+        speculation (they decode one token per step in the same batches)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise InvalidRequestError("one SamplingParams per prompt, or one for all")
+        speculate = [True] * len(prompts) if speculate is None else list(speculate)
+        if len(speculate) != len(prompts):
+            raise InvalidRequestError("one speculate flag per prompt")
         for prompt in prompts:
             self._check_prompt(prompt)
         waiting = [(i, list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -126,12 +153,23 @@ class OfflineEngine:
                     running.append(seq)
                     logits = self._prefill(seq)
                     yield from self._advance([seq], logits, running)
-                if running:
+                    if seq in running and self.spec is not None and speculate[seq.index]:
+                        self._start_speculating(seq)
+                if running and self.spec is not None:
+                    yield from self._speculative_step(running)
+                elif running:
                     logits = self._decode_step(running)
                     yield from self._advance(list(running), logits, running)
         finally:
             for seq in running:
                 self._release(seq)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target forward over finished speculative sequences,
+        counting the target's own token (0 when nothing speculated)."""
+        t = self.spec_totals
+        return (t["accepted"] + t["steps"]) / t["steps"] if t["steps"] else 0.0
 
     def generate_ids(self, prompt: Sequence[int], params: SamplingParams) -> list[int]:
         return [e.token_id for e in self.generate([prompt], params)]
@@ -158,7 +196,7 @@ class OfflineEngine:
             stop=StopChecker(params, self.tokenizer.eos_token_ids),
             matcher=StopStringMatcher(params.stop),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
-            slot=self.slots.take(1)[0])
+            state_slot=self.slots.take(1)[0])
 
     def _ensure_pages(self, seq: _Sequence, length: int) -> None:
         needed = -(-length // self.config.page_size) - len(seq.pages)
@@ -166,50 +204,111 @@ class OfflineEngine:
             seq.pages.extend(self.pages.take(needed))
 
     def _prefill(self, seq: _Sequence) -> torch.Tensor:
+        """Runs the prompt in chunks. With the MTP drafter, also fills the MTP
+        layer's KV with the prompt's pairs (h_p, token p+1); the last position's
+        pair waits for the first sampled token (kept in seq.mtp_tail)."""
         chunk = self.config.prefill_chunk
+        mtp = self.spec is not None and self.spec.config.uses_mtp
         logits = None
-        for start in range(0, len(seq.prompt), chunk):
+        n = len(seq.prompt)
+        for start in range(0, n, chunk):
             tokens = seq.prompt[start:start + chunk]
             self._ensure_pages(seq, start + len(tokens))
             batch = ForwardBatch.build(
-                [SequenceInput(tuple(tokens), start, tuple(seq.pages), seq.slot)],
+                [SequenceInput(tuple(tokens), start, tuple(seq.pages), seq.state_slot)],
                 self.config.page_size, self.loaded.device)
-            logits = self.model(batch, self.cache)
+            if not mtp:
+                logits = self.model(batch, self.cache)
+                continue
+            logits, hidden = self.model(batch, self.cache, return_hidden=True)
+            end = start + len(tokens)
+            known = min(end, n - 1) - start  # pairs whose next token is in the prompt
+            if known > 0:
+                self.spec.run_pairs(seq.pages, start, seq.prompt[start + 1:start + 1 + known],
+                                    hidden[:known])
+            if end == n:
+                seq.mtp_tail = (n - 1, hidden[-1:])
         return logits
+
+    def _start_speculating(self, seq: _Sequence) -> None:
+        seq.spare_slots = self.slots.take(self.spare_slots)
+        seq.spec = self.spec.start(seq, seq.spare_slots)
+        if seq.mtp_tail is not None:
+            position, hidden = seq.mtp_tail
+            seq.spec.pending, seq.mtp_tail = (position, [seq.output[-1]], hidden), None
+        self._ensure_pages(seq, min(seq.length + self.spec.config.num_draft_tokens,
+                                    self.max_context))
+        self.spec.draft([seq])
 
     def _decode_step(self, running: list[_Sequence]) -> torch.Tensor:
         inputs = []
         for seq in running:
             self._ensure_pages(seq, seq.length)
-            inputs.append(SequenceInput((seq.output[-1],), seq.length - 1, tuple(seq.pages), seq.slot))
+            inputs.append(SequenceInput((seq.output[-1],), seq.length - 1, tuple(seq.pages),
+                                        seq.state_slot))
         batch = ForwardBatch.build(inputs, self.config.page_size, self.loaded.device)
-        return self.model(batch, self.cache)
+        return self.decode_forward(batch)
+
+    def _speculative_step(self, running: list[_Sequence]) -> Iterator[GenerationEvent]:
+        """Verify every sequence's drafts in one forward, emit what it keeps,
+        then draft for the next step."""
+        for seq in running:
+            self._ensure_pages(seq, seq.length + (len(seq.spec.drafts) if seq.spec else 0))
+        verified = self.spec.verify(running)
+        for seq, v in zip(list(running), verified):
+            kept, finished = 0, False
+            for j, token in enumerate(v.tokens):
+                kept += 1
+                event = self._emit(seq, token, v.logprobs[j], v.top_logprobs[j], running,
+                                   release=False)
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    break
+            if seq.spec is not None:
+                self.spec.commit(seq, v, kept)
+            if finished:
+                self._release(seq)
+        for seq in running:
+            self._ensure_pages(seq, min(seq.length + self.spec.config.num_draft_tokens,
+                                        self.max_context))
+        self.spec.draft(running)
 
     def _advance(self, seqs: list[_Sequence], logits: torch.Tensor,
                  running: list[_Sequence]) -> Iterator[GenerationEvent]:
         """Samples one token per sequence, applies stop rules, emits events."""
         result = sample(logits, [s.sampling for s in seqs])
         for row, seq in enumerate(seqs):
-            token = result.token_ids[row]
-            seq.output.append(token)
-            seq.sampling.append(token)
-            finish = seq.stop.check_token(token, len(seq.output))
-            if finish is None and seq.length >= self.max_context:
-                finish = FinishReason.LENGTH
-            visible_token = finish is None or token not in seq.stop.stop_token_ids
-            text, stopped = seq.matcher.feed(seq.detokenizer.push(token) if visible_token else "")
-            if stopped:
-                finish = FinishReason.STOP
-            elif finish is not None:
-                text += seq.matcher.feed(seq.detokenizer.flush())[0] + seq.matcher.flush()
-            yield GenerationEvent(seq.index, token, text, result.logprobs[row],
-                                  result.top_logprobs[row], finish)
-            if finish is not None:
-                running.remove(seq)
+            yield self._emit(seq, result.token_ids[row], result.logprobs[row],
+                             result.top_logprobs[row], running)
+
+    def _emit(self, seq: _Sequence, token: int, logprob, top_logprobs,
+              running: list[_Sequence], release: bool = True) -> GenerationEvent:
+        """Appends one token, applies stop rules; a finished sequence leaves
+        `running` and (unless the caller does it) is released."""
+        seq.output.append(token)
+        seq.sampling.append(token)
+        finish = seq.stop.check_token(token, len(seq.output))
+        if finish is None and seq.length >= self.max_context:
+            finish = FinishReason.LENGTH
+        visible_token = finish is None or token not in seq.stop.stop_token_ids
+        text, stopped = seq.matcher.feed(seq.detokenizer.push(token) if visible_token else "")
+        if stopped:
+            finish = FinishReason.STOP
+        elif finish is not None:
+            text += seq.matcher.feed(seq.detokenizer.flush())[0] + seq.matcher.flush()
+        if finish is not None:
+            running.remove(seq)
+            if release:
                 self._release(seq)
+        return GenerationEvent(seq.index, token, text, logprob, top_logprobs, finish)
 
     def _release(self, seq: _Sequence) -> None:
-        if seq.slot >= 0:
+        if seq.spec is not None:
+            for key in self.spec_totals:
+                self.spec_totals[key] += getattr(seq.spec, key)
+            seq.spec = None
+        if seq.state_slot >= 0:
             self.pages.give(seq.pages)
-            self.slots.give([seq.slot])
-            seq.pages, seq.slot = [], -1
+            self.slots.give([seq.state_slot, *seq.spare_slots])
+            seq.pages, seq.state_slot, seq.spare_slots = [], -1, []

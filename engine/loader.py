@@ -97,6 +97,7 @@ def _load_gguf(path: Path, device, dtype, progress, packed: bool = False) -> Loa
     _log(f"loading {path}")
     gguf = read_gguf(path, dtype=dtype, progress=progress, keep_quantized=packed)
     config = ModelConfig.from_hf(gguf.hf_config)
+    config = _with_trained_head(config, gguf.tensors, path, dtype)
     model = build_model(config, gguf.tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, gguf.tokenizer, str(path), device, dtype)
 
@@ -111,6 +112,7 @@ def _load_hf_dir(path: Path, device, dtype, progress, packed: bool = False) -> L
     hf_config = read_hf_config(path)
     config = ModelConfig.from_hf(hf_config)
     tensors = read_safetensors(path, dtype, progress, hf_config, keep_quantized=packed)
+    config = _with_trained_head(config, tensors, path, dtype)
     model = build_model(config, tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, Tokenizer.from_hf_dir(path), str(path), device, dtype)
 
@@ -130,6 +132,22 @@ def _load_dummy(name: str, device, dtype, seed: int, recipe: str = "bf16") -> Lo
     randomize_quantized(model, formats, seed)
     model.eval()
     return LoadedModel(config, model, ByteTokenizer(config.vocab_size), f"dummy:{name}", device, dtype)
+
+
+def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
+                       dtype: torch.dtype) -> ModelConfig:
+    """A model without MTP weights picks up a head trained by `tandem train-mtp`
+    (engine/speculative/heads.py says where it looks); its tensors join `tensors`."""
+    from engine.speculative.heads import head_path_for, read_head
+
+    if config.mtp_num_layers or any(n.startswith("mtp.") for n in tensors):
+        return config
+    head = head_path_for(source)
+    if head is None:
+        return config
+    _log(f"using the MTP head {head}")
+    tensors.update(read_head(head, config, dtype))
+    return replace(config, mtp_num_layers=1)
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,

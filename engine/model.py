@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.batch import ForwardBatch
 from engine.cache import PagedKVCache
+from engine import gdn_batched
 from engine.config import LINEAR_ATTENTION, ModelConfig
 from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from engine.rotary import Rotary
@@ -107,27 +108,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         cache.write_kv(self.layer, batch.kv_slots, k, v)
-        out = torch.empty(tokens, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for i, seq in enumerate(batch.seqs):
-            lo, hi = batch.offsets[i], batch.offsets[i + 1]
-            out[lo:hi] = self._attend(q[lo:hi], seq.start, batch.page_tables[i], cache)
+        out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
         out = out.reshape(tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
-
-    def _attend(self, q: torch.Tensor, start: int, page_table: torch.Tensor,
-                cache: PagedKVCache) -> torch.Tensor:
-        """Causal attention of n new queries over the sequence's first start+n keys."""
-        n = q.shape[0]
-        k, v = cache.read_kv(self.layer, page_table, start + n, q.dtype)
-        key_pos = torch.arange(start + n, device=q.device)
-        query_pos = torch.arange(start, start + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=self.head_dim ** -0.5, enable_gqa=True)
-        return out.transpose(0, 1)
 
 
 class GatedDeltaNet(nn.Module):
@@ -160,26 +145,73 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
+        # speculative verify (position_slots) keeps every state: the per-sequence path
+        keeps_every_state = any(seq.position_slots for seq in batch.seqs)
+        if gdn_batched.use_batched_path(x) and not keeps_every_state:
+            out = self._forward_batched(mixed, g, beta, batch, states, windows, weight)
+            return self.out_proj(self.norm(out, z).reshape(tokens, -1))
+        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
         for i, seq in enumerate(batch.seqs):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             slot = seq.state_slot
             fresh = seq.start == 0  # a new sequence starts from zeros, whatever the slot held
             window = torch.zeros_like(windows[slot]) if fresh else windows[slot]
+            if seq.position_slots:  # the slot is rewritten below; keep the input window
+                window = window.clone()
             conv_out, windows[slot] = causal_conv1d(mixed[lo:hi], window, weight)
             q, k, v = conv_out.split(self._split, dim=-1)
             q = q.view(1, hi - lo, self.num_k_heads, self.k_dim)
             k = k.view(1, hi - lo, self.num_k_heads, self.k_dim)
             v = v.view(1, hi - lo, self.num_v_heads, self.v_dim)
             initial = None if fresh else states[slot][None]
-            rule = recurrent_gated_delta_rule if hi - lo == 1 else chunked_gated_delta_rule
-            o, final = rule(q, k, v, g[None, lo:hi], beta[None, lo:hi], initial)
-            states[slot] = final[0]
+            if seq.position_slots:
+                o = self._run_keeping_every_state(seq, q, k, v, g[None, lo:hi], beta[None, lo:hi],
+                                                  initial, window, mixed[lo:hi], states, windows)
+            else:
+                rule = recurrent_gated_delta_rule if hi - lo == 1 else chunked_gated_delta_rule
+                o, final = rule(q, k, v, g[None, lo:hi], beta[None, lo:hi], initial)
+                states[slot] = final[0]
             out[lo:hi] = o[0]
         out = self.norm(out, z).reshape(tokens, -1)
         return self.out_proj(out)
+
+    def _forward_batched(self, mixed, g, beta, batch, states, windows, weight):
+        """All sequences at once with device-indexed state slots (CUDA; graph-safe
+        for decode steps); see engine/gdn_batched.py."""
+        tokens = mixed.shape[0]
+        slots = batch.state_slots
+        if batch.is_decode:
+            fresh = batch.positions == 0
+            conv_out = gdn_batched.decode_conv(mixed, windows, slots, fresh, weight)
+        else:
+            fresh_host = [seq.start == 0 for seq in batch.seqs]
+            fresh = torch.tensor(fresh_host, device=mixed.device)
+            conv_out = gdn_batched.prefill_conv(mixed, windows, [s.state_slot for s in batch.seqs],
+                                                fresh_host, batch.offsets, weight)
+        q, k, v = conv_out.split(self._split, dim=-1)
+        q = q.view(tokens, self.num_k_heads, self.k_dim)
+        k = k.view(tokens, self.num_k_heads, self.k_dim)
+        v = v.view(tokens, self.num_v_heads, self.v_dim)
+        if batch.is_decode:
+            return gdn_batched.gated_delta_rule_decode(q, k, v, g, beta, states, slots, fresh)
+        return gdn_batched.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, fresh,
+                                                    batch.offsets)
+
+    @staticmethod
+    def _run_keeping_every_state(seq, q, k, v, g, beta, initial, window, inputs, states, windows):
+        """Speculative verify: the recurrent form, writing the state and conv
+        window after each new token into that token's position slot. The input
+        state and window were read before the first write, so position_slots[0]
+        may be the sequence's own slot."""
+        o, _, every = recurrent_gated_delta_rule(q, k, v, g, beta, initial, output_all_states=True)
+        history = torch.cat((window.to(inputs.dtype), inputs.t()), dim=-1)  # [C, K-1+T]
+        width = window.shape[-1]
+        for j, slot in enumerate(seq.position_slots):
+            states[slot] = every[0, j]
+            windows[slot] = history[:, j + 1:j + 1 + width]
+        return o
 
 
 class DecoderLayer(nn.Module):
@@ -216,7 +248,13 @@ class Backbone(nn.Module):
 class MTPHead(nn.Module):
     """Qwen3.5's multi-token-prediction layer: fc(concat(norm(embed(next)), norm(h)))
     then one full-attention decoder layer with its own KV and a final norm; the
-    lm_head is shared. Loaded now, run by the speculative decoder."""
+    lm_head is shared. Run by the speculative decoder (engine/speculative).
+
+    The pair at position p is (h_p, token p+1) and predicts token p + 2; its KV
+    sits at position p of the MTP layer's page pool (same page table as the
+    target). h is the target's final hidden state after its norm (what vLLM
+    feeds its Qwen3-Next MTP proposer), and for the next draft the MTP's own
+    normed output."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -228,6 +266,17 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(mtp_config, config.num_layers + i)
                                     for i in range(config.mtp_num_layers))
         self.norm = RMSNorm(h, eps, zc)
+
+    def forward(self, embedded: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+                cache: PagedKVCache, rotary: Rotary) -> torch.Tensor:
+        """embedded: the next tokens' embeddings [T, H]; hidden: h at the pairs'
+        positions [T, H]. Returns the normed output [T, H] (logits are lm_head of it)."""
+        x = self.fc(torch.cat((self.pre_fc_norm_embedding(embedded),
+                               self.pre_fc_norm_hidden(hidden)), dim=-1))
+        cos_sin = rotary.cos_sin(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, batch, cache, rotary, cos_sin)
+        return self.norm(x)
 
 
 def _full_attention_view(config: ModelConfig) -> ModelConfig:
@@ -257,13 +306,26 @@ class CausalLM(nn.Module):
                 return_hidden: bool = False):
         """Runs the batch, updating its pages and state slots. Returns logits for
         the last token of each sequence [B, V] (or of every token [T, V] with
-        all_logits), and with return_hidden also the final hidden states before
-        the norm at the same positions (what the MTP head consumes)."""
+        all_logits), and with return_hidden also the final hidden states after
+        the norm of every token [T, H] (what the MTP head consumes)."""
         x = self.model.embed_tokens(batch.input_ids)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, batch, cache, self.rotary, cos_sin)
-        if not all_logits:
-            x = x.index_select(0, batch.last_token_indices())
-        logits = F.linear(self.model.norm(x), self.output_embedding)
-        return (logits, x) if return_hidden else logits
+        hidden = self.model.norm(x)
+        picked = hidden if all_logits else hidden.index_select(0, batch.last_token_indices())
+        logits = F.linear(picked, self.output_embedding)
+        return (logits, hidden) if return_hidden else logits
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor, cache: PagedKVCache,
+                    all_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over pairs: batch.input_ids are the next tokens, its
+        positions those of `hidden` [T, H]; writes the MTP layers' KV there.
+        Returns (logits of the last pair per sequence [B, V], or of every pair
+        with all_logits; the normed output of every pair [T, H])."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head")
+        out = self.mtp(self.model.embed_tokens(batch.input_ids), hidden, batch, cache, self.rotary)
+        picked = out if all_logits else out.index_select(0, batch.last_token_indices())
+        return F.linear(picked, self.output_embedding), out

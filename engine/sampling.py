@@ -202,6 +202,23 @@ class SequenceSamplingState:
             self._output_count_vec[token_id] += 1
             self._seen_mask[token_id] = True
 
+    def with_pending(self, tokens: Sequence[int]) -> "SequenceSamplingState":
+        """A copy with `tokens` appended to the counts, for judging a speculative
+        draft position as if the drafts before it were generated. It shares the
+        generators (draws on it advance this sequence's randomness)."""
+        clone = SequenceSamplingState.__new__(SequenceSamplingState)
+        clone.params, clone.seed = self.params, self.seed
+        clone.prompt_counts = self.prompt_counts
+        clone.output_counts = dict(self.output_counts)
+        clone.num_output_tokens = self.num_output_tokens
+        clone._generators = self._generators
+        clone._seen_mask = None if self._seen_mask is None else self._seen_mask.clone()
+        clone._output_count_vec = (None if self._output_count_vec is None
+                                   else self._output_count_vec.clone())
+        for token in tokens:
+            clone.append(token)
+        return clone
+
     def skip_draws(self, count: int, vocab_size: int, device: torch.device | str) -> None:
         """Advance past `count` draws made in another process (the prefill worker
         samples a request's first token, the decode worker the rest), so a
@@ -383,13 +400,8 @@ def processed_probs(logits: torch.Tensor,
     penalties -> temperature -> top-k -> top-p -> min-p; greedy rows are
     one-hot at the argmax of their penalised logits.
 
-    SPECULATIVE DECODING HOOK (not implemented yet): the rejection sampler
-    will call this on the target model's logits (p) and on the draft model's
-    logits (q) for each proposed position, accept a draft token x with
-    probability min(1, p[x] / q[x]), and on rejection draw from
-    normalise(max(0, p - q)) with the sequence's own generator. Greedy rows
-    reduce to "accept iff the draft token is the argmax", which the one-hot
-    rows give for free.
+    The speculative verifier (engine/speculative/acceptance.py) calls this
+    on the target's logits (p) and the MTP drafter on its own (q).
     """
     _check_batch(logits, states)
     return _distribution(apply_penalties(logits, states), states)

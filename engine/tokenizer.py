@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import jinja2
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -115,12 +116,16 @@ class BaseTokenizer:
         expect (messages, tools, add_generation_prompt, bos_token, eos_token and
         any extra kwargs such as enable_thinking). A model without a template
         gets plain ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n` per
-        message, then `<|im_start|>assistant\\n` when add_generation_prompt;
-        tools are ignored there. The result is text: encode it with
-        add_special_tokens=False, since the template writes any BOS itself.
+        message, then `<|im_start|>assistant\\n` when add_generation_prompt.
+        A template that never reads `tools` (and ChatML) gets tools, tool calls
+        and tool results as text in Qwen's format instead (`tools_as_text`).
+        The result is text: encode it with add_special_tokens=False, since the
+        template writes any BOS itself.
         """
         _check_messages(messages)
         template = self._template_for(tools)
+        if not template_takes_tools(template) and _uses_tools(messages, tools):
+            messages, tools = tools_as_text(messages, tools), None
         if template is None:
             return render_chatml(messages, add_generation_prompt)
         specials = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
@@ -526,6 +531,61 @@ def _compiled(template: str) -> jinja2.Template:
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ModelLoadError(f"the model's chat template does not compile (line {e.lineno}: "
                              f"{e.message})") from e
+
+
+@lru_cache(maxsize=32)
+def template_takes_tools(template: str | None) -> bool:
+    """Whether a chat template reads the `tools` variable at all (Qwen's,
+    Llama 3.1's do; SmolLM2's does not)."""
+    if template is None:
+        return False
+    env = ImmutableSandboxedEnvironment(extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+    except jinja2.exceptions.TemplateSyntaxError:
+        return False  # _compiled reports it when rendering
+
+
+def _uses_tools(messages: list[dict], tools: list[dict] | None) -> bool:
+    return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
+TOOLS_PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                  "You are provided with function signatures within <tools></tools> XML tags:\n"
+                  "<tools>")
+TOOLS_INSTRUCTIONS = ("</tools>\n\nFor each function call, return a json object with function "
+                      "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+                      "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+
+
+def tools_as_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Tools for a template that cannot render them, written as Qwen2.5 does:
+    the function signatures in a `<tools>` block of the system message (added
+    when there is none), each assistant tool call as a `<tool_call>{json}</tool_call>`
+    line after its text, each tool result as a user turn in `<tool_response>`
+    tags. The model then answers in the format the gateway parses."""
+    out = [dict(m) for m in messages]
+    if tools:
+        block = "\n".join([TOOLS_PREAMBLE, *(_tojson(t) for t in tools), TOOLS_INSTRUCTIONS])
+        if out and out[0].get("role") == "system":
+            out[0]["content"] = f"{_content_text(out[0].get('content'))}\n\n{block}"
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    for m in out:
+        if m.get("tool_calls"):
+            calls = [_tool_call_text(c) for c in m.pop("tool_calls")]
+            m["content"] = "\n".join(filter(None, [_content_text(m.get("content")), *calls]))
+        elif m.get("role") == "tool":
+            m["role"] = "user"
+            m["content"] = f"<tool_response>\n{_content_text(m.get('content'))}\n</tool_response>"
+    return out
+
+
+def _tool_call_text(call: dict) -> str:
+    function = call.get("function", call)
+    return ("<tool_call>\n" + _tojson({"name": function.get("name"),
+                                        "arguments": function.get("arguments")})
+            + "\n</tool_call>")
 
 
 def render_chat_template(template: str, **variables: Any) -> str:

@@ -81,8 +81,10 @@ def weights_layout(model: nn.Module) -> Layout:
 
 def kv_layout(config: ModelConfig, shape: CacheShape, kv_format: KVFormat) -> Layout:
     """Every full-attention layer's buffers, as the format would allocate them."""
+    from engine.cache import kv_layer_ids
+
     entries = []
-    for layer in config.attention_layers:
+    for layer in kv_layer_ids(config, shape):  # the MTP layers' pools too, when laid out
         # On the meta device: shapes and dtypes without a byte of memory.
         buffers = kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
                                      config.head_dim, "meta")
@@ -162,9 +164,11 @@ def model_on_arena(config: ModelConfig, weights: Arena, dtype: torch.dtype,
 def cache_on_arenas(config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
                     arenas: StoreArenas) -> PagedKVCache:
     """A PagedKVCache whose pages and state slots are views of the kv and state arenas."""
+    from engine.cache import kv_layer_ids
+
     kv_buffers = [{name.removeprefix(f"kv.{layer}."): t
                    for name, t in arenas.kv.tensors(f"kv.{layer}.").items()}
-                  for layer in config.attention_layers]
+                  for layer in kv_layer_ids(config, shape)]
     recurrent = [arenas.state.tensor(f"recurrent.{layer}") for layer in config.linear_layers]
     conv = [arenas.state.tensor(f"conv.{layer}") for layer in config.linear_layers]
     return PagedKVCache.from_tensors(config, shape, kv_format, kv_buffers, recurrent, conv)

@@ -47,7 +47,10 @@ class CapacityPlan:
 
     max_context_tokens: tokens the page pool holds across all sequences and the
     prefix cache together. live_slots + snapshot_slots: the one GDN slot pool
-    (hybrid models; ignored for dense ones). gpu_memory_budget: bytes, None for
+    (hybrid models; ignored for dense ones). draft_slots_per_sequence: spare
+    GDN slots each running sequence holds for speculative verify (one per
+    draft position; 0 without speculation). mtp_kv_layers: MTP layers whose
+    KV gets a page pool (the MTP drafter), indexed by the same page tables. gpu_memory_budget: bytes, None for
     no limit. weight_bytes: the weights as stored (see weight_bytes_of).
     activation_bytes: bytes per activation element in workers (2 for bf16).
 
@@ -57,16 +60,12 @@ class CapacityPlan:
       + 2 x context x kv_heads x head_dim x activation_bytes      one layer's K and V dequantized
       + live_slots x vocab x 4                                    fp32 logits of a decode batch
     where context = min(max_context_tokens, max_position_embeddings).
-    Allocator slack: 256 MiB + 10% of the activation reserve.
+    Allocator slack: 256 MiB + 10% of the activation reserve (and of the
+    decode activations).
 
-    With speculative_tokens = k > 0 (MTP) and a model with an MTP head:
-      mtp kv            the MTP layer's own KV pages: one more full-attention
-                        layer's worth of the page pool
-      mtp draft slots   k extra GDN state slots per live sequence (verify keeps
-                        one state per draft position and selects the accepted one)
     Decode activations (the decode worker, beside the prefill worker's reserve):
       rows x (per-token widths above) x activation_bytes + rows x vocab x 4
-      where rows = live_slots x (1 + k); attention reads pages in place.
+      where rows = live_slots x (1 + draft_slots_per_sequence) (a verify step).
     CUDA graphs (cuda_graphs=True): one private pool per captured batch size
       (1, 2, 4, ... up to live_slots), each sized like the decode activations
       of that batch, + 64 MiB of graph bookkeeping.
@@ -83,7 +82,8 @@ class CapacityPlan:
     weight_bytes: int
     prefill_chunk_tokens: int = 2048
     activation_bytes: int = 2
-    speculative_tokens: int = 0
+    draft_slots_per_sequence: int = 0
+    mtp_kv_layers: int = 0
     cuda_graphs: bool = False
     weight_format: str = "as stored"
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
@@ -99,19 +99,18 @@ class CapacityPlan:
         return -(-self.max_context_tokens // self.page_size)
 
     @property
+    def num_draft_slots(self) -> int:
+        return self.live_slots * self.draft_slots_per_sequence if self.config.is_hybrid else 0
+
+    @property
     def num_state_slots(self) -> int:
         if not self.config.is_hybrid:
             return 0
-        return self.live_slots * (1 + self.mtp_draft_tokens) + self.snapshot_slots
-
-    @property
-    def mtp_draft_tokens(self) -> int:
-        """Draft tokens MTP proposes per step, 0 when the model has no MTP head."""
-        return self.speculative_tokens if self.config.mtp_num_layers else 0
+        return self.live_slots + self.snapshot_slots + self.num_draft_slots
 
     @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(self.num_pages, self.page_size, self.num_state_slots)
+        return CacheShape(self.num_pages, self.page_size, self.num_state_slots, self.mtp_kv_layers)
 
     @property
     def total_bytes(self) -> int:
@@ -138,7 +137,8 @@ class CapacityPlan:
 
     def table(self, mark: str | None = None) -> str:
         """The plan as a small text table; `mark` flags one line."""
-        spec = f", MTP k={self.mtp_draft_tokens}" if self.mtp_draft_tokens else ""
+        spec = (f", {self.draft_slots_per_sequence} draft tokens"
+                if self.draft_slots_per_sequence else "")
         head = (f"capacity plan (all processes): {self.config.model_type}, "
                 f"{self.config.num_layers} layers "
                 f"({len(self.config.attention_layers)} full attention, "
@@ -172,14 +172,13 @@ class CapacityPlan:
 
     def _compute_lines(self) -> tuple[PlanLine, ...]:
         cfg = self.config
-        kv = kv_layout(cfg, self.cache_shape, self.kv_format.build()).total_bytes - HEADER_BYTES
+        fmt = self.kv_format.build()
+        target_shape = CacheShape(self.num_pages, self.page_size, self.num_state_slots)
+        kv = kv_layout(cfg, target_shape, fmt).total_bytes - HEADER_BYTES
+        mtp_kv = kv_layout(cfg, self.cache_shape, fmt).total_bytes - HEADER_BYTES - kv
         per_slot = _state_bytes_per_slot(cfg)
         activations = self._activation_reserve()
         decode = self._decode_activations(self.live_slots)
-        graphs = self._graph_bytes()
-        k = self.mtp_draft_tokens
-        mtp_kv = kv // max(len(cfg.attention_layers), 1) if k else 0
-        draft_slots = self.live_slots * k if cfg.is_hybrid else 0
         return (
             PlanLine("weights", self.weight_bytes, self.weight_format,
                      "the weights alone do not fit: use 4-bit weights (--weights q4_k_m, or a "
@@ -190,25 +189,28 @@ class CapacityPlan:
                      f"{len(cfg.attention_layers)} layers",
                      f"lower --max-context-tokens (now {self.max_context_tokens}) or pick a "
                      "smaller --kv-format (rk4 is 4.5 bits per element)"),
+            PlanLine("mtp kv pages", mtp_kv,
+                     f"{self.num_pages} pages x {self.page_size} tokens x {self.mtp_kv_layers} "
+                     "MTP layers (speculative decoding)",
+                     "use --speculative ngram (no MTP KV) or lower --max-context-tokens"),
             PlanLine("gdn live slots", self.live_slots * per_slot if cfg.is_hybrid else 0,
                      f"{self.live_slots if cfg.is_hybrid else 0} x {format_bytes(per_slot)}",
                      f"lower --live-slots (now {self.live_slots})"),
             PlanLine("gdn snapshot slots", self.snapshot_slots * per_slot if cfg.is_hybrid else 0,
                      f"{self.snapshot_slots if cfg.is_hybrid else 0} x {format_bytes(per_slot)}",
                      f"lower --snapshot-slots (now {self.snapshot_slots})"),
-            PlanLine("mtp kv", mtp_kv, f"MTP layer's pages, k={k}",
-                     "lower --speculative (MTP draft tokens) to 0 or --max-context-tokens"),
-            PlanLine("mtp draft slots", draft_slots * per_slot,
-                     f"{draft_slots} x {format_bytes(per_slot)}",
-                     f"lower --speculative (now {k}) or --live-slots (now {self.live_slots})"),
+            PlanLine("gdn draft slots", self.num_draft_slots * per_slot,
+                     f"{self.num_draft_slots} x {format_bytes(per_slot)} "
+                     f"({self.draft_slots_per_sequence} per live sequence)",
+                     "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens",
                      f"lower --prefill-chunk-tokens (now {self.prefill_chunk_tokens}) or "
                      "--max-context-tokens"),
             PlanLine("decode activations", decode,
-                     f"estimate: {self.live_slots} x {1 + k} rows",
+                     f"estimate: {self.live_slots} x {1 + self.draft_slots_per_sequence} rows",
                      f"lower --live-slots (now {self.live_slots})"),
-            PlanLine("cuda graphs", graphs,
+            PlanLine("cuda graphs", self._graph_bytes(),
                      "estimate: a pool per captured batch size" if self.cuda_graphs else "none",
                      "run without CUDA graphs or lower --live-slots"),
             PlanLine("allocator slack",
@@ -226,7 +228,7 @@ class CapacityPlan:
                 + 2 * conv)
 
     def _decode_activations(self, batch: int) -> int:
-        rows = max(batch, 1) * (1 + self.mtp_draft_tokens)
+        rows = max(batch, 1) * (1 + self.draft_slots_per_sequence)
         return (rows * self._per_token_width() * self.activation_bytes
                 + rows * self.config.vocab_size * 4)
 
@@ -262,7 +264,7 @@ class CapacityPlan:
         for name in ("page_size", "max_context_tokens", "prefill_chunk_tokens",
                      "activation_bytes"):
             positive(name)
-        for name in ("snapshot_slots", "weight_bytes", "speculative_tokens"):
+        for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "mtp_kv_layers"):
             positive(name, 0)
         positive("live_slots", 1 if self.config.is_hybrid else 0)
         if self.gpu_memory_budget is not None:

@@ -50,11 +50,34 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     if job.restore_slot >= 0:
         cache.copy_state(job.restore_slot, job.state_slot)
     snapshot_slot = dict(job.snapshots)
-    logits = None
-    for chunk in prefill_chunks(job.start, len(job.tokens), chunk_size, sorted(snapshot_slot)):
+    mtp = cache.has_mtp_kv and model.mtp is not None
+    logits = hidden = None
+    n = len(job.tokens)
+    for chunk in prefill_chunks(job.start, n, chunk_size, sorted(snapshot_slot)):
         seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, job.pages, job.state_slot)
-        logits = model(ForwardBatch.build([seq], cache.page_size, cache.device), cache)
+        batch = ForwardBatch.build([seq], cache.page_size, cache.device)
+        if mtp:
+            logits, hidden = model(batch, cache, return_hidden=True)
+            _mtp_pairs(model, cache, job, chunk.start, job.tokens[chunk.start + 1:chunk.end + 1],
+                       hidden)
+        else:
+            logits = model(batch, cache)
         if chunk.snapshot:
             cache.copy_state(job.state_slot, snapshot_slot[chunk.end])
         between_chunks()
-    return sample(logits, [SequenceSamplingState(job.params, job.tokens)])
+    result = sample(logits, [SequenceSamplingState(job.params, job.tokens)])
+    if mtp:  # the prompt's last pair needs the first token
+        _mtp_pairs(model, cache, job, n - 1, (result.token_ids[0],), hidden[-1:])
+    return result
+
+
+def _mtp_pairs(model: CausalLM, cache: PagedKVCache, job: PrefillJob, start: int,
+               next_tokens, hidden) -> None:
+    """The MTP layer's KV for pairs (h_p, token p+1), p = start.. (speculative
+    decoding with the MTP drafter expects it for every position before the
+    decode's first)."""
+    if not next_tokens:
+        return
+    seq = SequenceInput(tuple(next_tokens), start, job.pages)
+    model.mtp_forward(ForwardBatch.build([seq], cache.page_size, cache.device),
+                      hidden[:len(next_tokens)], cache)

@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.errors import InvalidRequestError, TandemError
+from engine.streams import worker_stream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
 from tandem.internal.v1 import workers_pb2 as pb
@@ -61,14 +62,16 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         context.add_done_callback(lambda _ctx: work.cancelled.set())
 
         def between_chunks() -> None:
+            yield_to_decode(self.store.cache.device)
             if work.cancelled.is_set():
                 raise Cancelled(f"request {job.request_id} was cancelled during prefill")
 
         def run():
             try:
                 between_chunks()  # it may have been cancelled while queued
-                return run_prefill(self.store.model, self.store.cache, job, self.chunk,
-                                   between_chunks)
+                with worker_stream(self.store.cache.device, high_priority=False):
+                    return run_prefill(self.store.model, self.store.cache, job, self.chunk,
+                                       between_chunks)
             finally:
                 # forgotten only here, by the thread: until the chunk in flight
                 # is done, Abort must find the work and wait for it

@@ -5,6 +5,7 @@ defect becomes an InvalidRequestError whose message says what to fix; the
 server maps it to INVALID_ARGUMENT."""
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -46,18 +47,62 @@ def prompt_from_pb(pb, tokenizer) -> list[int]:
 def chat_prompt(chat_pb, tokenizer) -> list[int]:
     if not chat_pb.messages:
         raise InvalidRequestError("input.chat has no messages")
-    messages = []
-    for i, m in enumerate(chat_pb.messages):
-        if m.role not in ("system", "user", "assistant", "tool"):
-            raise InvalidRequestError(f"chat message {i} has role {m.role!r}; use system, user, "
-                                      "assistant or tool")
-        messages.append({"role": m.role, "content": m.content})
+    messages = [_message(i, m) for i, m in enumerate(chat_pb.messages)]
+    tools = [_tool(i, t) for i, t in enumerate(chat_pb.tools)] or None
     add_prompt = chat_pb.add_generation_prompt if chat_pb.HasField("add_generation_prompt") else True
+    if chat_pb.assistant_prefix and not add_prompt:
+        raise InvalidRequestError("input.chat.assistant_prefix needs add_generation_prompt")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt, tools=tools)
+    except InvalidRequestError:
+        raise
     except Exception as e:  # a template's raise_exception: the conversation is malformed
         raise InvalidRequestError(f"the chat template rejected the conversation: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text + chat_pb.assistant_prefix, add_special_tokens=False)
+
+
+def _message(i: int, m) -> dict:
+    """A chat message as HF templates expect it (OpenAI's shape, with tool-call
+    arguments as a mapping when they are a JSON object, as Qwen's template wants)."""
+    if m.role not in ("system", "user", "assistant", "tool"):
+        raise InvalidRequestError(f"chat message {i} has role {m.role!r}; use system, user, "
+                                  "assistant or tool")
+    message: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise InvalidRequestError(f"chat message {i} has tool_calls but role {m.role!r}; "
+                                      "only assistant messages make tool calls")
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+            for c in m.tool_calls]
+    if m.role == "tool":
+        message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+    return message
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return text  # rendered as the model wrote it
+    return value if isinstance(value, dict) else text
+
+
+def _tool(i: int, t) -> dict:
+    if not t.name:
+        raise InvalidRequestError(f"tool {i} has no name")
+    function: dict = {"name": t.name}
+    if t.description:
+        function["description"] = t.description
+    if t.parameters_json:
+        try:
+            function["parameters"] = json.loads(t.parameters_json)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"tool {i} ({t.name}): parameters_json is not JSON: {e}") from e
+    return {"type": "function", "function": function}
 
 
 def sampling_from_pb(pb, prompt_len: int, max_context: int) -> SamplingParams:

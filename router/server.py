@@ -172,7 +172,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         output = [first.token_id]
         self.metrics.first_token(time.perf_counter() - started)
         with_logprobs = req.params.logprobs is not None
-        yield _chunk(req.request_id, first, text.push(first.token_id), with_logprobs)
+        yield _chunk(req.request_id, first, text.push(first.token_id), self.tokenizer,
+                     with_logprobs)
         finish, boundary = self._finish_of_first(req, first.token_id, text, stop_ids)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
@@ -191,7 +192,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                         self.metrics.token(now - last)
                         last = now
                         output.append(token.token_id)
-                        yield _chunk(req.request_id, token, text.push(token.token_id), with_logprobs)
+                        yield _chunk(req.request_id, token, text.push(token.token_id), self.tokenizer,
+                                     with_logprobs)
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
                         await self._stop_worker(handle)
@@ -344,12 +346,14 @@ def _stop_ids(req: GenerationRequest, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys((*req.params.stop_token_ids, *eos)))
 
 
-def _chunk(request_id: str, token: wpb.GeneratedToken, text: str,
+def _chunk(request_id: str, token: wpb.GeneratedToken, text: str, tokenizer,
            with_logprobs: bool) -> pb.GenerateResponse:
     chunk = pb.Chunk(token_ids=[token.token_id], text=text)
-    if with_logprobs:
-        top = [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in token.top]
-        chunk.logprobs.append(pb.Logprobs(logprob=token.logprob, top=top))
+    if with_logprobs:  # each token's own text, for clients that show alternatives
+        top = [pb.TokenLogprob(token_id=t.token_id, logprob=t.logprob,
+                               text=tokenizer.decode([t.token_id])) for t in token.top]
+        chunk.logprobs.append(pb.Logprobs(logprob=token.logprob, top=top,
+                                          text=tokenizer.decode([token.token_id])))
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 

@@ -17,4 +17,4 @@ timeout 300 python -m bench.quant --rows 1 4 --decode-steps 16 --json "$OUT/quan
   2>&1 | tee "$OUT/bench_quant.log" | tail -30
 echo "== memory plan of the demonstration"
 python -m tandem.cli plan --model qwen3.5-27b --weights int4 --kv-format rk4 --context 262144 \
-  --speculative 3 --snapshot-slots 4 --gpu-memory-budget 24GiB 2>&1 | tee "$OUT/plan.txt"
+  --speculative mtp --draft-tokens 3 --snapshot-slots 4 --gpu-memory-budget 24GiB 2>&1 | tee "$OUT/plan.txt"

@@ -30,21 +30,38 @@ def _add_generate(sub) -> None:
     p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
                         "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
                         "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
+    _add_speculative_flags(p)
     p.set_defaults(run=_run_generate)
+
+
+def _add_speculative_flags(p) -> None:
+    p.add_argument("--speculative", choices=["none", "mtp", "ngram"], default="none",
+                   help="speculative decoding: the model's MTP head (shipped, or trained with "
+                        "`tandem train-mtp`), prompt lookup (ngram), or none (default)")
+    p.add_argument("--draft-tokens", type=int, default=3, metavar="K",
+                   help="draft tokens verified per step, 1..4 (default 3)")
+
+
+def _speculative_config(args):
+    from engine.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(args.speculative, args.draft_tokens)
 
 
 def _run_generate(args) -> int:
     import torch
 
-    from engine.llm import OfflineEngine
+    from engine.llm import EngineConfig, OfflineEngine
     from engine.loader import load_model
     from engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, max_new_tokens=args.max_new_tokens)
+    speculative = _speculative_config(args)  # bad flags fail before the model loads
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = OfflineEngine(load_model(args.model, device=device, weights=args.weights))
+    engine = OfflineEngine(load_model(args.model, device=device, weights=args.weights),
+                           EngineConfig(speculative=speculative))
     if args.raw:
         prompt = engine.tokenizer.encode(args.prompt)
     else:
@@ -54,10 +71,73 @@ def _run_generate(args) -> int:
         sys.stdout.write(event.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if speculative.enabled:
+        t = engine.spec_totals
+        print(f"tandem: speculative {speculative.method} k={speculative.num_draft_tokens}: mean "
+              f"accepted length {engine.mean_accepted_length:.2f} tokens per target forward "
+              f"({t['accepted']} of {t['drafted']} drafts accepted in {t['steps']} steps)",
+              file=sys.stderr)
     return 0
 
 
-_BENCHES = {"decode": "bench.decode", "kv-quality": "bench.kv_quality"}
+def _add_train_mtp(sub) -> None:
+    p = sub.add_parser("train-mtp", help="train an MTP head for a model that has none",
+                       description="Self-distillation: the model answers built-in chat and code "
+                                   "prompts, and a head of Qwen3.5's MTP structure learns to "
+                                   "predict its greedy token two positions ahead. Writes a bf16 "
+                                   "safetensors file where --model finds it (see README).")
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face directory "
+                                                 "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", default=None, help="output file (default: where --model looks)")
+    p.add_argument("--time-budget", type=float, default=600.0, help="training seconds")
+    p.add_argument("--samples-per-prompt", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--depth", type=int, default=3, help="unrolled draft steps trained")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.set_defaults(run=_run_train_mtp)
+
+
+def _run_train_mtp(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from engine.loader import load_model
+    from engine.speculative.heads import SHIPPED, save_head
+    from engine.speculative.train import TrainConfig, train_head
+
+    try:
+        cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
+                          depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
+                          seed=args.seed)
+    except ValueError as e:
+        raise TandemError(str(e)) from e
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(args.model, device=device, progress=False)
+    if loaded.config.mtp_num_layers:
+        raise TandemError(f"{loaded.source} already has an MTP head; nothing to train")
+    if loaded.source.startswith("dummy:"):
+        raise TandemError("train-mtp needs real weights (a GGUF file or HF directory)")
+    source = Path(loaded.source)
+    out = Path(args.out) if args.out else (
+        source / "mtp.safetensors" if source.is_dir()
+        else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
+        else source.with_name(source.stem + ".mtp.safetensors"))
+    head, stats = train_head(loaded, cfg)
+    tensors = {f"mtp.{name}": t for name, t in head.state_dict().items()}
+    save_head(out, loaded.config, tensors,
+              {"base_model": source.name, "train_steps": str(stats["steps"]),
+               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"])})
+    print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; held-out draft accuracy "
+          f"by depth {[round(a, 3) for a in stats['accuracy']]})")
+    return 0
+
+
+_BENCHES = {"decode": "bench.decode", "prefill": "bench.prefill", "agent-loop": "bench.agent_loop",
+            "interference": "bench.interference", "memory": "bench.memory",
+            "kv-quality": "bench.kv_quality", "kv-ablation": "bench.kv_ablation"}
 
 
 def _add_bench(sub) -> None:
@@ -74,8 +154,9 @@ def _run_bench(which: str, rest: list[str]) -> int:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="run the service: kvstore, prefill, decode and router",
-                       description="Starts the four processes in order, each once the previous "
+    p = sub.add_parser("serve", help="run the service: kvstore, prefill, decode, router and "
+                                     "the OpenAI HTTP gateway",
+                       description="Starts the processes in order, each once the previous "
                                    "one reports SERVING, prints one line to stdout when all are "
                                    "up, and runs until Ctrl-C or SIGTERM. Internal traffic goes "
                                    "over unix sockets in a private temporary directory.")
@@ -94,6 +175,8 @@ def _add_serve(sub) -> None:
                    help="cached hybrid-state snapshots kept for the prefix cache")
     p.add_argument("--max-batch", type=int, default=16, help="decode batch size")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode steps eagerly instead of replaying CUDA graphs (GPU only)")
     p.add_argument("--gpu-memory-budget", default=None,
                    help="e.g. 24GiB: the kvstore refuses to start when its plan exceeds it")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -103,6 +186,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
                         "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
                         "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="port of the OpenAI-compatible HTTP API on --host; 0 = do not start it")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on the HTTP API "
+                        "(default: $TANDEM_API_KEY, else no key)")
     p.set_defaults(run=_run_serve)
 
 
@@ -110,11 +198,13 @@ def _add_serve(sub) -> None:
 # which this process (it only supervises) never needs.
 _EMBEDDED_MODEL = "embedded"
 _UNIX_PATH_MAX = 107  # sun_path is 108 bytes with its NUL
+API_KEY_ENV = "TANDEM_API_KEY"  # openai_api.__main__.API_KEY_ENV, without importing aiohttp
 
 
 def serve_specs(args, socket_dir: str) -> list:
-    """The four processes of `tandem serve`, in start order, for parsed ARGS
-    (with args.device already chosen) and sockets under SOCKET_DIR."""
+    """The processes of `tandem serve`, in start order, for parsed ARGS (with
+    args.device already chosen) and sockets under SOCKET_DIR: kvstore,
+    prefill, decode, router, and the OpenAI HTTP gateway unless --http-port 0."""
     import os
 
     from tandem.supervisor import ProcessSpec
@@ -125,6 +215,9 @@ def serve_specs(args, socket_dir: str) -> list:
     if too_long:
         raise TandemError(f"socket path {too_long[0]!r} is longer than {_UNIX_PATH_MAX} bytes; "
                           "set TMPDIR to a shorter directory")
+    if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
+        raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
+                          "and differ from --grpc-port")
     device = args.device
     py = sys.executable
     kvstore = [py, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
@@ -141,17 +234,28 @@ def serve_specs(args, socket_dir: str) -> list:
                "--chunk", str(args.prefill_chunk), "--device", device]
     decode = [py, "-m", "decode.server", "--store", sock["kvstore"], "--socket", sock["decode"],
               "--max-batch", str(args.max_batch), "--device", device]
+    if getattr(args, "no_cuda_graphs", False):
+        decode.append("--no-cuda-graphs")
     router = [py, "-m", "router.server", "--store", sock["kvstore"], "--prefill", sock["prefill"],
               "--decode", sock["decode"], "--host", args.host, "--port", str(args.grpc_port),
               "--metrics-port", str(args.metrics_port)]
     # The kvstore loads the weights (minutes for a large GGUF); workers map them.
-    return [
+    specs = [
         ProcessSpec("kvstore", kvstore, f"unix://{sock['kvstore']}", False, start_timeout_s=900),
         ProcessSpec("prefill", prefill, f"unix://{sock['prefill']}", True, start_timeout_s=300),
         ProcessSpec("decode", decode, f"unix://{sock['decode']}", True, start_timeout_s=300),
         ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
                     start_timeout_s=120),
     ]
+    if args.http_port:
+        # the gateway holds no state: a crash is reported and it is restarted
+        gateway = [py, "-m", "openai_api", "--router", _local_target(args.host, args.grpc_port),
+                   "--host", args.host, "--port", str(args.http_port)]
+        key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
+        specs.append(ProcessSpec("openai", gateway,
+                                 f"http://{_local_target(args.host, args.http_port)}/health", True,
+                                 start_timeout_s=120, env=((API_KEY_ENV, key),)))
+    return specs
 
 
 def _local_target(host: str, port: int) -> str:
@@ -194,8 +298,9 @@ def _run_serve(args) -> int:
         with Supervisor(serve_specs(args, socket_dir)) as supervisor:
             supervisor.start()
             model = args.model or _EMBEDDED_MODEL
+            http = f", OpenAI HTTP API on :{args.http_port}" if args.http_port else ""
             print(f"tandem: serving {model} on {args.host}:{args.grpc_port} "
-                  f"(metrics on :{args.metrics_port})", flush=True)
+                  f"(metrics on :{args.metrics_port}{http})", flush=True)
             return supervisor.run()
     except StartupInterrupted:
         return 130
@@ -220,8 +325,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--kv-format", default="int8", help="int8 (default), rk4 or bf16")
     p.add_argument("--context", type=int, default=65536,
                    help="tokens the KV page pool holds (tandem serve --max-context-tokens)")
-    p.add_argument("--speculative", type=int, default=0,
-                   help="MTP draft tokens per step (0: no speculation)")
+    _add_speculative_flags(p)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--live-slots", type=int, default=1, help="sequences running at once")
     p.add_argument("--snapshot-slots", type=int, default=8, help="GDN prefix-cache snapshots")
@@ -243,6 +347,7 @@ def _run_plan(args) -> int:
         budget = parse_bytes(args.gpu_memory_budget)
         device = torch.device(args.device)
         dtype = default_dtype(device)
+        speculative = _speculative_config(args)
         config, weight_bytes, label = plan_inputs(args.model, args.weights, device)
         kv_options = {"dtype": dtype} if args.kv_format == "bf16" else {}
         plan = CapacityPlan(
@@ -251,7 +356,8 @@ def _run_plan(args) -> int:
             live_slots=args.live_slots, snapshot_slots=args.snapshot_slots,
             gpu_memory_budget=budget, weight_bytes=weight_bytes,
             prefill_chunk_tokens=args.prefill_chunk, activation_bytes=dtype.itemsize,
-            speculative_tokens=args.speculative, cuda_graphs=device.type == "cuda",
+            draft_slots_per_sequence=speculative.spare_slots(config),
+            mtp_kv_layers=speculative.mtp_kv_layers(config), cuda_graphs=device.type == "cuda",
             weight_format=label)
     except ValueError as e:
         raise TandemError(str(e)) from e
@@ -287,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(sub)
     _add_plan(sub)
     _add_bench(sub)
+    _add_train_mtp(sub)
     return parser
 
 

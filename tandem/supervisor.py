@@ -73,8 +73,8 @@ class ProcessSpec:
     """How to start one child and how to tell that it is ready.
 
     health_target: a gRPC target (`unix:///dir/x.sock`, `127.0.0.1:50051`)
-    serving grpc.health.v1; the child counts as started once service "" is
-    SERVING there. restartable: a death is reported and the child restarted
+    serving grpc.health.v1, or an `http://` URL answering GET with 200; the
+    child counts as started once service "" is SERVING there. restartable: a death is reported and the child restarted
     (within the supervisor's budget); otherwise a death stops everything.
     """
     name: str
@@ -82,9 +82,13 @@ class ProcessSpec:
     health_target: str
     restartable: bool = False
     start_timeout_s: float = 60.0
+    # extra environment variables (a secret such as an API key goes here, not
+    # in argv, which every user of the machine can read)
+    env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "argv", tuple(self.argv))
+        object.__setattr__(self, "env", tuple(tuple(kv) for kv in self.env))
         if not self.name or any(c.isspace() for c in self.name):
             raise ValueError(f"process name {self.name!r} must be a non-empty word")
         if not self.argv or not all(isinstance(a, str) and a for a in self.argv):
@@ -260,7 +264,7 @@ class Supervisor:
         return child
 
     def _launch(self, spec: ProcessSpec) -> _Child:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(spec.env))
         process = subprocess.Popen(_with_parent_death_signal(spec.argv), env=env,
                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=False)

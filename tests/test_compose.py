@@ -1,4 +1,5 @@
-"""compose.yaml runs the same four processes as `tandem serve`, in one IPC
+"""compose.yaml runs the same processes as `tandem serve` (four servers and
+the OpenAI HTTP gateway), the four in one IPC
 and PID namespace (CUDA IPC needs both), health-gated, on one GPU, with the
 public ports on the host's loopback by default; the Dockerfile builds the one
 image they share. `docker compose config` validates the file where a compose
@@ -35,12 +36,23 @@ def flag(service: dict, name: str) -> str:
     return args[args.index(name) + 1]
 
 
-def test_four_services_run_the_four_server_modules(services):
-    assert sorted(services) == ["decode", "kvstore", "prefill", "router"]
+def test_five_services_run_the_four_servers_and_the_gateway(services):
+    assert sorted(services) == ["decode", "kvstore", "openai", "prefill", "router"]
     for name, service in services.items():
-        assert argv(service)[:3] == ["python", "-m", f"{name}.server"]
+        module = "openai_api" if name == "openai" else f"{name}.server"
+        assert argv(service)[:3] == ["python", "-m", module]
         assert service["image"] == "tandem:latest"
         assert "sockets:/run/tandem" in service["volumes"]
+
+
+def test_gateway_talks_to_the_router_and_publishes_on_loopback(services):
+    gateway = services["openai"]
+    assert flag(gateway, "--router") == "router:50051"  # the public gRPC port, by service name
+    assert flag(gateway, "--host") == "0.0.0.0" and flag(gateway, "--port") == "8000"
+    assert gateway["ports"] == ["${TANDEM_BIND:-127.0.0.1}:${TANDEM_HTTP_PORT:-8000}:8000"]
+    assert gateway["environment"]["TANDEM_API_KEY"] == "${TANDEM_API_KEY:-}"
+    assert gateway["depends_on"] == {"router": {"condition": "service_healthy", "restart": True}}
+    assert "deploy" not in gateway and "ipc" not in gateway  # no GPU, no shared memory
 
 
 def test_sockets_wire_the_services_together(services):
@@ -74,7 +86,8 @@ def test_every_service_has_a_grpc_health_check_on_its_own_endpoint(services):
     expected = {"kvstore": "unix:///run/tandem/kvstore.sock",
                 "prefill": "unix:///run/tandem/prefill.sock",
                 "decode": "unix:///run/tandem/decode.sock",
-                "router": "127.0.0.1:50051"}
+                "router": "127.0.0.1:50051",
+                "openai": "http://127.0.0.1:8000/health"}
     for name, target in expected.items():
         check = services[name]["healthcheck"]
         assert check["test"] == ["CMD", "python", "-m", "tandem.healthcheck", target]
@@ -115,7 +128,7 @@ def test_dockerfile_builds_the_image_the_services_use():
                if line.strip() and not line.startswith("#")]
     assert ".venv" in ignored and ".git" in ignored
     for needed in ("pyproject.toml", "README.md", "tandem", "engine", "kvstore", "router",
-                   "prefill", "decode"):
+                   "prefill", "decode", "openai_api"):
         assert needed not in ignored
 
 
@@ -126,6 +139,7 @@ def test_healthcheck_module_is_what_the_checks_run():
     assert healthcheck.as_target("127.0.0.1:50051") == "127.0.0.1:50051"
     # nothing listens there: exit status 1, no traceback
     assert healthcheck.main(["unix:///nonexistent/tandem.sock", "--timeout", "0.5"]) == 1
+    assert healthcheck.main(["http://127.0.0.1:1/health", "--timeout", "0.5"]) == 1
 
 
 def _compose_v2() -> list[str] | None:

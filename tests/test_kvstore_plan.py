@@ -136,3 +136,23 @@ def test_mapping_a_missing_or_foreign_file_fails_loudly(tmp_path):
         Arena.open("probe", handle)
     assert not os.path.exists(handle.shm_path)  # mapping never creates the file
     assert not list(SHM_DIR.glob(f"tandem-test-{os.getpid()}-*"))
+
+
+def test_speculation_sizes_mtp_pages_and_draft_slots():
+    """The MTP drafter's KV is one more page pool per MTP layer, and each live
+    sequence holds one spare GDN slot per draft position; both are planned."""
+    from engine.config import ModelConfig, shape_hf_config
+    from kvstore.memory import KVFormatSpec
+
+    cfg = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
+    assert cfg.mtp_num_layers == 1
+    common = dict(config=cfg, kv_format=KVFormatSpec("int8"), page_size=16,
+                  max_context_tokens=65536, live_slots=4, snapshot_slots=8,
+                  gpu_memory_budget=None, weight_bytes=0)
+    plain = CapacityPlan(**common)
+    spec = CapacityPlan(**common, draft_slots_per_sequence=3, mtp_kv_layers=1)
+    per_layer = plain.line("kv pages").bytes // len(cfg.attention_layers)
+    assert spec.line("mtp kv pages").bytes == per_layer and plain.line("mtp kv pages").bytes == 0
+    assert spec.line("gdn draft slots").bytes == 12 * plain.line("gdn live slots").bytes // 4
+    assert spec.num_state_slots == plain.num_state_slots + 12
+    assert spec.cache_shape.mtp_layers == 1

@@ -13,7 +13,7 @@ from kvstore.plan import GiB, weight_bytes_of
 from tandem.cli import main
 
 PLAN_27B = ["plan", "--model", "qwen3.5-27b", "--kv-format", "rk4", "--context", "262144",
-            "--speculative", "3", "--snapshot-slots", "4", "--gpu-memory-budget", "24GiB"]
+            "--speculative", "mtp", "--draft-tokens", "3", "--snapshot-slots", "4", "--gpu-memory-budget", "24GiB"]
 
 
 def _bytes(text: str, line: str) -> float:
@@ -25,8 +25,8 @@ def _bytes(text: str, line: str) -> float:
 def test_27b_int4_rk4_full_context_fits_24gib_with_a_gib_to_spare(capsys):
     assert main([*PLAN_27B, "--weights", "int4"]) == 0
     out = capsys.readouterr().out
-    for line in ("weights", "kv pages", "gdn live slots", "gdn snapshot slots", "mtp kv",
-                 "mtp draft slots", "activation reserve", "decode activations", "cuda graphs",
+    for line in ("weights", "kv pages", "mtp kv pages", "gdn live slots", "gdn snapshot slots",
+                 "gdn draft slots", "activation reserve", "decode activations", "cuda graphs",
                  "allocator slack"):
         assert _bytes(out, line) > 0, line
     assert _bytes(out, "total") <= 23 * GiB

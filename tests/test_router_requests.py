@@ -69,3 +69,43 @@ def test_text_stream_hides_stop_strings_and_stop_tokens(tokenizer):
     stream = TextStream(tokenizer, [], stop_token_ids=[2])
     text = "".join(stream.push(t) for t in ids + [2]) + stream.finish()
     assert text == "Hello world, goodbye world"
+
+
+def _tool_chat(**kw):
+    return pb.Chat(messages=[
+        pb.ChatMessage(role="user", content="Weather in Paris?"),
+        pb.ChatMessage(role="assistant", tool_calls=[
+            pb.ToolCall(id="c1", name="get_weather", arguments='{"city": "Paris"}')]),
+        pb.ChatMessage(role="tool", content='{"celsius": 21}', tool_call_id="c1")],
+        tools=[pb.Tool(name="get_weather", description="Weather",
+                       parameters_json='{"type": "object"}')], **kw)
+
+
+def test_chat_with_tools_renders_through_the_template(tokenizer):
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": '{"celsius": 21}', "tool_call_id": "c1"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                               "parameters": {"type": "object"}}}]
+    text = tokenizer.apply_chat_template(messages, tools=tools)
+    r = request_from_pb(_req(chat=_tool_chat()), tokenizer, 2048, 49152)
+    assert list(r.prompt) == tokenizer.encode(text, add_special_tokens=False)
+    prefix = '<tool_call>\n{"name": "'
+    r = request_from_pb(_req(chat=_tool_chat(assistant_prefix=prefix)), tokenizer, 2048, 49152)
+    assert list(r.prompt) == tokenizer.encode(text + prefix, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("chat,message", [
+    (pb.Chat(messages=[pb.ChatMessage(role="user", content="x", tool_calls=[
+        pb.ToolCall(id="a", name="f", arguments="{}")])]), "only assistant"),
+    (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
+             tools=[pb.Tool(name="f", parameters_json="{not json")]), "parameters_json"),
+    (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], tools=[pb.Tool()]), "no name"),
+    (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], add_generation_prompt=False,
+             assistant_prefix="<tool_call>"), "add_generation_prompt"),
+])
+def test_bad_tool_chats_say_what_to_fix(tokenizer, chat, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        request_from_pb(_req(chat=chat), tokenizer, 2048, 49152)

@@ -34,12 +34,18 @@ def _free_port() -> int:
 
 
 class Service:
-    def __init__(self, directory, model: str | None = None):
+    """`tandem serve` in a subprocess; the OpenAI HTTP gateway only when `http`
+    (on a free port, with `api_key` if given)."""
+
+    def __init__(self, directory, model: str | None = None, http: bool = False,
+                 api_key: str | None = None):
         self.dir = str(directory)
         self.port, self.metrics_port = _free_port(), _free_port()
+        self.http_port = _free_port() if http else 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "serve", "--device", DEVICE, "--kv-format", "rk4",
              "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),
+             "--http-port", str(self.http_port), *(["--api-key", api_key] if api_key else []),
              "--max-context-tokens", "8192", "--live-slots", "12", "--max-batch", "8",
              "--socket-dir", self.dir, *(["--model", model] if model else [])],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -322,13 +322,14 @@ def test_process_spec_is_validated():
         Supervisor([spec, spec])
 
 
-def test_serve_specs_builds_the_four_command_lines():
+def test_serve_specs_builds_the_five_command_lines(monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
     args = build_parser().parse_args(["serve", "--device", "cpu"])
     d = "/tmp/tandem-abc"
     specs = serve_specs(args, d)
     py = sys.executable
-    assert [s.name for s in specs] == ["kvstore", "prefill", "decode", "router"]
-    assert [s.restartable for s in specs] == [False, True, True, False]
+    assert [s.name for s in specs] == ["kvstore", "prefill", "decode", "router", "openai"]
+    assert [s.restartable for s in specs] == [False, True, True, False, True]
     assert list(specs[0].argv) == [
         py, "-m", "kvstore.server", "--model", "embedded", "--socket", f"{d}/kvstore.sock",
         "--kv-format", "int8", "--page-size", "16", "--max-context-tokens", "65536",
@@ -344,9 +345,31 @@ def test_serve_specs_builds_the_four_command_lines():
         py, "-m", "router.server", "--store", f"{d}/kvstore.sock", "--prefill",
         f"{d}/prefill.sock", "--decode", f"{d}/decode.sock", "--host", "127.0.0.1",
         "--port", "50051", "--metrics-port", "9464"]
+    assert list(specs[4].argv) == [
+        py, "-m", "openai_api", "--router", "127.0.0.1:50051", "--host", "127.0.0.1",
+        "--port", "8000"]
+    assert specs[4].env == (("TANDEM_API_KEY", ""),)  # no key: the gateway asks for none
     assert [s.health_target for s in specs] == [
         f"unix://{d}/kvstore.sock", f"unix://{d}/prefill.sock", f"unix://{d}/decode.sock",
-        "127.0.0.1:50051"]
+        "127.0.0.1:50051", "http://127.0.0.1:8000/health"]
+
+
+def test_serve_specs_http_gateway_flags(monkeypatch):
+    monkeypatch.setenv("TANDEM_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--http-port", "9000"])
+    gateway = serve_specs(args, "/tmp/t")[-1]
+    assert gateway.argv[-2:] == ("--port", "9000") and "from-env" not in gateway.argv
+    assert gateway.env == (("TANDEM_API_KEY", "from-env"),)
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--api-key", "sk-1"])
+    assert serve_specs(args, "/tmp/t")[-1].env == (("TANDEM_API_KEY", "sk-1"),)
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--http-port", "0"])
+    assert [s.name for s in serve_specs(args, "/tmp/t")] == ["kvstore", "prefill", "decode",
+                                                             "router"]
+    from engine.errors import TandemError
+    for bad in ("70000", "50051"):
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--http-port", bad])
+        with pytest.raises(TandemError, match="--http-port"):
+            serve_specs(args, "/tmp/t")
 
 
 def test_serve_specs_passes_the_flags_through():
@@ -356,7 +379,7 @@ def test_serve_specs_passes_the_flags_through():
         "--max-context-tokens", "4096", "--live-slots", "4", "--snapshot-slots", "8",
         "--max-batch", "8", "--prefill-chunk", "256", "--gpu-memory-budget", "24GiB",
         "--device", "cuda"])
-    kvstore, prefill, decode, router = serve_specs(args, "/tmp/t")
+    kvstore, prefill, decode, router, _ = serve_specs(args, "/tmp/t")
     assert kvstore.argv[3:5] == ("--model", "tiny-qwen3.5")
     assert kvstore.argv[-4:] == ("--device", "cuda", "--gpu-memory-budget", "24GiB")
     assert "int8" in kvstore.argv and "32" in kvstore.argv and "4096" in kvstore.argv

@@ -281,3 +281,65 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
         assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
         deltas, tail = _stream(tok, ids)
         assert "".join(deltas) + tail == tok.decode(ids)
+
+
+# ---------------------------------------------------------------------------
+# Tools in chat templates
+# ---------------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather <now>",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}}}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": '{"celsius": 21}'},
+]
+# A template that takes tools, in the way Qwen's does (a <tools> system block,
+# tool calls from message.tool_calls, tool results as user turns).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>\n"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_reach_a_template_that_takes_them(ours, reference):
+    saved = ours.chat_template
+    try:
+        ours.chat_template = TOOL_TEMPLATE
+        expected = reference.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, tokenize=False,
+                                                 add_generation_prompt=True,
+                                                 chat_template=TOOL_TEMPLATE)
+        assert ours.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS) == expected
+        assert "<tools>" in expected and "# Tools" not in expected  # no fallback block
+    finally:
+        ours.chat_template = saved
+
+
+def test_tools_fallback_for_a_template_without_them(ours, reference):
+    from engine.tokenizer import template_takes_tools, tools_as_text
+
+    assert not template_takes_tools(ours.chat_template) and template_takes_tools(TOOL_TEMPLATE)
+    text = ours.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS)
+    # the model's own template renders the rewritten conversation (transformers as the oracle)
+    rewritten = tools_as_text(TOOL_CONVERSATION, TOOLS)
+    assert text == reference.apply_chat_template(rewritten, tokenize=False,
+                                                 add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>') in text
+    assert "<|im_start|>user\n<tool_response>\n{\"celsius\": 21}\n</tool_response>" in text
+    # a system message keeps its text, the block goes after it
+    with_system = ours.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                            *TOOL_CONVERSATION[:1]], tools=TOOLS)
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    # no tools anywhere: the plain rendering, untouched
+    assert ours.apply_chat_template(CONVERSATION) == reference.apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True)

@@ -1,0 +1,88 @@
+"""Agent loop through the real service: every turn resends the whole
+conversation as chat text plus about `--new-tokens` tokens of new user text,
+and the service must serve what it has seen from its prefix cache.
+
+Per turn: prompt tokens, tokens served from the cache, the reused ratio
+(cached over what the previous turn's prompt and answer made reusable; the
+resent answer is text, so it may tokenize differently from what was
+generated) and time to first token."""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+from bench.common import environment, print_table, write_json
+from bench.service import Service
+
+WORDS = ("the agent reads a file then calls a tool and writes the result into the log so that "
+         "next turn sees every step of work done before with numbers like 42 and 1024 in it").split()
+
+
+def user_text(turn: int, chars: int) -> str:
+    rng = random.Random(turn)
+    words, size = [f"Turn {turn}:"], 0
+    while size < chars:
+        word = rng.choice(WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench agent-loop", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--turns", type=int, default=20)
+    p.add_argument("--new-tokens", type=int, default=1024, help="new user tokens per turn (about)")
+    p.add_argument("--output-tokens", type=int, default=32, help="answer tokens per turn")
+    p.add_argument("--kv-format", default="int8")
+    p.add_argument("--max-context-tokens", type=int, default=131072)
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--gpu-memory-budget", default=None)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
+                 args.prefill_chunk, args.gpu_memory_budget) as svc:
+        run(svc, args)
+    return 0
+
+
+def run(svc: Service, args) -> dict:
+    """The loop against a running service; prints the table, returns the JSON."""
+    turns, rows = [], []
+    messages: list[tuple[str, str]] = []
+    chars_per_token = 4.0
+    reusable = 0
+    for turn in range(1, args.turns + 1):
+        messages.append(("user", user_text(turn, int(args.new_tokens * chars_per_token))))
+        r = svc.generate(messages=messages, max_new_tokens=args.output_tokens)
+        if turn == 1:  # calibrate text length to the tokenizer
+            chars_per_token = max(1.0, len(messages[0][1]) / max(1, r.prompt_tokens))
+        ratio = min(1.0, r.cached_tokens / reusable) if reusable else None
+        turns.append({"turn": turn, "prompt_tokens": r.prompt_tokens,
+                      "cached_tokens": r.cached_tokens, "reusable_tokens": reusable,
+                      "reused_ratio": ratio, "ttft_s": r.ttft_s})
+        rows.append([turn, r.prompt_tokens, r.cached_tokens, reusable,
+                     "-" if ratio is None else f"{100 * ratio:.1f}", r.ttft_s])
+        reusable = r.prompt_tokens + len(r.token_ids)
+        messages.append(("assistant", r.text))
+    later = turns[1:]
+    overall = (sum(t["cached_tokens"] for t in later) /
+               max(1, sum(t["reusable_tokens"] for t in later))) if later else None
+    payload = {"env": environment(), "args": vars(args), "turns": turns, "reused_ratio": overall}
+    write_json(args.json, payload)
+    print_table(f"agent loop ({args.model or 'embedded'}, {args.device}, {args.kv_format} KV)",
+                ["turn", "prompt", "cached", "reusable", "reused %", "TTFT s"], rows)
+    if overall is not None:
+        print(f"reused over turns 2..{args.turns}: {100 * overall:.1f}% of reusable tokens; "
+              f"last TTFT {turns[-1]['ttft_s']:.3f} s at {turns[-1]['prompt_tokens']} tokens")
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Memory and energy of the service at a long context: `tandem serve` with
+`--max-context-tokens` (the store lays out that context up front), one
+request that prefills `--prompt-tokens` tokens, then the same prompt again
+(served from the prefix cache) decoding `--new-tokens` tokens. Reports the
+peak memory of every process and in total (NVML on a GPU; on the CPU each
+process's peak RSS, whose sum over-counts shared memory) and joules per
+generated token over the second request (NVML's energy counter)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.common import environment, print_table, write_json
+from bench.interference import prompt
+from bench.service import MemorySampler, Service
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem bench memory", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-context-tokens", type=int, default=262144)
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--kv-format", default="int8")
+    p.add_argument("--gpu-memory-budget", default=None)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
+                 args.prefill_chunk, args.gpu_memory_budget) as svc:
+        run(svc, args)
+    return 0
+
+
+def run(svc: Service, args) -> dict:
+    """Against a running service; prints the table, returns the JSON."""
+    ids = prompt(9, args.prompt_tokens)
+    with MemorySampler(svc) as memory:
+        svc.generate(token_ids=ids, max_new_tokens=1)
+        with MemorySampler(svc) as energy:
+            decoded = svc.generate(token_ids=ids, max_new_tokens=args.new_tokens)
+    joules = energy.energy_j()
+    per_token = joules / len(decoded.token_ids) if joules is not None else None
+    processes = {name: b for name, b in sorted(memory.peak.items())}
+    payload = {"env": environment(), "args": vars(args), "source": memory.source,
+               "peak_bytes": processes, "total_peak_bytes": memory.total_peak,
+               "joules": joules, "joules_per_token": per_token,
+               "cached_tokens": decoded.cached_tokens, "generated": len(decoded.token_ids)}
+    write_json(args.json, payload)
+    rows = [[name, b / 2**30] for name, b in processes.items()]
+    rows.append(["total" if memory.source == "NVML" else "sum of peaks", memory.total_peak / 2**30])
+    print_table(f"peak memory ({memory.source}; {args.model or 'embedded'}, {args.device}, "
+                f"context {args.max_context_tokens}, {args.kv_format} KV)", ["process", "GiB"], rows)
+    print("energy: " + (f"{per_token:.3f} J per generated token ({joules:.1f} J for "
+                        f"{len(decoded.token_ids)} tokens)" if per_token is not None
+                        else "n/a (no NVML energy counter on this device)"))
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Prefill throughput and model FLOP utilisation.
+
+Each prompt length runs as the prefill worker runs it: one sequence in
+bounded chunks of `--chunk` tokens into paged KV (and GDN state). MFU is the
+model FLOPs of the prompt (matmuls, causal attention, GDN; bench/limits.py)
+over the time, against the measured matmul rate of this device in the
+compute dtype (`--peak-tflops` to use a spec-sheet figure instead)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench.common import environment, median, now, print_table, write_json
+from bench.limits import matmul_flops, prefill_flops, sync
+
+
+def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
+                    page_size: int = 16) -> float:
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.chunking import prefill_chunks
+    from engine.kv import make_format
+
+    options = {"dtype": loaded.dtype} if kv_format_name == "bf16" else {}
+    pages = -(-tokens // page_size)
+    cache = PagedKVCache(loaded.config, CacheShape(pages, page_size, 1), loaded.device,
+                         make_format(kv_format_name, **options))
+    table = tuple(range(pages))
+    prompt = [(7 * i + 3) % loaded.config.vocab_size for i in range(tokens)]
+    sync(loaded.device)
+    t0 = now()
+    with torch.inference_mode():
+        for c in prefill_chunks(0, tokens, chunk, []):
+            batch = ForwardBatch.build([SequenceInput(tuple(prompt[c.start:c.end]), c.start,
+                                                      table, 0)], page_size, loaded.device)
+            logits = loaded.model(batch, cache)
+        logits.argmax(-1).tolist()
+    return now() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tandem bench prefill", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=[256])
+    p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
+    p.add_argument("--kv-format", default="int8")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per length (after one warm-up)")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    from engine.loader import load_model
+
+    loaded = load_model(args.model, device=args.device, progress=False)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else matmul_flops(loaded.device,
+                                                                         loaded.dtype)
+    prefill_seconds(loaded, args.kv_format, min(args.tokens), args.chunk)  # warm-up
+    rows, results = [], []
+    for tokens in args.tokens:
+        seconds = median([prefill_seconds(loaded, args.kv_format, tokens, args.chunk)
+                          for _ in range(args.repeats)])
+        flops = prefill_flops(loaded.model, loaded.config, tokens)
+        mfu = 100 * flops / seconds / peak
+        rows.append([tokens, args.chunk, seconds, tokens / seconds, flops / seconds / 1e12, mfu])
+        results.append({"tokens": tokens, "chunk": args.chunk, "seconds": seconds,
+                        "tok_s": tokens / seconds, "tflops": flops / seconds / 1e12,
+                        "mfu_pct": mfu})
+    write_json(args.json, {"env": environment(), "model": loaded.source, "args": vars(args),
+                           "peak_tflops": peak / 1e12, "results": results})
+    print(f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured matmul'},"
+          f" {loaded.dtype}); {args.kv_format} KV")
+    print_table(f"prefill ({loaded.source}, {args.device})",
+                ["tokens", "chunk", "seconds", "tok/s", "TFLOP/s", "MFU %"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""`python -m bench.speculative`: what speculation costs and buys.
+
+verify   the target forward of k+1 tokens (with per-position GDN slots) vs a
+         plain one-token decode step, batch 1, at a given context, on a
+         (dummy) model shape; the goal for the 27B shape is <= 1.15x at k=3.
+tokens   tokens/s and mean accepted length with and without speculation on
+         chat and code prompts (offline engine, greedy).
+Prints a table last; --json writes the rows."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.batch import ForwardBatch, SequenceInput
+from engine.cache import CacheShape, PagedKVCache
+from engine.kv import make_format
+from engine.loader import load_model
+
+CHAT = ["What are the benefits of regular exercise?", "Explain how a rainbow forms."]
+CODE = ["Write a Python function that returns the n-th Fibonacci number.",
+        "Write a Python class for a stack with push and pop."]
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int) -> list[dict]:
+    loaded = load_model(model_name, device=device, progress=False)
+    cfg, page = loaded.config, 16
+    pages = -(-(context + 8) // page)
+    cache = PagedKVCache(cfg, CacheShape(pages, page, 8), device,
+                         make_format("bf16", dtype=loaded.dtype))
+    table = tuple(range(pages))
+    prompt = tuple(int(t) % cfg.vocab_size for t in range(context))
+    for start in range(0, context, 512):  # fill the context
+        seq = SequenceInput(prompt[start:start + 512], start, table, 0)
+        loaded.model(ForwardBatch.build([seq], page, device), cache)
+
+    def timed(tokens: int) -> float:
+        slots = tuple(range(1, 1 + tokens)) if tokens > 1 and cfg.is_hybrid else ()
+        seq = SequenceInput((1,) * tokens, context, table, 0, slots)
+        batch = ForwardBatch.build([seq], page, device)
+        times = []
+        for _ in range(repeats):
+            cache.copy_state(0, 7)  # keep the slot's state for the next repeat
+            _sync(device)
+            t = time.perf_counter()
+            loaded.model(batch, cache, all_logits=True)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+            cache.copy_state(7, 0)
+        return sorted(times)[len(times) // 2]
+
+    timed(1)  # warm-up
+    plain = timed(1)
+    rows = [{"bench": "verify", "model": model_name, "context": context, "k": 0,
+             "ms": plain * 1e3, "ratio": 1.0}]
+    for k in ks:
+        t = timed(k + 1)
+        rows.append({"bench": "verify", "model": model_name, "context": context, "k": k,
+                     "ms": t * 1e3, "ratio": t / plain})
+    return rows
+
+
+def tokens_per_second(model_name, device, methods, ks, new_tokens) -> list[dict]:
+    from engine.llm import EngineConfig, OfflineEngine
+    from engine.sampling import SamplingParams
+    from engine.speculative import SpeculativeConfig
+
+    loaded = load_model(model_name, device=device, progress=False)
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
+    rows = []
+    for kind, texts in (("chat", CHAT), ("code", CODE)):
+        for method in methods:
+            for k in (ks if method != "none" else [1]):
+                spec = SpeculativeConfig(method, k)
+                engine = OfflineEngine(loaded, EngineConfig(max_batch=1, speculative=spec))
+                prompts = [engine.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+                engine.generate_ids(prompts[0], SamplingParams(temperature=0, max_new_tokens=4))
+                engine.spec_totals = {key: 0 for key in engine.spec_totals}
+                count, start = 0, time.perf_counter()
+                for prompt in prompts:
+                    count += len(engine.generate_ids(prompt, params))
+                _sync(device)
+                elapsed = time.perf_counter() - start
+                rows.append({"bench": "tokens", "model": model_name, "prompts": kind,
+                             "method": method, "k": k if method != "none" else 0,
+                             "tok_s": count / elapsed,
+                             "mean_accepted_length": engine.mean_accepted_length or 1.0})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.speculative", description=__doc__)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--verify-model", default=None, help="e.g. qwen3.5-27b (skipped if omitted)")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--tokens-model", default=None, help="e.g. embedded (skipped if omitted)")
+    p.add_argument("--methods", nargs="+", default=["none", "ngram", "mtp"])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    rows = []
+    if a.verify_model:
+        rows += verify_ratio(a.verify_model, a.device, a.context, a.ks, a.repeats)
+    if a.tokens_model:
+        rows += tokens_per_second(None if a.tokens_model == "embedded" else a.tokens_model,
+                                  a.device, a.methods, a.ks, a.new_tokens)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    for r in rows:
+        if r["bench"] == "verify":
+            print(f"verify {r['model']} ctx {r['context']} k={r['k']}: {r['ms']:.2f} ms "
+                  f"({r['ratio']:.2f}x plain)")
+        else:
+            print(f"tokens {r['model']} {r['prompts']} {r['method']} k={r['k']}: "
+                  f"{r['tok_s']:.1f} tok/s, mean accepted length {r['mean_accepted_length']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

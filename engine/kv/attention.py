@@ -1,0 +1,177 @@
+"""Causal attention of new queries over paged (quantized) KV: the PyTorch
+reference (the CPU path) and the dispatch to the Triton kernels
+(attention_kernels.py) on CUDA.
+
+Owns which keys each query sees: a batch of sequences, sequence b with
+n_b new query tokens at the end of its kv_len_b keys (so its cached prefix is
+kv_len_b - n_b tokens and the new tokens' K/V are already written), each new
+query attending causally. Decode is n_b == 1, prefill any n_b; a batch may mix
+both. It does not own who holds which page (the page table is handed in)
+nor how pages are written (formats.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv.formats import Bf16Format, Int8Format, KVFormat, RotatedInt4Format
+
+
+@dataclass
+class AttentionMetadata:
+    """Which keys each sequence's queries see, on the device and on the host.
+
+    q_offsets:  [B+1] int32, sequence b's queries are rows [q_offsets[b], q_offsets[b+1]);
+    kv_lens:    [B] int32, keys of sequence b (its new tokens included);
+    page_table: [B, P] int32, page ids, rows padded with page 0 past their need;
+    max_new_tokens, max_kv_len: host bounds that size the kernel's grid;
+    host_offsets, host_kv_lens, page_tables: the same on the host, for the
+    reference path (page_tables: one unpadded long tensor per sequence).
+    num_splits: fixed key splits for decode (CUDA graphs); None picks per call.
+    """
+
+    q_offsets: torch.Tensor
+    kv_lens: torch.Tensor
+    page_table: torch.Tensor
+    max_new_tokens: int
+    max_kv_len: int
+    host_offsets: list[int]
+    host_kv_lens: list[int]
+    page_tables: list[torch.Tensor] = field(default_factory=list)
+    num_splits: int | None = None
+
+    @classmethod
+    def build(cls, offsets: list[int], kv_lens: list[int], page_tables: list[torch.Tensor],
+              device: torch.device | str) -> "AttentionMetadata":
+        if len(offsets) != len(kv_lens) + 1 or len(page_tables) != len(kv_lens):
+            raise ValueError(f"attention metadata: {len(offsets)} offsets, {len(kv_lens)} "
+                             f"lengths and {len(page_tables)} page tables do not match")
+        width = max(1, max(t.numel() for t in page_tables))
+        table = torch.zeros(len(page_tables), width, dtype=torch.int32)
+        for row, pages in enumerate(page_tables):
+            table[row, :pages.numel()] = pages.cpu()
+        new_tokens = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
+        return cls(
+            q_offsets=torch.tensor(offsets, dtype=torch.int32).to(device),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.int32).to(device),
+            page_table=table.to(device),
+            max_new_tokens=max(new_tokens), max_kv_len=max(kv_lens),
+            host_offsets=list(offsets), host_kv_lens=list(kv_lens),
+            page_tables=list(page_tables))
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_new_tokens == 1
+
+
+# ----------------------------------------------------------------- reference
+
+
+def paged_attention_reference(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
+                              meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+    """q [T, Hq, D] -> out [T, Hq, D]: per sequence, read its dense K/V through
+    the format's reference and run masked SDPA (GQA). The CPU path."""
+    out = torch.empty_like(q)
+    for i, pages in enumerate(meta.page_tables):
+        lo, hi = meta.host_offsets[i], meta.host_offsets[i + 1]
+        kv_len = meta.host_kv_lens[i]
+        start = kv_len - (hi - lo)
+        k, v = fmt.read(buffers, pages, kv_len, q.dtype)
+        key_pos = torch.arange(kv_len, device=q.device)
+        query_pos = torch.arange(start, kv_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=softmax_scale, enable_gqa=True)
+        out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
+# -------------------------------------------------------------------- triton
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Kernel tile sizes: rows of (token, head) per program, keys per step."""
+
+    rows: int
+    block_n: int
+    num_warps: int | None = None
+
+
+def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool) -> Tiles:
+    if not on_gpu:  # the interpreter: the smallest tiles tl.dot takes
+        return Tiles(rows=16, block_n=16)
+    if decode:  # one token: its GQA group's rows, padded to tl.dot's minimum of 16
+        rows = max(16, 1 << (group - 1).bit_length())
+        return Tiles(rows=rows, block_n=64 if head_dim <= 128 else 32, num_warps=4)
+    return Tiles(rows=64, block_n=64 if head_dim <= 128 else 32, num_warps=4)
+
+
+def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor]) -> tuple:
+    from engine.kv import attention_kernels as K
+
+    if isinstance(fmt, Bf16Format):
+        k, v = buffers["k"], buffers["v"]
+        if k.dtype == torch.bfloat16:
+            k, v = k.view(torch.int16), v.view(torch.int16)
+            return (K.DENSE_BF16, k, k, v, v, 1, False)
+        return (K.DENSE, k, k, v, v, 1, False)
+    if isinstance(fmt, Int8Format):
+        return (K.INT8, buffers["k_codes"], buffers["k_scales"], buffers["v_codes"],
+                buffers["v_scales"], 1, False)
+    if isinstance(fmt, RotatedInt4Format):
+        return (K.RK4, buffers["k_codes"], buffers["k_scales"], buffers["v_codes"],
+                buffers["v_scales"], fmt.block, fmt.scale_format == "e8m0")
+    raise ValueError(f"no attention kernel for KV format {fmt!r}")
+
+
+def _programs_wanted(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: enough to exercise the split combine
+
+
+def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
+                           meta: AttentionMetadata, softmax_scale: float,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """The kernel path; same contract as paged_attention_reference."""
+    from engine.kv import attention_kernels as K
+
+    kind_args = _kind_args(fmt, buffers)
+    page_size = next(iter(buffers.values())).shape[1]
+    kv_heads = next(iter(buffers.values())).shape[2]
+    rotated = isinstance(fmt, RotatedInt4Format) and fmt.rotate
+    # rk4: attention runs in the stored space, in fp32 so the rotation adds no
+    # rounding of its own: (q R).(k R) = q.k and softmax(.) (V R) = out R.
+    q_in = fmt.to_stored_space(q).contiguous() if rotated else q.contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
+    group = q.shape[1] // kv_heads
+    tiles = tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda)
+    if num_splits is None:
+        num_splits = meta.num_splits
+    if num_splits is None:
+        num_splits = (K.splits_for(len(meta.host_kv_lens), kv_heads, meta.max_kv_len,
+                                   tiles.block_n, _programs_wanted(q.device))
+                      if meta.is_decode else 1)
+    K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
+             kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
+             tiles.rows, tiles.block_n, tiles.num_warps)
+    if rotated:
+        return fmt.unrotate_output(out).to(q.dtype)
+    return out
+
+
+def paged_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
+                    meta: AttentionMetadata, softmax_scale: float | None = None,
+                    use_triton: bool | None = None) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the pages: the Triton kernels on CUDA
+    tensors, the PyTorch reference elsewhere (use_triton forces either)."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    choice = fmt.use_triton if use_triton is None else use_triton
+    if (q.is_cuda if choice is None else choice):
+        return paged_attention_triton(fmt, buffers, q, meta, scale)
+    return paged_attention_reference(fmt, buffers, q, meta, scale)

@@ -1,0 +1,265 @@
+"""Triton paged attention that reads bf16, int8 and rk4 pages in place.
+
+One kernel serves prefill and decode. A program owns ROWS consecutive
+(query token, query head) rows of one sequence that share one KV head (so
+each K/V tile is dequantized once for the whole GQA group), and one split of
+the keys. Keys are walked BLOCK_N tokens at a time through the page table,
+dequantized in registers (`_load_kv`, one small function per format so a
+layout change stays local) and folded into an online softmax.
+
+Decode (one new token per sequence) has too few rows to fill the GPU, so the
+keys are split NUM_SPLITS ways (flash-decoding): each split writes a
+normalised partial output and its log-sum-exp, and `_combine_splits_kernel`
+merges them. With NUM_SPLITS == 1 (prefill) the program writes the output.
+
+rk4 pages hold K and V in the rotated space (x @ R); the caller rotates the
+query and un-rotates the output (q.k == (q R).(k R), and attention over
+rotated V is out @ R), so the kernel sees the stored space only.
+
+Softmax runs in base 2: the query is scaled by softmax_scale * log2(e) once,
+and exp2/log2 replace exp/log. Row and key masks never produce NaN: a row
+with no keys keeps l == 0 and writes zeros (and lse = -inf for the combine).
+
+Importing this module imports triton; under TRITON_INTERPRET=1 the kernels
+run on CPU tensors (tests/test_attention.py).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kv.kernels import _e8m0_scale, _store_dense
+
+# KV layouts the kernel knows (constexpr KIND).
+DENSE, DENSE_BF16, INT8, RK4 = 0, 1, 2, 3
+# constexpr: compiled kernels may only read globals that are constexpr
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: no inf - inf
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_dense(ptr, offsets, mask, BF16_BITS: tl.constexpr):
+    """fp32 values of a dense tensor; bf16 arrives as int16 bits and is widened
+    exactly (the interpreter cannot load bf16 itself)."""
+    if BF16_BITS:
+        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+             KV_HEADS: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
+             SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr):
+    """Dequantized [BLOCK_N, D_PAD] fp32 K or V rows of (slot, kv_head).
+
+    Mirrors formats.py: int8 is code * fp16 scale per (token, head); rk4 byte i
+    of a row holds channel 2i in its low nibble and 2i+1 in its high one, the
+    code is nibble - 8, with one scale per SCALE_BLOCK channels."""
+    row = slot * KV_HEADS + kv_head  # int64 [BLOCK_N]
+    mask = key_ok[:, None] & col_ok[None, :]
+    if KIND == 0:
+        return _load_dense(codes_ptr, row[:, None] * D + cols[None, :], mask, False)
+    elif KIND == 1:
+        return _load_dense(codes_ptr, row[:, None] * D + cols[None, :], mask, True)
+    elif KIND == 2:
+        codes = tl.load(codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
+        scale = tl.load(scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+        return codes.to(tl.float32) * scale[:, None]
+    else:
+        packed = tl.load(codes_ptr + row[:, None] * (D // 2) + cols[None, :] // 2, mask=mask,
+                         other=0).to(tl.int32)
+        nibble = (packed >> ((cols[None, :] % 2) * 4)) & 0xF
+        scale_at = scales_ptr + row[:, None] * (D // SCALE_BLOCK) + cols[None, :] // SCALE_BLOCK
+        if E8M0:
+            scale = _e8m0_scale(tl.load(scale_at, mask=mask, other=127))
+        else:
+            scale = tl.load(scale_at, mask=mask, other=0.0).to(tl.float32)
+        return (nibble - 8).to(tl.float32) * scale
+
+
+@triton.jit
+def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                 KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N) (< hi)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < hi
+    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + keys % PAGE_SIZE
+    k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+    s = tl.dot(q, tl.trans(k))
+    visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, q_offsets_ptr, kv_lens_ptr, page_table_ptr, page_table_stride,
+        k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+        out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+        Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+        D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+        Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        FOR_LOOP: tl.constexpr):
+    row_block = tl.program_id(0)
+    seq = tl.program_id(1) // KV_HEADS
+    kv_head = tl.program_id(1) % KV_HEADS
+    split = tl.program_id(2)
+
+    q_lo = tl.load(q_offsets_ptr + seq)
+    n_new = tl.load(q_offsets_ptr + seq + 1) - q_lo
+    kv_len = tl.load(kv_lens_ptr + seq)
+    first_row = row_block * ROWS
+    rows = first_row + tl.arange(0, ROWS)
+    row_ok = rows < n_new * GROUP
+    token = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = kv_len - n_new + token  # each query sees keys [0, q_pos]
+
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
+    q_mask = row_ok[:, None] & col_ok[None, :]
+    q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], q_mask, Q_BF16) * qk_scale
+
+    # Keys this row block needs (causal), then this split's share of them,
+    # whole BLOCK_Ns so that splits never share a tile.
+    last_token = tl.minimum(n_new - 1, (first_row + ROWS - 1) // GROUP)
+    key_end = tl.minimum(kv_len, kv_len - n_new + last_token + 1)
+    key_end = tl.where(first_row < n_new * GROUP, key_end, 0)
+    split_len = tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, key_end)
+
+    m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
+    table = page_table_ptr + seq.to(tl.int64) * page_table_stride
+    if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N)
+    else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N)
+            start += BLOCK_N
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        _store_dense(out_ptr, q_rows[:, None] * D + cols[None, :], o, q_mask, OUT_BF16)
+    else:
+        part = q_rows * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o, mask=q_mask)
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)),
+                       float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, n_rows,
+                           D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2**(lse_s - max lse)."""
+    row = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + splits, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.math.exp2(lse - top)
+    cols = tl.arange(0, D_PAD)
+    mask = split_ok[:, None] & (cols < D)[None, :]
+    parts = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * D + cols[None, :],
+                    mask=mask, other=0.0)
+    total = tl.sum(weight, axis=0)
+    o = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    _store_dense(out_ptr, row * D + cols, o, cols < D, OUT_BF16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _as_kernel_dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A dense tensor as the kernel reads it: bf16 goes as its int16 bits."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16), True
+    return t, False
+
+
+def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: torch.Tensor,
+           page_table: torch.Tensor, page_size: int, kv_heads: int, max_new_tokens: int,
+           softmax_scale: float, out: torch.Tensor, num_splits: int,
+           rows: int, block_n: int, num_warps: int | None = None) -> torch.Tensor:
+    """Runs the attention kernel (and the split combine when num_splits > 1).
+
+    kind_args: (KIND, k_codes, k_scales, v_codes, v_scales, SCALE_BLOCK, E8M0);
+    q, out [T, Hq, D] contiguous; q_offsets [B+1] int32; kv_lens [B] int32;
+    page_table [B, P] int32 (rows padded); max_new_tokens bounds the grid.
+    Every launch argument is a tensor or a constant, so the call can be
+    captured in a CUDA graph for fixed shapes."""
+    kind, k_codes, k_scales, v_codes, v_scales, scale_block, e8m0 = kind_args
+    tokens, q_heads, head_dim = q.shape
+    batch = kv_lens.shape[0]
+    group = q_heads // kv_heads
+    d_pad = triton.next_power_of_2(head_dim)
+    q_arg, q_bf16 = _as_kernel_dense(q)
+    out_arg, out_bf16 = _as_kernel_dense(out)
+    if num_splits > 1:
+        part_out = torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out_arg  # unused
+    grid = (triton.cdiv(max(max_new_tokens, 1) * group, rows), batch * kv_heads, num_splits)
+    extra = {} if num_warps is None else {"num_warps": num_warps}
+    _paged_attention_kernel[grid](
+        q_arg, q_offsets, kv_lens, page_table, page_table.stride(0),
+        k_codes, k_scales, v_codes, v_scales, out_arg, part_out, part_lse,
+        softmax_scale * LOG2E,
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, D=head_dim, D_PAD=d_pad,
+        PAGE_SIZE=page_size, KIND=kind, SCALE_BLOCK=scale_block, E8M0=e8m0,
+        Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        FOR_LOOP=not _interpreting(), **extra)
+    if num_splits > 1:
+        _combine_splits_kernel[(tokens * q_heads,)](
+            part_out, part_lse, out_arg, tokens * q_heads, D=head_dim, D_PAD=d_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            OUT_BF16=out_bf16)
+    return out
+
+
+def splits_for(batch: int, kv_heads: int, max_kv_len: int, block_n: int,
+               programs_wanted: int) -> int:
+    """Key splits for a decode batch: enough programs to fill the GPU, never
+    more splits than key tiles, a power of two (few distinct compilations)."""
+    tiles = max(1, math.ceil(max_kv_len / block_n))
+    splits = max(1, math.ceil(programs_wanted / max(1, batch * kv_heads)))
+    splits = 1 << (min(splits, tiles, 64) - 1).bit_length()
+    return min(splits, 64)

@@ -1,0 +1,69 @@
+"""MTP head files for models that ship no MTP weights (`tandem train-mtp`).
+
+A head file is a safetensors file holding exactly the `mtp.*` tensors of the
+model's state dict (Qwen3.5's structure: fc, pre_fc_norm_embedding,
+pre_fc_norm_hidden, one decoder layer of the base model's type, norm; the
+lm_head is the base model's), stored in bf16, with metadata naming the base
+shape so a head never loads onto a model it was not trained for.
+
+Where `--model` finds it (the first that exists):
+  * a GGUF file `DIR/NAME.gguf`:   `DIR/NAME.mtp.safetensors`, then the head
+    shipped in this package, `engine/heads/<name lowercased>.mtp.safetensors`
+    (how the embedded SmolLM2 GGUF, which lives in site-packages, finds its
+    head);
+  * a Hugging Face directory:      `DIR/mtp.safetensors`.
+A model that ships its own mtp.* weights never looks for a file.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+FORMAT = "tandem-mtp-head-v1"
+SHIPPED = Path(__file__).resolve().parent.parent / "heads"
+
+
+def head_path_for(source: str | Path) -> Path | None:
+    """The head file that belongs to a model file or directory, or None."""
+    path = Path(source)
+    if path.is_dir():
+        candidates = [path / "mtp.safetensors"]
+    else:
+        candidates = [path.with_name(path.stem + ".mtp.safetensors"),
+                      SHIPPED / f"{path.stem.lower()}.mtp.safetensors"]
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def _signature(config: ModelConfig) -> dict[str, str]:
+    return {"format": FORMAT, "arch": config.arch, "vocab_size": str(config.vocab_size),
+            "hidden_size": str(config.hidden_size), "num_layers": str(config.num_layers)}
+
+
+def save_head(path: str | Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
+              extra: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    meta = {**_signature(config), **(extra or {})}
+    out = {name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in tensors.items()
+           if name.startswith("mtp.")}
+    save_file(out, str(path), metadata=meta)
+
+
+def read_head(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The head's tensors in `dtype`, after checking it was made for this base model."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        want = _signature(config)
+        wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+        if wrong:
+            raise ModelLoadError(
+                f"{path}: this MTP head was not made for this model ({json.dumps(wrong)}: "
+                "(head, model)); delete it or retrain with `tandem train-mtp`")
+        return {name: f.get_tensor(name).to(dtype) for name in f.keys()}

@@ -1,0 +1,181 @@
+"""Paged attention kernels (engine/kv/attention_kernels.py) against the PyTorch
+reference (engine/kv/attention.py), which is SDPA over the formats' reference
+reads.
+
+Runs on the CPU with the Triton interpreter; on a CUDA machine with
+TRITON_INTERPRET=0 the same tests run the compiled kernels on the GPU (with
+tf32 tensor-core dots, hence the wider GPU tolerances).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import importlib.util  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.kv import formats as F  # noqa: E402
+from engine.kv.attention import (AttentionMetadata, paged_attention,  # noqa: E402
+                                 paged_attention_reference, paged_attention_triton)
+from engine.kv.formats import make_format  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton not installed")
+
+FORMATS = [
+    ("bf16", dict(dtype=torch.float32)),
+    ("bf16", dict(dtype=torch.bfloat16)),
+    ("int8", {}),
+    ("rk4", {}),  # fp16 scales, block 32
+    ("rk4", dict(scale_format="e8m0", block=16)),
+]
+FORMAT_IDS = ["f32", "bf16", "int8", "rk4", "rk4-e8m0-16"]
+
+
+def build_case(fmt, seqs, q_heads, kv_heads, head_dim, page_size, q_dtype, seed):
+    """Pages filled for `seqs` [(cached, new)], shuffled page tables and spare
+    pages holding other data; returns (buffers, q, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // page_size) for c, n in seqs]
+    num_pages = 2 * sum(need) + 3
+    buffers = fmt.allocate(num_pages, page_size, kv_heads, head_dim, DEVICE)
+    # every slot holds something (also pages no sequence uses), so a wrong
+    # page lookup reads wrong data, not zeros
+    every = torch.arange(num_pages * page_size, device=DEVICE)
+    kv = torch.randn(2, every.numel(), kv_heads, head_dim, generator=g).to(DEVICE)
+    kv[0, :, :, :2] *= 6.0  # a few outlier channels in K, as in real models
+    fmt.write(buffers, every, kv[0], kv[1], use_triton=False)
+    order = torch.randperm(num_pages, generator=g)
+    tables, used = [], 0
+    for pages in need:
+        tables.append(order[used:used + pages].to(DEVICE))
+        used += pages
+    offsets = [0]
+    for _, n in seqs:
+        offsets.append(offsets[-1] + n)
+    q = torch.randn(offsets[-1], q_heads, head_dim, generator=g).to(DEVICE, q_dtype)
+    meta = AttentionMetadata.build(offsets, [c + n for c, n in seqs], tables, DEVICE)
+    return buffers, q, meta
+
+
+def tolerance(q_dtype):
+    if q_dtype == torch.bfloat16:
+        return dict(rtol=2e-2, atol=2e-2)
+    # the GPU's dots run in tf32 (10-bit mantissa) on logits up to ~10 here
+    return dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=2e-2, atol=2e-2)
+
+
+def run_both(fmt, buffers, q, meta, num_splits=None):
+    scale = q.shape[-1] ** -0.5
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, scale)
+    actual = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=num_splits)
+    return actual, expected
+
+
+@pytest.mark.parametrize("name, options", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_decode_matches_reference(name, options, page_size):
+    fmt = make_format(name, **options)
+    # ragged contexts: inside the first page, at a page boundary, a few pages
+    seqs = [(4, 1), (page_size - 1, 1), (2 * page_size + 5, 1), (47, 1)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=2, head_dim=32,
+                                  page_size=page_size, q_dtype=torch.float32, seed=page_size)
+    for splits in (1, 3):  # 3 leaves some splits empty for the short sequences
+        actual, expected = run_both(fmt, buffers, q, meta, num_splits=splits)
+        assert not actual.isnan().any()
+        torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 1), (8, 2)])
+def test_decode_gqa_ratios_and_bf16_queries(q_heads, kv_heads):
+    fmt = make_format("int8")
+    seqs = [(20, 1), (37, 1), (3, 1)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads, kv_heads, head_dim=64, page_size=16,
+                                  q_dtype=torch.bfloat16, seed=q_heads * 10 + kv_heads)
+    actual, expected = run_both(fmt, buffers, q, meta)
+    assert actual.dtype == torch.bfloat16 and not actual.isnan().any()
+    torch.testing.assert_close(actual.float(), expected, **tolerance(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name, options", FORMATS, ids=FORMAT_IDS)
+def test_prefill_over_cached_prefix_matches_reference(name, options):
+    fmt = make_format(name, **options)
+    # a fresh prompt, a chunk after a cached prefix, a decode row in the same
+    # batch, and a chunk that ends mid-page: causal masks inside each chunk
+    seqs = [(0, 21), (35, 12), (18, 1), (16, 9)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=3, head_dim=32,
+                                  page_size=16, q_dtype=torch.float32, seed=99)
+    actual, expected = run_both(fmt, buffers, q, meta)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
+def test_kernel_writes_every_output_row_and_reads_only_its_pages():
+    fmt = make_format("int8")
+    seqs = [(9, 1), (30, 1)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=4, kv_heads=2, head_dim=32, page_size=16,
+                                  q_dtype=torch.float32, seed=5)
+    # poison every page that no sequence's table names: a stray read shows up
+    named = torch.cat(meta.page_tables).cpu()
+    unused = torch.tensor([p for p in range(buffers["k_scales"].shape[0])
+                           if p not in set(named.tolist())])
+    for key in ("k_scales", "v_scales"):
+        buffers[key][unused.to(DEVICE)] = float("nan")
+    from engine.kv import attention_kernels as K
+    out = torch.full_like(q, float("nan"))
+    kind_args = (K.INT8, buffers["k_codes"], buffers["k_scales"], buffers["v_codes"],
+                 buffers["v_scales"], 1, False)
+    K.launch(kind_args, q, meta.q_offsets, meta.kv_lens, meta.page_table, 16, 2, 1,
+             32 ** -0.5, out, 2, 16, 16)
+    assert not out.isnan().any()
+    expected = paged_attention_reference(fmt, buffers, q, meta, 32 ** -0.5)
+    torch.testing.assert_close(out, expected, **tolerance(torch.float32))
+
+
+def test_dispatch_uses_the_reference_on_cpu_tensors_unless_forced():
+    fmt = make_format("bf16", dtype=torch.float32)
+    buffers, q, meta = build_case(fmt, [(5, 3)], q_heads=2, kv_heads=1, head_dim=32,
+                                  page_size=16, q_dtype=torch.float32, seed=1)
+    scale = 32 ** -0.5
+    reference = paged_attention_reference(fmt, buffers, q, meta, scale)
+    if DEVICE == "cpu":
+        assert torch.equal(paged_attention(fmt, buffers, q, meta, scale), reference)
+    forced = paged_attention(fmt, buffers, q, meta, scale, use_triton=True)
+    torch.testing.assert_close(forced, reference, **tolerance(torch.float32))
+
+
+def test_metadata_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="do not match"):
+        AttentionMetadata.build([0, 1], [1, 2], [torch.tensor([0])], "cpu")
+
+
+@pytest.mark.parametrize("name", ["int8", "rk4"])
+def test_model_forward_with_kernels_matches_reference_path(name):
+    """tiny-qwen3.5 (gated attention, GQA, partial rotary): a prefill in two
+    chunks over two sequences, then batched decode steps, through the kernels
+    and through the reference; the logits agree to fp32 rounding."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.loader import load_model
+
+    loaded = load_model("tiny-qwen3.5", device=DEVICE, dtype=torch.float32, seed=4)
+    ids = [[(7 * i + 3) % 512 for i in range(29)], [(5 * i + 1) % 512 for i in range(18)]]
+    tables = [tuple(range(0, 5))[::-1], tuple(range(5, 10))]
+    logits = {}
+    for use_triton in (False, True):
+        cache = PagedKVCache(loaded.config, CacheShape(12, 8, 2), DEVICE,
+                             make_format(name, use_triton=use_triton))
+        steps = [[SequenceInput(tuple(ids[0][:13]), 0, tables[0], 0),
+                  SequenceInput(tuple(ids[1][:17]), 0, tables[1], 1)],
+                 [SequenceInput(tuple(ids[0][13:28]), 13, tables[0], 0),
+                  SequenceInput((ids[1][17],), 17, tables[1], 1)],
+                 [SequenceInput((ids[0][28],), 28, tables[0], 0),
+                  SequenceInput((ids[1][0],), 18, tables[1], 1)]]
+        logits[use_triton] = torch.cat([
+            loaded.model(ForwardBatch.build(step, 8, DEVICE), cache, all_logits=True)
+            for step in steps])
+    assert not logits[True].isnan().any()
+    torch.testing.assert_close(logits[True], logits[False], **tolerance(torch.float32))

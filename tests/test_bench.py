@@ -1,0 +1,79 @@
+"""Smoke tests of `tandem bench` on the CPU at tiny settings: every bench
+runs end to end and its figures are the ones it claims (bytes and FLOPs
+checked against hand counts, cache reuse and memory readings present). One
+service serves all three service benches to keep CI short."""
+import json
+
+import pytest
+import torch
+
+from bench import agent_loop, decode, interference, limits, memory, prefill
+from bench.service import Service
+from engine.kv import make_format
+from engine.loader import load_model
+
+
+def test_decode_bench_bytes_and_roofline(tmp_path):
+    out = tmp_path / "decode.json"
+    assert decode.main(["--model", "tiny-llama", "--context", "40", "--batch", "1", "2",
+                        "--steps", "4", "--kv-format", "int8", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    loaded = load_model("tiny-llama", progress=False)
+    c = loaded.config
+    assert loaded.model.lm_head is not None  # untied: the embedding table is not read whole
+    weights = (sum(p.numel() for p in loaded.model.parameters())
+               - loaded.model.model.embed_tokens.weight.numel()) * 4
+    kv = len(c.attention_layers) * 2 * c.num_kv_heads * (c.head_dim + 2) * 40  # int8 + fp16 scale
+    rows = {r["batch"]: r for r in result["results"]}
+    assert rows[1]["bytes_per_step"] == weights + kv
+    assert rows[2]["bytes_per_step"] == weights + 2 * kv
+    for r in rows.values():
+        assert r["tok_s"] > 0 and 0 < r["roofline_pct"] < 100
+
+
+def test_hybrid_step_bytes_count_gdn_state():
+    loaded = load_model("tiny-qwen3.5", progress=False)
+    c = loaded.config
+    fmt = make_format("rk4", block=16, scale_format="e8m0")
+    state = len(c.linear_layers) * (c.linear_num_v_heads * c.linear_k_head_dim
+                                    * c.linear_v_head_dim * 4
+                                    + c.linear_conv_dim * (c.linear_conv_kernel - 1) * 4)
+    base = limits.decode_step_bytes(loaded.model, c, fmt, 1, 0)
+    assert base == limits.decode_weight_bytes(loaded.model) + 2 * state
+    mtp = sum(p.numel() * 4 for p in loaded.model.mtp.parameters())
+    table = loaded.model.model.embed_tokens.weight.numel() * 4
+    assert mtp > 0  # loaded, but a plain decode step does not read it
+    assert limits.decode_weight_bytes(loaded.model) == sum(
+        p.numel() * 4 for p in loaded.model.parameters()) - mtp - table
+
+
+def test_prefill_bench_flops(tmp_path):
+    out = tmp_path / "prefill.json"
+    assert prefill.main(["--model", "tiny-llama", "--tokens", "48", "--chunk", "16",
+                         "--repeats", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    loaded = load_model("tiny-llama", progress=False)
+    c = loaded.config
+    params = (sum(p.numel() for p in loaded.model.parameters())
+              - loaded.model.model.embed_tokens.weight.numel())  # untied: a lookup, no FLOPs
+    attention = len(c.attention_layers) * 4 * c.num_heads * c.head_dim * (48 * 49 / 2)
+    assert r["tflops"] * 1e12 * r["seconds"] == pytest.approx(2 * params * 48 + attention)
+    assert r["tok_s"] > 0 and r["mfu_pct"] > 0
+
+
+def test_service_benches_on_one_service(tmp_path):
+    with Service("tiny-llama", "cpu", "int8", max_context_tokens=1024, prefill_chunk=32) as svc:
+        loop = agent_loop.run(svc, agent_loop.parser().parse_args(
+            ["--turns", "2", "--new-tokens", "40", "--output-tokens", "4"]))
+        busy = interference.run(svc, interference.parser().parse_args(
+            ["--prefill-tokens", "200", "--decode-tokens", "24", "--prefill-chunk", "32"]))
+        mem = memory.run(svc, memory.parser().parse_args(
+            ["--prompt-tokens", "40", "--new-tokens", "4", "--json", str(tmp_path / "m.json")]))
+    second = loop["turns"][1]
+    assert second["cached_tokens"] >= 32 and second["reused_ratio"] > 0.5
+    assert all(t["ttft_s"] > 0 for t in loop["turns"])
+    result = busy["result"]
+    assert result["idle_itl_p50_ms"] > 0 and result["prefill_solo_tok_s"] > 0
+    assert mem["cached_tokens"] >= 32 and mem["generated"] == 4
+    assert {"kvstore", "prefill", "decode", "router"} <= set(mem["peak_bytes"])
+    assert json.loads((tmp_path / "m.json").read_text())["total_peak_bytes"] > 0

@@ -1,0 +1,256 @@
+"""Speculative decoding in the offline engine, checked against the oracle we
+did not write for it: plain (non-speculative) greedy decoding must give the
+very same tokens, for each drafter, on the embedded model and on a tiny
+random Qwen3.5 (whose GDN state must be selected per accepted prefix); and
+the rejection sampler must reproduce the target distribution."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.llm import EngineConfig, OfflineEngine
+from engine.loader import load_model
+from engine.sampling import SamplingParams
+from engine.speculative import SpeculativeConfig
+from engine.speculative.acceptance import accept_sampled
+from engine.speculative.ngram import NgramIndex
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    return load_model("tiny-qwen3.5", progress=False)
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model(None, progress=False)
+
+
+def _run(loaded, prompts, params, spec=None, speculate=None, max_batch=4):
+    cfg = EngineConfig(max_batch=max_batch, max_context=512,
+                       speculative=spec or SpeculativeConfig())
+    engine = OfflineEngine(loaded, cfg)
+    out = {i: [] for i in range(len(prompts))}
+    for event in engine.generate(prompts, params, speculate=speculate):
+        out[event.index].append(event.token_id)
+    return [out[i] for i in range(len(prompts))], engine
+
+
+def _oracle_drafter(engine, reference, seed):
+    """Replaces the drafter by one that proposes the plain run's own tokens with
+    one position corrupted at random (or none), so every acceptance count from
+    0 to k happens; what is under test is verify, acceptance and state selection."""
+    rng = random.Random(seed)
+    vocab = engine.loaded.config.vocab_size
+
+    def draft(seqs):
+        for seq in seqs:
+            if seq.spec is None:
+                continue
+            done = len(seq.output)
+            future = reference[seq.index][done:done + engine.spec.draft_cap(seq)]
+            drafts = list(future)
+            wrong = rng.randrange(len(drafts) + 1) if drafts else 0
+            if wrong < len(drafts):
+                drafts[wrong] = (drafts[wrong] + 1) % vocab
+            seq.spec.drafts = drafts
+
+    engine.spec.draft = draft
+
+
+TINY_PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8] * 2, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2],
+                [100, 200, 300, 17, 18, 19, 20, 21], list(range(40, 75))]
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0, max_new_tokens=20,
+                                                           repetition_penalty=1.3,
+                                                           frequency_penalty=0.5)],
+                         ids=["plain", "penalties"])
+def test_gdn_state_selection_keeps_greedy_parity(qwen35, params):
+    """Tiny Qwen3.5, k=3, a batch of four whose drafts are accepted to different
+    depths every step (and one that does not speculate): identical to plain."""
+    reference, _ = _run(qwen35, TINY_PROMPTS, params)
+    spec = SpeculativeConfig("ngram", 3)
+    cfg = EngineConfig(max_batch=4, max_context=512, speculative=spec)
+    engine = OfflineEngine(qwen35, cfg)
+    _oracle_drafter(engine, reference, seed=1)
+    out = {i: [] for i in range(len(TINY_PROMPTS))}
+    for event in engine.generate(TINY_PROMPTS, params, speculate=[True, True, True, False]):
+        out[event.index].append(event.token_id)
+    assert [out[i] for i in range(4)] == reference
+    t = engine.spec_totals
+    assert 0 < t["accepted"] < t["drafted"]  # partial acceptance happened
+    assert engine.mean_accepted_length > 1.5
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_drafter_greedy_parity_tiny_qwen35(qwen35, k):
+    assert qwen35.config.mtp_num_layers == 1
+    reference, _ = _run(qwen35, TINY_PROMPTS[:3], GREEDY)
+    got, engine = _run(qwen35, TINY_PROMPTS[:3], GREEDY, SpeculativeConfig("mtp", k))
+    assert got == reference
+    assert engine.spec_totals["drafted"] > 0
+
+
+def _chat(engine_or_loaded, texts):
+    engine = OfflineEngine(engine_or_loaded, EngineConfig(max_batch=1, max_context=512))
+    return [engine.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+
+
+EMBEDDED_TEXTS = ["Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
+                  "Write a Python function that returns the square of a number.",
+                  "What is the capital of France?"]
+
+
+def test_ngram_greedy_parity_embedded(embedded):
+    prompts = _chat(embedded, EMBEDDED_TEXTS)
+    reference, _ = _run(embedded, prompts, GREEDY)
+    got, engine = _run(embedded, prompts, GREEDY, SpeculativeConfig("ngram", 3))
+    assert got == reference
+    assert engine.spec_totals["accepted"] > 0  # the repeat prompt lets lookup hit
+
+
+def _shipped_head_exists() -> bool:
+    from engine.speculative.heads import SHIPPED
+    return any(SHIPPED.glob("*.mtp.safetensors"))
+
+
+@pytest.mark.skipif(not _shipped_head_exists(),
+                    reason="no trained head in engine/heads yet: run `tandem train-mtp`")
+def test_mtp_head_greedy_parity_embedded(embedded):
+    """The shipped trained head (engine/heads) is found by the model's identity."""
+    assert embedded.config.mtp_num_layers == 1, "the embedded model's trained MTP head is missing"
+    prompts = _chat(embedded, EMBEDDED_TEXTS[1:])
+    reference, _ = _run(embedded, prompts, GREEDY)
+    got, engine = _run(embedded, prompts, GREEDY, SpeculativeConfig("mtp", 2))
+    assert got == reference
+    assert engine.spec_totals["accepted"] > 0
+
+
+def test_seeded_speculative_sampling_is_reproducible(qwen35):
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_new_tokens=16)
+              for s in (1, 2)]
+    spec = SpeculativeConfig("mtp", 2)
+    first, _ = _run(qwen35, TINY_PROMPTS[:2], params, spec)
+    alone, _ = _run(qwen35, TINY_PROMPTS[1:2], params[1:], spec)
+    second, _ = _run(qwen35, TINY_PROMPTS[:2], params, spec)
+    assert first == second and all(len(o) == 16 for o in first)
+    assert first[1] == alone[0]  # a row's draws do not depend on its batch-mates
+
+
+# --- the rejection sampler ----------------------------------------------
+
+def _counts(values, n):
+    return torch.bincount(torch.tensor(values), minlength=n).double()
+
+
+def _chi2_ok(counts, probs):
+    """Pearson chi-square against probs; the 0.999 quantile for <= 5 dof is 20.5."""
+    expected = probs.double() * counts.sum()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    stat = float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return stat < 20.5, stat
+
+
+@pytest.mark.parametrize("drafter", ["sampled", "deterministic"])
+def test_rejection_sampler_keeps_the_target_distribution(drafter):
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.10, 0.00],
+                      [0.05, 0.05, 0.30, 0.30, 0.20, 0.10],
+                      [0.10, 0.10, 0.10, 0.10, 0.10, 0.50]])
+    q = torch.tensor([[0.10, 0.50, 0.10, 0.10, 0.10, 0.10],
+                      [0.30, 0.10, 0.10, 0.10, 0.10, 0.30]])
+    gen = torch.Generator().manual_seed(1234)
+    firsts, seconds = [], []
+    for _ in range(6000):
+        if drafter == "sampled":
+            drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+            got = accept_sampled(p, drafts, q, gen)
+        else:  # prompt lookup: a fixed draft, q one-hot
+            drafts = [1, 3]
+            got = accept_sampled(p, drafts, None, gen)
+        firsts.append(got.tokens[0])
+        if got.num_drafts_accepted >= 1:
+            seconds.append(got.tokens[1])
+    ok, stat = _chi2_ok(_counts(firsts, 6), p[0])
+    assert ok, f"first token chi2 {stat}"
+    # given the first draft was kept, the second token follows p_1 again
+    ok, stat = _chi2_ok(_counts(seconds, 6), p[1])
+    assert ok, f"second token chi2 {stat}"
+    assert 500 < len(seconds) < 6000
+
+
+# --- configuration errors ------------------------------------------------
+
+@pytest.mark.parametrize("method,k", [("eagle", 3), ("mtp", 0), ("ngram", 5), ("mtp", 2.0)])
+def test_bad_speculative_config_is_a_clear_error(method, k):
+    with pytest.raises(InvalidRequestError, match="speculative method|draft tokens"):
+        SpeculativeConfig(method, k)
+
+
+def test_mtp_on_a_model_without_head_is_a_clear_error():
+    loaded = load_model("tiny-llama", progress=False)
+    with pytest.raises(InvalidRequestError, match="train-mtp"):
+        OfflineEngine(loaded, EngineConfig(speculative=SpeculativeConfig("mtp", 2)))
+
+
+@pytest.mark.parametrize("flags,message", [(["--draft-tokens", "5"], "1..4"),
+                                           (["--speculative", "mtp"], "train-mtp")])
+def test_cli_rejects_bad_speculation(flags, message):
+    run = subprocess.run([sys.executable, "-m", "tandem.cli", "generate", "--model", "tiny-llama",
+                          "--max-new-tokens", "2", *flags, "hi"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_ngram_index_proposes_what_followed_the_latest_match():
+    index = NgramIndex([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2], n_min=1, n_max=3)
+    assert index.propose(3) == [3, 7, 8]  # "1 2" last followed by 3 7 8
+    index.extend([3])
+    assert index.propose(2) == [7, 8]
+    assert NgramIndex([4, 5, 6], 1, 3).propose(3) == []
+
+
+# --- the decode worker's scheduler ---------------------------------------
+
+def test_decode_scheduler_speculates_with_exact_greedy_parity(qwen35):
+    """The service path: prefill (prefill/runner.py, which fills the MTP KV),
+    then the decode scheduler with MTP k=3 over reserved pages and spare GDN
+    slots, a batch mixing a speculating and a plain sequence."""
+    from decode.scheduler import DecodeScheduler, DecodeSequence, run_to_completion
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from prefill.runner import PrefillJob, run_prefill
+
+    page, k = 4, 3
+    params = SamplingParams(temperature=0, max_new_tokens=14, ignore_eos=True)
+    reference, _ = _run(qwen35, TINY_PROMPTS[:2], params)
+    cache = PagedKVCache(qwen35.config, CacheShape(64, page, 2 * (2 + k), mtp_layers=1), "cpu",
+                         make_format("bf16", dtype=torch.float32))
+
+    class NoMorePages:
+        def allocate_pages(self, count):
+            raise AssertionError("speculation asked for pages beyond the reservation")
+
+    sched = DecodeScheduler(qwen35.model, cache, NoMorePages(), max_batch=4,
+                            speculative=SpeculativeConfig("mtp", k))
+    seqs = []
+    for i, prompt in enumerate(TINY_PROMPTS[:2]):
+        pages = tuple(range(i * 32, i * 32 + -(-(len(prompt) + 14) // page)))
+        slot = i * (2 + k)
+        first = run_prefill(qwen35.model, cache, PrefillJob(f"r{i}", tuple(prompt), 0, pages, slot,
+                                                            params=params), 8).token_ids[0]
+        spare = list(range(slot + 2, slot + 2 + k)) if i == 0 else []  # r1 does not speculate
+        seqs.append(DecodeSequence(f"r{i}", list(prompt), [first], params, list(pages), slot,
+                                   (), boundary_slot=slot + 1, spare_slots=spare))
+        sched.add(seqs[-1])
+    run_to_completion(sched)
+    assert [s.output for s in seqs] == reference
+    assert seqs[0].spec is not None and seqs[0].spec.drafted > 0 and seqs[1].spec is None
