@@ -13,7 +13,7 @@ import random
 import sys
 
 from bench.common import environment, print_table, write_json
-from bench.service import Service
+from bench.service import Service, add_service_arguments, run_against_service
 
 WORDS = ("the agent reads a file then calls a tool and writes the result into the log so that "
          "next turn sees every step of work done before with numbers like 42 and 1024 in it").split()
@@ -31,25 +31,15 @@ def user_text(turn: int, chars: int) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench agent-loop", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cpu")
+    add_service_arguments(p, max_context_tokens=131072)
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--new-tokens", type=int, default=1024, help="new user tokens per turn (about)")
     p.add_argument("--output-tokens", type=int, default=32, help="answer tokens per turn")
-    p.add_argument("--kv-format", default="int8")
-    p.add_argument("--max-context-tokens", type=int, default=131072)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--gpu-memory-budget", default=None)
-    p.add_argument("--json", default=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
-                 args.prefill_chunk, args.gpu_memory_budget) as svc:
-        run(svc, args)
-    return 0
+    return run_against_service(parser().parse_args(argv), run)
 
 
 def run(svc: Service, args) -> dict:

@@ -10,7 +10,7 @@ import threading
 import time
 
 from bench.common import environment, print_table, write_json
-from bench.service import Service, StreamResult
+from bench.service import Service, StreamResult, add_service_arguments, run_against_service
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -26,25 +26,15 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench interference", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cpu")
+    add_service_arguments(p, max_context_tokens=65536)
     p.add_argument("--prefill-tokens", type=int, default=32768)
     p.add_argument("--decode-tokens", type=int, default=256,
                    help="tokens the decoding request generates (must outlast the prefill)")
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--kv-format", default="int8")
-    p.add_argument("--max-context-tokens", type=int, default=65536)
-    p.add_argument("--gpu-memory-budget", default=None)
-    p.add_argument("--json", default=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
-                 args.prefill_chunk, args.gpu_memory_budget) as svc:
-        run(svc, args)
-    return 0
+    return run_against_service(parser().parse_args(argv), run)
 
 
 def run(svc: Service, args) -> dict:

@@ -12,29 +12,19 @@ import sys
 
 from bench.common import environment, print_table, write_json
 from bench.interference import prompt
-from bench.service import MemorySampler, Service
+from bench.service import MemorySampler, Service, add_service_arguments, run_against_service
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem bench memory", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-context-tokens", type=int, default=262144)
+    add_service_arguments(p, max_context_tokens=262144)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
-    p.add_argument("--kv-format", default="int8")
-    p.add_argument("--gpu-memory-budget", default=None)
-    p.add_argument("--json", default=None)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
-                 args.prefill_chunk, args.gpu_memory_budget) as svc:
-        run(svc, args)
-    return 0
+    return run_against_service(parser().parse_args(argv), run)
 
 
 def run(svc: Service, args) -> dict:

@@ -50,7 +50,7 @@ class Service:
         self.port = free_port()
         self.cmd = [sys.executable, "-m", "tandem.cli", "serve", "--device", device,
                     "--kv-format", kv_format, "--grpc-port", str(self.port),
-                    "--metrics-port", str(free_port()),
+                    "--metrics-port", str(free_port()), "--http-port", "0",
                     "--max-context-tokens", str(max_context_tokens),
                     "--prefill-chunk", str(prefill_chunk), "--live-slots", "4",
                     "--snapshot-slots", "32", "--max-batch", "4",
@@ -215,3 +215,22 @@ def _energy_mj(handle) -> float | None:
         return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
     except Exception:
         return None
+
+
+def add_service_arguments(p, max_context_tokens: int) -> None:
+    """The flags of every bench that runs against its own `tandem serve`."""
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-format", default="int8")
+    p.add_argument("--max-context-tokens", type=int, default=max_context_tokens)
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--gpu-memory-budget", default=None)
+    p.add_argument("--json", default=None)
+
+
+def run_against_service(args, run) -> int:
+    """Start the service the flags describe, call run(service, args), stop it."""
+    with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
+                 args.prefill_chunk, args.gpu_memory_budget) as svc:
+        run(svc, args)
+    return 0

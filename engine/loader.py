@@ -2,7 +2,16 @@
 file, a Hugging Face directory, or a named dummy shape.
 
 The model is built on the meta device and its tensors assigned once, so a
-checkpoint is never held twice in memory."""
+checkpoint is never held twice in memory.
+
+Weight formats (`weights`): "auto" keeps a GGUF file's (or GPTQ/AWQ
+checkpoint's) low-bit matrices packed on CUDA and dequantizes them on the
+CPU (where the dense fp32 matmul is faster than dequantizing every step);
+"native" keeps them packed on any device; "bf16" always dequantizes (to the
+compute dtype: fp32 on the CPU). For a dummy shape, a recipe name from
+engine/quant/recipes.py draws random low-bit weights directly. Packed
+matrices live in QuantLinear / QuantEmbedding modules swapped in after the
+model is built (engine/quant/linear.py), so engine/model.py never sees them."""
 from __future__ import annotations
 
 import sys
@@ -16,6 +25,8 @@ from engine.errors import ModelLoadError
 from engine.model import CausalLM
 
 EMBEDDED = "embedded"
+AUTO, NATIVE = "auto", "native"
+FILE_WEIGHTS = (AUTO, NATIVE, "bf16")
 
 
 @dataclass
@@ -34,61 +45,91 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def weight_choices() -> list[str]:
+    from engine.quant.recipes import recipe_names
+    return list(dict.fromkeys([*FILE_WEIGHTS, *recipe_names()]))
+
+
+def check_weights(spec: str | None, weights: str) -> None:
+    """ModelLoadError unless `weights` applies to `spec` (a file or a shape)."""
+    from engine.quant.recipes import recipe_names
+
+    is_shape = (spec or EMBEDDED) in shape_names()
+    if is_shape and weights not in (AUTO, *recipe_names()):
+        raise ModelLoadError(f"--weights {weights!r} does not apply to the dummy shape {spec!r}; "
+                             f"pick one of {', '.join(recipe_names())}")
+    if not is_shape and weights not in FILE_WEIGHTS:
+        raise ModelLoadError(f"--weights {weights!r} applies to dummy shapes only; a model file's "
+                             f"weights are as stored: use one of {', '.join(FILE_WEIGHTS)}")
+
+
+def keeps_quantized(weights: str, device: torch.device) -> bool:
+    return weights == NATIVE or (weights == AUTO and device.type == "cuda")
+
+
 def load_model(spec: str | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, progress: bool = True, seed: int = 0) -> LoadedModel:
+               dtype: torch.dtype | None = None, progress: bool = True, seed: int = 0,
+               weights: str = AUTO) -> LoadedModel:
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     spec = spec or EMBEDDED
+    check_weights(spec, weights)
+    packed = keeps_quantized(weights, device)
     if spec == EMBEDDED:
         from engine.weights.gguf import embedded_model_path
-        return _load_gguf(embedded_model_path(), device, dtype, progress)
+        return _load_gguf(embedded_model_path(), device, dtype, progress, packed)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" or path.is_file():
-        return _load_gguf(path, device, dtype, progress)
+        return _load_gguf(path, device, dtype, progress, packed)
     if path.is_dir():
-        return _load_hf_dir(path, device, dtype, progress)
+        return _load_hf_dir(path, device, dtype, progress, packed)
     if spec in shape_names():
-        return _load_dummy(spec, device, dtype, seed)
+        return _load_dummy(spec, device, dtype, seed, "bf16" if weights == AUTO else weights)
     raise ModelLoadError(
         f"--model {spec!r} is neither a GGUF file, a Hugging Face directory (with "
         f"config.json) nor a known shape; shapes: {shape_names()}; or omit --model for "
         "the embedded default")
 
 
-def _load_gguf(path: Path, device, dtype, progress) -> LoadedModel:
+def _load_gguf(path: Path, device, dtype, progress, packed: bool = False) -> LoadedModel:
     from engine.weights.gguf import read_gguf
 
     _log(f"loading {path}")
-    gguf = read_gguf(path, dtype=dtype, progress=progress)
+    gguf = read_gguf(path, dtype=dtype, progress=progress, keep_quantized=packed)
     config = ModelConfig.from_hf(gguf.hf_config)
     config = _with_trained_head(config, gguf.tensors, path, dtype)
     model = build_model(config, gguf.tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, gguf.tokenizer, str(path), device, dtype)
 
 
-def _load_hf_dir(path: Path, device, dtype, progress) -> LoadedModel:
+def _load_hf_dir(path: Path, device, dtype, progress, packed: bool = False) -> LoadedModel:
     from engine.tokenizer import Tokenizer
     from engine.weights.hf import read_hf_config, read_safetensors
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a model directory (no config.json)")
     _log(f"loading {path}")
-    config = ModelConfig.from_hf(read_hf_config(path))
-    tensors = read_safetensors(path, dtype, progress)
+    hf_config = read_hf_config(path)
+    config = ModelConfig.from_hf(hf_config)
+    tensors = read_safetensors(path, dtype, progress, hf_config, keep_quantized=packed)
     config = _with_trained_head(config, tensors, path, dtype)
     model = build_model(config, tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, Tokenizer.from_hf_dir(path), str(path), device, dtype)
 
 
-def _load_dummy(name: str, device, dtype, seed: int) -> LoadedModel:
+def _load_dummy(name: str, device, dtype, seed: int, recipe: str = "bf16") -> LoadedModel:
+    from engine.quant.recipes import randomize_quantized, swap_in_meta
     from engine.tokenizer import ByteTokenizer
     from engine.weights.dummy import randomize
 
     config = ModelConfig.from_hf(shape_hf_config(name))
     with torch.device("meta"):
-        model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
+        model = CausalLM(config).to(dtype)
+    # packed modules are swapped in while still on meta: no dense copy is ever made
+    formats = swap_in_meta(model, recipe, dtype)
+    model = model.to_empty(device=device)
     randomize(model, seed)
+    randomize_quantized(model, formats, seed)
     model.eval()
     return LoadedModel(config, model, ByteTokenizer(config.vocab_size), f"dummy:{name}", device, dtype)
 
@@ -111,18 +152,58 @@ def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
                 source: str) -> CausalLM:
-    """A CausalLM whose parameters are exactly `tensors` (checked by name and shape)."""
+    """A CausalLM whose parameters are exactly `tensors` (checked by name and
+    shape). Packed entries (`{module}.qweight`, ...) put a quantized module in
+    place of that nn.Linear / nn.Embedding; they keep their dtypes."""
     if config.mtp_num_layers and not any(n.startswith("mtp.") for n in tensors):
         _log(f"{source}: no mtp.* tensors; the model runs without its MTP head")
         config = replace(config, mtp_num_layers=0)
     with torch.device("meta"):
         model = CausalLM(config)
+    tensors, packed_names = _swap_packed(model, tensors, device, dtype, source)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     check_tensors(expected, tensors, source)
-    state = {name: tensors[name].to(device=device, dtype=dtype) for name in expected}
+    state = {name: tensors[name].to(device=device) if name in packed_names
+             else tensors[name].to(device=device, dtype=dtype) for name in expected}
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     return model
+
+
+def _swap_packed(model: CausalLM, tensors: dict[str, torch.Tensor], device, dtype, source: str
+                 ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Swap quantized modules in for the packed entries of `tensors`. A packed
+    matrix whose module cannot hold one is dequantized into `.weight`."""
+    from engine.quant.linear import quantizable_modules, swap_in
+    from engine.quant.tensor import QuantTensor, quant_prefixes
+
+    prefixes = quant_prefixes(tensors)
+    if not prefixes:
+        return tensors, set()
+    tensors = dict(tensors)
+    holders = quantizable_modules(model)
+    swap, names = {}, set()
+    for prefix in prefixes:
+        try:
+            qt = QuantTensor.from_state(tensors, prefix)
+        except ValueError as e:
+            raise ModelLoadError(f"{source}: packed weight {prefix!r} is malformed ({e})") from e
+        for suffix in qt.tensors():
+            name = f"{prefix}.{suffix}"
+            tensors[name] = tensors[name].to(device)
+            names.add(name)
+        if prefix in holders:
+            swap[prefix] = QuantTensor.from_state(tensors, prefix)
+        else:
+            for name in [n for n in names if n.startswith(prefix + ".")]:
+                del tensors[name]
+                names.discard(name)
+            tensors[f"{prefix}.weight"] = qt.dequantize(dtype)
+    try:
+        swap_in(model, swap, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{source}: {e}") from e
+    return tensors, names
 
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.Tensor],
@@ -145,6 +226,38 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.T
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def plan_inputs(spec: str | None, weights: str, device: torch.device | str
+                ) -> tuple[ModelConfig, int, str]:
+    """(config, bytes of the weights once loaded, a label) for the capacity
+    plan, without reading any weight: shapes and HF directories from their
+    config, GGUF files from their metadata and tensor table."""
+    from kvstore.plan import weight_bytes_of
+
+    device = torch.device(device)
+    dtype = default_dtype(device)
+    spec = spec or EMBEDDED
+    check_weights(spec, weights)
+    if spec in shape_names():
+        recipe = "bf16" if weights == AUTO else weights
+        config = ModelConfig.from_hf(shape_hf_config(spec))
+        return config, weight_bytes_of(config, dtype, recipe), recipe
+    packed = keeps_quantized(weights, device)
+    label = "as stored (packed)" if packed else f"dequantized to {str(dtype).removeprefix('torch.')}"
+    path = Path(spec).expanduser()
+    if spec == EMBEDDED:
+        from engine.weights.gguf import embedded_model_path
+        path = embedded_model_path()
+    if path.is_dir():
+        from engine.weights.hf import read_hf_config
+        hf = read_hf_config(path)
+        config = ModelConfig.from_hf(hf)
+        recipe = "gptq-int4" if packed and hf.get("quantization_config") else "bf16"
+        return config, weight_bytes_of(config, dtype, recipe), label
+    from engine.weights.gguf import gguf_plan_inputs
+    hf, nbytes = gguf_plan_inputs(path, packed, dtype)
+    return ModelConfig.from_hf(hf), nbytes, label
 
 
 def peek_config(spec: str | None) -> ModelConfig | None:

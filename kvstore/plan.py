@@ -60,7 +60,16 @@ class CapacityPlan:
       + 2 x context x kv_heads x head_dim x activation_bytes      one layer's K and V dequantized
       + live_slots x vocab x 4                                    fp32 logits of a decode batch
     where context = min(max_context_tokens, max_position_embeddings).
-    Allocator slack: 256 MiB + 10% of the activation reserve.
+    Allocator slack: 256 MiB + 10% of the activation reserve (and of the
+    decode activations).
+
+    Decode activations (the decode worker, beside the prefill worker's reserve):
+      rows x (per-token widths above) x activation_bytes + rows x vocab x 4
+      where rows = live_slots x (1 + draft_slots_per_sequence) (a verify step).
+    CUDA graphs (cuda_graphs=True): one private pool per captured batch size
+      (1, 2, 4, ... up to live_slots), each sized like the decode activations
+      of that batch, + 64 MiB of graph bookkeeping.
+    weight_format names how weight_bytes was counted (for the table).
     """
 
     config: ModelConfig
@@ -75,6 +84,8 @@ class CapacityPlan:
     activation_bytes: int = 2
     draft_slots_per_sequence: int = 0
     mtp_kv_layers: int = 0
+    cuda_graphs: bool = False
+    weight_format: str = "as stored"
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -120,12 +131,20 @@ class CapacityPlan:
             if used > self.gpu_memory_budget:
                 raise OverBudgetError(self._over_budget_message(line, used))
 
+    @property
+    def spare_bytes(self) -> int | None:
+        return None if self.gpu_memory_budget is None else self.gpu_memory_budget - self.total_bytes
+
     def table(self, mark: str | None = None) -> str:
         """The plan as a small text table; `mark` flags one line."""
-        head = (f"capacity plan: {self.config.model_type}, {self.config.num_layers} layers "
+        spec = (f", {self.draft_slots_per_sequence} draft tokens"
+                if self.draft_slots_per_sequence else "")
+        head = (f"capacity plan (all processes): {self.config.model_type}, "
+                f"{self.config.num_layers} layers "
                 f"({len(self.config.attention_layers)} full attention, "
-                f"{len(self.config.linear_layers)} GDN), KV format {self.kv_format.describe()}, "
-                f"page size {self.page_size}")
+                f"{len(self.config.linear_layers)} GDN), weights {self.weight_format}, "
+                f"KV format {self.kv_format.describe()}, page size {self.page_size}, "
+                f"context {self.max_context_tokens} tokens{spec}")
         width = max(len(line.name) for line in self.lines)
         rows, used = [head], 0
         for line in self.lines:
@@ -137,6 +156,8 @@ class CapacityPlan:
         budget = ("unlimited" if self.gpu_memory_budget is None
                   else format_bytes(self.gpu_memory_budget))
         rows.append(f"  {'budget':<{width}}  {budget:>11}")
+        if self.spare_bytes is not None and self.spare_bytes >= 0:
+            rows.append(f"  {'spare':<{width}}  {format_bytes(self.spare_bytes):>11}")
         return "\n".join(rows)
 
     def _over_budget_message(self, line: PlanLine, used: int) -> str:
@@ -157,9 +178,11 @@ class CapacityPlan:
         mtp_kv = kv_layout(cfg, self.cache_shape, fmt).total_bytes - HEADER_BYTES - kv
         per_slot = _state_bytes_per_slot(cfg)
         activations = self._activation_reserve()
+        decode = self._decode_activations(self.live_slots)
         return (
-            PlanLine("weights", self.weight_bytes, "as stored",
-                     "the weights alone do not fit: use a smaller or quantized model, or raise "
+            PlanLine("weights", self.weight_bytes, self.weight_format,
+                     "the weights alone do not fit: use 4-bit weights (--weights q4_k_m, or a "
+                     "Q4_K_M GGUF / GPTQ int4 checkpoint), a smaller model, or raise "
                      "--gpu-memory-budget"),
             PlanLine("kv pages", kv,
                      f"{self.num_pages} pages x {self.page_size} tokens x "
@@ -184,11 +207,40 @@ class CapacityPlan:
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens",
                      f"lower --prefill-chunk-tokens (now {self.prefill_chunk_tokens}) or "
                      "--max-context-tokens"),
+            PlanLine("decode activations", decode,
+                     f"estimate: {self.live_slots} x {1 + self.draft_slots_per_sequence} rows",
+                     f"lower --live-slots (now {self.live_slots})"),
+            PlanLine("cuda graphs", self._graph_bytes(),
+                     "estimate: a pool per captured batch size" if self.cuda_graphs else "none",
+                     "run without CUDA graphs or lower --live-slots"),
             PlanLine("allocator slack",
-                     SLACK_FIXED_BYTES + int(SLACK_ACTIVATION_FRACTION * activations),
+                     SLACK_FIXED_BYTES + int(SLACK_ACTIVATION_FRACTION * (activations + decode)),
                      "256 MiB + 10% of activations",
                      "lower any line above or raise --gpu-memory-budget"),
         )
+
+    def _per_token_width(self) -> int:
+        cfg = self.config
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+        kv_width = cfg.num_kv_heads * cfg.head_dim
+        conv = cfg.linear_conv_dim if cfg.is_hybrid else 0
+        return (6 * cfg.hidden_size + 3 * cfg.intermediate_size + q_width + 2 * kv_width
+                + 2 * conv)
+
+    def _decode_activations(self, batch: int) -> int:
+        rows = max(batch, 1) * (1 + self.draft_slots_per_sequence)
+        return (rows * self._per_token_width() * self.activation_bytes
+                + rows * self.config.vocab_size * 4)
+
+    def _graph_bytes(self) -> int:
+        if not self.cuda_graphs:
+            return 0
+        sizes, b = [], 1
+        while b < self.live_slots:
+            sizes.append(b)
+            b *= 2
+        sizes.append(self.live_slots)
+        return 64 * MiB + sum(self._decode_activations(s) for s in sizes)
 
     def _activation_reserve(self) -> int:
         cfg = self.config
@@ -226,13 +278,15 @@ def _state_bytes_per_slot(cfg: ModelConfig) -> int:
     return max(one - zero, 0)
 
 
-def weight_bytes_of(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the model's parameters in `dtype`, counted on the meta device."""
+def weight_bytes_of(config: ModelConfig, dtype: torch.dtype, weights: str = "bf16") -> int:
+    """Bytes of the model's parameters under a weight recipe (engine/quant/
+    recipes.py; "bf16" = everything dense in `dtype`), counted on the meta device."""
     from engine.model import CausalLM
+    from engine.quant.recipes import recipe_weight_bytes
 
     with torch.device("meta"):
         model = CausalLM(config)
-    return sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
+    return recipe_weight_bytes(model, weights, dtype)
 
 
 _UNITS = {"": 1, "b": 1,

@@ -33,7 +33,7 @@ import torch
 
 from engine.errors import TandemError
 from engine.config import ModelConfig, shape_names
-from engine.loader import default_dtype, load_model, peek_config
+from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
 from engine.speculative import SpeculativeConfig
 from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
 from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
@@ -41,7 +41,7 @@ from kvstore.control import (Allocation, ControlError, FailedPrecondition, Inser
                              StoreStats)
 from kvstore.memory import (KVFormatSpec, StoreArenas, config_to_json, create_arenas,
                             model_on_arena)
-from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes, weight_bytes_of
+from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -69,6 +69,7 @@ class ServerOptions:
     device: str = "cpu"
     prefill_chunk_tokens: int = 2048
     seed: int = 0
+    weights: str = "auto"  # engine/loader.py: auto, native, bf16, or a dummy-shape recipe
     # the decode workers' drafter: the store lays out its memory (MTP KV pools,
     # k spare GDN slots per live sequence) and tells every process
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -100,8 +101,8 @@ class Store:
     control: StoreControl
 
 
-def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype,
-             weight_bytes: int) -> CapacityPlan:
+def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, weight_bytes: int,
+             weight_format: str = "as stored") -> CapacityPlan:
     """The plan for `config`; --speculative mtp on a model without an MTP head
     fails here (InvalidRequestError naming `tandem train-mtp`)."""
     spec = options.speculative
@@ -111,7 +112,8 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype,
         max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
         snapshot_slots=options.snapshot_slots, gpu_memory_budget=options.gpu_memory_budget,
         weight_bytes=weight_bytes, prefill_chunk_tokens=options.prefill_chunk_tokens,
-        activation_bytes=dtype.itemsize, draft_slots_per_sequence=spec.spare_slots(config),
+        activation_bytes=dtype.itemsize, cuda_graphs=torch.device(options.device).type == "cuda",
+        weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
         mtp_kv_layers=spec.mtp_kv_layers(config))
 
 
@@ -127,15 +129,13 @@ def start_store(options: ServerOptions) -> Store:
     """Plan (refusing over budget before touching memory), load, allocate once."""
     device = torch.device(options.device)
     dtype = default_dtype(device)
-    config = peek_config(options.model)
-    if (options.speculative.uses_mtp and config is not None
-            and options.model not in shape_names()):
-        # whether a directory's model has an MTP head (its own mtp.* tensors or
-        # a trained head file beside it) is only known once loaded
-        config = None
+    # plan before loading (from configs and tensor tables): an over-budget store loads nothing
+    config, weight_bytes, weight_format = plan_inputs(options.model, options.weights, device)
     plan = None
-    if config is not None:  # plan before loading: an over-budget store loads nothing
-        plan = _checked_plan(options, config, dtype, weight_bytes_of(config, dtype))
+    if not (options.speculative.uses_mtp and options.model not in shape_names()):
+        # (with --speculative mtp, whether a model file has an MTP head, its own
+        # mtp.* tensors or a trained head file beside it, is known once loaded)
+        plan = _checked_plan(options, config, dtype, weight_bytes, weight_format)
     store_id = new_store_id()
     if device.type == "cpu":
         for path in sweep_orphaned_shm():
@@ -144,10 +144,14 @@ def start_store(options: ServerOptions) -> Store:
         loaded, arenas = _dummy_in_arena(options, config, plan, dtype, device, store_id)
     else:
         # Loaded on the CPU and copied into the arena once, so a GPU never holds two copies.
-        loaded = load_model(options.model, "cpu", dtype=dtype, progress=False, seed=options.seed)
+        # Whether low-bit weights stay packed follows the store's device, not the CPU's.
+        weights = "native" if keeps_quantized(options.weights, device) else "bf16"
+        loaded = load_model(options.model, "cpu", dtype=dtype, progress=False, seed=options.seed,
+                            weights=weights)
         if plan is None:
-            weight_bytes = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
-            plan = _checked_plan(options, loaded.config, dtype, weight_bytes)
+            loaded_bytes = sum(t.numel() * t.element_size()
+                               for t in loaded.model.state_dict().values())
+            plan = _checked_plan(options, loaded.config, dtype, loaded_bytes, weight_format)
         arenas = create_arenas(loaded.model, loaded.config, plan.cache_shape, plan.kv_format.build(),
                                device, store_id)
     kv_spec = plan.kv_format
@@ -167,20 +171,26 @@ def _dummy_in_arena(options, config, plan, dtype, device, store_id):
     from engine.tokenizer import ByteTokenizer
     from engine.weights.dummy import randomize
 
+    from engine.quant.recipes import randomize_quantized, swap_in_meta
+
+    recipe = "bf16" if options.weights == "auto" else options.weights
     with torch.device("meta"):
         layout_model = CausalLM(config).to(dtype)
+    formats = swap_in_meta(layout_model, recipe, dtype)
     arenas = create_arenas(layout_model, config, plan.cache_shape, plan.kv_format.build(), device,
                            store_id, copy_weights=False)
     model = model_on_arena(config, arenas.weights, dtype, f"dummy:{options.model}")
     randomize(model, options.seed)
+    randomize_quantized(model, formats, options.seed)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadedModel(config, model, ByteTokenizer(config.vocab_size), f"dummy:{options.model}",
                        device, dtype), arenas
 
 
-def _checked_plan(options, config, dtype, weight_bytes) -> CapacityPlan:
-    plan = plan_for(options, config, dtype, weight_bytes)
+def _checked_plan(options, config, dtype, weight_bytes, weight_format="as stored"
+                  ) -> CapacityPlan:
+    plan = plan_for(options, config, dtype, weight_bytes, weight_format)
     plan.check()
     print(plan.table(), flush=True)
     return plan
@@ -366,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
                    help="largest prefill chunk workers run (sizes the activation reserve)")
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
+    p.add_argument("--weights", default="auto",
+                   help="auto (low-bit files stay packed on CUDA), native, bf16, or for a dummy "
+                        "shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4")
     p.add_argument("--speculative", default="none",
                    help="the decode workers' drafter: none (default), mtp (lays out MTP KV "
                         "pools) or ngram")
@@ -379,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         kv_options=_parse_kv_options(a.kv_option), page_size=a.page_size,
         max_context_tokens=a.max_context_tokens, live_slots=a.live_slots,
         snapshot_slots=a.snapshot_slots, gpu_memory_budget=budget, device=a.device,
-        prefill_chunk_tokens=a.prefill_chunk_tokens, seed=a.seed,
+        prefill_chunk_tokens=a.prefill_chunk_tokens, seed=a.seed, weights=a.weights,
         speculative=SpeculativeConfig(a.speculative, a.draft_tokens))
 
 

@@ -27,6 +27,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--system", default=None, help="an optional system message")
     p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
+                        "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
+                        "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
     _add_speculative_flags(p)
     p.set_defaults(run=_run_generate)
 
@@ -57,7 +60,7 @@ def _run_generate(args) -> int:
                             seed=args.seed, max_new_tokens=args.max_new_tokens)
     speculative = _speculative_config(args)  # bad flags fail before the model loads
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = OfflineEngine(load_model(args.model, device=device),
+    engine = OfflineEngine(load_model(args.model, device=device, weights=args.weights),
                            EngineConfig(speculative=speculative))
     if args.raw:
         prompt = engine.tokenizer.encode(args.prompt)
@@ -180,6 +183,9 @@ def _add_serve(sub) -> None:
                    help="default: cuda when a GPU is present")
     p.add_argument("--socket-dir", default=None,
                    help="directory for the internal unix sockets (default: a private temp dir)")
+    p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
+                        "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
+                        "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="port of the OpenAI-compatible HTTP API on --host; 0 = do not start it")
     p.add_argument("--api-key", default=None,
@@ -228,6 +234,8 @@ def serve_specs(args, socket_dir: str) -> list:
                # the store lays out the drafter's memory; the workers and the router
                # read the setting from it
                "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
+    if getattr(args, "weights", "auto") != "auto":
+        kvstore += ["--weights", args.weights]
     if args.gpu_memory_budget:
         kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
     prefill = [py, "-m", "prefill.server", "--store", sock["kvstore"], "--socket", sock["prefill"],
@@ -309,6 +317,67 @@ def _run_serve(args) -> int:
             shutil.rmtree(socket_dir, ignore_errors=True)
 
 
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="print the memory plan of a configuration, loading no weights",
+                       description="Plans every byte the service would take on the GPU (all "
+                                   "processes: weights, KV pages, GDN state slots and snapshots, "
+                                   "MTP, activations, CUDA graphs, allocator slack) from the "
+                                   "model's config and tensor table. Exit status 0 when it fits "
+                                   "--gpu-memory-budget, 1 when it does not (the line that does "
+                                   "not fit and what to change on stderr), 2 on bad input.")
+    p.add_argument("--model", default=None,
+                   help="GGUF file, Hugging Face directory or dummy shape (default: embedded)")
+    p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
+                        "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
+                        "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
+    p.add_argument("--kv-format", default="int8", help="int8 (default), rk4 or bf16")
+    p.add_argument("--context", type=int, default=65536,
+                   help="tokens the KV page pool holds (tandem serve --max-context-tokens)")
+    _add_speculative_flags(p)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--live-slots", type=int, default=1, help="sequences running at once")
+    p.add_argument("--snapshot-slots", type=int, default=8, help="GDN prefix-cache snapshots")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
+                   help="the device planned for (default cuda)")
+    p.add_argument("--gpu-memory-budget", required=True, help="e.g. 24GiB")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    from engine.loader import default_dtype, plan_inputs
+    from kvstore.memory import KVFormatSpec
+    from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes
+
+    import torch
+
+    try:
+        budget = parse_bytes(args.gpu_memory_budget)
+        device = torch.device(args.device)
+        dtype = default_dtype(device)
+        speculative = _speculative_config(args)
+        config, weight_bytes, label = plan_inputs(args.model, args.weights, device)
+        kv_options = {"dtype": dtype} if args.kv_format == "bf16" else {}
+        plan = CapacityPlan(
+            config=config, kv_format=KVFormatSpec(args.kv_format, kv_options),
+            page_size=args.page_size, max_context_tokens=args.context,
+            live_slots=args.live_slots, snapshot_slots=args.snapshot_slots,
+            gpu_memory_budget=budget, weight_bytes=weight_bytes,
+            prefill_chunk_tokens=args.prefill_chunk, activation_bytes=dtype.itemsize,
+            draft_slots_per_sequence=speculative.spare_slots(config),
+            mtp_kv_layers=speculative.mtp_kv_layers(config), cuda_graphs=device.type == "cuda",
+            weight_format=label)
+    except ValueError as e:
+        raise TandemError(str(e)) from e
+    try:
+        plan.check()
+    except OverBudgetError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(plan.table())
+    return 0
+
+
 def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="talk to a running server (keeps the conversation)")
     p.add_argument("--address", default="127.0.0.1:50051")
@@ -330,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_chat(sub)
+    _add_plan(sub)
     _add_bench(sub)
     _add_train_mtp(sub)
     return parser

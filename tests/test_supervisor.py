@@ -399,6 +399,9 @@ def test_serve_specs_passes_the_flags_through():
     assert router.health_target == "127.0.0.1:6000"  # a wildcard bind is probed locally
     args.host = "::"
     assert serve_specs(args, "/tmp/t")[3].health_target == "[::1]:6000"
+    args.weights = "int4"  # the store loads (and plans) the weights; workers map them
+    argv = serve_specs(args, "/tmp/t")[0].argv
+    assert argv[argv.index("--weights") + 1] == "int4"
 
 
 def test_serve_specs_refuses_socket_paths_too_long_for_unix_sockets():

@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import gguf
+import gguf  # the file parser only; blocks are decoded by engine/weights/ggml.py
 import numpy as np
 import torch
 
 from engine.config import FULL_ATTENTION, ModelConfig
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.quant.tensor import QuantTensor
 from engine.tokenizer import Tokenizer
+from engine.weights import ggml
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,12 @@ def embedded_model_path() -> Path:
 
 
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              progress: bool = True) -> GGUFModel:
-    """Config, dequantized tensors (HF names, `dtype`) and tokenizer of a GGUF file."""
+              progress: bool = True, keep_quantized: bool = False) -> GGUFModel:
+    """Config, tensors (HF names) and tokenizer of a GGUF file. Tensors are
+    dequantized to `dtype`; with keep_quantized, block-quantized matrices
+    stay packed instead (QuantTensor state entries `{module}.qweight`, ...,
+    see engine/quant/tensor.py), with llama.cpp's reorderings undone on the
+    packed codes."""
     path = Path(path)
     reader = open_gguf(path)
     meta = _Metadata(reader, path)
@@ -80,8 +86,29 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     plan = _tensor_plan(config, meta)
     _check_plan(plan, meta)
     tokenizer = _tokenizer(reader, path)
-    tensors = _load_tensors(plan, meta, dtype, progress)
+    tensors = _load_tensors(plan, meta, dtype, progress, keep_quantized)
     return GGUFModel(hf_config, tensors, tokenizer)
+
+
+def gguf_plan_inputs(path: str | Path, keep_quantized: bool, dtype: torch.dtype
+                     ) -> tuple[dict[str, Any], int]:
+    """(HF config, bytes the weights take once loaded) from the metadata and
+    tensor table alone: nothing is decoded (what `tandem plan` needs)."""
+    path = Path(path)
+    reader = open_gguf(path)
+    meta = _Metadata(reader, path)
+    hf_config = meta.hf_config()
+    plan = _tensor_plan(_model_config(hf_config, path), meta)
+    _check_plan(plan, meta)
+    total = 0
+    for spec in plan:
+        kind = meta.tensors[spec.gguf_name].tensor_type.name
+        elements = math.prod(spec.file_shape)
+        if keep_quantized and ggml.is_quantized(kind) and len(spec.file_shape) == 2:
+            total += ggml.packed_nbytes(kind, *spec.file_shape)
+        else:
+            total += elements * dtype.itemsize
+    return hf_config, total
 
 
 # ===========================================================================
@@ -493,26 +520,56 @@ def _check_plan(plan: list[_TensorSpec], meta: _Metadata) -> None:
 
 
 def _dequantize(tensor) -> np.ndarray:
-    return gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    """One tensor as fp32 in file (HF) dim order, by our own block decoders."""
+    return _decode(tensor, _file_shape(tensor), Path("?"), tensor.name).numpy()
+
+
+def _decode(tensor, shape: tuple[int, ...], path: Path, name: str
+            ) -> "torch.Tensor | QuantTensor":
+    """A float tensor (fp32, `shape`), or a QuantTensor for a block-quantized one."""
+    kind = tensor.tensor_type.name
+    try:
+        if not ggml.is_quantized(kind):
+            return ggml.decode_dense(tensor.data, kind, shape)
+        rows = math.prod(shape[:-1])
+        return ggml.decode_blocks(tensor.data, kind, rows, shape[-1])
+    except ggml.UnsupportedGGMLType as e:
+        raise ModelLoadError(f"{path}: tensor {name!r} uses quantization {kind}, which tandem "
+                             f"cannot decode; supported: {ggml.SUPPORTED}") from e
 
 
 def _load_tensors(plan: list[_TensorSpec], meta: _Metadata, dtype: torch.dtype,
-                  progress: bool) -> dict[str, torch.Tensor]:
+                  progress: bool, keep_quantized: bool = False) -> dict[str, torch.Tensor]:
     from tqdm import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
     for spec in tqdm(plan, desc=f"loading {meta.path.name}", unit="tensor", file=sys.stderr,
                      disable=not progress, leave=False):
-        tensor = meta.tensors[spec.gguf_name]
-        try:
-            values = _dequantize(tensor)
-        except NotImplementedError as e:
-            raise ModelLoadError(
-                f"{meta.path}: tensor {spec.gguf_name!r} uses quantization "
-                f"{tensor.tensor_type.name}, which tandem cannot dequantize ({e})") from e
-        # copy out of the read-only memory map; float32 so the fixes are exact
-        weight = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(spec.file_shape)
+        value = _decode(meta.tensors[spec.gguf_name], spec.file_shape, meta.path, spec.gguf_name)
+        if isinstance(value, QuantTensor):
+            if keep_quantized and len(spec.file_shape) == 2 and spec.hf_name.endswith(".weight"):
+                if spec.fix is not None:
+                    value = _fix_packed(value, spec.fix)
+                tensors.update(value.state(spec.hf_name.removesuffix(".weight")))
+                continue
+            value = value.dequantize().reshape(spec.file_shape)
+        # float32 so the fixes are exact
         if spec.fix is not None:
-            weight = spec.fix(weight)
-        tensors[spec.hf_name] = weight.to(dtype).contiguous()
+            value = spec.fix(value)
+        tensors[spec.hf_name] = value.to(dtype).contiguous()
     return tensors
+
+
+def _fix_packed(qt: QuantTensor, fix: Fix) -> QuantTensor:
+    """Apply a fix that only reorders rows and columns to packed codes: the
+    reordering is learnt by running the fix on row and column indices."""
+    n, k = qt.shape
+    rows = fix(torch.arange(n, dtype=torch.int32)[:, None].expand(n, k))
+    cols = fix(torch.arange(k, dtype=torch.int32)[None, :].expand(n, k))
+    row_perm, col_perm = rows[:, 0].long(), cols[0].long()
+    if not (torch.equal(rows, row_perm[:, None].expand(n, k).to(rows.dtype))
+            and torch.equal(cols, col_perm[None, :].expand(n, k).to(cols.dtype))):
+        raise ValueError("a fix that is not a row/column reordering cannot apply to packed codes")
+    if not torch.equal(row_perm, torch.arange(n)):
+        qt = qt.select_rows(row_perm)
+    return qt.permute_columns(col_perm)

@@ -43,8 +43,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(path: Path, dtype: torch.dtype, progress: bool = True) -> dict[str, torch.Tensor]:
-    """All text-model tensors of a directory, converted to `dtype`."""
+def read_safetensors(path: Path, dtype: torch.dtype, progress: bool = True,
+                     hf_config: dict | None = None, keep_quantized: bool = False
+                     ) -> dict[str, torch.Tensor]:
+    """All text-model tensors of a directory: floats converted to `dtype`;
+    a GPTQ/AWQ checkpoint's int4 matrices repacked (engine/weights/gptq.py),
+    kept packed with keep_quantized, else dequantized."""
     from tqdm import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
@@ -55,9 +59,14 @@ def read_safetensors(path: Path, dtype: torch.dtype, progress: bool = True) -> d
                                 disable=not progress, leave=False):
                     name = canonical_name(key)
                     if name is not None:
-                        tensors[name] = f.get_tensor(key).to(dtype)
+                        t = f.get_tensor(key)
+                        tensors[name] = t.to(dtype) if t.is_floating_point() else t
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(
                 f"{file}: cannot read the safetensors file ({e}); it may be truncated or "
                 "corrupt: download it again") from e
+    quant = (hf_config or {}).get("quantization_config")
+    if quant:
+        from engine.weights.gptq import repack_checkpoint
+        tensors = repack_checkpoint(tensors, quant, dtype, keep_quantized, str(path))
     return tensors

@@ -1,0 +1,293 @@
+"""W4A16 / W8A16 matmul over QuantTensor's packed layout: y = x @ w.T + bias.
+
+Two Triton kernels and the PyTorch reference they are tested against:
+
+  * `gemv`: decode batches of up to GEMV_MAX_ROWS rows (the MTP verify width
+    included). One program owns BLOCK_N output features and walks K; the
+    weight tile is unpacked once and used for every row. Per group it
+    computes s * dot(q, x) - b * sum(x) (s = d*sc, b = dmin*m), so the inner
+    loop is one multiply-add per weight and row. SPLIT_K programs share a
+    row range when N alone gives too few programs to fill the GPU; their
+    fp32 partial sums are added by torch.
+  * `gemm`: prefill. Each K tile of the weight is dequantized into the
+    activation dtype and fed to tl.dot. 4-bit tiles are used as two halves
+    (even and odd k, the low and high nibbles) against x's even and odd
+    columns, so nothing is interleaved in registers.
+
+Both accumulate in fp32. `reference_matmul` (dequantize, then matmul) is what
+the CPU runs and what the tests compare against.
+
+Importing this module imports triton; under TRITON_INTERPRET=1 the kernels
+run on CPU tensors (the tests use this).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quant.tensor import QuantTensor
+
+GEMV_MAX_ROWS = 8
+
+
+def reference_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """x [..., K] @ dequantize(qt).T in x's dtype (fp32 dequantization). 4-bit
+    weights are used as their even and odd columns, which skips interleaving."""
+    if qt.bits == 4:
+        w_even, w_odd = qt.dequantize_halves(x.dtype)
+        y = torch.nn.functional.linear(x[..., 0::2], w_even)
+        y = y.add_(torch.nn.functional.linear(x[..., 1::2], w_odd))
+    else:
+        y = torch.nn.functional.linear(x, qt.dequantize(x.dtype))
+    return y if bias is None else y + bias
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _group_scales(d_ptr, sc_ptr, dmin_ptr, m_ptr, offs_n, g_ids, mask, K,
+                  G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr, N_MAJOR: tl.constexpr):
+    """fp32 s = d*sc and b = dmin*m for rows offs_n and groups g_ids, laid out
+    [n, g] (N_MAJOR) or [g, n]."""
+    groups = K // G
+    supers = K // S
+    if N_MAJOR:
+        g_off = offs_n[:, None] * groups + g_ids[None, :]
+        s_off = offs_n[:, None] * supers + (g_ids // (S // G))[None, :]
+    else:
+        g_off = offs_n[None, :] * groups + g_ids[:, None]
+        s_off = offs_n[None, :] * supers + (g_ids // (S // G))[:, None]
+    scale = tl.load(d_ptr + s_off, mask=mask, other=0.0).to(tl.float32) * \
+        tl.load(sc_ptr + g_off, mask=mask, other=0).to(tl.float32)
+    if ASYM:
+        minimum = tl.load(dmin_ptr + s_off, mask=mask, other=0.0).to(tl.float32) * \
+            tl.load(m_ptr + g_off, mask=mask, other=0).to(tl.float32)
+    else:
+        minimum = scale * 0.0
+    return scale, minimum
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
+                 M, N, K, stride_xm, stride_os, stride_om,
+                 TILES_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    NG: tl.constexpr = BLOCK_K // G
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # loop bounds are constexpr: the interpreter cannot loop over a runtime
+    # scalar. The last split may run past K: those tiles load nothing.
+    k_lo = pid_k * (TILES_PER_SPLIT * BLOCK_K)
+    for tile in range(0, TILES_PER_SPLIT):
+        k0 = k_lo + tile * BLOCK_K
+        g_ids = k0 // G + tl.arange(0, NG)
+        g_mask = n_mask[:, None] & (g_ids < K // G)[None, :]
+        scale, minimum = _group_scales(d_ptr, sc_ptr, dmin_ptr, m_ptr, offs_n, g_ids, g_mask,
+                                       K, G, S, ASYM, True)
+        if BITS == 4:
+            HALF: tl.constexpr = BLOCK_K // 2
+            j = k0 // 2 + tl.arange(0, HALF)
+            j_ok = j < K // 2
+            packed = tl.load(qw_ptr + offs_n[:, None] * (K // 2) + j[None, :],
+                             mask=n_mask[:, None] & j_ok[None, :], other=0)
+            lo = tl.reshape((packed & 0xF).to(tl.float32), [BLOCK_N, NG, G // 2])
+            hi = tl.reshape((packed >> 4).to(tl.float32), [BLOCK_N, NG, G // 2])
+            for r in tl.static_range(BLOCK_M):
+                x_row = x_ptr + r * stride_xm + 2 * j
+                ok = j_ok & (r < M)
+                xe = tl.reshape(tl.load(x_row, mask=ok, other=0.0).to(tl.float32), [NG, G // 2])
+                xo = tl.reshape(tl.load(x_row + 1, mask=ok, other=0.0).to(tl.float32),
+                                [NG, G // 2])
+                qx = tl.sum(lo * xe[None, :, :], axis=2) + tl.sum(hi * xo[None, :, :], axis=2)
+                xs = tl.sum(xe, axis=1) + tl.sum(xo, axis=1)
+                part = tl.sum(scale * qx - minimum * xs[None, :], axis=1)
+                acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            q = tl.load(qw_ptr + offs_n[:, None] * K + k[None, :],
+                        mask=n_mask[:, None] & k_ok[None, :], other=0)
+            q = tl.reshape(q.to(tl.float32), [BLOCK_N, NG, G])
+            for r in tl.static_range(BLOCK_M):
+                ok = k_ok & (r < M)
+                xv = tl.reshape(tl.load(x_ptr + r * stride_xm + k, mask=ok, other=0.0
+                                        ).to(tl.float32), [NG, G])
+                qx = tl.sum(q * xv[None, :, :], axis=2)
+                xs = tl.sum(xv, axis=1)
+                part = tl.sum(scale * qx - minimum * xs[None, :], axis=1)
+                acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
+    out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_tile(q, scale, minimum, NG: tl.constexpr, W: tl.constexpr, BLOCK_N: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """q [ROWS, BLOCK_N] codes of NG groups of W rows each -> q*s - b, same shape."""
+    q3 = tl.reshape(q.to(tl.float32), [NG, W, BLOCK_N])
+    w = q3 * scale[:, None, :] - minimum[:, None, :]
+    return tl.reshape(w, [ROWS, BLOCK_N])
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
+                 M, N, K, stride_xm, stride_om,
+                 BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_TILES: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    NG: tl.constexpr = BLOCK_K // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for tile in range(0, K_TILES):
+        k0 = tile * BLOCK_K
+        g_ids = k0 // G + tl.arange(0, NG)
+        g_mask = (g_ids < K // G)[:, None] & n_mask[None, :]
+        scale, minimum = _group_scales(d_ptr, sc_ptr, dmin_ptr, m_ptr, offs_n, g_ids, g_mask,
+                                       K, G, S, ASYM, False)
+        if BITS == 4:
+            HALF: tl.constexpr = BLOCK_K // 2
+            j = k0 // 2 + tl.arange(0, HALF)
+            j_ok = j < K // 2
+            packed = tl.load(qw_ptr + offs_n[None, :] * (K // 2) + j[:, None],
+                             mask=j_ok[:, None] & n_mask[None, :], other=0)
+            w_lo = _dequant_tile(packed & 0xF, scale, minimum, NG, G // 2, BLOCK_N, HALF)
+            w_hi = _dequant_tile(packed >> 4, scale, minimum, NG, G // 2, BLOCK_N, HALF)
+            x_off = x_ptr + offs_m[:, None] * stride_xm + 2 * j[None, :]
+            x_ok = m_mask[:, None] & j_ok[None, :]
+            xe = tl.load(x_off, mask=x_ok, other=0.0)
+            xo = tl.load(x_off + 1, mask=x_ok, other=0.0)
+            if IEEE:  # fp32 activations, or the interpreter (its bf16 dot is wrong)
+                acc += tl.dot(xe.to(tl.float32), w_lo, input_precision="ieee")
+                acc += tl.dot(xo.to(tl.float32), w_hi, input_precision="ieee")
+            else:
+                acc += tl.dot(xe, w_lo.to(xe.dtype))
+                acc += tl.dot(xo, w_hi.to(xo.dtype))
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            q = tl.load(qw_ptr + offs_n[None, :] * K + k[:, None],
+                        mask=k_ok[:, None] & n_mask[None, :], other=0)
+            w = _dequant_tile(q, scale, minimum, NG, G, BLOCK_N, BLOCK_K)
+            xv = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+                         mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(xv.to(tl.float32), w, input_precision="ieee")
+            else:
+                acc += tl.dot(xv, w.to(xv.dtype))
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# ----------------------------------------------------------------- launchers
+
+
+def _parts(qt: QuantTensor):
+    dmin = qt.dmin if qt.asymmetric else qt.d  # never read when symmetric
+    m = qt.m if qt.asymmetric else qt.sc
+    return qt.qweight, qt.d, qt.sc, dmin, m
+
+
+def _block_k(qt: QuantTensor, want: int) -> int:
+    return max(want, qt.group)
+
+
+def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
+         block_n: int | None = None, block_k: int = 256, split_k: int | None = None
+         ) -> torch.Tensor:
+    """x [M, K] with M <= GEMV_MAX_ROWS -> [M, N] in x's dtype."""
+    m_rows, k_dim = x.shape
+    n_dim = qt.out_features
+    if not 1 <= m_rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m_rows}")
+    x = x.contiguous()
+    block_m = triton.next_power_of_2(m_rows)
+    block_n = block_n or (32 if n_dim >= 4096 else 16)
+    block_k = _block_k(qt, block_k)
+    n_blocks = triton.cdiv(n_dim, block_n)
+    if split_k is None:
+        split_k = _split_k(x.device, n_blocks, k_dim, block_k)
+    k_per_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
+    split_k = triton.cdiv(k_dim, k_per_split)
+    target = out if split_k == 1 and out is not None else None
+    if split_k == 1:
+        target = target if target is not None else torch.empty(m_rows, n_dim, dtype=x.dtype,
+                                                               device=x.device)
+        stride_os = 0
+    else:
+        target = torch.empty(split_k, m_rows, n_dim, dtype=torch.float32, device=x.device)
+        stride_os = target.stride(0)
+    _gemv_kernel[(n_blocks, split_k)](
+        x, *_parts(qt), target, m_rows, n_dim, k_dim, x.stride(0), stride_os,
+        target.stride(-2), TILES_PER_SPLIT=k_per_split // block_k,
+        BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    if split_k == 1:
+        return target
+    result = target.sum(0).to(x.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _split_k(device: torch.device, n_blocks: int, k_dim: int, block_k: int) -> int:
+    """Enough programs for about two waves of the GPU's SMs."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // n_blocks)
+    return max(1, min(want, k_dim // (4 * block_k), 16))
+
+
+def gemm(x: torch.Tensor, qt: QuantTensor, block_m: int = 64, block_n: int = 64,
+         block_k: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (any M) -> [M, N] in x's dtype, via tl.dot on dequantized tiles."""
+    m_rows, k_dim = x.shape
+    n_dim = qt.out_features
+    x = x.contiguous()
+    block_k = _block_k(qt, block_k)
+    if qt.bits == 4:
+        block_k = max(block_k, 32)  # halves of >= 16 for tl.dot
+    if out is None:
+        out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m_rows, block_m), triton.cdiv(n_dim, block_n))
+    _gemm_kernel[grid](
+        x, *_parts(qt), out, m_rows, n_dim, k_dim, x.stride(0), out.stride(0),
+        BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_TILES=triton.cdiv(k_dim, block_k),
+        IEEE=x.dtype == torch.float32 or _interpreting())
+    return out
+
+
+def triton_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """x [..., K] -> [..., N]: gemv for up to GEMV_MAX_ROWS rows, else gemm."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        y = x2.new_empty(0, qt.out_features)
+    elif x2.shape[0] <= GEMV_MAX_ROWS:
+        y = gemv(x2, qt)
+    else:
+        y = gemm(x2, qt)
+    if bias is not None:
+        y = y + bias
+    return y.view(*lead, qt.out_features)

@@ -1,0 +1,169 @@
+"""Modules that hold a QuantTensor in place of a dense weight, and the swap
+that puts them into a loaded model.
+
+QuantLinear replaces nn.Linear and QuantEmbedding replaces nn.Embedding
+after the model is built (engine/loader.py), so the model code needs no
+change: they are called like the modules they replace. Code that reads
+`module.weight` and calls F.linear on it (the model's output head does, for
+tied and untied heads alike) gets a QuantWeight, a tensor subclass whose
+F.linear runs the quantized matmul; any other use of it dequantizes.
+
+Their state-dict entries are the QuantTensor's (`{prefix}.qweight`, `.qd`,
+`.qsc`, `.qdmin`, `.qm`) plus a Linear's bias: the shared weights arena lays
+them out like any other tensors.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quant.tensor import QuantTensor
+
+
+def quant_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias): Triton kernels on CUDA, the PyTorch reference elsewhere."""
+    if x.device.type == "cuda":
+        from engine.quant.kernels import triton_matmul
+        return triton_matmul(x, qt, bias)
+    from engine.quant.kernels import reference_matmul
+    return reference_matmul(x, qt, bias)
+
+
+class _QuantHolder(nn.Module):
+    """Registers a QuantTensor's parts as buffers (so they are in the state dict)."""
+
+    def __init__(self, qt: QuantTensor, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        for suffix, t in qt.tensors().items():
+            self.register_buffer(suffix, t)
+        if not qt.asymmetric:
+            self.qdmin = self.qm = None
+        self.compute_dtype = compute_dtype
+        self._weight_view = None
+
+    @property
+    def quant(self) -> QuantTensor:
+        # built per call from the current buffers: .to() and state-dict
+        # assignment replace them; the dataclass check is cheap next to a matmul
+        return QuantTensor(self.qweight, self.qd, self.qsc, self.qdmin, self.qm)
+
+    @property
+    def weight(self) -> "QuantWeight":
+        view = self._weight_view
+        if view is None or view.source is not self or view.device != self.qweight.device:
+            view = QuantWeight(self)
+            self._weight_view = view
+        return view
+
+    def extra_repr(self) -> str:
+        qt = self.quant
+        return f"{qt.in_features} -> {qt.out_features}, {qt.describe()}"
+
+
+class QuantLinear(_QuantHolder):
+    def __init__(self, qt: QuantTensor, bias: torch.Tensor | None,
+                 compute_dtype: torch.dtype) -> None:
+        super().__init__(qt, compute_dtype)
+        self.in_features, self.out_features = qt.in_features, qt.out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, self.quant, self.bias)
+
+
+class QuantEmbedding(_QuantHolder):
+    """Looks rows up by dequantizing only the rows asked for."""
+
+    def __init__(self, qt: QuantTensor, compute_dtype: torch.dtype) -> None:
+        super().__init__(qt, compute_dtype)
+        self.num_embeddings, self.embedding_dim = qt.out_features, qt.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.quant.dequantize(self.compute_dtype, rows=flat)
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+class QuantWeight(torch.Tensor):
+    """A stand-in for a quantized module's `.weight`: shape [N, K] and the
+    compute dtype, no storage. F.linear with it runs the quantized matmul;
+    anything else sees the dequantized weight (slow, and never on the hot path)."""
+
+    source: _QuantHolder
+
+    @staticmethod
+    def __new__(cls, source: _QuantHolder):
+        qt = source.quant
+        t = torch.Tensor._make_wrapper_subclass(cls, qt.shape, dtype=source.compute_dtype,
+                                                device=qt.device, requires_grad=False)
+        t.source = source
+        return t
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.source.extra_repr()})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and isinstance(args[1], QuantWeight) and \
+                not any(isinstance(a, QuantWeight) for a in args[:1]):
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return quant_matmul(args[0], args[1].source.quant, bias)
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+        def dense(a):
+            return a.source.quant.dequantize(a.source.compute_dtype) \
+                if isinstance(a, QuantWeight) else a
+        args = tuple(dense(a) for a in args)
+        kwargs = {k: dense(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"QuantWeight has no storage; {func} must go through F.linear")
+
+
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+             torch.Tensor.numel, torch.Tensor.is_floating_point,
+             torch.Tensor.__repr__}
+
+
+# ------------------------------------------------------------------- the swap
+
+
+def swap_in(model: nn.Module, quantized: dict[str, QuantTensor], compute_dtype: torch.dtype,
+            biases: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """Replace each module named in `quantized` (nn.Linear or nn.Embedding, shape
+    checked) by its quantized counterpart; returns the names that were swapped.
+    A name that is not such a module raises ValueError."""
+    biases = biases or {}
+    done = []
+    for name, qt in quantized.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child, None)
+        if isinstance(old, nn.Linear):
+            expected = (old.out_features, old.in_features)
+            new = QuantLinear(qt, biases.get(name, old.bias), compute_dtype)
+        elif isinstance(old, nn.Embedding):
+            expected = (old.num_embeddings, old.embedding_dim)
+            new = QuantEmbedding(qt, compute_dtype)
+        else:
+            raise ValueError(f"{name} is a {type(old).__name__}, not a Linear or Embedding: "
+                             "it cannot hold quantized weights")
+        if tuple(qt.shape) != expected:
+            raise ValueError(f"{name}: quantized weight has shape {tuple(qt.shape)}, the model "
+                             f"expects {expected}")
+        setattr(parent, child, new)
+        done.append(name)
+    return done
+
+
+def quantizable_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every nn.Linear and nn.Embedding of `model`, by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}

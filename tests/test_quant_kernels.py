@@ -1,0 +1,119 @@
+"""W4A16 / W8A16 Triton kernels against their PyTorch reference.
+
+Runs on the CPU with the Triton interpreter; on a CUDA machine with
+TRITON_INTERPRET=0 the same tests run the compiled kernels on the GPU.
+Outputs are NaN-poisoned first, so a row or column the kernel skips fails."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
+from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
+from engine.quant.tensor import QuantTensor  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("compiled Triton kernels need CUDA", allow_module_level=True)
+
+# (bits, group, superblock, asymmetric): Q4_K, Q6_K, Q8_0, GPTQ-int4 (group 64 here), Q5_K
+FORMATS = [(4, 32, 256, True), (8, 16, 256, False), (8, 32, 32, False), (4, 64, 64, True),
+           (8, 32, 256, True)]
+FORMAT_IDS = ["q4_k", "q6_k", "q8_0", "gptq", "q5_k"]
+
+
+def random_quant(n: int, k: int, bits: int, group: int, superblock: int, asym: bool,
+                 seed: int = 0) -> QuantTensor:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), generator=g)
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=g)
+    d = (torch.rand(n, k // superblock, generator=g) * 0.02 / (8 if bits == 8 else 1)).half()
+    sc = torch.randint(1, 64, (n, k // group), generator=g)
+    dmin = (torch.rand(n, k // superblock, generator=g) * 0.02).half() if asym else None
+    m = torch.randint(0, 64, (n, k // group), generator=g) if asym else None
+    return QuantTensor.from_codes(codes, bits, d, sc, dmin, m).to(DEVICE)
+
+
+def _tolerance(dtype):
+    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def _expected(x, qt):
+    return reference_matmul(x.float(), qt)  # fp32 everywhere: the kernels accumulate in fp32
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_gemv_matches_reference(fmt, rows):
+    # N not a multiple of the block, K not a multiple of BLOCK_K (256): tails are masked
+    qt = random_quant(40, 768 if fmt[2] == 256 else 576, *fmt)
+    x = torch.randn(rows, qt.in_features, device=DEVICE)
+    out = torch.full((rows, qt.out_features), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, _expected(x, qt), **_tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=FORMAT_IDS[:2])
+def test_gemv_split_k_adds_partial_sums(fmt):
+    qt = random_quant(24, 1024, *fmt, seed=1)
+    x = torch.randn(2, 1024, device=DEVICE)
+    out = torch.full((2, 24), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, split_k=3)  # 3 splits of 512 (rounded to BLOCK_K): one is empty
+    torch.testing.assert_close(y, _expected(x, qt), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemm_matches_reference(fmt, dtype):
+    qt = random_quant(40, 512, *fmt, seed=2)
+    x = torch.randn(20, 512, device=DEVICE).to(dtype)
+    out = torch.full((20, 40), float("nan"), device=DEVICE, dtype=dtype)
+    y = gemm(x, qt, block_m=16, block_n=16, block_k=64, out=out)
+    assert not torch.isnan(y).any()
+    expected = _expected(x, qt)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    else:  # bf16 output (and on the GPU bf16 weight tiles): 1% of the output's scale
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_dispatch_picks_gemv_up_to_8_rows_and_gemm_above():
+    qt = random_quant(32, 256, 4, 32, 256, True, seed=3)
+    for rows in (8, 18):
+        x = torch.randn(2, rows // 2, 256, device=DEVICE)  # leading dims are flattened
+        y = triton_matmul(x, qt)
+        assert y.shape == (*x.shape[:-1], 32)
+        torch.testing.assert_close(y, _expected(x, qt), rtol=1e-4, atol=1e-4)
+
+
+def test_quant_linear_weight_goes_through_f_linear():
+    qt = random_quant(48, 256, 4, 32, 256, True, seed=4).to("cpu")
+    layer = QuantLinear(qt, torch.randn(48), torch.float32)
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        via_module = layer(x)
+        via_weight = F.linear(x, layer.weight, layer.bias)  # what the output head does
+        dense = layer.weight.float()  # any other use dequantizes
+    torch.testing.assert_close(via_module, via_weight, rtol=0, atol=0)
+    # the module sums even and odd columns separately: fp32 rounding differs
+    torch.testing.assert_close(via_module, F.linear(x, qt.dequantize(), layer.bias),
+                               rtol=1e-5, atol=1e-4)
+    assert torch.equal(dense, qt.dequantize())
+    assert set(layer.state_dict()) == {"qweight", "qd", "qsc", "qdmin", "qm", "bias"}
+
+
+def test_quant_embedding_dequantizes_only_the_rows_it_reads():
+    qt = random_quant(64, 128, 8, 32, 32, False, seed=5).to("cpu")
+    emb = QuantEmbedding(qt, torch.float32)
+    ids = torch.tensor([[3, 63], [0, 3]])
+    assert torch.equal(emb(ids), qt.dequantize()[ids])

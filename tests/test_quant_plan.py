@@ -1,0 +1,71 @@
+"""`tandem plan`: the memory plan of a configuration, from configs and tensor
+tables alone, for the 27B shape in the 24 GiB budget the mission names."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from engine.config import ModelConfig, shape_hf_config
+from engine.loader import plan_inputs
+from kvstore.plan import GiB, weight_bytes_of
+from tandem.cli import main
+
+PLAN_27B = ["plan", "--model", "qwen3.5-27b", "--kv-format", "rk4", "--context", "262144",
+            "--speculative", "mtp", "--draft-tokens", "3", "--snapshot-slots", "4", "--gpu-memory-budget", "24GiB"]
+
+
+def _bytes(text: str, line: str) -> float:
+    m = re.search(rf"^\s*{line}\s+([0-9.]+) (GiB|MiB|KiB)", text, re.M)
+    assert m, f"no line {line!r} in:\n{text}"
+    return float(m.group(1)) * {"GiB": GiB, "MiB": 1 << 20, "KiB": 1 << 10}[m.group(2)]
+
+
+def test_27b_int4_rk4_full_context_fits_24gib_with_a_gib_to_spare(capsys):
+    assert main([*PLAN_27B, "--weights", "int4"]) == 0
+    out = capsys.readouterr().out
+    for line in ("weights", "kv pages", "mtp kv pages", "gdn live slots", "gdn snapshot slots",
+                 "gdn draft slots", "activation reserve", "decode activations", "cuda graphs",
+                 "allocator slack"):
+        assert _bytes(out, line) > 0, line
+    assert _bytes(out, "total") <= 23 * GiB
+    assert _bytes(out, "spare") >= 1.0 * GiB
+    assert 13 * GiB < _bytes(out, "weights") < 16 * GiB  # ~27B weights at 4.625 bits
+
+
+def test_27b_bf16_weights_do_not_fit_and_the_message_says_what_to_change(capsys):
+    assert main([*PLAN_27B, "--weights", "bf16"]) == 1
+    err = capsys.readouterr().err
+    assert "over budget: weights" in err and "does not fit" in err
+    assert "--weights q4_k_m" in err  # what to change
+    assert "<- does not fit" in err and "24.00 GiB" in err
+
+
+def test_plan_names_the_context_line_when_the_kv_pool_is_what_overflows(capsys):
+    assert main([*PLAN_27B, "--weights", "int4", "--kv-format", "bf16"]) == 1
+    err = capsys.readouterr().err
+    assert "over budget: kv pages" in err and "--kv-format" in err
+
+
+def test_bad_input_exits_2(capsys):
+    assert main([*PLAN_27B, "--weights", "q5_x"]) == 2
+    assert "--weights 'q5_x'" in capsys.readouterr().err
+    assert main(["plan", "--gpu-memory-budget", "24 parsecs"]) == 2
+
+
+def test_recipe_bytes_follow_the_packed_layout():
+    config = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
+    dense = weight_bytes_of(config, torch.bfloat16, "bf16")
+    int4 = weight_bytes_of(config, torch.bfloat16, "int4")
+    params = dense / 2
+    # 4-bit codes + per 32: sc, m bytes + per 256: fp16 d, dmin; norms etc. stay bf16
+    assert int4 == pytest.approx(params * 4.625 / 8, rel=0.01)
+    assert weight_bytes_of(config, torch.bfloat16, "q4_k_m") > int4
+
+
+def test_gguf_plan_reads_only_the_tensor_table():
+    config, packed, _ = plan_inputs(None, "native", "cuda")
+    _, dense, _ = plan_inputs(None, "bf16", "cuda")
+    assert config.hidden_size == 576
+    assert packed < dense / 2.5  # Q4_1 matrices stay 4-bit + scales; bf16 is 16 bits
