@@ -5,6 +5,7 @@ read what its processes use (NVML on a GPU, peak RSS from /proc on the CPU).
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -225,12 +226,24 @@ def add_service_arguments(p, max_context_tokens: int) -> None:
     p.add_argument("--max-context-tokens", type=int, default=max_context_tokens)
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--gpu-memory-budget", default=None)
+    p.add_argument("--weights", default=None, help="tandem serve's --weights (e.g. int4)")
+    p.add_argument("--speculative", default=None, help="tandem serve's --speculative")
+    p.add_argument("--draft-tokens", type=int, default=None)
+    p.add_argument("--serve-args", default="",
+                   help="more tandem serve flags, appended last so they win "
+                        "(e.g. '--live-slots 1 --snapshot-slots 4')")
     p.add_argument("--json", default=None)
 
 
 def run_against_service(args, run) -> int:
     """Start the service the flags describe, call run(service, args), stop it."""
+    extra = []
+    for flag, value in (("--weights", args.weights), ("--speculative", args.speculative),
+                        ("--draft-tokens", args.draft_tokens)):
+        if value is not None:
+            extra += [flag, str(value)]
+    extra += shlex.split(args.serve_args)
     with Service(args.model, args.device, args.kv_format, args.max_context_tokens,
-                 args.prefill_chunk, args.gpu_memory_budget) as svc:
+                 args.prefill_chunk, args.gpu_memory_budget, extra=tuple(extra)) as svc:
         run(svc, args)
     return 0
