@@ -22,12 +22,19 @@ class Chunk:
 def snapshot_points(start: int, end: int, page_size: int, every: int = 0,
                     prompt_end_snapshot: bool = True) -> list[int]:
     """Page-aligned positions in (start, end] after which to snapshot: every
-    `every` tokens (0 = never), and the last page boundary of the prompt."""
+    `every` tokens (0 = never), and the last page boundary before the prompt's
+    last token.
+
+    Not `end` itself when the prompt fills whole pages: a request must run at
+    least one token to get logits, so a snapshot at `end` could never serve
+    the same prompt again (a retry, or n parallel samples of one prompt),
+    while one a page earlier does; the next turn of the conversation does not
+    need it, decode leaves a snapshot at every page boundary it fills."""
     if every and every % page_size:
         raise ValueError(f"snapshot interval {every} must be a multiple of the page size {page_size}")
     points = set(range(every, end + 1, every)) if every else set()
     if prompt_end_snapshot:
-        points.add(end // page_size * page_size)
+        points.add((end - 1) // page_size * page_size)
     return sorted(p for p in points if start < p <= end)
 
 

@@ -22,8 +22,12 @@ def test_chunks_cut_at_size_and_snapshots():
     assert [(c.start, c.end, c.snapshot) for c in chunks] == [
         (0, 6, False), (6, 8, True), (8, 12, False), (12, 16, True), (16, 18, False),
         (18, 20, True), (20, 23, False)]
-    assert snapshot_points(9, 12, PAGE) == [12]
+    assert snapshot_points(9, 13, PAGE) == [12]
     assert snapshot_points(9, 11, PAGE) == []
+    # a prompt of whole pages snapshots a page before its end, so that the
+    # same prompt again restores 12 tokens and runs its last 4
+    assert snapshot_points(0, 16, PAGE) == [12]
+    assert snapshot_points(9, 12, PAGE) == []
     with pytest.raises(ValueError, match="multiple of the page size"):
         snapshot_points(0, 20, PAGE, every=6)
 

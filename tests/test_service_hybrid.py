@@ -44,3 +44,12 @@ def test_agent_turns_restore_snapshots_and_match_offline(service):
     assert cached[0] == 0
     stats = service.store_stats()
     assert stats.snapshots >= 2 and stats.held_pages == 0 and stats.held_slots == 0
+
+
+def test_the_same_whole_page_prompt_again_is_served_from_the_cache(service):
+    prompt = [(11 * i + 7) % 250 for i in range(3 * PAGE)]  # exactly three pages
+    runs = [_generate(service.stub, token_ids=pb.TokenIds(ids=prompt),
+                      sampling=pb.SamplingParameters(temperature=0.0), max_new_tokens=4,
+                      ignore_eos=True, cache_salt="retry") for _ in range(2)]
+    assert runs[0][0] == runs[1][0]
+    assert [r[2].usage.cached_tokens for r in runs] == [0, 2 * PAGE]
