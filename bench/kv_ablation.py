@@ -52,9 +52,11 @@ def token_blocks(x: torch.Tensor, block: int = 32, rotate: bool = True) -> torch
     return rotation.unrotate(back, r) if rotate else back
 
 
-def channel_groups(x: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
+def channel_groups(x: torch.Tensor, group: int, bits: int = 4,
+                   step_format: str = "fp16") -> torch.Tensor:
     """Asymmetric `bits`-bit codes per channel over `group` consecutive tokens,
-    with an fp16 min and step per (group, head, channel)."""
+    with an fp16 min and a step per (group, head, channel): fp16, or "e8m0"
+    (the smallest power of two that covers the range: 8 bits instead of 16)."""
     tokens, heads, dim = x.shape
     if tokens % group:
         raise ValueError(f"channel groups of {group} tokens need whole groups, got {tokens} "
@@ -62,9 +64,41 @@ def channel_groups(x: torch.Tensor, group: int, bits: int = 4) -> torch.Tensor:
     g = x.float().reshape(tokens // group, group, heads, dim)
     lo = g.amin(1, keepdim=True).half().float()
     levels = 2 ** bits - 1
-    step = ((g.amax(1, keepdim=True) - lo) / levels).half().float().clamp(min=1e-8)
+    span = (g.amax(1, keepdim=True) - lo) / levels
+    if step_format == "e8m0":
+        step = torch.exp2(torch.ceil(torch.log2(span.clamp(min=2.0 ** -126))))
+    else:
+        step = span.half().float().clamp(min=1e-8)
     codes = torch.round((g - lo) / step).clamp(0, levels)
     return (codes * step + lo).reshape(tokens, heads, dim)
+
+
+# Lloyd-Max levels of a unit Gaussian for 16 levels (Max 1960): the MSE-optimal
+# 4-bit codebook for rotated values, which are close to Gaussian.
+LLOYD_MAX_16 = (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.7326)
+
+
+def codebook_blocks(x: torch.Tensor, block: int = 64, codebook: str = "lloyd",
+                    rotate: bool = True) -> torch.Tensor:
+    """Per-token blocks with one fp16 scale and a non-uniform 16-level codebook:
+    "lloyd" (Gaussian Lloyd-Max, scale = amax / outer level) or "int4" (the
+    uniform levels -8..7, using the -8 level rk4 leaves out: scale = amax / 8
+    with the sign of the largest value picking which end it lands on)."""
+    r = rotation.rotation_matrix(x.shape[-1], rotation.DEFAULT_ROTATION_SEED, x.device)
+    stored = rotation.rotate(x, r) if rotate else x.float()
+    blocks = stored.reshape(-1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    if codebook == "lloyd":
+        half = torch.tensor(LLOYD_MAX_16, device=x.device)
+        levels = torch.cat([-half.flip(0), half])
+        scale = (amax / half[-1]).half().float().clamp(min=1e-12)
+        idx = (blocks[..., None] / scale[..., None] - levels).abs().argmin(-1)
+        back = levels[idx] * scale
+    else:
+        scale = (amax / 8).half().float().clamp(min=1e-12)
+        back = torch.round(blocks / scale).clamp(-8, 7) * scale
+    back = back.reshape(stored.shape)
+    return rotation.unrotate(back, r) if rotate else back
 
 
 def channel_bits(group: int, bits: int = 4) -> float:
@@ -88,6 +122,8 @@ class Variant:
     v_bits: float
     pre_rope: bool = False  # K quantized before the rotary embedding
     open_page: int = 0      # > 0: the newest token's page (of this many tokens) reads exact
+    open_pages: int = 1     # how many of the newest pages read exact (with open_page)
+    sinks: int = 0          # the first `sinks` tokens read exact
 
     @property
     def bits(self) -> float:
@@ -116,6 +152,35 @@ VARIANTS: dict[str, Variant] = {
                                                 channel_bits(32), token_bits(32),
                                                 pre_rope=True, open_page=32),
 }
+# The rk4 v2 candidates (BENCHMARKS.md, "rk4 v2 design ablation"): 32-token
+# pages, K pre-RoPE per channel, V rotated per token, open page(s) in bf16.
+_K32E = partial(channel_groups, group=32, step_format="e8m0")
+_K64F = partial(channel_groups, group=64)
+_V64 = partial(token_blocks, block=64, rotate=True)
+_V64_LLOYD = partial(codebook_blocks, block=64, codebook="lloyd")
+_V64_INT4 = partial(codebook_blocks, block=64, codebook="int4")
+_V32_LLOYD = partial(codebook_blocks, block=32, codebook="lloyd")
+_K_E8 = 4 + 24 / 32  # fp16 min + e8m0 step per 32 tokens
+VARIANTS.update({
+    "v2": Variant(_K32E, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32),
+    "v2-kfp16": Variant(partial(channel_groups, group=32), _V64, channel_bits(32),
+                        token_bits(64), pre_rope=True, open_page=32),
+    "v2-open2": Variant(_K32E, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32,
+                        open_pages=2),
+    "v2-sinks": Variant(_K32E, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32,
+                        sinks=32),
+    "v2-vlloyd": Variant(_K32E, _V64_LLOYD, _K_E8, token_bits(64), pre_rope=True,
+                         open_page=32),
+    "v2-vint4": Variant(_K32E, _V64_INT4, _K_E8, token_bits(64), pre_rope=True, open_page=32),
+    "v2-vlloyd32": Variant(_K32E, _V32_LLOYD, _K_E8, token_bits(32), pre_rope=True,
+                           open_page=32),
+    "v2-k-only": Variant(_K32E, None, _K_E8, 16, pre_rope=True, open_page=32),
+    "v2-v-only": Variant(None, _V64, 16, token_bits(64), open_page=32),
+    "v2-vlloyd-open2": Variant(_K32E, _V64_LLOYD, _K_E8, token_bits(64), pre_rope=True,
+                               open_page=32, open_pages=2),
+    "v2-vlloyd-open2-sinks": Variant(_K32E, _V64_LLOYD, _K_E8, token_bits(64), pre_rope=True,
+                                     open_page=32, open_pages=2, sinks=32),
+})
 
 
 class FakeQuantKV(Bf16Format):
@@ -132,7 +197,7 @@ class FakeQuantKV(Bf16Format):
 
     def allocate(self, num_pages, page_size, num_kv_heads, head_dim, device):
         buffers = super().allocate(num_pages, page_size, num_kv_heads, head_dim, device)
-        if self.variant.open_page:
+        if self.variant.open_page or self.variant.sinks:
             buffers.update({f"{side}_exact": torch.zeros_like(buffers[side]) for side in "kv"})
         return buffers
 
@@ -141,7 +206,7 @@ class FakeQuantKV(Bf16Format):
         x = x.float()
         stored = x if quantize is None else self._fake_quantize(side, quantize, x, slots)
         _flat(buffers[side]).index_copy_(0, slots, stored)
-        if self.variant.open_page:
+        if self.variant.open_page or self.variant.sinks:
             _flat(buffers[f"{side}_exact"]).index_copy_(0, slots, x)
 
     def _fake_quantize(self, side: str, quantize: Quantizer, x: torch.Tensor,
@@ -156,10 +221,16 @@ class FakeQuantKV(Bf16Format):
         slots = page_table_slots(page_table, length, buffers[side].shape[1])
         quantized = _flat(buffers[side])[slots]
         if not self.variant.open_page:
+            if self.variant.sinks:
+                raise ValueError("sinks are only emulated together with an open page")
             return quantized.to(dtype)
-        open_from = (length - 1) // self.variant.open_page * self.variant.open_page
-        exact = _flat(buffers[f"{side}_exact"])[slots[open_from:]]
-        return torch.cat([quantized[:open_from], exact]).to(dtype)
+        page = self.variant.open_page
+        open_from = max(0, ((length - 1) // page - (self.variant.open_pages - 1)) * page)
+        exact = _flat(buffers[f"{side}_exact"])[slots]
+        keep = torch.zeros(length, dtype=torch.bool, device=slots.device)
+        keep[open_from:] = True
+        keep[:self.variant.sinks] = True
+        return torch.where(keep[:, None, None], exact, quantized).to(dtype)
 
 
 def _flat(buffer: torch.Tensor) -> torch.Tensor:

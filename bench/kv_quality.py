@@ -15,7 +15,10 @@ first row, "bf16 vs bf16", is a second bf16-KV run that differs from the
 reference only in its prefill chunking: the noise floor of the measurement.
 
 Formats are make_format names with options, e.g. `rk4:block=16,scale_format=e8m0`
-or `rk4:rotate=false`; plain `bf16` is the reference (bf16 KV).
+or `rk4:rotate=false`; plain `bf16` is the reference (bf16 KV). A format that
+keeps open pages in staging (rk4p) runs decode-like whatever --chunk says:
+chunks of one of its pages, each staged in bf16 and sealed when the next chunk
+starts, so every position is scored as a decoding sequence would see it.
 """
 from __future__ import annotations
 
@@ -136,13 +139,23 @@ class ChunkedPrefill:
 
     def __init__(self, loaded, tokens: list[int], kv_format, chunk: int) -> None:
         from engine.cache import CacheShape, PagedKVCache
+        from engine.kv.open_pages import STAGING_PER_SEQUENCE, OpenPages
 
-        pages = -(-len(tokens) // PAGE_SIZE)
+        page_size = getattr(kv_format, "page_size", PAGE_SIZE)
+        pages = -(-len(tokens) // page_size)
+        staging = STAGING_PER_SEQUENCE if kv_format.uses_staging else 0
         self.model, self.device = loaded.model, loaded.device
-        self.tokens, self.chunk = tokens, chunk
-        self.cache = PagedKVCache(loaded.config, CacheShape(num_pages=pages, page_size=PAGE_SIZE),
+        self.page_size = page_size
+        # A staged format runs decode-like: chunks of one page, each written to
+        # an open (bf16) page and sealed once the next chunk starts, so every
+        # query sees its own page unquantized as a decoding sequence would.
+        self.tokens, self.chunk = tokens, page_size if staging else chunk
+        self.cache = PagedKVCache(loaded.config, CacheShape(num_pages=pages, page_size=page_size,
+                                                            staging_pages=staging),
                                   loaded.device, kv_format)
         self.page_table = tuple(range(pages))
+        self.open_pages = (OpenPages(tuple(range(staging)), pages, page_size)
+                           if staging else None)
         self.prefilled = 0  # tokens whose KV is in the cache
         self.delivered = 0  # positions whose logits were handed out
         self.pending: torch.Tensor | None = None  # logits of [delivered, prefilled)
@@ -165,7 +178,11 @@ class ChunkedPrefill:
 
         start = self.prefilled
         piece = tuple(self.tokens[start:start + self.chunk])
-        batch = ForwardBatch.build([SequenceInput(piece, start, self.page_table)], PAGE_SIZE,
+        table = self.page_table
+        if self.open_pages is not None:
+            table = self.open_pages.prepare(self.cache, self.page_table, start,
+                                            start + len(piece), prefill=False)
+        batch = ForwardBatch.build([SequenceInput(piece, start, table)], self.page_size,
                                    self.device)
         t0 = now()
         logits = self.model(batch, self.cache, all_logits=True).float()
@@ -269,7 +286,7 @@ def noise_floor_label(noise_chunk: int) -> str:
 
 def goal_check(label: str, summary: dict) -> dict | None:
     """Which rk4 goals a result meets (None for formats that have no goals)."""
-    if not label.startswith("rk4"):
+    if not label.startswith(("rk4", "rk4p")):
         return None
     return {
         "mean_kl": summary["mean_kl"] <= GOAL_MEAN_KL,

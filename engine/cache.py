@@ -32,10 +32,13 @@ class CacheShape:
     page_size: int = 16
     num_state_slots: int = 0
     mtp_layers: int = 0  # MTP layers that get a KV page pool (speculative decoding)
+    # bf16 pages for the open (not yet sealed) pages of live sequences, for
+    # formats that quantize whole pages (rk4); page ids num_pages.. name them.
+    staging_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.num_pages < 1 or self.page_size < 1 or self.num_state_slots < 0 \
-                or self.mtp_layers < 0:
+                or self.mtp_layers < 0 or self.staging_pages < 0:
             raise ValueError(f"invalid cache shape {self}")
 
 
@@ -47,6 +50,24 @@ def kv_layer_ids(config: ModelConfig, shape: CacheShape) -> tuple[int, ...]:
                          f"model has {config.mtp_num_layers} MTP layers")
     mtp = tuple(range(config.num_layers, config.num_layers + shape.mtp_layers))
     return tuple(config.attention_layers) + mtp
+
+
+def pool_formats(kv_format: KVFormat, config: ModelConfig,
+                 shape: CacheShape) -> list[KVFormat]:
+    """The format of each page pool, in kv_layer_ids order.
+
+    With a staged format (rk4) the MTP pools are int8 over num_pages +
+    staging_pages pages: the drafter writes its KV out of step with the target
+    (catch-up pairs, draft chains), so whole-page quantization does not fit it,
+    and a per-token format can hold real and staging ids in one pool (sealing
+    copies the staged rows). One layer of int8 costs little beside the target's."""
+    layers = kv_layer_ids(config, shape)
+    if not kv_format.uses_staging or not shape.mtp_layers:
+        return [kv_format] * len(layers)
+    from engine.kv.formats import Int8Format
+
+    mtp = Int8Format(use_triton=kv_format.use_triton)
+    return [kv_format] * (len(layers) - shape.mtp_layers) + [mtp] * shape.mtp_layers
 
 
 class PagedKVCache:
@@ -61,9 +82,8 @@ class PagedKVCache:
         self.kv_format = kv_format
         self._attn_index = {layer: i for i, layer in enumerate(kv_layer_ids(config, shape))}
         self._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
-        self.kv = [kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
-                                       config.head_dim, self.device)
-                   for _ in self._attn_index]
+        self.pool_formats = pool_formats(kv_format, config, shape)
+        self.kv = [self._allocate_layer(fmt, shape, config) for fmt in self.pool_formats]
         slots = shape.num_state_slots if config.is_hybrid else 0
         if config.is_hybrid and slots < 1:
             raise ValueError("a hybrid model needs at least one GDN state slot")
@@ -73,6 +93,19 @@ class PagedKVCache:
         self.conv = [torch.zeros(slots, config.linear_conv_dim, config.linear_conv_kernel - 1,
                                  dtype=conv_dtype, device=self.device)
                      for _ in config.linear_layers]
+
+    def _allocate_layer(self, kv_format: KVFormat, shape: CacheShape,
+                        config: ModelConfig) -> dict[str, torch.Tensor]:
+        dims = (shape.page_size, config.num_kv_heads, config.head_dim, self.device)
+        if kv_format is not self.kv_format:  # an MTP pool beside staged pages
+            return kv_format.allocate(shape.num_pages + shape.staging_pages, *dims)
+        buffers = kv_format.allocate(shape.num_pages, *dims)
+        if kv_format.uses_staging:
+            if shape.staging_pages < 1:
+                raise ValueError(f"KV format {kv_format!r} keeps open pages in staging: the "
+                                 "cache shape needs staging_pages >= 1")
+            buffers.update(kv_format.allocate_staging(shape.staging_pages, *dims))
+        return buffers
 
     @classmethod
     def from_tensors(cls, config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
@@ -90,6 +123,7 @@ class PagedKVCache:
         cache = cls.__new__(cls)
         cache.config, cache.shape, cache.page_size = config, shape, shape.page_size
         cache.kv_format = kv_format
+        cache.pool_formats = pool_formats(kv_format, config, shape)
         first = next(iter(kv_buffers[0].values())) if kv_buffers else recurrent[0]
         cache.device = first.device
         cache._attn_index = {layer: i for i, layer in enumerate(kv_layers)}
@@ -103,19 +137,54 @@ class PagedKVCache:
         return self.shape.mtp_layers > 0
 
     # --- full attention -------------------------------------------------
+    def layer_format(self, layer: int) -> KVFormat:
+        """The format of a layer's pool (MTP pools may differ: pool_formats)."""
+        return self.pool_formats[self._attn_index[layer]]
+
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_format.write(self.kv[self._attn_index[layer]], slots, k, v)
+        """k before or after RoPE as layer_format(layer).k_pre_rope says."""
+        i = self._attn_index[layer]
+        self.pool_formats[i].write(self.kv[i], slots, k, v)
 
     def read_kv(self, layer: int, page_table: torch.Tensor, length: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv_format.read(self.kv[self._attn_index[layer]], page_table, length, dtype)
+        i = self._attn_index[layer]
+        return self.pool_formats[i].read(self.kv[i], page_table, length, dtype)
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
                softmax_scale: float) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the layer's pages (the new
         tokens' K/V already written): Triton on CUDA, PyTorch elsewhere."""
-        return paged_attention(self.kv_format, self.kv[self._attn_index[layer]], q, meta,
-                               softmax_scale)
+        i = self._attn_index[layer]
+        return paged_attention(self.pool_formats[i], self.kv[i], q, meta, softmax_scale,
+                               rotary=self.rotary)
+
+    @property
+    def rotary(self):
+        """The rotary embedding attention applies to keys stored before RoPE."""
+        if not self.kv_format.k_pre_rope:
+            return None
+        if getattr(self, "_rotary", None) is None:
+            from engine.rotary import Rotary
+            self._rotary = Rotary(self.config)
+        return self._rotary
+
+    def seal(self, staging_ids: list[int], page_ids: list[int]) -> None:
+        """Quantize full, committed staging pages into their real pages, in
+        every KV layer (the MTP pools included): staging_ids[i] -> page_ids[i]."""
+        if not staging_ids:
+            return
+        if not self.kv_format.uses_staging:
+            raise ValueError(f"KV format {self.kv_format!r} has no staging pages to seal")
+        src = torch.tensor(staging_ids, dtype=torch.long, device=self.device)
+        dst = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        for fmt, buffers in zip(self.pool_formats, self.kv):
+            if fmt is self.kv_format:
+                fmt.seal(buffers, src, dst)
+            else:  # a per-token MTP pool: its staged rows move as they are
+                src_rows = src + self.shape.num_pages
+                for t in buffers.values():
+                    t[dst] = t[src_rows]
 
     # --- GDN state ------------------------------------------------------
     def recurrent_state(self, layer: int) -> torch.Tensor:

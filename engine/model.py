@@ -106,8 +106,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        k_stored = k  # formats that store K before RoPE apply it after dequantizing
         q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
-        cache.write_kv(self.layer, batch.kv_slots, k, v)
+        pre_rope = cache.layer_format(self.layer).k_pre_rope
+        cache.write_kv(self.layer, batch.kv_slots, k_stored if pre_rope else k, v)
         out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
         out = out.reshape(tokens, -1)
         if gate is not None:

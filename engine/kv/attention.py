@@ -71,9 +71,12 @@ class AttentionMetadata:
 
 
 def paged_attention_reference(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
-                              meta: AttentionMetadata, softmax_scale: float) -> torch.Tensor:
+                              meta: AttentionMetadata, softmax_scale: float,
+                              rotary=None) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]: per sequence, read its dense K/V through
-    the format's reference and run masked SDPA (GQA). The CPU path."""
+    the format's reference and run masked SDPA (GQA). The CPU path. A format
+    that stores K before RoPE gets it applied here, from the key positions."""
+    _check_rotary(fmt, rotary)
     out = torch.empty_like(q)
     for i, pages in enumerate(meta.page_tables):
         lo, hi = meta.host_offsets[i], meta.host_offsets[i + 1]
@@ -81,6 +84,8 @@ def paged_attention_reference(fmt: KVFormat, buffers: dict[str, torch.Tensor], q
         start = kv_len - (hi - lo)
         k, v = fmt.read(buffers, pages, kv_len, q.dtype)
         key_pos = torch.arange(kv_len, device=q.device)
+        if fmt.k_pre_rope:
+            k = rotary.apply(k.float(), *rotary.cos_sin(key_pos, torch.float32)).to(q.dtype)
         query_pos = torch.arange(start, kv_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
         o = F.scaled_dot_product_attention(
@@ -88,6 +93,12 @@ def paged_attention_reference(fmt: KVFormat, buffers: dict[str, torch.Tensor], q
             attn_mask=mask, scale=softmax_scale, enable_gqa=True)
         out[lo:hi] = o.transpose(0, 1)
     return out
+
+
+def _check_rotary(fmt: KVFormat, rotary) -> None:
+    if fmt.k_pre_rope and rotary is None:
+        raise ValueError(f"KV format {fmt!r} stores K before RoPE: attention needs the "
+                         "model's rotary embedding (rotary=...)")
 
 
 # -------------------------------------------------------------------- triton
@@ -167,11 +178,12 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
 
 def paged_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                     meta: AttentionMetadata, softmax_scale: float | None = None,
-                    use_triton: bool | None = None) -> torch.Tensor:
+                    use_triton: bool | None = None, rotary=None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the pages: the Triton kernels on CUDA
-    tensors, the PyTorch reference elsewhere (use_triton forces either)."""
+    tensors, the PyTorch reference elsewhere (use_triton forces either).
+    rotary: the model's Rotary, needed by formats that store K before RoPE."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     choice = fmt.use_triton if use_triton is None else use_triton
     if (q.is_cuda if choice is None else choice):
-        return paged_attention_triton(fmt, buffers, q, meta, scale)
-    return paged_attention_reference(fmt, buffers, q, meta, scale)
+        return paged_attention_triton(fmt, buffers, q, meta, scale, rotary=rotary)
+    return paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)

@@ -161,6 +161,64 @@ def rk4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int,
     return (blocks * scale[..., None]).reshape(*lead, head_dim)
 
 
+# ------------------------------------------------- rk4 pages (K per channel)
+
+K_LEVELS = 15  # asymmetric 4-bit codes 0..15 for K: x = min + code * step
+
+
+def e8m0_step_exponent(span: torch.Tensor) -> torch.Tensor:
+    """Biased exponent of the smallest power of two s with span <= 15 * s.
+
+    From span's float bits, exactly (as e8m0_ceil_exponent): with span =
+    m * 2**f, m in [1, 2), 15 * 2**(f-3) = 1.875 * 2**f, so the answer is f - 3
+    when m <= 1.875 and f - 2 otherwise. Zero and subnormal spans get the
+    smallest normal step, 2**-126 (their codes are all 0 or tiny)."""
+    bits = span.to(torch.float32).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - E8M0_BIAS
+    mantissa = bits & 0x7FFFFF
+    e = exponent - 3 + (mantissa > 0x700000).to(torch.int32)
+    return torch.clamp(e + E8M0_BIAS, E8M0_MIN, E8M0_MAX)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int codes 0..15 [..., D] -> uint8 [..., D/2], channel 2i in the low nibble."""
+    codes = codes.to(torch.int32)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    nibbles = packed.to(torch.int32)
+    return torch.stack([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def k_page_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whole pages of K, x [n, P, H, D] (before RoPE) -> (packed codes
+    [n, P, H, D/2] uint8, fp16 minimum [n, H, D], e8m0 step [n, H, D] uint8):
+    per (page, head, channel), codes round((x - min) / step) in 0..15, the
+    step the smallest power of two that spans max - min in 15 steps.
+
+    Why per channel along the page's tokens: K carries large per-channel
+    offsets that are nearly constant across tokens; a per-token scale spends
+    its levels on them (BENCHMARKS.md, "rk4 ablations")."""
+    x = x.to(torch.float32)
+    lo = torch.clamp(x.amin(dim=1), -FP16_MAX, FP16_MAX).to(torch.float16)
+    lo32 = lo.to(torch.float32)
+    span = torch.clamp(x.amax(dim=1) - lo32, min=0.0)
+    biased_exp = e8m0_step_exponent(span)
+    step = e8m0_to_scale(biased_exp)
+    # x - lo rounds once in fp32; dividing by a power of two is exact.
+    codes = round_half_even(torch.clamp((x - lo32[:, None]) / step[:, None], 0.0, K_LEVELS))
+    return pack_nibbles(codes), lo, biased_exp.to(torch.uint8)
+
+
+def k_page_dequantize(packed: torch.Tensor, lo: torch.Tensor,
+                      biased_exp: torch.Tensor) -> torch.Tensor:
+    """Inverse of k_page_quantize for per-token rows: packed [..., H, D/2] with
+    their page's lo, biased_exp [..., H, D] (broadcast) -> fp32 [..., H, D]."""
+    codes = unpack_nibbles(packed).to(torch.float32)
+    return lo.to(torch.float32) + codes * e8m0_to_scale(biased_exp)
+
+
 def page_table_slots(page_table: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
     """Slots of a sequence's first `length` tokens, in order."""
     needed = -(-length // page_size)
@@ -197,6 +255,13 @@ class KVFormat(ABC):
     """
 
     name: str = ""
+    # K is stored before the rotary embedding; attention applies it to keys
+    # after dequantizing (the model writes pre-RoPE K for such a format).
+    k_pre_rope: bool = False
+    # Pages still being filled live in a bf16 staging pool and are quantized
+    # into their real page once full and committed (seal); page ids >=
+    # num_pages in a page table name staging pages.
+    uses_staging: bool = False
 
     def __init__(self, use_triton: bool | None = None) -> None:
         self.use_triton = use_triton
@@ -445,10 +510,213 @@ class RotatedInt4Format(KVFormat):
             raise ValueError(f"rk4 block {self.block} does not divide head_dim {head_dim}")
 
 
+class PagedRk4Format(KVFormat):
+    """rk4: 4-bit KV in 32-token pages, K and V treated differently (see
+    docs/ARCHITECTURE.md, "rk4", and BENCHMARKS.md for the measurements).
+
+    K, stored before RoPE, per (page, head, channel) along the page's tokens:
+    asymmetric codes 0..15 with an fp16 minimum and an e8m0 step, 4 + 24/32 =
+    4.75 bits. V, rotated over head_dim (rotation.py), per token: symmetric
+    codes -7..7 with one fp16 scale per `v_block` channels, 4 + 16/64 = 4.25
+    bits. 4.5 bits per element on average.
+
+    A page can only be quantized once all its tokens are known, so the pages a
+    sequence is still filling (and any holding unverified speculative tokens)
+    live in a bf16 staging pool: page ids >= num_pages in a page table are
+    staging page (id - num_pages). Staging holds K before RoPE and V rotated,
+    so seal() quantizes it as is. Writes to real pages must cover whole pages
+    (a prefill chunk's full pages), writes to staging pages any tokens.
+
+    Buffers: k_codes, v_codes [N, P, H, D/2] uint8 (channel 2i in the low
+    nibble); k_min [N, H, D] fp16; k_step [N, H, D] uint8 (biased exponent);
+    v_scales [N, P, H, D/v_block] fp16; k_open, v_open [S, P, H, D] bf16.
+    """
+
+    name = "rk4p"
+    k_pre_rope = True
+    uses_staging = True
+
+    def __init__(self, page_size: int = 32, v_block: int = 64,
+                 seed: int = rotation.DEFAULT_ROTATION_SEED, use_triton: bool | None = None):
+        super().__init__(use_triton)
+        if v_block not in RK4_BLOCKS:
+            raise ValueError(f"rk4 v_block must be one of {RK4_BLOCKS}, got {v_block}")
+        if page_size < 1:
+            raise ValueError(f"rk4 page_size must be >= 1, got {page_size}")
+        self.page_size, self.v_block, self.seed = page_size, v_block, seed
+        if self.bits_per_element() > RK4_BITS_BUDGET:
+            raise ValueError(f"rk4 with {page_size}-token pages and v_block {v_block} costs "
+                             f"{self.bits_per_element():g} bits per element, over the "
+                             f"{RK4_BITS_BUDGET}-bit budget; use larger pages or blocks")
+        self._rotations: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"PagedRk4Format(page_size={self.page_size}, v_block={self.v_block})"
+
+    def k_bits(self) -> float:
+        return 4.0 + 24.0 / self.page_size
+
+    def v_bits(self) -> float:
+        return 4.0 + 16.0 / self.v_block
+
+    def bits_per_element(self, head_dim: int = 256) -> float:
+        return (self.k_bits() + self.v_bits()) / 2
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
+        self._check_head_dim(head_dim)
+        # K's per-page min and step (3 bytes per channel) spread over the page
+        k = head_dim // 2 + -(-3 * head_dim // self.page_size)
+        v = head_dim // 2 + 2 * (head_dim // self.v_block)
+        return num_kv_heads * (k + v)
+
+    def staging_bytes_per_page(self, num_kv_heads: int, head_dim: int) -> int:
+        return 2 * self.page_size * num_kv_heads * head_dim * 2
+
+    def allocate(self, num_pages, page_size, num_kv_heads, head_dim, device):
+        self._check_head_dim(head_dim)
+        self._check_page_size(page_size)
+        n, h, d = num_pages, num_kv_heads, head_dim
+        u8, f16 = torch.uint8, torch.float16
+        return {
+            "k_codes": torch.zeros(n, page_size, h, d // 2, dtype=u8, device=device),
+            "k_min": torch.zeros(n, h, d, dtype=f16, device=device),
+            "k_step": torch.zeros(n, h, d, dtype=u8, device=device),
+            "v_codes": torch.zeros(n, page_size, h, d // 2, dtype=u8, device=device),
+            "v_scales": torch.zeros(n, page_size, h, d // self.v_block, dtype=f16, device=device),
+        }
+
+    def allocate_staging(self, staging_pages, page_size, num_kv_heads, head_dim, device):
+        """bf16 staging pages (K before RoPE, V rotated) for open pages."""
+        self._check_page_size(page_size)
+        shape = (staging_pages, page_size, num_kv_heads, head_dim)
+        return {side: torch.zeros(shape, dtype=torch.bfloat16, device=device)
+                for side in ("k_open", "v_open")}
+
+    # --- rotation of V ----------------------------------------------------
+    def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
+        return q  # K is not rotated
+
+    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
+        return rotation.unrotate(o, self._rotation(o.shape[-1], o.device)).to(o.dtype)
+
+    def rotate_v(self, v: torch.Tensor) -> torch.Tensor:
+        """fp32 v @ R: V as stored."""
+        return rotation.rotate(v, self._rotation(v.shape[-1], v.device))
+
+    # --- write ------------------------------------------------------------
+    def write(self, buffers, slots, k, v, use_triton=None):
+        """k (before RoPE), v [T, H, D] to slots: staging slots take any tokens,
+        real pages must be written whole (all page_size tokens in this call)."""
+        _check_write_args(slots, k, v)
+        self._check_head_dim(k.shape[-1])
+        triton = self._wants_triton(k, use_triton)
+        slots = slots.to(torch.long)
+        v_rot = self.rotate_v(v)
+        if triton:
+            _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block)
+            return
+        num_pages, page_size = buffers["k_codes"].shape[:2]
+        staged = slots >= num_pages * page_size
+        if staged.any():
+            open_slots = slots[staged] - num_pages * page_size
+            _flat(buffers["k_open"]).index_copy_(0, open_slots, k[staged].to(torch.bfloat16))
+            _flat(buffers["v_open"]).index_copy_(0, open_slots, v_rot[staged].to(torch.bfloat16))
+        real = ~staged
+        if real.any():
+            self._write_pages(buffers, slots[real], k[real].float(), v_rot[real])
+
+    def _write_pages(self, buffers, slots, k, v_rot) -> None:
+        """Quantize whole real pages: k [n*P, H, D] fp32, v_rot likewise."""
+        page_size = buffers["k_codes"].shape[1]
+        order = torch.argsort(slots)
+        slots, k, v_rot = slots[order], k[order], v_rot[order]
+        pages = slots[::page_size] // page_size
+        whole = slots.numel() % page_size == 0 and torch.equal(
+            slots, (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+        if not whole:
+            raise ValueError(f"rk4 writes real pages whole ({page_size} tokens each); got "
+                             f"slots {slots.tolist()[:8]}...: a partial page belongs in a "
+                             "staging page until it is full")
+        heads, dim = k.shape[1:]
+        codes, lo, step = k_page_quantize(k.reshape(-1, page_size, heads, dim))
+        buffers["k_codes"][pages] = codes
+        buffers["k_min"][pages] = lo
+        buffers["k_step"][pages] = step
+        v_codes, v_scales = rk4_quantize(v_rot, self.v_block, "fp16")
+        _flat(buffers["v_codes"])[slots] = v_codes
+        _flat(buffers["v_scales"])[slots] = v_scales
+
+    def seal(self, buffers, staging_ids: torch.Tensor, page_ids: torch.Tensor,
+             use_triton: bool | None = None) -> None:
+        """Quantize full staging pages into real pages (staging_ids[i] -> page_ids[i])."""
+        staging_ids = staging_ids.to(torch.long)
+        page_ids = page_ids.to(torch.long)
+        if staging_ids.numel() == 0:
+            return
+        num_pages, page_size = buffers["k_codes"].shape[:2]
+        if int(page_ids.max()) >= num_pages or int(staging_ids.max()) >= buffers["k_open"].shape[0]:
+            raise ValueError(f"seal: page ids must be < {num_pages} and staging ids < "
+                             f"{buffers['k_open'].shape[0]}")
+        k = buffers["k_open"][staging_ids].float().flatten(0, 1)
+        v_rot = buffers["v_open"][staging_ids].float().flatten(0, 1)
+        slots = (page_ids[:, None] * page_size
+                 + torch.arange(page_size, device=page_ids.device)).reshape(-1)
+        if self._wants_triton(k, use_triton):
+            _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block)
+        else:
+            self._write_pages(buffers, slots, k, v_rot)
+
+    def _write_side(self, buffers, side, slots, x, triton):
+        raise NotImplementedError("PagedRk4Format writes K and V together (write)")
+
+    # --- read -------------------------------------------------------------
+    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated):
+        num_pages, page_size = buffers["k_codes"].shape[:2]
+        slots = page_table_slots(page_table, length, page_size)
+        staged = slots >= num_pages * page_size
+        real_slots = torch.where(staged, 0, slots)
+        open_slots = torch.where(staged, slots - num_pages * page_size, 0)
+        if side == "k":
+            pages = real_slots // page_size
+            dense = k_page_dequantize(_flat(buffers["k_codes"])[real_slots],
+                                      buffers["k_min"][pages], buffers["k_step"][pages])
+        else:
+            dense = rk4_dequantize(_flat(buffers["v_codes"])[real_slots],
+                                   _flat(buffers["v_scales"])[real_slots], self.v_block, "fp16")
+        if staged.any():
+            exact = _flat(buffers[f"{side}_open"])[open_slots].float()
+            dense = torch.where(staged[:, None, None], exact, dense)
+        if side == "v" and not rotated:
+            dense = rotation.unrotate(dense, self._rotation(dense.shape[-1], dense.device))
+        return dense.to(dtype)
+
+    def _rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        key = (head_dim, str(device))
+        if key not in self._rotations:
+            self._rotations[key] = rotation.rotation_matrix(head_dim, self.seed, device)
+        return self._rotations[key]
+
+    def _check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.v_block or head_dim % 2:
+            raise ValueError(f"rk4 v_block {self.v_block} does not divide head_dim {head_dim}")
+
+    def _check_page_size(self, page_size: int) -> None:
+        if page_size != self.page_size:
+            raise ValueError(f"rk4 is set up for {self.page_size}-token pages (its K scales "
+                             f"are per page), got pages of {page_size}; use --page-size "
+                             f"{self.page_size} or rk4:page_size={page_size}")
+
+
+def _flat(buffer: torch.Tensor) -> torch.Tensor:
+    """[pages, page_size, ...] -> [slots, ...]."""
+    return buffer.view(-1, *buffer.shape[2:])
+
+
 FORMATS: dict[str, type[KVFormat]] = {
     "bf16": Bf16Format,
     "int8": Int8Format,
     "rk4": RotatedInt4Format,
+    "rk4p": PagedRk4Format,
 }
 
 

@@ -219,14 +219,17 @@ def int8_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tenso
 
 
 @triton.jit
-def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
+def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
                       ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
                       E8M0: tl.constexpr, ROWS: tl.constexpr):
     # A row is one block of 2 * HALF channels, loaded contiguously and split
     # into even and odd channels: they go to the low and high nibbles of the
-    # same byte.
+    # same byte. Rows whose slot is >= slot_limit are skipped (rk4p: tokens
+    # of staging pages).
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
+    slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
+    row_ok = row_ok & (slot < slot_limit)
     channels = tl.arange(0, 2 * HALF)
     x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + channels[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -246,7 +249,6 @@ def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
     high = _quantize_symmetric(x_odd, scale[:, None], 7.0).to(tl.int32) + 8
     packed = (low | (high << 4)).to(tl.uint8)
 
-    slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
     dst = slot * ROWS_PER_TOKEN + rows % ROWS_PER_TOKEN
     tl.store(codes_ptr + dst[:, None] * HALF + pairs[None, :], packed, mask=mask)
     tl.store(scales_ptr + dst, stored_scale, mask=row_ok)
@@ -283,9 +285,11 @@ def _rk4_read_kernel(codes_ptr, scales_ptr, page_table_ptr, out_ptr, n_rows,
 
 
 def rk4_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-              block: int, scale_format: str) -> None:
+              block: int, scale_format: str, slot_limit: int | None = None) -> None:
     """Quantize x [T, H, D] (stored space, fp32) into codes [P, S, H, D/2] and
-    scales [P, S, H, D/block] at the given slots."""
+    scales [P, S, H, D/block] at the given slots (those below slot_limit)."""
+    if slot_limit is None:
+        slot_limit = codes.shape[0] * codes.shape[1]
     tokens, heads, head_dim = x.shape
     rows_per_token = heads * (head_dim // block)
     n_rows = tokens * rows_per_token
@@ -294,7 +298,7 @@ def rk4_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales:
     rows = _rows_per_program(block)
     _rk4_write_kernel[(triton.cdiv(n_rows, rows),)](
         x.to(torch.float32).contiguous(), slots.to(torch.int64).contiguous(), codes, scales,
-        n_rows, ROWS_PER_TOKEN=rows_per_token, HALF=block // 2,
+        n_rows, slot_limit, ROWS_PER_TOKEN=rows_per_token, HALF=block // 2,
         E8M0=scale_format == "e8m0", ROWS=rows)
 
 
@@ -315,3 +319,120 @@ def rk4_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor
         ROWS_PER_TOKEN=rows_per_token, HALF=block // 2, PAGE_SIZE=page_size,
         E8M0=scale_format == "e8m0", ROWS=rows, BF16_BITS=bf16_bits)
     return out
+
+
+# ---------------------------------------------------------------------- rk4p
+
+
+@triton.jit
+def _staging_write_kernel(x_ptr, slots_ptr, open_ptr, n_rows, first_staged_slot,
+                          H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                          ROWS: tl.constexpr):
+    """Rows (token, head) whose slot is a staging slot go to the bf16 pool,
+    rounded to nearest even like torch's cast."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    slot = tl.load(slots_ptr + rows // H, mask=row_ok, other=0)
+    row_ok = row_ok & (slot >= first_staged_slot)
+    cols = tl.arange(0, D_PAD)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dst = (slot - first_staged_slot) * H + rows % H
+    _store_dense(open_ptr, dst[:, None] * D + cols[None, :], x, mask, True)
+
+
+@triton.jit
+def _k_page_kernel(x_ptr, slots_ptr, codes_ptr, min_ptr, step_ptr, n_tokens, first_staged_slot,
+                   H: tl.constexpr, D: tl.constexpr, HALF_PAD: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr):
+    """Program (token t, head h): if tokens t..t+P-1 fill one real page in
+    order, quantize that page's K of head h per channel (formats.k_page_quantize)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    first = tl.load(slots_ptr + t)
+    last_t = tl.minimum(t + PAGE_SIZE - 1, n_tokens - 1)
+    last = tl.load(slots_ptr + last_t)
+    starts_page = (first % PAGE_SIZE == 0) & (first < first_staged_slot) \
+        & (t + PAGE_SIZE <= n_tokens) & (last == first + PAGE_SIZE - 1)
+    tokens = tl.arange(0, PAGE_SIZE)
+    pairs = tl.arange(0, HALF_PAD)
+    pair_ok = pairs < D // 2
+    mask = starts_page & pair_ok[None, :] & (tokens < PAGE_SIZE)[:, None]
+    row = ((t + tokens) * H + h).to(tl.int64)
+    x_even = tl.load(x_ptr + row[:, None] * D + 2 * pairs[None, :], mask=mask, other=0.0)
+    x_odd = tl.load(x_ptr + row[:, None] * D + 2 * pairs[None, :] + 1, mask=mask, other=0.0)
+    x_even = x_even.to(tl.float32)
+    x_odd = x_odd.to(tl.float32)
+    lo_even = _fp16_min(tl.min(x_even, axis=0))
+    lo_odd = _fp16_min(tl.min(x_odd, axis=0))
+    exp_even = _e8m0_step_exponent(tl.maximum(tl.max(x_even, axis=0) - lo_even, 0.0))
+    exp_odd = _e8m0_step_exponent(tl.maximum(tl.max(x_odd, axis=0) - lo_odd, 0.0))
+    low = _k_codes(x_even, lo_even, exp_even)
+    high = _k_codes(x_odd, lo_odd, exp_odd)
+    packed = (low | (high << 4)).to(tl.uint8)
+    dst = (first + tokens).to(tl.int64) * H + h
+    tl.store(codes_ptr + dst[:, None] * (D // 2) + pairs[None, :], packed, mask=mask)
+    page_row = ((first // PAGE_SIZE) * H + h) * D
+    chan_ok = starts_page & pair_ok
+    tl.store(min_ptr + page_row + 2 * pairs, lo_even.to(tl.float16), mask=chan_ok)
+    tl.store(min_ptr + page_row + 2 * pairs + 1, lo_odd.to(tl.float16), mask=chan_ok)
+    tl.store(step_ptr + page_row + 2 * pairs, exp_even.to(tl.uint8), mask=chan_ok)
+    tl.store(step_ptr + page_row + 2 * pairs + 1, exp_odd.to(tl.uint8), mask=chan_ok)
+
+
+@triton.jit
+def _fp16_min(x):
+    """The channel minimum as stored: clamped to fp16's range, rounded to fp16."""
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _e8m0_step_exponent(span):
+    """Biased exponent of the least power of two s with span <= 15 s
+    (formats.e8m0_step_exponent)."""
+    bits = span.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa = bits & 0x7FFFFF
+    e = exponent - 3 + (mantissa > 0x700000).to(tl.int32)
+    return tl.minimum(tl.maximum(e + 127, 1), 254)
+
+
+@triton.jit
+def _k_codes(x, lo, biased_exp):
+    """round((x - lo) / step) in 0..15 as int32; the step is a power of two,
+    so the division is exact and only x - lo rounds (as in the reference)."""
+    step = _e8m0_scale(biased_exp)
+    v = tl.math.div_rn(x - lo[None, :], tl.broadcast_to(step[None, :], x.shape))
+    v = tl.minimum(tl.maximum(v, 0.0), 15.0)
+    return _round_half_even(v).to(tl.int32)
+
+
+def paged_rk4_write(k: torch.Tensor, v_rot: torch.Tensor, slots: torch.Tensor,
+                    buffers: dict[str, torch.Tensor], v_block: int) -> None:
+    """rk4p write: k (before RoPE) and v_rot (rotated V) [T, H, D] to slots.
+    Staging slots (>= num_pages * page_size) take bf16 copies; real pages that
+    tokens t..t+P-1 fill in order are quantized whole (K per channel, V per
+    token). Real-page tokens outside such a run are not written: the caller
+    (OpenPages) stages every page it cannot write whole; the reference path
+    raises on them."""
+    tokens, heads, head_dim = k.shape
+    if tokens == 0:
+        return
+    num_pages, page_size = buffers["k_codes"].shape[:2]
+    first_staged = num_pages * page_size
+    slots = slots.to(torch.int64).contiguous()
+    k32 = k.to(torch.float32).contiguous()
+    v32 = v_rot.to(torch.float32).contiguous()
+    d_pad = triton.next_power_of_2(head_dim)
+    rows = _rows_per_program(d_pad)
+    n_rows = tokens * heads
+    for x, side in ((k32, "k"), (v32, "v")):
+        _staging_write_kernel[(triton.cdiv(n_rows, rows),)](
+            x, slots, buffers[f"{side}_open"].view(torch.int16), n_rows, first_staged,
+            H=heads, D=head_dim, D_PAD=d_pad, ROWS=rows)
+    _k_page_kernel[(tokens, heads)](
+        k32, slots, buffers["k_codes"], buffers["k_min"], buffers["k_step"], tokens,
+        first_staged, H=heads, D=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        PAGE_SIZE=page_size)
+    rk4_write(v32, slots, buffers["v_codes"], buffers["v_scales"], v_block, "fp16",
+              slot_limit=first_staged)

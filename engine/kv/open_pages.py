@@ -1,0 +1,108 @@
+"""Open pages: where a sequence's not-yet-quantized pages live, and when they
+are sealed into their real pages.
+
+A format that quantizes whole pages (rk4: K per channel along a page's
+tokens) cannot quantize a page before all its tokens are known and final. So a
+sequence's newest page, and the next one when speculative drafts cross a page
+boundary, are written to bf16 staging pages; the page table handed to a
+forward names them by id num_pages + staging id. When every token of such a
+page is committed (a later forward starts past it, or a prefill ends past it),
+seal() quantizes it into the sequence's real page and the table goes back to
+the real id.
+
+Owns the mapping logical page -> staging page of one sequence and the rules
+below. It does not own which staging or real pages a sequence holds (the
+engine's free list or the KV store hands them out) nor the quantization
+(formats.py).
+
+Rules, for a forward that writes positions [start, end) of a sequence:
+  * pages below start // page_size are committed and full: any still staged
+    are sealed before the forward (seal_committed);
+  * a prefill (its tokens are committed) writes the pages that lie wholly
+    inside [start, end) straight into their real pages;
+  * every other page written goes to a staging page (the page holding a
+    partial prompt end, decode tokens, speculative drafts).
+Positions >= start are never read by the prefix cache, so a page only reaches
+it sealed (seal_committed(committed length) before inserting).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+# Staging pages per sequence: the page being filled, plus the next one for
+# speculative drafts that run past its end (drafts are fewer than a page).
+STAGING_PER_SEQUENCE = 2
+
+
+class Sealer(Protocol):
+    def seal(self, staging_ids: list[int], page_ids: list[int]) -> None: ...
+
+
+class OpenPagesError(ValueError):
+    """A forward would need more open pages than the sequence holds."""
+
+
+@dataclass
+class OpenPages:
+    """One sequence's staging pages and the logical page each one holds (-1: free).
+
+    num_pages: real pages in the pool; staging page s appears in page tables
+    as num_pages + s.
+    """
+
+    staging: tuple[int, ...]
+    num_pages: int
+    page_size: int
+    held: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.staging:
+            raise ValueError("open pages need at least one staging page")
+        if not self.held:
+            self.held = [-1] * len(self.staging)
+
+    def table(self, pages: Sequence[int]) -> tuple[int, ...]:
+        """The page table as forwards see it: real ids, staging ids for held pages."""
+        table = list(pages)
+        for s, logical in zip(self.staging, self.held):
+            if logical >= 0:
+                table[logical] = self.num_pages + s
+        return tuple(table)
+
+    def prepare(self, sealer: Sealer, pages: Sequence[int], start: int, end: int,
+                prefill: bool) -> tuple[int, ...]:
+        """Seal what [0, start) completed, stage the pages [start, end) needs;
+        returns the page table for the forward."""
+        self.seal_committed(sealer, pages, start)
+        p = self.page_size
+        for logical in range(start // p, -(-end // p)):
+            whole = prefill and logical * p >= start and (logical + 1) * p <= end
+            if whole or logical in self.held:
+                continue
+            self._stage(logical)
+        return self.table(pages)
+
+    def seal_committed(self, sealer: Sealer, pages: Sequence[int], committed: int) -> None:
+        """Seal every staged page whose tokens all lie below `committed`."""
+        src, dst = [], []
+        for i, logical in enumerate(self.held):
+            if 0 <= logical and (logical + 1) * self.page_size <= committed:
+                src.append(self.staging[i])
+                dst.append(pages[logical])
+                self.held[i] = -1
+        sealer.seal(src, dst)
+
+    def sealed_pages(self, committed: int) -> int:
+        """How many leading pages hold their final quantized content after
+        seal_committed(committed): what a prefix cache may take."""
+        return committed // self.page_size
+
+    def _stage(self, logical: int) -> None:
+        free = [i for i, held in enumerate(self.held) if held < 0]
+        if not free:
+            raise OpenPagesError(
+                f"page {logical} needs a staging page but the sequence's {len(self.staging)} "
+                f"hold pages {self.held}: a forward may span at most "
+                f"{len(self.staging)} open pages (drafts must be shorter than a page)")
+        self.held[free[0]] = logical

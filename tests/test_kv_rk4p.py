@@ -1,0 +1,149 @@
+"""rk4p (4-bit KV in 32-token pages, K per channel before RoPE, V rotated per
+token, open pages in bf16 staging): the reference quantizers' error bounds, the
+Triton write kernels against the reference bit for bit (TRITON_INTERPRET=1 on
+the CPU), sealing, and the open-page rules."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from engine.kv.formats import (PagedRk4Format, e8m0_step_exponent, e8m0_to_scale,
+                               k_page_dequantize, k_page_quantize, make_format)
+from engine.kv.open_pages import OpenPages, OpenPagesError
+
+PAGE = 32
+
+
+def _k_like(tokens: int, heads: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """K-like data: per-channel offsets and scales that differ by 100x, plus an outlier."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, heads, dim, generator=g) * torch.logspace(-1, 1, dim)
+    x = x + torch.linspace(-20, 20, dim)
+    x[3, 0, 5] = 300.0
+    return x
+
+
+def _poisoned(fmt, pages: int, staging: int, heads: int, dim: int):
+    """Buffers whose every byte is garbage (NaN for floats) before the write."""
+    buffers = fmt.allocate(pages, PAGE, heads, dim, "cpu")
+    buffers.update(fmt.allocate_staging(staging, PAGE, heads, dim, "cpu"))
+    for t in buffers.values():
+        if t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            t.fill_(0xA5)
+    return buffers
+
+
+def _same_bits(a: dict, b: dict) -> None:
+    for name in a:
+        x, y = a[name], b[name]
+        if x.dtype.is_floating_point:
+            x, y = x.view(torch.int16), y.view(torch.int16)
+        assert torch.equal(x, y), f"{name} differs"
+
+
+def test_k_page_error_is_within_half_a_step_per_channel():
+    x = _k_like(2 * PAGE, 2, 64).reshape(2, PAGE, 2, 64)
+    codes, lo, step = k_page_quantize(x)
+    back = k_page_dequantize(codes, lo[:, None], step[:, None])
+    step_value = e8m0_to_scale(step)
+    span = x.amax(1) - lo.float()
+    assert (span <= 15 * step_value).all() and (span > 7.5 * step_value - 1e-30).all()
+    # half a step, plus the fp16 rounding of the minimum (values below it clip)
+    bound = step_value / 2 + (x.amin(1) - lo.float()).abs()
+    assert ((back - x).abs() <= bound[:, None] * (1 + 1e-6)).all()
+
+
+def test_e8m0_step_exponent_is_the_least_covering_power_of_two():
+    span = torch.tensor([0.0, 1e-45, 1.0, 15.0, 15.01, 1.875 * 8, 0.3, 1e30])
+    exp = e8m0_step_exponent(span)
+    step = e8m0_to_scale(exp)
+    assert (span <= 15 * step).all()
+    ok = span > 15 * step / 2
+    assert ok[2:].all()  # zero and subnormal spans take the smallest normal step
+    assert int(exp[0]) == 1
+
+
+def test_rk4p_bits_and_budget():
+    fmt = PagedRk4Format()
+    assert fmt.k_bits() == 4.75 and fmt.v_bits() == 4.25 and fmt.bits_per_element() == 4.5
+    with pytest.raises(ValueError, match="budget"):
+        PagedRk4Format(page_size=16)
+    with pytest.raises(ValueError, match="32-token pages"):
+        fmt.allocate(4, 16, 2, 64, "cpu")
+
+
+@pytest.mark.parametrize("heads,dim", [(2, 64), (1, 128)])
+def test_write_kernel_matches_reference_bit_for_bit(heads, dim):
+    fmt = make_format("rk4p", use_triton=False)
+    k = _k_like(3 * PAGE + 7, heads, dim, seed=1)
+    v = torch.randn(3 * PAGE + 7, heads, dim)
+    # pages 2 and 0 whole (in that order), 5 tokens into staging page 1, 2
+    # into staging page 0 (ids 4 + s), then one more whole page (3)
+    slots = torch.cat([torch.arange(2 * PAGE, 3 * PAGE), torch.arange(0, PAGE),
+                       4 * PAGE + PAGE + torch.arange(5), 4 * PAGE + torch.tensor([7, 3]),
+                       torch.arange(3 * PAGE, 4 * PAGE)])
+    expected = _poisoned(fmt, 4, 2, heads, dim)
+    actual = _poisoned(fmt, 4, 2, heads, dim)
+    fmt.write(expected, slots, k, v, use_triton=False)
+    fmt.write(actual, slots, k, v, use_triton=True)
+    _same_bits(expected, actual)
+    assert not torch.isnan(expected["k_min"][[0, 2, 3]]).any()
+    assert torch.isnan(expected["k_min"][1]).all()  # page 1 was never written
+
+
+def test_seal_kernel_matches_reference_and_reads_back():
+    fmt = make_format("rk4p")
+    heads, dim = 2, 64
+    k = _k_like(PAGE, heads, dim, seed=2)
+    v = torch.randn(PAGE, heads, dim)
+    bufs = [_poisoned(fmt, 3, 2, heads, dim) for _ in range(2)]
+    for buffers, triton in zip(bufs, (False, True)):
+        fmt.write(buffers, 3 * PAGE + PAGE + torch.arange(PAGE), k, v, use_triton=triton)
+        staged_k, staged_v = fmt.read(buffers, torch.tensor([3 + 1]), PAGE, torch.float32)
+        fmt.seal(buffers, torch.tensor([1]), torch.tensor([2]), use_triton=triton)
+    _same_bits(bufs[0], bufs[1])
+    sealed_k, sealed_v = fmt.read(bufs[0], torch.tensor([2]), PAGE, torch.float32)
+    # staged: bf16; sealed: 4-bit, within the quantizers' bounds
+    torch.testing.assert_close(staged_k, k, atol=0.2, rtol=1e-2)
+    torch.testing.assert_close(staged_v, v, atol=0.02, rtol=1e-2)
+    assert (sealed_k - k).abs().amax() < (k.amax(0) - k.amin(0)).amax() / 15
+    rel = (sealed_v - v).norm() / v.norm()
+    assert 0.02 < rel < 0.15  # 4-bit per-token V: visible, bounded
+
+
+def test_partial_real_page_write_is_refused():
+    fmt = make_format("rk4p")
+    buffers = _poisoned(fmt, 2, 2, 1, 64)
+    with pytest.raises(ValueError, match="whole"):
+        fmt.write(buffers, torch.arange(5), torch.randn(5, 1, 64), torch.randn(5, 1, 64),
+                  use_triton=False)
+
+
+class _Recorder:
+    def __init__(self):
+        self.sealed = []
+
+    def seal(self, staging_ids, page_ids):
+        self.sealed += list(zip(staging_ids, page_ids))
+
+
+def test_open_pages_rules():
+    rec = _Recorder()
+    pages = [10, 11, 12, 13, 14]
+    open_pages = OpenPages((0, 1), num_pages=100, page_size=PAGE)
+    # prefill of 70 tokens: pages 0, 1 whole -> real; page 2 (6 tokens) staged
+    table = open_pages.prepare(rec, pages, 0, 70, prefill=True)
+    assert table == (10, 11, 100, 13, 14) and rec.sealed == []
+    # decode up to the page's end, then a verify with 3 drafts crossing into page 3
+    table = open_pages.prepare(rec, pages, 94, 98, prefill=False)
+    assert table == (10, 11, 100, 101, 14)
+    # two drafts rejected: the next step starts at 96, page 2 is committed
+    table = open_pages.prepare(rec, pages, 96, 97, prefill=False)
+    assert rec.sealed == [(0, 12)] and table == (10, 11, 12, 101, 14)
+    # a forward spanning three open pages cannot be staged
+    with pytest.raises(OpenPagesError):
+        open_pages.prepare(rec, pages, 97, 97 + 2 * PAGE, prefill=False)
