@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.kv.formats import Bf16Format, Int8Format, KVFormat, RotatedInt4Format
+from engine.kv.formats import (Bf16Format, Int8Format, KVFormat, PagedRk4Format,
+                               RotatedInt4Format)
 
 
 @dataclass
@@ -122,9 +123,17 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool) -> Tiles:
     return Tiles(rows=64, block_n=64 if head_dim <= 128 else 32, num_warps=4)
 
 
-def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor]) -> tuple:
+def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> tuple:
     from engine.kv import attention_kernels as K
 
+    if isinstance(fmt, PagedRk4Format):
+        _check_rotary(fmt, rotary)
+        num_pages, page_size = buffers["k_codes"].shape[:2]
+        inv_freq = rotary.inv_freq.to(device=buffers["k_codes"].device, dtype=torch.float32)
+        return (K.RK4P, buffers["k_codes"], buffers["k_min"], buffers["v_codes"],
+                buffers["v_scales"], fmt.v_block, False, buffers["k_step"],
+                buffers["k_open"].view(torch.int16), buffers["v_open"].view(torch.int16),
+                inv_freq, num_pages * page_size, rotary.rotary_dim)
     if isinstance(fmt, Bf16Format):
         k, v = buffers["k"], buffers["v"]
         if k.dtype == torch.bfloat16:
@@ -148,17 +157,19 @@ def _programs_wanted(device: torch.device) -> int:
 
 def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                            meta: AttentionMetadata, softmax_scale: float,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, rotary=None) -> torch.Tensor:
     """The kernel path; same contract as paged_attention_reference."""
     from engine.kv import attention_kernels as K
 
-    kind_args = _kind_args(fmt, buffers)
+    kind_args = _kind_args(fmt, buffers, rotary)
     page_size = next(iter(buffers.values())).shape[1]
     kv_heads = next(iter(buffers.values())).shape[2]
     rotated = isinstance(fmt, RotatedInt4Format) and fmt.rotate
     # rk4: attention runs in the stored space, in fp32 so the rotation adds no
     # rounding of its own: (q R).(k R) = q.k and softmax(.) (V R) = out R.
+    # rk4p rotates V only: q as is, the output un-rotated.
     q_in = fmt.to_stored_space(q).contiguous() if rotated else q.contiguous()
+    rotated = rotated or isinstance(fmt, PagedRk4Format)
     out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
     group = q.shape[1] // kv_heads
     tiles = tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda)

@@ -16,6 +16,12 @@ rk4 pages hold K and V in the rotated space (x @ R); the caller rotates the
 query and un-rotates the output (q.k == (q R).(k R), and attention over
 rotated V is out @ R), so the kernel sees the stored space only.
 
+rk4p pages hold K before RoPE (per-channel codes per page) and rotated V;
+page ids >= num_pages name bf16 staging pages (open pages). The kernel
+applies RoPE to each dequantized K tile from the key positions (partial
+rotary: the first ROTARY_DIM channels), loading each K tile twice, at its
+channels and at their rotate-half partners. The caller un-rotates the output.
+
 Softmax runs in base 2: the query is scaled by softmax_scale * log2(e) once,
 and exp2/log2 replace exp/log. Row and key masks never produce NaN: a row
 with no keys keeps l == 0 and writes zeros (and lse = -inf for the combine).
@@ -35,7 +41,7 @@ import triton.language as tl
 from engine.kv.kernels import _e8m0_scale, _store_dense
 
 # KV layouts the kernel knows (constexpr KIND).
-DENSE, DENSE_BF16, INT8, RK4 = 0, 1, 2, 3
+DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
 # constexpr: compiled kernels may only read globals that are constexpr
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: no inf - inf
 LOG2E = 1.4426950408889634
@@ -84,18 +90,89 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
 
 
 @triton.jit
+def _load_bf16_rows(ptr, row, cols, mask, D: tl.constexpr):
+    return _load_dense(ptr, row[:, None] * D + cols[None, :], mask, True)
+
+
+@triton.jit
+def _load_rk4p_k(codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head, cols,
+                 key_ok, col_ok, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                 PAGE_SIZE: tl.constexpr):
+    """rk4p K [BLOCK_N, D_PAD] before RoPE: a real page's codes with its
+    per-channel min and e8m0 step, or a staging page's bf16 (formats.py)."""
+    staged = slot >= first_staged
+    real_mask = (key_ok & ~staged)[:, None] & col_ok[None, :]
+    open_mask = (key_ok & staged)[:, None] & col_ok[None, :]
+    row = slot * KV_HEADS + kv_head
+    packed = tl.load(codes_ptr + row[:, None] * (D // 2) + cols[None, :] // 2, mask=real_mask,
+                     other=0).to(tl.int32)
+    nibble = (packed >> ((cols[None, :] % 2) * 4)) & 0xF
+    page_row = (slot // PAGE_SIZE) * KV_HEADS + kv_head
+    lo = tl.load(min_ptr + page_row[:, None] * D + cols[None, :], mask=real_mask,
+                 other=0.0).to(tl.float32)
+    step = _e8m0_scale(tl.load(step_ptr + page_row[:, None] * D + cols[None, :],
+                               mask=real_mask, other=127))
+    real = lo + nibble.to(tl.float32) * step
+    open_row = tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head
+    exact = _load_bf16_rows(open_ptr, open_row, cols, open_mask, D)
+    return tl.where(staged[:, None], exact, real)
+
+
+@triton.jit
+def _load_rk4p_v(codes_ptr, scales_ptr, open_ptr, slot, first_staged, kv_head, cols, key_ok,
+                 col_ok, KV_HEADS: tl.constexpr, D: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """rk4p V (rotated) [BLOCK_N, D_PAD]: per-token codes with fp16 block scales,
+    or a staging page's bf16."""
+    staged = slot >= first_staged
+    real_ok = key_ok & ~staged
+    real = _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, real_ok, col_ok,
+                    KV_HEADS, D, 3, SCALE_BLOCK, False)
+    open_mask = (key_ok & staged)[:, None] & col_ok[None, :]
+    open_row = tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head
+    exact = _load_bf16_rows(open_ptr, open_row, cols, open_mask, D)
+    return tl.where(staged[:, None], exact, real)
+
+
+@triton.jit
+def _rope_keys(k, k_partner, keys, cols, inv_freq_ptr, ROTARY_DIM: tl.constexpr):
+    """RoPE (rotate-half layout, engine/rotary.py) on the first ROTARY_DIM
+    channels of K rows at positions `keys`; k_partner holds channel c + half
+    for c < half and c - half above."""
+    half: tl.constexpr = ROTARY_DIM // 2
+    rotated = cols < ROTARY_DIM
+    freq = tl.load(inv_freq_ptr + cols % half, mask=rotated, other=0.0)
+    angle = keys.to(tl.float32)[:, None] * freq[None, :]
+    sign = tl.where(cols < half, -1.0, 1.0)
+    out = k * tl.cos(angle) + sign[None, :] * k_partner * tl.sin(angle)
+    return tl.where(rotated[None, :], out, k)
+
+
+@triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                  k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                 k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
                  KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 ROTARY_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) (< hi)."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
     page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + keys % PAGE_SIZE
-    k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
-                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+    if KIND == 4:
+        k = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
+                         first_staged, kv_head, cols, key_ok, col_ok, KV_HEADS, D, PAGE_SIZE)
+        if ROTARY_DIM > 0:
+            half: tl.constexpr = ROTARY_DIM // 2
+            partner = tl.where(cols < half, cols + half, cols - half)
+            partner = tl.where(cols < ROTARY_DIM, partner, cols)
+            k_partner = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
+                                     first_staged, kv_head, partner, key_ok, col_ok, KV_HEADS,
+                                     D, PAGE_SIZE)
+            k = _rope_keys(k, k_partner, keys, cols, inv_freq_ptr, ROTARY_DIM)
+    else:
+        k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+                     KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
     s = tl.dot(q, tl.trans(k))
     visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
@@ -103,8 +180,12 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
-                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+    if KIND == 4:
+        v = _load_rk4p_v(v_codes_ptr, v_scales_ptr, v_open_ptr, slot, first_staged, kv_head,
+                         cols, key_ok, col_ok, KV_HEADS, D, SCALE_BLOCK)
+    else:
+        v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+                     KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
     acc = acc * alpha[:, None] + tl.dot(p, v)
     return m_new, l_i, acc
 
@@ -113,10 +194,12 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
 def _paged_attention_kernel(
         q_ptr, q_offsets_ptr, kv_lens_ptr, page_table_ptr, page_table_stride,
         k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+        k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
         out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+        ROTARY_DIM: tl.constexpr,
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         FOR_LOOP: tl.constexpr):
@@ -159,14 +242,16 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N)
+                k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N)
     else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_tile(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N)
+                k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N)
             start += BLOCK_N
 
     has_keys = l_i > 0.0
@@ -219,12 +304,16 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
            rows: int, block_n: int, num_warps: int | None = None) -> torch.Tensor:
     """Runs the attention kernel (and the split combine when num_splits > 1).
 
-    kind_args: (KIND, k_codes, k_scales, v_codes, v_scales, SCALE_BLOCK, E8M0);
+    kind_args: (KIND, k_codes, k_scales, v_codes, v_scales, SCALE_BLOCK, E8M0), and for
+    RK4P also (k_step, k_open, v_open, inv_freq fp32, first staged slot, rotary_dim);
     q, out [T, Hq, D] contiguous; q_offsets [B+1] int32; kv_lens [B] int32;
     page_table [B, P] int32 (rows padded); max_new_tokens bounds the grid.
     Every launch argument is a tensor or a constant, so the call can be
     captured in a CUDA graph for fixed shapes."""
-    kind, k_codes, k_scales, v_codes, v_scales, scale_block, e8m0 = kind_args
+    kind, k_codes, k_scales, v_codes, v_scales, scale_block, e8m0 = kind_args[:7]
+    # rk4p: (k_step, k_open, v_open, inv_freq, first staged slot, rotary_dim)
+    k_step, k_open, v_open, inv_freq, first_staged, rotary_dim = (
+        kind_args[7:] if kind == RK4P else (k_codes, k_codes, k_codes, q, 0, 0))
     tokens, q_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
     group = q_heads // kv_heads
@@ -241,10 +330,11 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     extra = {} if num_warps is None else {"num_warps": num_warps}
     _paged_attention_kernel[grid](
         q_arg, q_offsets, kv_lens, page_table, page_table.stride(0),
-        k_codes, k_scales, v_codes, v_scales, out_arg, part_out, part_lse,
-        softmax_scale * LOG2E,
+        k_codes, k_scales, v_codes, v_scales, k_step, k_open, v_open, inv_freq, first_staged,
+        out_arg, part_out, part_lse, softmax_scale * LOG2E,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, D=head_dim, D_PAD=d_pad,
         PAGE_SIZE=page_size, KIND=kind, SCALE_BLOCK=scale_block, E8M0=e8m0,
+        ROTARY_DIM=rotary_dim,
         Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         FOR_LOOP=not _interpreting(), **extra)
     if num_splits > 1:
