@@ -17,6 +17,7 @@ from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import CacheShape, PagedKVCache
 from engine.cuda_graphs import DecodeForward
 from engine.kv import make_format
+from engine.kv.open_pages import STAGING_PER_SEQUENCE, OpenPages, prepare_pages
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
@@ -40,9 +41,21 @@ class EngineConfig:
         for name in ("max_batch", "page_size", "max_context", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
-        make_format(self.kv_format)  # an unknown format fails here, naming the known ones
+        kv_format_for(self.kv_format, self.page_size)  # unknown formats fail here, naming the known ones
         if not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError("engine config: speculative must be a SpeculativeConfig")
+
+
+def kv_format_for(name: str, page_size: int, dtype: torch.dtype | None = None):
+    """The KV format for a name; rk4p takes the page size (its K scales are per page)."""
+    from engine.kv.formats import FORMATS
+
+    options = {}
+    if name == "bf16" and dtype is not None:
+        options["dtype"] = dtype
+    if name in FORMATS and getattr(FORMATS[name], "uses_staging", False):
+        options["page_size"] = page_size
+    return make_format(name, **options)
 
 
 @dataclass
@@ -72,6 +85,7 @@ class _Sequence:
     spare_slots: list[int] = field(default_factory=list)  # GDN slots for draft positions
     spec: SpecState | None = None
     mtp_tail: tuple[int, torch.Tensor] | None = None  # prompt's last position and its hidden
+    open_pages: OpenPages | None = None  # staging pages of a format that quantizes whole pages
 
     @property
     def length(self) -> int:
@@ -108,10 +122,14 @@ class OfflineEngine:
         shape = CacheShape(num_pages=pages_per_seq * self.config.max_batch,
                            page_size=self.config.page_size,
                            num_state_slots=slots, mtp_layers=spec.mtp_kv_layers(loaded.config))
-        kv_options = {"dtype": loaded.dtype} if self.config.kv_format == "bf16" else {}
-        self.cache = PagedKVCache(loaded.config, shape, loaded.device,
-                                  make_format(self.config.kv_format, **kv_options))
+        kv_format = kv_format_for(self.config.kv_format, self.config.page_size, loaded.dtype)
+        if kv_format.uses_staging:
+            shape = CacheShape(num_pages=shape.num_pages, page_size=shape.page_size,
+                               num_state_slots=shape.num_state_slots, mtp_layers=shape.mtp_layers,
+                               staging_pages=STAGING_PER_SEQUENCE * self.config.max_batch)
+        self.cache = PagedKVCache(loaded.config, shape, loaded.device, kv_format)
         self.pages = _FreeList(shape.num_pages)
+        self.staging = _FreeList(shape.staging_pages)
         self.slots = _FreeList(slots)
         self.spec = (SpeculativeDecoder(self.model, self.cache, spec, self.max_context)
                      if spec.enabled else None)
@@ -196,7 +214,13 @@ class OfflineEngine:
             stop=StopChecker(params, self.tokenizer.eos_token_ids),
             matcher=StopStringMatcher(params.stop),
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt),
-            state_slot=self.slots.take(1)[0])
+            state_slot=self.slots.take(1)[0], open_pages=self._open_pages())
+
+    def _open_pages(self) -> OpenPages | None:
+        if not self.cache.kv_format.uses_staging:
+            return None
+        return OpenPages(tuple(self.staging.take(STAGING_PER_SEQUENCE)),
+                         self.cache.shape.num_pages, self.config.page_size)
 
     def _ensure_pages(self, seq: _Sequence, length: int) -> None:
         needed = -(-length // self.config.page_size) - len(seq.pages)
@@ -214,8 +238,9 @@ class OfflineEngine:
         for start in range(0, n, chunk):
             tokens = seq.prompt[start:start + chunk]
             self._ensure_pages(seq, start + len(tokens))
+            table = prepare_pages(seq, self.cache, start, start + len(tokens), prefill=True)
             batch = ForwardBatch.build(
-                [SequenceInput(tuple(tokens), start, tuple(seq.pages), seq.state_slot)],
+                [SequenceInput(tuple(tokens), start, table, seq.state_slot)],
                 self.config.page_size, self.loaded.device)
             if not mtp:
                 logits = self.model(batch, self.cache)
@@ -224,7 +249,7 @@ class OfflineEngine:
             end = start + len(tokens)
             known = min(end, n - 1) - start  # pairs whose next token is in the prompt
             if known > 0:
-                self.spec.run_pairs(seq.pages, start, seq.prompt[start + 1:start + 1 + known],
+                self.spec.run_pairs(table, start, seq.prompt[start + 1:start + 1 + known],
                                     hidden[:known])
             if end == n:
                 seq.mtp_tail = (n - 1, hidden[-1:])
@@ -244,8 +269,8 @@ class OfflineEngine:
         inputs = []
         for seq in running:
             self._ensure_pages(seq, seq.length)
-            inputs.append(SequenceInput((seq.output[-1],), seq.length - 1, tuple(seq.pages),
-                                        seq.state_slot))
+            table = prepare_pages(seq, self.cache, seq.length - 1, seq.length, prefill=False)
+            inputs.append(SequenceInput((seq.output[-1],), seq.length - 1, table, seq.state_slot))
         batch = ForwardBatch.build(inputs, self.config.page_size, self.loaded.device)
         return self.decode_forward(batch)
 
@@ -309,6 +334,9 @@ class OfflineEngine:
                 self.spec_totals[key] += getattr(seq.spec, key)
             seq.spec = None
         if seq.state_slot >= 0:
+            if seq.open_pages is not None:
+                self.staging.give(seq.open_pages.staging)
+                seq.open_pages = None
             self.pages.give(seq.pages)
             self.slots.give([seq.state_slot, *seq.spare_slots])
             seq.pages, seq.state_slot, seq.spare_slots = [], -1, []

@@ -131,7 +131,8 @@ def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> 
         num_pages, page_size = buffers["k_codes"].shape[:2]
         inv_freq = rotary.inv_freq.to(device=buffers["k_codes"].device, dtype=torch.float32)
         return (K.RK4P, buffers["k_codes"], buffers["k_min"], buffers["v_codes"],
-                buffers["v_scales"], fmt.v_block, False, buffers["k_step"],
+                buffers["v_scales"], fmt.v_block_for(buffers["k_min"].shape[-1]), False,
+                buffers["k_step"],
                 buffers["k_open"].view(torch.int16), buffers["v_open"].view(torch.int16),
                 inv_freq, num_pages * page_size, rotary.rotary_dim)
     if isinstance(fmt, Bf16Format):

@@ -556,17 +556,22 @@ class PagedRk4Format(KVFormat):
     def k_bits(self) -> float:
         return 4.0 + 24.0 / self.page_size
 
-    def v_bits(self) -> float:
-        return 4.0 + 16.0 / self.v_block
+    def v_block_for(self, head_dim: int) -> int:
+        """V's scale block: v_block, or the whole head for narrower heads
+        (tiny test shapes; the budget holds for head_dim >= v_block)."""
+        return min(self.v_block, head_dim)
+
+    def v_bits(self, head_dim: int = 256) -> float:
+        return 4.0 + 16.0 / self.v_block_for(head_dim)
 
     def bits_per_element(self, head_dim: int = 256) -> float:
-        return (self.k_bits() + self.v_bits()) / 2
+        return (self.k_bits() + self.v_bits(head_dim)) / 2
 
     def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
         self._check_head_dim(head_dim)
         # K's per-page min and step (3 bytes per channel) spread over the page
         k = head_dim // 2 + -(-3 * head_dim // self.page_size)
-        v = head_dim // 2 + 2 * (head_dim // self.v_block)
+        v = head_dim // 2 + 2 * (head_dim // self.v_block_for(head_dim))
         return num_kv_heads * (k + v)
 
     def staging_bytes_per_page(self, num_kv_heads: int, head_dim: int) -> int:
@@ -582,7 +587,8 @@ class PagedRk4Format(KVFormat):
             "k_min": torch.zeros(n, h, d, dtype=f16, device=device),
             "k_step": torch.zeros(n, h, d, dtype=u8, device=device),
             "v_codes": torch.zeros(n, page_size, h, d // 2, dtype=u8, device=device),
-            "v_scales": torch.zeros(n, page_size, h, d // self.v_block, dtype=f16, device=device),
+            "v_scales": torch.zeros(n, page_size, h, d // self.v_block_for(d), dtype=f16,
+                                    device=device),
         }
 
     def allocate_staging(self, staging_pages, page_size, num_kv_heads, head_dim, device):
@@ -613,7 +619,7 @@ class PagedRk4Format(KVFormat):
         slots = slots.to(torch.long)
         v_rot = self.rotate_v(v)
         if triton:
-            _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block)
+            _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block_for(k.shape[-1]))
             return
         num_pages, page_size = buffers["k_codes"].shape[:2]
         staged = slots >= num_pages * page_size
@@ -642,7 +648,7 @@ class PagedRk4Format(KVFormat):
         buffers["k_codes"][pages] = codes
         buffers["k_min"][pages] = lo
         buffers["k_step"][pages] = step
-        v_codes, v_scales = rk4_quantize(v_rot, self.v_block, "fp16")
+        v_codes, v_scales = rk4_quantize(v_rot, self.v_block_for(dim), "fp16")
         _flat(buffers["v_codes"])[slots] = v_codes
         _flat(buffers["v_scales"])[slots] = v_scales
 
@@ -662,7 +668,7 @@ class PagedRk4Format(KVFormat):
         slots = (page_ids[:, None] * page_size
                  + torch.arange(page_size, device=page_ids.device)).reshape(-1)
         if self._wants_triton(k, use_triton):
-            _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block)
+            _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block_for(k.shape[-1]))
         else:
             self._write_pages(buffers, slots, k, v_rot)
 
@@ -682,7 +688,8 @@ class PagedRk4Format(KVFormat):
                                       buffers["k_min"][pages], buffers["k_step"][pages])
         else:
             dense = rk4_dequantize(_flat(buffers["v_codes"])[real_slots],
-                                   _flat(buffers["v_scales"])[real_slots], self.v_block, "fp16")
+                                   _flat(buffers["v_scales"])[real_slots],
+                                   self.v_block_for(buffers["k_min"].shape[-1]), "fp16")
         if staged.any():
             exact = _flat(buffers[f"{side}_open"])[open_slots].float()
             dense = torch.where(staged[:, None, None], exact, dense)
@@ -697,7 +704,7 @@ class PagedRk4Format(KVFormat):
         return self._rotations[key]
 
     def _check_head_dim(self, head_dim: int) -> None:
-        if head_dim % self.v_block or head_dim % 2:
+        if head_dim % self.v_block_for(head_dim) or head_dim % 2:
             raise ValueError(f"rk4 v_block {self.v_block} does not divide head_dim {head_dim}")
 
     def _check_page_size(self, page_size: int) -> None:

@@ -106,3 +106,19 @@ class OpenPages:
                 f"hold pages {self.held}: a forward may span at most "
                 f"{len(self.staging)} open pages (drafts must be shorter than a page)")
         self.held[free[0]] = logical
+
+
+def prepare_pages(seq, sealer, start: int, end: int, prefill: bool) -> tuple[int, ...]:
+    """The page table for a forward writing [start, end) of seq: its pages as
+    they are, or, with open pages, sealed and staged first (open_pages.py)."""
+    if getattr(seq, "open_pages", None) is None:
+        return tuple(seq.pages)
+    return seq.open_pages.prepare(sealer, seq.pages, start, end, prefill)
+
+
+def page_table_of(seq) -> tuple[int, ...]:
+    """The page table as the last prepare_pages left it (for forwards that
+    only write pages a verify step already staged: MTP drafts)."""
+    if getattr(seq, "open_pages", None) is None:
+        return tuple(seq.pages)
+    return seq.open_pages.table(seq.pages)

@@ -29,6 +29,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
+from engine.kv.open_pages import page_table_of, prepare_pages
 from engine.model import CausalLM
 from engine.sampling import processed_probs
 from engine.speculative.acceptance import accept_greedy, accept_sampled, draw, target_probs
@@ -124,7 +125,9 @@ class SpeculativeDecoder:
             if drafts and self.hybrid:
                 position_slots = (seq.state_slot, *seq.spec.spare_slots[:len(drafts)])
             length = len(seq.prompt) + len(seq.output)
-            inputs.append(SequenceInput((seq.output[-1], *drafts), length - 1, tuple(seq.pages),
+            table = prepare_pages(seq, self.cache, length - 1, length + len(drafts),
+                                  prefill=False)
+            inputs.append(SequenceInput((seq.output[-1], *drafts), length - 1, table,
                                         seq.state_slot, position_slots))
             slots.append(position_slots)
         batch = ForwardBatch.build(inputs, self.page_size, self.cache.device)
@@ -205,7 +208,7 @@ class SpeculativeDecoder:
         inputs, hiddens = [], []
         for seq in ready:
             start, tokens, hidden = seq.spec.pending
-            inputs.append(SequenceInput(tuple(tokens), start, tuple(seq.pages)))
+            inputs.append(SequenceInput(tuple(tokens), start, page_table_of(seq)))
             hiddens.append(hidden)
             seq.spec.pending = None
         caps = [self.draft_cap(s) for s in ready]
@@ -231,7 +234,7 @@ class SpeculativeDecoder:
             rows = [rows[row] for row in keep]
             # the next pair: (the MTP's own output, the draft just made), one position on
             step = [SequenceInput((ready[i].spec.drafts[-1],), positions[i] + r,
-                                  tuple(ready[i].pages)) for i in rows]
+                                  page_table_of(ready[i])) for i in rows]
             batch = ForwardBatch.build(step, self.page_size, self.cache.device)
             index = torch.tensor(keep, dtype=torch.long, device=hidden.device)
             logits, hidden = self.model.mtp_forward(batch, hidden.index_select(0, index), self.cache)
