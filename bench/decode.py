@@ -31,18 +31,33 @@ def decode_steps(loaded, kv_format_name: str, batch: int, context: int, steps: i
     from engine.cuda_graphs import DecodeForward
     from engine.kv import make_format
 
+    from engine.kv.open_pages import STAGING_PER_SEQUENCE, OpenPages
+
     options = {"dtype": loaded.dtype} if kv_format_name == "bf16" else {}
     kv_format = make_format(kv_format_name, **options)
+    page_size = getattr(kv_format, "page_size", page_size)  # rk4p: its own page size
+    staging = STAGING_PER_SEQUENCE * batch if kv_format.uses_staging else 0
     pages_per_seq = -(-(context + steps) // page_size)
-    cache = PagedKVCache(loaded.config, CacheShape(pages_per_seq * batch, page_size, batch),
+    num_pages = pages_per_seq * batch
+    cache = PagedKVCache(loaded.config, CacheShape(num_pages, page_size, batch,
+                                                   staging_pages=staging),
                          loaded.device, kv_format)
     forward = DecodeForward(loaded.model, cache, max_context=context + steps, enabled=cuda_graphs)
     tables = [tuple(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
+    # rk4p: each sequence's newest page is open (staged), sealed when filled
+    open_pages = [OpenPages((2 * i, 2 * i + 1), num_pages, page_size) for i in range(batch)] \
+        if staging else None
     times = []
     with torch.inference_mode():
         for step in range(steps):
-            seqs = [SequenceInput(((step + i) % loaded.config.vocab_size,), context - 1 + step,
-                                  tables[i], i) for i in range(batch)]
+            position = context - 1 + step
+            if open_pages is not None:
+                step_tables = [o.prepare(cache, tables[i], position, position + 1, prefill=False)
+                               for i, o in enumerate(open_pages)]
+            else:
+                step_tables = tables
+            seqs = [SequenceInput(((step + i) % loaded.config.vocab_size,), position,
+                                  step_tables[i], i) for i in range(batch)]
             fb = ForwardBatch.build(seqs, page_size, loaded.device)
             sync(loaded.device)
             t0 = now()

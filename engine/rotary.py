@@ -42,10 +42,17 @@ class Rotary:
         self.inv_freq = inverse_frequencies(config)
         self._on_device: dict[torch.device, torch.Tensor] = {}  # not copied to the GPU every step
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._on_device.get(positions.device)
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """fp32 inverse frequencies on `device`, copied once (not inside a CUDA
+        graph capture: the first forward, a warm-up, makes the copy)."""
+        device = torch.device(device)
+        inv_freq = self._on_device.get(device)
         if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+            inv_freq = self._on_device[device] = self.inv_freq.to(device)
+        return inv_freq
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq_on(positions.device)
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -269,7 +269,14 @@ class CapacityPlan:
         positive("live_slots", 1 if self.config.is_hybrid else 0)
         if self.gpu_memory_budget is not None:
             positive("gpu_memory_budget")
-        self.kv_format.build()  # unknown names and bad options raise here, not at start-up
+        fmt = self.kv_format.build()  # unknown names and bad options raise here, not at start-up
+        if fmt.uses_staging:
+            # rk4p quantizes whole pages and keeps each sequence's open pages in
+            # bf16 staging; the store does not lay out staging pages nor hand
+            # them to sequences yet (docs/ARCHITECTURE.md, "rk4p").
+            raise ValueError(f"KV format {self.kv_format.name!r} needs per-sequence staging "
+                             "pages, which the KV store does not provide yet: serve with "
+                             "int8 or rk4; rk4p runs in the offline engine and the benches")
 
 
 def _state_bytes_per_slot(cfg: ModelConfig) -> int:

@@ -13,6 +13,8 @@ from engine.kv.formats import (PagedRk4Format, e8m0_step_exponent, e8m0_to_scale
                                k_page_dequantize, k_page_quantize, make_format)
 from engine.kv.open_pages import OpenPages, OpenPagesError
 
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 PAGE = 32
 
 
@@ -27,8 +29,8 @@ def _k_like(tokens: int, heads: int, dim: int, seed: int = 0) -> torch.Tensor:
 
 def _poisoned(fmt, pages: int, staging: int, heads: int, dim: int):
     """Buffers whose every byte is garbage (NaN for floats) before the write."""
-    buffers = fmt.allocate(pages, PAGE, heads, dim, "cpu")
-    buffers.update(fmt.allocate_staging(staging, PAGE, heads, dim, "cpu"))
+    buffers = fmt.allocate(pages, PAGE, heads, dim, DEVICE)
+    buffers.update(fmt.allocate_staging(staging, PAGE, heads, dim, DEVICE))
     for t in buffers.values():
         if t.dtype.is_floating_point:
             t.fill_(float("nan"))
@@ -86,6 +88,7 @@ def test_write_kernel_matches_reference_bit_for_bit(heads, dim):
     slots = torch.cat([torch.arange(2 * PAGE, 3 * PAGE), torch.arange(0, PAGE),
                        4 * PAGE + PAGE + torch.arange(5), 4 * PAGE + torch.tensor([7, 3]),
                        torch.arange(3 * PAGE, 4 * PAGE)])
+    k, v, slots = k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE)
     expected = _poisoned(fmt, 4, 2, heads, dim)
     actual = _poisoned(fmt, 4, 2, heads, dim)
     fmt.write(expected, slots, k, v, use_triton=False)
@@ -98,15 +101,18 @@ def test_write_kernel_matches_reference_bit_for_bit(heads, dim):
 def test_seal_kernel_matches_reference_and_reads_back():
     fmt = make_format("rk4p")
     heads, dim = 2, 64
-    k = _k_like(PAGE, heads, dim, seed=2)
-    v = torch.randn(PAGE, heads, dim)
+    k = _k_like(PAGE, heads, dim, seed=2).to(DEVICE)
+    v = torch.randn(PAGE, heads, dim).to(DEVICE)
     bufs = [_poisoned(fmt, 3, 2, heads, dim) for _ in range(2)]
     for buffers, triton in zip(bufs, (False, True)):
-        fmt.write(buffers, 3 * PAGE + PAGE + torch.arange(PAGE), k, v, use_triton=triton)
-        staged_k, staged_v = fmt.read(buffers, torch.tensor([3 + 1]), PAGE, torch.float32)
-        fmt.seal(buffers, torch.tensor([1]), torch.tensor([2]), use_triton=triton)
+        fmt.write(buffers, 3 * PAGE + PAGE + torch.arange(PAGE, device=DEVICE), k, v,
+                  use_triton=triton)
+        staged_k, staged_v = fmt.read(buffers, torch.tensor([3 + 1], device=DEVICE), PAGE,
+                                      torch.float32)
+        fmt.seal(buffers, torch.tensor([1], device=DEVICE), torch.tensor([2], device=DEVICE),
+                 use_triton=triton)
     _same_bits(bufs[0], bufs[1])
-    sealed_k, sealed_v = fmt.read(bufs[0], torch.tensor([2]), PAGE, torch.float32)
+    sealed_k, sealed_v = fmt.read(bufs[0], torch.tensor([2], device=DEVICE), PAGE, torch.float32)
     # staged: bf16; sealed: 4-bit, within the quantizers' bounds
     torch.testing.assert_close(staged_k, k, atol=0.2, rtol=1e-2)
     torch.testing.assert_close(staged_v, v, atol=0.02, rtol=1e-2)

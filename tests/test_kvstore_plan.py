@@ -82,6 +82,9 @@ def test_plan_validates_on_creation():
         _plan(config, 1, kv_format=KVFormatSpec("fp3"))
     with pytest.raises(ValueError, match="block"):
         _plan(config, 1, kv_format=KVFormatSpec("rk4", {"block": 48}))
+    # rk4p needs staging pages the store does not lay out yet: refused, not half-served
+    with pytest.raises(ValueError, match="staging"):
+        _plan(config, 1, kv_format=KVFormatSpec("rk4p"), page_size=32)
 
 
 def test_layout_aligns_and_round_trips():

@@ -129,7 +129,7 @@ def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> 
     if isinstance(fmt, PagedRk4Format):
         _check_rotary(fmt, rotary)
         num_pages, page_size = buffers["k_codes"].shape[:2]
-        inv_freq = rotary.inv_freq.to(device=buffers["k_codes"].device, dtype=torch.float32)
+        inv_freq = rotary.inv_freq_on(buffers["k_codes"].device)
         return (K.RK4P, buffers["k_codes"], buffers["k_min"], buffers["v_codes"],
                 buffers["v_scales"], fmt.v_block_for(buffers["k_min"].shape[-1]), False,
                 buffers["k_step"],

@@ -638,7 +638,8 @@ class PagedRk4Format(KVFormat):
         slots, k, v_rot = slots[order], k[order], v_rot[order]
         pages = slots[::page_size] // page_size
         whole = slots.numel() % page_size == 0 and torch.equal(
-            slots, (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1))
+            slots, (pages[:, None] * page_size
+                    + torch.arange(page_size, device=slots.device)).reshape(-1))
         if not whole:
             raise ValueError(f"rk4 writes real pages whole ({page_size} tokens each); got "
                              f"slots {slots.tolist()[:8]}...: a partial page belongs in a "

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# rk4p (4-bit KV in 32-token pages, K per channel before RoPE, V rotated per
+# token, open pages in bf16 staging) on the device machine, from the repo root:
+# its write kernels and the attention kernel compiled for the GPU against the
+# PyTorch reference, then the Qwen3.5-27B-shape decode bench with rk4p at 4K
+# and 128K context (rk4, the per-token format, beside it for comparison).
+# Tables on stdout, JSON and logs under $OUT; each step has its own limit so
+# the run stays under ~7 minutes and one failure does not hide the rest.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+date -u +%FT%TZ | tee "$OUT/date.txt"; git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/date.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/date.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -n 14 "$OUT/$name.log"; echo "=== $name rc=$rc"
+}
+
+step pytest_rk4p_gpu 150 python3 -m pytest -q -p no:cacheprovider tests/test_kv_rk4p.py \
+  tests/test_attention_rk4p.py tests/test_attention.py
+M=qwen3.5-27b
+step decode_rk4p_4k 80 python3 -m bench.decode --model $M --device cuda --kv-format rk4p \
+  --batch 1 4 --context 4096 --steps 24 --json "$OUT/decode_rk4p_4k.json"
+step decode_rk4p_128k 70 python3 -m bench.decode --model $M --device cuda --kv-format rk4p \
+  --batch 1 --context 131072 --steps 16 --json "$OUT/decode_rk4p_128k.json"
+step decode_rk4_4k 60 python3 -m bench.decode --model $M --device cuda --kv-format rk4 \
+  --batch 1 4 --context 4096 --steps 24 --json "$OUT/decode_rk4_4k.json"
+step decode_rk4_128k 60 python3 -m bench.decode --model $M --device cuda --kv-format rk4 \
+  --batch 1 --context 131072 --steps 16 --json "$OUT/decode_rk4_128k.json"
