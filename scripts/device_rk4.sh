@@ -31,3 +31,14 @@ step decode_rk4_4k 60 python3 -m bench.decode --model $M --device cuda --kv-form
   --batch 1 4 --context 4096 --steps 24 --json "$OUT/decode_rk4_4k.json"
 step decode_rk4_128k 60 python3 -m bench.decode --model $M --device cuda --kv-format rk4 \
   --batch 1 --context 131072 --steps 16 --json "$OUT/decode_rk4_128k.json"
+# Quality of the real formats at 2K and 8K on the GPU (bf16 compute; the CPU
+# figures in BENCHMARKS.md are fp32): needs the shared text inside the
+# checkout (shared/data/pride-and-prejudice.txt) or beside it (../shared).
+TEXT=shared/data/pride-and-prejudice.txt
+[ -f "$TEXT" ] || TEXT=../shared/data/pride-and-prejudice.txt
+if [ -f "$TEXT" ]; then
+  step kv_quality_gpu 200 python3 -m bench.kv_quality --device cuda --text "$TEXT" \
+    --formats bf16 int8 rk4 rk4p --context 2048 8192 --json "$OUT/kv_quality_gpu.json"
+else
+  echo "=== kv_quality_gpu skipped: no $TEXT"
+fi

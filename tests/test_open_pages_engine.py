@@ -15,9 +15,10 @@ from engine.speculative import SpeculativeConfig
 from tests.test_speculative import _oracle_drafter
 
 PAGE = 32
-PARAMS = SamplingParams(temperature=0, max_new_tokens=45, ignore_eos=True)
-# 35 tokens: prefill writes page 0 whole and stages page 1; decode seals page
-# 1 and stages pages 2 (and 3 for drafts); 70: pages 0, 1 whole, page 2 staged
+PARAMS = SamplingParams(temperature=0, max_new_tokens=36, ignore_eos=True)
+# 35 tokens (+36): prefill writes page 0 whole and stages page 1; decode seals
+# page 1 and stages page 2 (and 3 for drafts); 70 (+36): pages 0, 1 whole,
+# page 2 staged, then sealed
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8] * 3 + [1, 2, 3, 4, 5], list(range(40, 110))]
 
 
@@ -48,11 +49,18 @@ def _generate(engine, speculate=None):
     return [out[i] for i in range(len(PROMPTS))]
 
 
-def test_rk4p_speculation_keeps_greedy_parity_across_sealed_pages(qwen35):
+@pytest.fixture(scope="module")
+def reference(qwen35):
+    """Plain greedy decoding on rk4p: pages 1 and 2 get sealed mid-decode and
+    every staging page comes back."""
     plain, sealed = _engine(qwen35)
-    reference = _generate(plain)
-    assert len(sealed) >= 2  # pages 1 and 2 were sealed mid-decode
+    tokens = _generate(plain)
+    assert len(sealed) >= 2
     assert sorted(plain.staging.free) == list(range(plain.cache.shape.staging_pages))
+    return tokens
+
+
+def test_rk4p_speculation_keeps_greedy_parity_across_sealed_pages(qwen35, reference):
 
     engine, sealed = _engine(qwen35, SpeculativeConfig("ngram", 3))
     _oracle_drafter(engine, reference, seed=2)
@@ -63,9 +71,7 @@ def test_rk4p_speculation_keeps_greedy_parity_across_sealed_pages(qwen35):
     assert sorted(engine.staging.free) == list(range(engine.cache.shape.staging_pages))
 
 
-def test_rk4p_mtp_drafter_keeps_greedy_parity(qwen35):
-    plain, _ = _engine(qwen35)
-    reference = _generate(plain)
+def test_rk4p_mtp_drafter_keeps_greedy_parity(qwen35, reference):
     engine, _ = _engine(qwen35, SpeculativeConfig("mtp", 3))
     assert _generate(engine) == reference
     assert engine.spec_totals["drafted"] > 0

@@ -10,7 +10,11 @@ Formats (make_format(name, **options)):
   int8  symmetric int8 codes per (token, head), one fp16 scale per (token, head).
   rk4   rotated 4-bit: x @ R (see rotation.py), then signed codes in [-7, 7]
         in blocks of `block` channels with one scale per block (e8m0 power of
-        two or fp16), two codes packed per byte.
+        two or fp16), two codes packed per byte. Per token, so any write goes.
+  rk4p  4-bit in 32-token pages (PagedRk4Format): K before RoPE per channel
+        along a page's tokens, V rotated per token; a page is quantized whole,
+        so open pages live in bf16 staging (page ids >= num_pages) until
+        sealed (engine/kv/open_pages.py).
 
 A slot is page * page_size + offset. write() takes a slot per token; read()
 takes a sequence's page table and length and returns dense [length, H, D].
