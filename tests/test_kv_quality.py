@@ -1,7 +1,10 @@
 """bench/kv_quality.py on a small setting: the real embedded model over real text.
 
 Checks the measurement's sanity (noise floor, ordering of formats, ranges,
-JSON), not the rk4 goals: those are benchmark figures (BENCHMARKS.md).
+JSON), and that rk4p (the page-wise 4-bit format) is where the benchmark puts
+it on this short context: far closer to bf16 than per-token rk4, perplexity
+within its +1% goal, KL within 2x of its goal (255 positions are too few for
+the 0.01 / 97% figures, which are measured at 2K and 8K: BENCHMARKS.md).
 """
 import json
 import math
@@ -19,7 +22,7 @@ needs_text = pytest.mark.skipif(
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("kv-quality") / "kv_quality.json"
     rc = kv_quality.main(["--context", "256", "--chunk", "64", "--formats", "bf16", "int8", "rk4",
-                          "--json", str(out)])
+                          "rk4p", "--json", str(out)])
     assert rc == 0
     return json.loads(out.read_text())
 
@@ -43,7 +46,7 @@ def test_more_bits_less_error(report):
 
 @needs_text
 def test_metric_ranges(report):
-    assert len(report["results"]) == 3  # noise floor, int8, rk4; bf16 is the reference
+    assert len(report["results"]) == 4  # noise floor, int8, rk4, rk4p; bf16 is the reference
     for row in report["results"]:
         for key in ("mean_kl", "p99_kl", "max_kl"):
             assert math.isfinite(row[key]) and row[key] >= 0, (row["format"], key)
@@ -63,3 +66,14 @@ def test_format_spec_syntax():
         kv_quality.parse_format_spec("rk4:block")
     with pytest.raises(ValueError, match="nonsense"):
         kv_quality.build_formats(["rk4:nonsense=1"])
+
+
+@needs_text
+def test_rk4p_is_near_bf16_on_a_short_context(report):
+    rows = _by_format(report)
+    rk4p = rows["rk4p"]
+    assert rk4p["bits_per_element"] == 4.5
+    assert rk4p["mean_kl"] < rows["rk4"]["mean_kl"] / 3
+    assert rk4p["mean_kl"] < 2 * kv_quality.GOAL_MEAN_KL
+    assert rk4p["ppl_change_pct"] <= kv_quality.GOAL_PPL_CHANGE_PCT
+    assert rk4p["top1_agreement_pct"] > rows["rk4"]["top1_agreement_pct"]
