@@ -15,7 +15,15 @@ The schemes measured so far (BENCHMARKS.md, "rk4 ablations"):
              redone here around the quantizer;
   open page  the page holding a sequence's newest token is read unquantized,
              as a server that quantizes a page only once it is full would;
-             the prefill chunk equals the page so every query sees it.
+             the prefill chunk equals the page so every query sees it
+             (open_pages > 1: that many newest pages; sinks: the first
+             tokens read unquantized too);
+  e8m0 step  channel groups with a power-of-two step (8 bits, not 16);
+  codebook   per-token blocks with a Gaussian Lloyd-Max 16-level codebook, or
+             the uniform -8..7 levels (rk4 leaves -8 out).
+The `v2*` variants are rk4p's design (K pre-RoPE per channel over 32-token
+pages with fp16 min + e8m0 step, V rotated per token with fp16 scales per 64
+channels, open page) and its cheap levers.
 
 Variants are named on the command line from VARIANTS. Positions are taken
 from write slots, which bench/kv_quality.py's runs make equal to positions
