@@ -53,3 +53,31 @@ def test_pre_rope_and_open_page_plumbing():
         torch.testing.assert_close(got_k[:8], expect_closed[:8], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="rotary"):
         ab.FakeQuantKV(exact)
+
+
+def test_e8m0_channel_groups_and_codebooks():
+    torch.manual_seed(1)
+    x = torch.randn(32, 2, 64) * torch.linspace(0.1, 10, 64) + torch.linspace(-5, 5, 64)
+    y = ab.channel_groups(x, group=32, step_format="e8m0")
+    span = (x.amax(0) - x.amin(0)) / 15
+    step = torch.exp2(torch.ceil(torch.log2(span)))
+    assert ((y - x).abs() <= step / 2 * 1.01 + 1e-2).all()
+    # a power-of-two step is coarser than the exact one: more error than fp16 steps
+    assert (y - x).square().mean() > (ab.channel_groups(x, group=32) - x).square().mean()
+    v = torch.randn(256, 2, 64)
+    err = {name: (q(v) - v).square().mean() for name, q in
+           (("rk4", ab._V64), ("lloyd", ab._V64_LLOYD), ("int4", ab._V64_INT4))}
+    assert err["lloyd"] < err["rk4"] and err["int4"] < err["rk4"]
+
+
+def test_open_pages_and_sinks_read_exact():
+    zeroing = ab.Variant(torch.zeros_like, torch.zeros_like, 0, 0, open_page=4, open_pages=2,
+                         sinks=2)
+    fmt = ab.FakeQuantKV(zeroing)
+    buffers = fmt.allocate(4, 4, 1, 8, "cpu")
+    k = torch.randn(14, 1, 8)
+    fmt.write(buffers, torch.arange(14), k, k)
+    got, _ = fmt.read(buffers, torch.arange(4), 14, torch.float32)
+    torch.testing.assert_close(got[8:], k[8:])  # pages 2 and 3: the two newest
+    torch.testing.assert_close(got[:2], k[:2])  # sinks
+    assert (got[2:8] == 0).all()
