@@ -32,6 +32,7 @@ import triton.language as tl
 from engine.quant.tensor import QuantTensor
 
 GEMV_MAX_ROWS = 8
+MAX_SPLIT_K = 16
 FP32_TWO_23 = tl.constexpr(8388608.0)
 MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 bit pattern of 2**23
 
@@ -106,36 +107,67 @@ def _row_dot(x_row, q0, q1, q2, q3, q4, q5, q6, q7, xoff, xmask, EVEN: tl.conste
             x5 = tl.load(x_row + xoff + 5, mask=xmask, other=0.0).to(tl.float32)
             x6 = tl.load(x_row + xoff + 6, mask=xmask, other=0.0).to(tl.float32)
             x7 = tl.load(x_row + xoff + 7, mask=xmask, other=0.0).to(tl.float32)
-        # slots P and P+4 share the in-word position, so one partial sum
-        t0 = q0 * x0[None, :] + q4 * x4[None, :]
-        t1 = q1 * x1[None, :] + q5 * x5[None, :]
-        t2 = q2 * x2[None, :] + q6 * x6[None, :]
-        t3 = q3 * x3[None, :] + q7 * x7[None, :]
-        t = t0 + t1 * (1.0 / 16) + t2 * (1.0 / 256) + t3 * (1.0 / 4096)
         xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        # x is divided by the power of two its slot's code carries (exact, and
+        # shared by the rows of the tile), so one FMA chain per word remains
+        t = q0 * x0[None, :]
+        t += q1 * (x1 * (1.0 / 16))[None, :]
+        t += q2 * (x2 * (1.0 / 256))[None, :]
+        t += q3 * (x3 * (1.0 / 4096))[None, :]
+        t += q4 * x4[None, :]
+        t += q5 * (x5 * (1.0 / 16))[None, :]
+        t += q6 * (x6 * (1.0 / 256))[None, :]
+        t += q7 * (x7 * (1.0 / 4096))[None, :]
     else:
-        t0 = q0 * x0[None, :] + q2 * x2[None, :]
-        t1 = q1 * x1[None, :] + q3 * x3[None, :]
-        t = t0 + t1 * (1.0 / 256)
         xs = x0 + x1 + x2 + x3
+        t = q0 * x0[None, :]
+        t += q1 * (x1 * (1.0 / 256))[None, :]
+        t += q2 * x2[None, :]
+        t += q3 * (x3 * (1.0 / 256))[None, :]
     return t, xs
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
-                 M, N, stride_xm, stride_os, stride_om,
-                 K: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                 M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                 BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 TILES: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+                 EVEN: tl.constexpr, ASM: tl.constexpr):
+    """ROW_WORDS = K / codes per word, GROUPS = K / G, SUPERS = K / S are
+    passed (not derived from K) so Triton sees their divisibility by 16, which
+    is what lets it issue 16-byte loads; TILES is BLOCK_K steps per split."""
+    _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                  M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM)
+
+
+@triton.jit
+def _gemv_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                             M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS,
+                             TILES: tl.constexpr,
+                             BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                             ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
+    _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                  M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM)
+
+
+@triton.jit
+def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                  M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                  BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN: tl.constexpr, ASM: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     CPW: tl.constexpr = 32 // BITS          # codes per int32 word
     WPG: tl.constexpr = G // CPW            # words per group
     NG: tl.constexpr = BLOCK_K // G         # groups per tile
-    GROUPS: tl.constexpr = K // G
-    SUPERS: tl.constexpr = K // S
-    ROW_WORDS: tl.constexpr = K // CPW
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -265,18 +297,19 @@ def rows_bucket(rows: int) -> int:
 
 def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> GemvConfig:
     """TUNED if the shape is there, else enough programs for ~4 per SM: narrow
-    N blocks first, then split K when N alone is too short."""
+    N blocks first, then shorter K steps and split K when N alone is too short."""
     tuned = TUNED.get((bits, n, k, rows_bucket(rows)))
     if tuned is not None:
         return tuned
-    block_k = max(group, 512 if bits == 4 else 256)
-    block_k = min(block_k, max(group, triton.next_power_of_2(k)))
+    want = 4 * sms
     block_n = 16 if n >= 8 * sms else 8
     programs = triton.cdiv(n, block_n)
-    tiles = triton.cdiv(k, block_k)
+    block_k = max(group, 512 if bits == 4 else 256)   # 256 bytes of each row per step
+    while programs * triton.cdiv(k, block_k) < want and block_k // 2 >= max(group, 128):
+        block_k //= 2
     split_k = 1
-    while programs * split_k < 4 * sms and split_k * 2 <= tiles and split_k < 16:
-        split_k *= 2
+    if programs < want:
+        split_k = min(triton.cdiv(want, programs), triton.cdiv(k, block_k), MAX_SPLIT_K)
     return GemvConfig(block_n, block_k, split_k, 4, 2)
 
 
@@ -350,12 +383,14 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     dmin = qt.dmin if qt.asymmetric else qt.d  # never read when symmetric
     m = qt.m if qt.asymmetric else qt.sc
     has_bias = bias is not None and split == 1
-    _gemv_kernel[(triton.cdiv(n_dim, config.block_n), split)](
+    kernel = _gemv_kernel_interpreted if _interpreting() else _gemv_kernel
+    kernel[(triton.cdiv(n_dim, config.block_n), split)](
         x, _words(qt), qt.d, qt.sc, dmin, m, target, bias if has_bias else x,
         m_rows, n_dim, x.stride(0), stride_os, target.stride(-2),
-        K=k_dim, BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
+        k_dim // (32 // qt.bits), k_dim // qt.group, k_dim // qt.superblock, tiles_per_split,
+        BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
         HAS_BIAS=has_bias, BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=config.block_n,
-        BLOCK_K=block_k, TILES=tiles_per_split, EVEN=even, ASM=not _interpreting(),
+        BLOCK_K=block_k, EVEN=even, ASM=not _interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages)
     if split > 1:
         block = 256
