@@ -280,15 +280,15 @@ class GemvConfig:
                 f"-p{self.num_stages}")
 
 
-# Candidates the sweep (`python -m bench.quant --sweep`) times on every shape.
-CANDIDATES = tuple(GemvConfig(bn, bk, sk, nw, ns)
-                   for bn, bk, nw in ((8, 512, 4), (16, 512, 4), (16, 1024, 4), (32, 1024, 4),
-                                      (32, 1024, 8), (64, 1024, 8), (16, 2048, 8))
-                   for sk in (1, 2, 4, 8) for ns in (1, 2))
+# Block shapes the sweep (`python -m bench.quant --sweep`) times on every
+# shape, each with split-K 1/2/4/8 (the best then with other stage counts).
+CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2)
+                   for bn, bk, nw in ((8, 512, 4), (16, 512, 4), (32, 512, 4), (16, 1024, 4),
+                                      (32, 1024, 4), (32, 1024, 8), (64, 1024, 8)))
 
-# Tuned configs by (bits, N, K, rows bucket): paste the sweep's "TUNED" lines here.
-# rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
-TUNED: dict[tuple[int, int, int, int], GemvConfig] = {}
+# Tuned configs by (bits, group, N, K, rows bucket): paste the sweep's "TUNED"
+# lines here. rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
+TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {}
 
 
 def rows_bucket(rows: int) -> int:
@@ -298,7 +298,7 @@ def rows_bucket(rows: int) -> int:
 def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> GemvConfig:
     """TUNED if the shape is there, else enough programs for ~4 per SM: narrow
     N blocks first, then shorter K steps and split K when N alone is too short."""
-    tuned = TUNED.get((bits, n, k, rows_bucket(rows)))
+    tuned = TUNED.get((bits, group, n, k, rows_bucket(rows)))
     if tuned is not None:
         return tuned
     want = 4 * sms
