@@ -8,7 +8,8 @@ GEMV's floor is (packed weight bytes + activations) / bandwidth. GEMVs are
 timed inside a CUDA graph of back-to-back calls (as decode runs them), each
 call on another copy of the weights so no copy is still in L2 (the H200's
 L2 holds a whole 5120x6144 Q4_K matrix). `--sweep` times every candidate
-GEMV config (engine/quant/gemv.py CANDIDATES, with split-K 1/2/4/8) on each
+GEMV config (engine/quant/gemv.py CANDIDATES, and DOT_CANDIDATES for rows >
+1, each with split-K 1/2/4/8; the best then with 1 and 3 stages) on each
 shape, prints the best per shape with its share of the floor and the TUNED
 lines to paste into engine/quant/gemv.py, and estimates the GEMV part of a
 27B decode step from the per-step count of each shape. The decode step runs
@@ -135,25 +136,6 @@ def _time_gemv(x, copies, config=None, calls: int = 16) -> float:
     return _time_graph(fns)
 
 
-def _time_dot_paths(x, copies) -> dict[str, float]:
-    """The prefill kernel (tl.dot on dequantized tiles, rows padded to 16) at a
-    few tile shapes: for rows > 1 tensor cores may beat the CUDA-core GEMV."""
-    from engine.quant.kernels import gemm
-
-    out = torch.empty(x.shape[0], copies[0].out_features, dtype=x.dtype, device=x.device)
-    timed = {}
-    for block_n, block_k in ((32, 64), (64, 64), (64, 128), (128, 64)):
-        fns = [(lambda qt=copies[i % len(copies)]: gemm(x, qt, block_m=16, block_n=block_n,
-                                                       block_k=block_k, out=out))
-               for i in range(16)]
-        try:
-            timed[f"m16-n{block_n}-k{block_k}"] = _time_graph(fns) * 1e6
-        except Exception as exc:
-            print(f"  gemm n{block_n} k{block_k}: {type(exc).__name__}: {str(exc)[:120]}",
-                  file=sys.stderr)
-    return timed
-
-
 def gemv_rows(rows_list, device, bandwidth: float) -> list[dict]:
     out = []
     for name, fmt, n, k, per_step in model_shapes():
@@ -175,7 +157,8 @@ def sweep(rows_list, device, bandwidth: float) -> list[dict]:
     block config is then retried with 1, 3 and 4 stages."""
     from dataclasses import replace
 
-    from engine.quant.gemv import CANDIDATES, pick_config, rows_bucket, _sm_count
+    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, _sm_count, pick_config,
+                                   rows_bucket)
 
     sms = _sm_count(device)
     results = []
@@ -198,34 +181,40 @@ def sweep(rows_list, device, bandwidth: float) -> list[dict]:
                           f"{str(exc)[:120]}", file=sys.stderr)
             run(picked)
             picked_s = timed[picked.key()][0] if picked.key() in timed else float("nan")
-            for cfg in CANDIDATES:
+            # rows > 1: the CUDA-core loop pays per row, so only its middle sizes
+            block_configs = CANDIDATES if rows == 1 else CANDIDATES[1:4] + DOT_CANDIDATES
+            for cfg in block_configs:
                 for split in (1, 2, 4, 8):
                     if -(-n // cfg.block_n) * split > 64 * sms:
                         continue  # far more programs than the GPU holds
                     run(replace(cfg, split_k=split))
             best_s, best = min(timed.values(), key=lambda v: v[0])
-            for stages in (1, 3, 4):
+            for stages in (1, 3) if rows == 1 else ():
                 run(replace(best, num_stages=stages))
             best_s, best = min(timed.values(), key=lambda v: v[0])
             ranked = sorted(timed.values(), key=lambda v: v[0])
-            dot_us = _time_dot_paths(x, copies) if rows > 1 else {}
+            cuda_cores = [v for v in ranked if not v[1].tensor_cores]
+            tensor_cores = [v for v in ranked if v[1].tensor_cores]
             results.append({"matrix": name, "format": fmt.name, "bits": qt.bits,
                             "group": qt.group, "N": n, "K": k,
                             "rows": rows, "bucket": rows_bucket(rows), "per_step": per_step,
                             "floor_us": floor * 1e6, "picked": picked.key(),
                             "picked_us": picked_s * 1e6, "best": best.key(),
                             "best_config": [best.block_n, best.block_k, best.split_k,
-                                            best.num_warps, best.num_stages],
+                                            best.num_warps, best.num_stages,
+                                            best.tensor_cores],
                             "best_us": best_s * 1e6, "best_roofline": floor / best_s,
                             "top5": [[c.key(), t * 1e6] for t, c in ranked[:5]],
-                            "gemm_us": dot_us,
+                            "best_cuda_cores": [cuda_cores[0][1].key(), cuda_cores[0][0] * 1e6]
+                            if cuda_cores else None,
+                            "best_tensor_cores": [tensor_cores[0][1].key(),
+                                                  tensor_cores[0][0] * 1e6]
+                            if tensor_cores else None,
                             "configs_timed": len(timed)})
             r = results[-1]
             print(f"  {name:12s} {fmt.name:5s} rows={rows} picked {r['picked']} "
                   f"{r['picked_us']:.1f} us, best {r['best']} {r['best_us']:.1f} us "
-                  f"(floor {r['floor_us']:.1f}, {100 * r['best_roofline']:.0f}%)"
-                  + (f"; tl.dot gemm best {min(dot_us.values()):.1f} us "
-                     f"({min(dot_us, key=dot_us.get)})" if dot_us else ""), file=sys.stderr)
+                  f"(floor {r['floor_us']:.1f}, {100 * r['best_roofline']:.0f}%)", file=sys.stderr)
         del copies
     return results
 
@@ -239,18 +228,18 @@ def print_sweep(results: list[dict]) -> None:
                   f"{r['floor_us']:.1f}", f"{100 * r['best_roofline']:.0f}%"] for r in results])
     print("\nTUNED lines for engine/quant/gemv.py:")
     for r in results:
-        bn, bk, sk, nw, ns = r["best_config"]
+        bn, bk, sk, nw, ns, tc = r["best_config"]
         print(f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
-              f"GemvConfig({bn}, {bk}, {sk}, "
-              f"{nw}, {ns}),  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "
+              f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{', tensor_cores=True' if tc else ''}),"
+              f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "
               f"{100 * r['best_roofline']:.0f}% of floor")
-    dots = [r for r in results if r["gemm_us"]]
-    if dots:
-        print_table("rows > 1: best CUDA-core GEMV vs the tl.dot kernel (rows padded to 16)",
-                    ["matrix", "format", "rows", "gemv_us", "gemm_us", "gemm tile"],
-                    [[r["matrix"], r["format"], r["rows"], f"{r['best_us']:.1f}",
-                      f"{min(r['gemm_us'].values()):.1f}",
-                      min(r["gemm_us"], key=r["gemm_us"].get)] for r in dots])
+    both = [r for r in results if r["best_tensor_cores"] and r["best_cuda_cores"]]
+    if both:
+        print_table("rows > 1: best CUDA-core config vs best tensor-core config",
+                    ["matrix", "format", "rows", "cuda cores", "us", "tensor cores", "us"],
+                    [[r["matrix"], r["format"], r["rows"], r["best_cuda_cores"][0],
+                      f"{r['best_cuda_cores'][1]:.1f}", r["best_tensor_cores"][0],
+                      f"{r['best_tensor_cores'][1]:.1f}"] for r in both])
     for rows in sorted({r["rows"] for r in results}):
         sel = [r for r in results if r["rows"] == rows and r["per_step"]]
         best = sum(r["per_step"] * r["best_us"] for r in sel)

@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.quant.gemv import (CANDIDATES, GemvConfig, check_gemv_layout,  # noqa: E402
-                               pick_config)
+from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, GemvConfig,  # noqa: E402
+                               check_gemv_layout, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -81,15 +81,31 @@ def test_gemv_configs_with_tails_bias_and_split_k(fmt, config, rows):
     torch.testing.assert_close(y, _expected(x, qt) + bias, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("config,rows", [(GemvConfig(16, 256, 1, tensor_cores=True), 2),
+                                         (GemvConfig(32, 128, 3, tensor_cores=True), 8)],
+                         ids=["tc-2rows", "tc-split3-8rows"])
+def test_gemv_tensor_cores_with_tails_bias_and_split_k(fmt, config, rows):
+    k = 768 if fmt[2] == 256 else 576
+    qt = random_quant(37, k, *fmt, seed=9)
+    x = torch.randn(rows, k, device=DEVICE)
+    bias = torch.randn(37, device=DEVICE)
+    out = torch.full((rows, 37), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, bias=bias, config=config)
+    torch.testing.assert_close(y, _expected(x, qt) + bias, rtol=1e-4, atol=1e-4)
+
+
 def test_gemv_bf16_rows_up_to_8():
     qt = random_quant(16, 256, 4, 32, 256, True, seed=8)
     for rows in range(1, 9):
         x = torch.randn(rows, 256, device=DEVICE).to(torch.bfloat16)
         out = torch.full((rows, 16), float("nan"), device=DEVICE, dtype=torch.bfloat16)
-        y = gemv(x, qt, out=out, config=GemvConfig(8, 128, 2))
         expected = _expected(x, qt)
-        torch.testing.assert_close(y.float(), expected, rtol=1e-2,
-                                   atol=1e-2 * expected.abs().max().item())
+        for config in (GemvConfig(8, 128, 2), GemvConfig(16, 128, 2, tensor_cores=True)):
+            out.fill_(float("nan"))
+            y = gemv(x, qt, out=out, config=config)
+            torch.testing.assert_close(y.float(), expected, rtol=1e-2,
+                                       atol=1e-2 * expected.abs().max().item())
 
 
 def test_gemv_rejects_what_it_cannot_run():
@@ -114,7 +130,10 @@ def test_pick_config_fills_the_gpu():
             n_blocks, tiles = -(-n // cfg.block_n), -(-k // cfg.block_k)
             assert cfg.split_k <= tiles and cfg.block_k % 32 == 0
             assert n_blocks * cfg.split_k >= min(4 * sms, 16 * n_blocks, n_blocks * tiles), (n, k)
-    assert len({c.key() for c in CANDIDATES}) == len(CANDIDATES)
+    assert not pick_config(4, 5120, 5120, 1, 32, sms).tensor_cores
+    assert pick_config(4, 5120, 5120, 4, 32, sms).tensor_cores
+    assert len({c.key() for c in CANDIDATES + DOT_CANDIDATES}) == len(CANDIDATES) + \
+        len(DOT_CANDIDATES)
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=FORMAT_IDS[:2])

@@ -240,6 +240,130 @@ def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_p
 
 
 @triton.jit
+def _slot_dot(acc, x_row, xmask, words, words_hi, s_pos, minimum_w, P: tl.constexpr,
+              BITS: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+    """acc [16, BN] += x[:, slot P of each word] @ dequant(slot P codes).T on
+    tensor cores; s_pos is the group scale divided by the slot's power of 16.
+    IEEE (fp32 x, or the interpreter, whose bf16 dot is wrong): fp32 operands."""
+    q = _code_float(words, words_hi, P, BITS, ASM)
+    w = q * s_pos - minimum_w
+    x = tl.load(x_row + P, mask=xmask, other=0.0)
+    if IEEE:
+        return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
+def _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                      BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                      ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+    """Rows 2..8 on tensor cores: the rows padded to 16, each slot of the
+    tile's words dequantized to x's dtype (one LOP3, FADD, FFMA per weight,
+    whatever the row count) and multiplied by that slot's x columns."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    CPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // CPW
+    NG: tl.constexpr = BLOCK_K // G
+    BW: tl.constexpr = BLOCK_K // CPW
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_safe = tl.minimum(offs_n, N - 1)
+    rows = tl.arange(0, 16)
+    gi = tl.arange(0, NG)
+    wi = tl.arange(0, BW)
+    w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for tile in range(0, TILES):
+        tile_id = pid_k * TILES + tile
+        g_ids = tile_id * NG + gi
+        g_ok = g_ids < GROUPS
+        w_ids = tile_id * BW + wi
+        w_ok = w_ids < ROW_WORDS
+        words = tl.load(w_row + w_ids[None, :], mask=w_ok[None, :], other=0)
+        words_hi = words >> 16
+        g_off = n_safe[:, None] * GROUPS + g_ids[None, :]
+        s_off = n_safe[:, None] * SUPERS + (g_ids // (S // G))[None, :]
+        scale = tl.load(d_ptr + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32) * \
+            tl.load(sc_ptr + g_off, mask=g_ok[None, :], other=0).to(tl.float32)
+        # per word: its group's scale [BN, BW]
+        s_w = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NG, WPG]),
+                         [BLOCK_N, BW])
+        if ASYM:
+            minimum = tl.load(dmin_ptr + s_off, mask=g_ok[None, :], other=0.0
+                              ).to(tl.float32) * \
+                tl.load(m_ptr + g_off, mask=g_ok[None, :], other=0).to(tl.float32)
+            m_w = tl.reshape(tl.broadcast_to(minimum[:, :, None], [BLOCK_N, NG, WPG]),
+                             [BLOCK_N, BW])
+        else:
+            m_w = s_w * 0.0
+        x_row = x_ptr + rows[:, None] * stride_xm + w_ids[None, :] * CPW
+        xmask = (rows < M)[:, None] & w_ok[None, :]
+        if BITS == 4:
+            s1 = s_w * (1.0 / 16)
+            s2 = s_w * (1.0 / 256)
+            s3 = s_w * (1.0 / 4096)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 0, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 1, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s2, m_w, 2, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s3, m_w, 3, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 4, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 5, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s2, m_w, 6, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s3, m_w, 7, BITS, ASM,
+                            IEEE)
+        else:
+            s1 = s_w * (1.0 / 256)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 0, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 1, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 2, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 3, BITS, ASM,
+                            IEEE)
+    out_mask = (rows < M)[:, None] & n_ok[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                     M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+    _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                      BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
+
+
+@triton.jit
+def _gemv_dot_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
+                                 bias_ptr, M, N, stride_xm, stride_os, stride_om, ROW_WORDS,
+                                 GROUPS, SUPERS, TILES: tl.constexpr,
+                                 BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 ASM: tl.constexpr, IEEE: tl.constexpr):
+    _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                      BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
+
+
+@triton.jit
 def _split_k_sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, stride_ps, stride_om,
                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum over splits of the fp32 partials (+ bias), cast."""
@@ -266,6 +390,7 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    tensor_cores: bool = False  # the tl.dot kernel (rows padded to 16): for rows >= 2
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -276,8 +401,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig split_k and num_stages must be >= 1, got {self}")
 
     def key(self) -> str:
-        return (f"n{self.block_n}-k{self.block_k}-s{self.split_k}-w{self.num_warps}"
-                f"-p{self.num_stages}")
+        return (f"{'tc-' if self.tensor_cores else ''}n{self.block_n}-k{self.block_k}"
+                f"-s{self.split_k}-w{self.num_warps}-p{self.num_stages}")
 
 
 # Block shapes the sweep (`python -m bench.quant --sweep`) times on every
@@ -285,6 +410,10 @@ class GemvConfig:
 CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2)
                    for bn, bk, nw in ((8, 512, 4), (16, 512, 4), (32, 512, 4), (16, 1024, 4),
                                       (32, 1024, 4), (32, 1024, 8), (64, 1024, 8)))
+# The tensor-core kernel's, timed for rows >= 2.
+DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
+                       for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
+                                          (128, 256, 8)))
 
 # Tuned configs by (bits, group, N, K, rows bucket): paste the sweep's "TUNED"
 # lines here. rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
@@ -302,6 +431,16 @@ def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> G
     if tuned is not None:
         return tuned
     want = 4 * sms
+    if rows >= 2:
+        # the CUDA-core loop pays each row's x separately (~12 instructions
+        # per weight at 4 rows, bench.gemv_sass); tensor cores take any row
+        # count at ~7
+        programs = triton.cdiv(n, 64)
+        split_k = 1
+        if programs < want:
+            split_k = min(triton.cdiv(want, programs), triton.cdiv(k, max(group, 256)),
+                          MAX_SPLIT_K)
+        return GemvConfig(64, max(group, 256), split_k, 4, 2, tensor_cores=True)
     block_n = 16 if n >= 8 * sms else 8
     programs = triton.cdiv(n, block_n)
     block_k = max(group, 512 if bits == 4 else 256)   # 256 bytes of each row per step
@@ -366,8 +505,14 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
     if block_n or block_k or split_k:
         config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
-                            split_k or config.split_k, config.num_warps, config.num_stages)
+                            split_k or config.split_k, config.num_warps, config.num_stages,
+                            config.tensor_cores)
+    codes_per_word = 32 // qt.bits
     block_k = max(config.block_k, qt.group)
+    block_n = config.block_n
+    if config.tensor_cores:  # tl.dot wants >= 16 along N and along K (words per tile)
+        block_k = max(block_k, 16 * codes_per_word)
+        block_n = max(block_n, 16)
     tiles = triton.cdiv(k_dim, block_k)
     split = min(config.split_k, tiles)
     tiles_per_split = triton.cdiv(tiles, split)
@@ -383,15 +528,20 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     dmin = qt.dmin if qt.asymmetric else qt.d  # never read when symmetric
     m = qt.m if qt.asymmetric else qt.sc
     has_bias = bias is not None and split == 1
-    kernel = _gemv_kernel_interpreted if _interpreting() else _gemv_kernel
-    kernel[(triton.cdiv(n_dim, config.block_n), split)](
-        x, _words(qt), qt.d, qt.sc, dmin, m, target, bias if has_bias else x,
-        m_rows, n_dim, x.stride(0), stride_os, target.stride(-2),
-        k_dim // (32 // qt.bits), k_dim // qt.group, k_dim // qt.superblock, tiles_per_split,
-        BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
-        HAS_BIAS=has_bias, BLOCK_M=triton.next_power_of_2(m_rows), BLOCK_N=config.block_n,
-        BLOCK_K=block_k, EVEN=even, ASM=not _interpreting(),
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    args = (x, _words(qt), qt.d, qt.sc, dmin, m, target, bias if has_bias else x,
+            m_rows, n_dim, x.stride(0), stride_os, target.stride(-2),
+            k_dim // codes_per_word, k_dim // qt.group, k_dim // qt.superblock, tiles_per_split)
+    grid = (triton.cdiv(n_dim, block_n), split)
+    common = dict(BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
+                  HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
+                  ASM=not _interpreting(), num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    if config.tensor_cores:
+        kernel = _gemv_dot_kernel_interpreted if _interpreting() else _gemv_dot_kernel
+        kernel[grid](*args, IEEE=x.dtype == torch.float32 or _interpreting(), **common)
+    else:
+        kernel = _gemv_kernel_interpreted if _interpreting() else _gemv_kernel
+        kernel[grid](*args, BLOCK_M=triton.next_power_of_2(m_rows), EVEN=even, **common)
     if split > 1:
         block = 256
         _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
