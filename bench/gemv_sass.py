@@ -1,6 +1,7 @@
 """Static facts of the decode GEMV's sm_90 build, no GPU needed: for each
-candidate block config, registers per thread, local-memory spills, shared
-memory, and the machine instructions of the K loop per weight element
+candidate block config (and the tensor-core ones for rows > 1), registers
+per thread, local-memory spills, shared memory, and the machine
+instructions of the K loop per weight element
 (every instruction counts against the issue rate; near 4 per weight a
 thread cannot feed the H200's HBM at rows=1).
 
@@ -26,7 +27,7 @@ def _compile(config, bits: int, rows: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.quant.gemv import _gemv_kernel
+    from engine.quant.gemv import _gemv_dot_kernel, _gemv_kernel
 
     signature = dict(x_ptr="*bf16", qw_ptr="*i32", d_ptr="*fp16", sc_ptr="*i8",
                      dmin_ptr="*fp16", m_ptr="*i8", out_ptr="*bf16", bias_ptr="*bf16",
@@ -34,14 +35,19 @@ def _compile(config, bits: int, rows: int):
                      ROW_WORDS="i32", GROUPS="i32", SUPERS="i32", TILES="i32")
     group = 32 if bits == 4 else 16  # Q4_K, Q6_K
     constants = dict(BITS=bits, G=group, S=256, ASYM=bits == 4, HAS_BIAS=False,
-                     BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=config.block_n,
-                     BLOCK_K=config.block_k, EVEN=True, ASM=True)
+                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=True)
+    if config.tensor_cores:
+        kernel = _gemv_dot_kernel
+        constants.update(IEEE=False)
+    else:
+        kernel = _gemv_kernel
+        constants.update(BLOCK_M=triton.next_power_of_2(rows), EVEN=True)
     signature.update({k: "constexpr" for k in constants})
     names = list(signature)
     aligned = {"stride_xm", "stride_om", "stride_os", "ROW_WORDS", "GROUPS", "SUPERS"}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if signature[n].startswith("*") or n in aligned}
-    source = ASTSource(fn=_gemv_kernel, signature=signature, constexprs=constants, attrs=attrs)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
@@ -98,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[4])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     args = p.parse_args(argv)
-    from engine.quant.gemv import CANDIDATES
+    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES
 
     table = []
     for bits in args.bits:
         for rows in args.rows:
-            for config in CANDIDATES:
+            for config in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
                 try:
                     table.append(describe(config, bits, rows))
                 except Exception as exc:  # report and go on: one config must not hide the rest
