@@ -1,6 +1,6 @@
 """Static facts of the decode GEMV's sm_90 build, no GPU needed: for each
 candidate block config (and the tensor-core ones for rows > 1), registers
-per thread, local-memory spills, shared memory, and the machine
+per thread, stack bytes (spills), shared memory, and the machine
 instructions of the K loop per weight element
 (every instruction counts against the issue rate; near 4 per weight a
 thread cannot feed the H200's HBM at rows=1).
@@ -89,12 +89,12 @@ def describe(config, bits: int, rows: int) -> list:
     compiled = _compile(config, bits, rows)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    regs, _, _, local = (int(v) for v in m.groups()) if m else (0, 0, 0, 0)
+    regs, stack, _, _ = (int(v) for v in m.groups()) if m else (0, 0, 0, 0)
     ops = _loop_ops(_cuobjdump(compiled.asm["cubin"], "-sass"))
     per_thread = config.block_n * config.block_k / (32 * config.num_warps)
     total = sum(ops.values())
     top = " ".join(f"{k}:{v / per_thread:.2f}" for k, v in ops.most_common(6))
-    return [config.key(), bits, rows, regs, local, compiled.metadata.shared,
+    return [config.key(), bits, rows, regs, stack, compiled.metadata.shared,
             f"{total / per_thread:.2f}", top]
 
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:  # report and go on: one config must not hide the rest
                     print(f"{config.key()} bits={bits} rows={rows}: {exc}", file=sys.stderr)
     print_table("GEMV sm_90 build: loop instructions per weight element and thread",
-                ["config", "bits", "rows", "regs", "local", "smem", "instr/w", "top opcodes /w"],
+                ["config", "bits", "rows", "regs", "stack", "smem", "instr/w", "top opcodes /w"],
                 table)
     return 0
 
