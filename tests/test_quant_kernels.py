@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, GemvConfig,  # noqa: E402
-                               check_gemv_layout, pick_config)
+from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K,  # noqa: E402
+                               GemvConfig, check_gemv_layout, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -129,7 +129,9 @@ def test_pick_config_fills_the_gpu():
             cfg = pick_config(4, n, k, rows, 32, sms)
             n_blocks, tiles = -(-n // cfg.block_n), -(-k // cfg.block_k)
             assert cfg.split_k <= tiles and cfg.block_k % 32 == 0
-            assert n_blocks * cfg.split_k >= min(4 * sms, 16 * n_blocks, n_blocks * tiles), (n, k)
+            # (nearly) every SM gets work when the shape has enough of it
+            enough = min(sms, n_blocks * tiles, n_blocks * MAX_SPLIT_K)
+            assert n_blocks * cfg.split_k >= 0.9 * enough, (n, k, rows, cfg)
     assert not pick_config(4, 5120, 5120, 1, 32, sms).tensor_cores
     assert pick_config(4, 5120, 5120, 4, 32, sms).tensor_cores
     assert len({c.key() for c in CANDIDATES + DOT_CANDIDATES}) == len(CANDIDATES) + \

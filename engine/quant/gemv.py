@@ -420,13 +420,21 @@ DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
 TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {}
 
 
+# Rows=1 block shapes with their K loop's instructions per weight on sm_90
+# (bench.gemv_sass): the heuristic weighs these against how evenly the
+# programs spread over the SMs.
+ROW1_SHAPES = ((8, 512, 4, 8.8), (16, 512, 4, 6.6), (32, 512, 4, 5.1), (16, 1024, 4, 5.3),
+               (32, 1024, 4, 4.5), (64, 1024, 8, 4.5))
+
+
 def rows_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
 def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> GemvConfig:
-    """TUNED if the shape is there, else enough programs for ~4 per SM: narrow
-    N blocks first, then shorter K steps and split K when N alone is too short."""
+    """TUNED if the shape is there; else for one row the block shape and even
+    K split with the fewest loop instructions per weight times the busiest
+    SM's share of programs, and for more rows the tensor-core kernel."""
     tuned = TUNED.get((bits, group, n, k, rows_bucket(rows)))
     if tuned is not None:
         return tuned
@@ -441,15 +449,25 @@ def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> G
             split_k = min(triton.cdiv(want, programs), triton.cdiv(k, max(group, 256)),
                           MAX_SPLIT_K)
         return GemvConfig(64, max(group, 256), split_k, 4, 2, tensor_cores=True)
-    block_n = 16 if n >= 8 * sms else 8
-    programs = triton.cdiv(n, block_n)
-    block_k = max(group, 512 if bits == 4 else 256)   # 256 bytes of each row per step
-    while programs * triton.cdiv(k, block_k) < want and block_k // 2 >= max(group, 128):
-        block_k //= 2
-    split_k = 1
-    if programs < want:
-        split_k = min(triton.cdiv(want, programs), triton.cdiv(k, block_k), MAX_SPLIT_K)
-    return GemvConfig(block_n, block_k, split_k, 4, 2)
+    best = None
+    for block_n, block_k, warps, cost in ROW1_SHAPES:
+        block_k = max(block_k, group)
+        tiles = triton.cdiv(k, block_k)
+        n_blocks = triton.cdiv(n, block_n)
+        for want_split in range(1, min(tiles, MAX_SPLIT_K) + 1):
+            per_split = triton.cdiv(tiles, want_split)
+            split = triton.cdiv(tiles, per_split)
+            programs = n_blocks * split
+            per_sm = programs / sms
+            # the busiest SM sets the time: whole programs, at least one each;
+            # a split that does not divide the tiles runs its longest share
+            imbalance = max(1.0, -(-programs // sms) / per_sm) if programs >= sms else \
+                sms / programs
+            uneven = per_split * split / tiles * (1.0 if tiles % split == 0 else 1.03)
+            score = cost * imbalance * uneven * (1 + 0.02 * (split - 1))
+            if best is None or score < best[0]:
+                best = (score, GemvConfig(block_n, block_k, split, warps, 2))
+    return best[1]
 
 
 # ----------------------------------------------------------------- launcher
