@@ -214,9 +214,18 @@ def sweep(rows_list, device, bandwidth: float) -> list[dict]:
             r = results[-1]
             print(f"  {name:12s} {fmt.name:5s} rows={rows} picked {r['picked']} "
                   f"{r['picked_us']:.1f} us, best {r['best']} {r['best_us']:.1f} us "
-                  f"(floor {r['floor_us']:.1f}, {100 * r['best_roofline']:.0f}%)", file=sys.stderr)
+                  f"(floor {r['floor_us']:.1f}, {100 * r['best_roofline']:.0f}%)\n"
+                  f"  {_tuned_line(r)}", file=sys.stderr)
         del copies
     return results
+
+
+def _tuned_line(r: dict) -> str:
+    bn, bk, sk, nw, ns, tc = r["best_config"]
+    return (f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
+            f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{', tensor_cores=True' if tc else ''}),"
+            f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "
+            f"{100 * r['best_roofline']:.0f}% of floor")
 
 
 def print_sweep(results: list[dict]) -> None:
@@ -228,11 +237,7 @@ def print_sweep(results: list[dict]) -> None:
                   f"{r['floor_us']:.1f}", f"{100 * r['best_roofline']:.0f}%"] for r in results])
     print("\nTUNED lines for engine/quant/gemv.py:")
     for r in results:
-        bn, bk, sk, nw, ns, tc = r["best_config"]
-        print(f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
-              f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{', tensor_cores=True' if tc else ''}),"
-              f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "
-              f"{100 * r['best_roofline']:.0f}% of floor")
+        print(_tuned_line(r))
     both = [r for r in results if r["best_tensor_cores"] and r["best_cuda_cores"]]
     if both:
         print_table("rows > 1: best CUDA-core config vs best tensor-core config",
