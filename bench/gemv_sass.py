@@ -41,7 +41,8 @@ def _compile(config, bits: int, rows: int):
         constants.update(IEEE=False)
     else:
         kernel = _gemv_kernel
-        constants.update(BLOCK_M=triton.next_power_of_2(rows), EVEN=True)
+        constants.update(BLOCK_M=triton.next_power_of_2(rows), EVEN=True,
+                         PREFETCH=config.prefetch)
     signature.update({k: "constexpr" for k in constants})
     names = list(signature)
     aligned = {"stride_xm", "stride_om", "stride_os", "ROW_WORDS", "GROUPS", "SUPERS"}

@@ -66,8 +66,9 @@ def test_gemv_matches_reference(fmt, rows):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("config,rows", [(GemvConfig(16, 256, 1), 1), (GemvConfig(8, 128, 3), 5),
-                                         (GemvConfig(32, 64, 4), 2)],
-                         ids=["even-1row", "split3-5rows", "split4-2rows"])
+                                         (GemvConfig(32, 64, 4), 2),
+                                         (GemvConfig(8, 128, 2, prefetch=True), 1)],
+                         ids=["even-1row", "split3-5rows", "split4-2rows", "prefetch-split2"])
 def test_gemv_configs_with_tails_bias_and_split_k(fmt, config, rows):
     # N = 37 is no multiple of any BLOCK_N; K = 768 / 576 leaves a partial last
     # tile for some BLOCK_K and splits that do not divide the tiles evenly

@@ -23,7 +23,7 @@ Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from TUNED
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -133,13 +133,13 @@ def _gemv_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_pt
                  BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN: tl.constexpr, ASM: tl.constexpr):
+                 EVEN: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
     """ROW_WORDS = K / codes per word, GROUPS = K / G, SUPERS = K / S are
     passed (not derived from K) so Triton sees their divisibility by 16, which
     is what lets it issue 16-byte loads; TILES is BLOCK_K steps per split."""
     _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                   M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
-                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM)
+                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM, PREFETCH)
 
 
 @triton.jit
@@ -149,11 +149,49 @@ def _gemv_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_
                              BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                              ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+                             BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+                             PREFETCH: tl.constexpr):
     """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
     _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                   M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
-                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM)
+                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM, PREFETCH)
+
+
+@triton.jit
+def _tile_loads(qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, valid,
+                ROW_WORDS, GROUPS, SUPERS, G: tl.constexpr, S: tl.constexpr,
+                NG: tl.constexpr, BW: tl.constexpr, ASYM: tl.constexpr,
+                UNMASKED: tl.constexpr):
+    """Tile `tile_id`'s raw words [BN, BW] and d, sc (dmin, m) [BN, NG];
+    nothing is read where `valid` is false or past K. UNMASKED: the caller
+    knows every load is in range."""
+    g_ids = tile_id * NG + tl.arange(0, NG)
+    w_ids = tile_id * BW + tl.arange(0, BW)
+    g_off = n_safe[:, None] * GROUPS + g_ids[None, :]
+    s_off = n_safe[:, None] * SUPERS + (g_ids // (S // G))[None, :]
+    if UNMASKED:
+        words = tl.load(w_row + w_ids[None, :])
+        d = tl.load(d_ptr + s_off)
+        sc = tl.load(sc_ptr + g_off)
+        if ASYM:
+            dmin = tl.load(dmin_ptr + s_off)
+            m = tl.load(m_ptr + g_off)
+        else:
+            dmin = d
+            m = sc
+    else:
+        w_ok = (w_ids < ROW_WORDS) & valid
+        g_ok = ((g_ids < GROUPS) & valid)[None, :]
+        words = tl.load(w_row + w_ids[None, :], mask=w_ok[None, :], other=0)
+        d = tl.load(d_ptr + s_off, mask=g_ok, other=0.0)
+        sc = tl.load(sc_ptr + g_off, mask=g_ok, other=0)
+        if ASYM:
+            dmin = tl.load(dmin_ptr + s_off, mask=g_ok, other=0.0)
+            m = tl.load(m_ptr + g_off, mask=g_ok, other=0)
+        else:
+            dmin = d
+            m = sc
+    return words, d, sc, dmin, m
 
 
 @triton.jit
@@ -162,7 +200,7 @@ def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_p
                   BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                   ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN: tl.constexpr, ASM: tl.constexpr):
+                  EVEN: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     CPW: tl.constexpr = 32 // BITS          # codes per int32 word
@@ -174,21 +212,31 @@ def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_p
     n_safe = tl.minimum(offs_n, N - 1)      # rows past N re-read row N-1: no load masks
     rows = tl.arange(0, BLOCK_M)
     BW: tl.constexpr = BLOCK_K // CPW       # words per tile row
-    gi = tl.arange(0, NG)
     wi = tl.arange(0, BW)
 
     w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
     acc = tl.zeros([BLOCK_M, BLOCK_N, NG], dtype=tl.float32)
+    first = pid_k * TILES
+    # PREFETCH: the next tile's words and scales are loaded before this
+    # tile's arithmetic, so their DRAM latency hides behind it (Triton does
+    # not pipeline loads that feed no tl.dot); it costs their registers
+    if PREFETCH:
+        w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
+            qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, first, TILES > 0,
+            ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
     for tile in range(0, TILES):
-        tile_id = pid_k * TILES + tile
-        g_ids = tile_id * NG + gi                                # [NG]
-        g_ok = g_ids < GROUPS
+        tile_id = first + tile
         w_ids = tile_id * BW + wi                                # [BW]
         w_ok = w_ids < ROW_WORDS
-        if EVEN:
-            words = tl.load(w_row + w_ids[None, :])
+        if PREFETCH:
+            words, d, sc, dmin, m = w_nx, d_nx, sc_nx, dmin_nx, m_nx
+            w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
+                qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id + 1,
+                tile + 1 < TILES, ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
         else:
-            words = tl.load(w_row + w_ids[None, :], mask=w_ok[None, :], other=0)
+            words, d, sc, dmin, m = _tile_loads(
+                qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, True,
+                ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, EVEN)
         words_hi = words >> 16
         q0 = _code_float(words, words_hi, 0, BITS, ASM)
         q1 = _code_float(words, words_hi, 1, BITS, ASM)
@@ -205,21 +253,9 @@ def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_p
             q6 = q2
             q7 = q3
         # the two-level scales of the tile's [BLOCK_N, NG] groups, once per group
-        g_off = n_safe[:, None] * GROUPS + g_ids[None, :]
-        s_off = n_safe[:, None] * SUPERS + (g_ids // (S // G))[None, :]
-        if EVEN:
-            scale = tl.load(d_ptr + s_off).to(tl.float32) * tl.load(sc_ptr + g_off).to(tl.float32)
-        else:
-            scale = tl.load(d_ptr + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32) * \
-                tl.load(sc_ptr + g_off, mask=g_ok[None, :], other=0).to(tl.float32)
+        scale = d.to(tl.float32) * sc.to(tl.float32)
         if ASYM:
-            if EVEN:
-                minimum = tl.load(dmin_ptr + s_off).to(tl.float32) * \
-                    tl.load(m_ptr + g_off).to(tl.float32)
-            else:
-                minimum = tl.load(dmin_ptr + s_off, mask=g_ok[None, :], other=0.0
-                                  ).to(tl.float32) * \
-                    tl.load(m_ptr + g_off, mask=g_ok[None, :], other=0).to(tl.float32)
+            minimum = dmin.to(tl.float32) * m.to(tl.float32)
         for r in tl.static_range(BLOCK_M):
             t, xs = _row_dot(x_ptr + r * stride_xm, q0, q1, q2, q3, q4, q5, q6, q7,
                              w_ids * CPW, w_ok & (r < M), EVEN and BLOCK_M == 1, BITS)
@@ -391,6 +427,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     tensor_cores: bool = False  # the tl.dot kernel (rows padded to 16): for rows >= 2
+    prefetch: bool = False      # CUDA-core kernel: load tile i+1 before computing tile i
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -402,14 +439,18 @@ class GemvConfig:
 
     def key(self) -> str:
         return (f"{'tc-' if self.tensor_cores else ''}n{self.block_n}-k{self.block_k}"
-                f"-s{self.split_k}-w{self.num_warps}-p{self.num_stages}")
+                f"-s{self.split_k}-w{self.num_warps}-p{self.num_stages}"
+                f"{'-pf' if self.prefetch else ''}")
 
 
 # Block shapes the sweep (`python -m bench.quant --sweep`) times on every
 # shape, each with split-K 1/2/4/8 (the best then with other stage counts).
-CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2)
-                   for bn, bk, nw in ((8, 512, 4), (16, 512, 4), (32, 512, 4), (16, 1024, 4),
-                                      (32, 1024, 4), (32, 1024, 8), (64, 1024, 8)))
+CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
+                   for bn, bk, nw, pf in ((8, 512, 4, False), (16, 512, 4, False),
+                                          (32, 512, 4, False), (16, 1024, 4, False),
+                                          (32, 1024, 4, False), (32, 1024, 8, False),
+                                          (64, 1024, 8, False), (32, 512, 4, True),
+                                          (16, 1024, 4, True), (32, 1024, 4, True)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -522,9 +563,8 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     if config is None:
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
     if block_n or block_k or split_k:
-        config = GemvConfig(block_n or config.block_n, block_k or config.block_k,
-                            split_k or config.split_k, config.num_warps, config.num_stages,
-                            config.tensor_cores)
+        config = replace(config, block_n=block_n or config.block_n,
+                         block_k=block_k or config.block_k, split_k=split_k or config.split_k)
     codes_per_word = 32 // qt.bits
     block_k = max(config.block_k, qt.group)
     block_n = config.block_n
@@ -559,7 +599,8 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         kernel[grid](*args, IEEE=x.dtype == torch.float32 or _interpreting(), **common)
     else:
         kernel = _gemv_kernel_interpreted if _interpreting() else _gemv_kernel
-        kernel[grid](*args, BLOCK_M=triton.next_power_of_2(m_rows), EVEN=even, **common)
+        kernel[grid](*args, BLOCK_M=triton.next_power_of_2(m_rows), EVEN=even,
+                     PREFETCH=config.prefetch, **common)
     if split > 1:
         block = 256
         _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
