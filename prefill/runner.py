@@ -43,9 +43,12 @@ class PrefillJob:
 
 @torch.inference_mode()
 def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_size: int,
-                between_chunks: Callable[[], None] = lambda: None) -> SampleResult:
+                between_chunks: Callable[[], None] = lambda: None,
+                after_chunk: Callable[[int], None] | None = None) -> SampleResult:
     """Runs `job`; `between_chunks` is called after each chunk (the worker
-    yields the GPU there and checks for cancellation)."""
+    yields the GPU there and checks for cancellation); `after_chunk(end)`
+    after each chunk but the last, once the pages below token `end` are
+    final (a transfer pushes them while the next chunk runs)."""
     job.check(cache.page_size, model.config.vocab_size)
     if job.restore_slot >= 0:
         cache.copy_state(job.restore_slot, job.state_slot)
@@ -64,6 +67,10 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
             logits = model(batch, cache)
         if chunk.snapshot:
             cache.copy_state(job.state_slot, snapshot_slot[chunk.end])
+        if after_chunk is not None and chunk.end < n:
+            # not after the last chunk: the MTP pair of the last position is
+            # written only once the first token is sampled
+            after_chunk(chunk.end)
         between_chunks()
     result = sample(logits, [SequenceSamplingState(job.params, job.tokens)])
     if mtp:  # the prompt's last pair needs the first token
