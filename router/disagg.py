@@ -119,22 +119,30 @@ class DisaggRouter(Router):
     async def _admit(self, req, handle: Running, held: Held, sampling, context):
         prompt = req.prompt
         cached_p, cached_d = await self._probe(req)
+        # pick and count in one step (no await between): concurrent requests see each other
         prefill = preference(self.prefills, cached_p, self.balance_slack)[0]
+        order = preference(self.decodes, cached_d, self.balance_slack)
+        counted = handle.counted = [prefill, order[0]]
+        for w in counted:
+            w.in_flight += 1
+            w.assigned += 1
         handle.prefill_stub, handle.prefill_store = prefill.stub, prefill.store
         handle.prefill_held = Held()
         prefill_plan = await self._reserve_prefill(req, prefill, handle.prefill_held)
         points = [t for t, _ in prefill_plan.snapshots]
-        decode, plan, snapshot = await self._reserve_decode(
-            req, preference(self.decodes, cached_d, self.balance_slack), held, points)
+        decode, plan, snapshot = await self._reserve_decode(req, order, held, points)
+        if decode is not order[0]:  # order[0] was full: count the one that took it
+            for w, step in ((order[0], -1), (decode, 1)):
+                w.in_flight += step
+                w.assigned += step
+            counted[1] = decode
         handle.decode_stub, handle.decode_store = decode.stub, decode.store
         route = handle.route = Route(prefill, decode, prefill_plan, plan.cached, next(self._ids))
+        route.counted = counted
         if snapshot is not None:
             slot = dict(prefill_plan.snapshots)[snapshot[0]]
             route.snapshot = (snapshot[0], slot, snapshot[1])
         for w in (prefill, decode):
-            w.in_flight += 1
-            w.assigned += 1
-            route.counted.append(w)
             self.metrics.worker_assigned(w.name)
         self.metrics.cache_query(len(prompt), prefill_plan.cached)
         transfer = self._transfer_pb(route, plan, len(prompt))
@@ -303,6 +311,7 @@ class DisaggRouter(Router):
 
     # --- giving back ------------------------------------------------------------
     def _done_with(self, route: Route, worker: Worker) -> None:
+        """The worker's part of the request is over (its in-flight count drops)."""
         if worker in route.counted:
             route.counted.remove(worker)
             worker.in_flight -= 1
@@ -314,6 +323,6 @@ class DisaggRouter(Router):
         try:
             await super()._give_back(held, handle)
         finally:
-            if route is not None:
-                for w in list(route.counted):
-                    self._done_with(route, w)
+            counted = getattr(handle, "counted", [])
+            while counted:
+                counted.pop().in_flight -= 1
