@@ -137,7 +137,8 @@ def _run_train_mtp(args) -> int:
 
 _BENCHES = {"decode": "bench.decode", "prefill": "bench.prefill", "agent-loop": "bench.agent_loop",
             "interference": "bench.interference", "memory": "bench.memory",
-            "kv-quality": "bench.kv_quality", "kv-ablation": "bench.kv_ablation"}
+            "kv-quality": "bench.kv_quality", "kv-ablation": "bench.kv_ablation",
+            "disagg": "bench.disagg"}
 
 
 def _add_bench(sub) -> None:

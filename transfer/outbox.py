@@ -125,7 +125,8 @@ class DistLink(Link):
         if self.local.device.type == "cuda":  # the gather runs on this thread's stream
             ready = torch.cuda.Event()
             ready.record()
-            head = head.to(self.local.device)
+            if self.group.backend == "nccl":
+                head = head.to(self.local.device)
         self._sender(dst).put((head, payload, ready))
         self.bytes_sent += sum(p.numel() for p in payload)
 
@@ -151,6 +152,8 @@ class DistLink(Link):
                     ready.synchronize()
                 self.group.send(head, dst)
                 for tensor in payload:
+                    if tensor.is_cuda and self.group.backend != "nccl":
+                        tensor = tensor.cpu()  # gloo moves host memory only
                     self.group.send(tensor, dst)
             except BaseException as e:  # the decode side is gone; later pushes fail fast
                 self._failed[dst] = e
