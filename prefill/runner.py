@@ -44,11 +44,11 @@ class PrefillJob:
 @torch.inference_mode()
 def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_size: int,
                 between_chunks: Callable[[], None] = lambda: None,
-                after_chunk: Callable[[int], None] | None = None) -> SampleResult:
+                chunk_starts: Callable[[int, bool], None] | None = None) -> SampleResult:
     """Runs `job`; `between_chunks` is called after each chunk (the worker
-    yields the GPU there and checks for cancellation); `after_chunk(end)`
-    after each chunk but the last, once the pages below token `end` are
-    final (a transfer pushes them while the next chunk runs)."""
+    yields the GPU there and checks for cancellation); `chunk_starts(end,
+    last)` before each chunk's forward (a transfer listening on the cache's
+    writes then knows which pages each layer's write makes final)."""
     job.check(cache.page_size, model.config.vocab_size)
     if job.restore_slot >= 0:
         cache.copy_state(job.restore_slot, job.state_slot)
@@ -59,6 +59,8 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     for chunk in prefill_chunks(job.start, n, chunk_size, sorted(snapshot_slot)):
         seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, job.pages, job.state_slot)
         batch = ForwardBatch.build([seq], cache.page_size, cache.device)
+        if chunk_starts is not None:
+            chunk_starts(chunk.end, chunk.end == n)
         if mtp:
             logits, hidden = model(batch, cache, return_hidden=True)
             _mtp_pairs(model, cache, job, chunk.start, job.tokens[chunk.start + 1:chunk.end + 1],
@@ -67,10 +69,6 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
             logits = model(batch, cache)
         if chunk.snapshot:
             cache.copy_state(job.state_slot, snapshot_slot[chunk.end])
-        if after_chunk is not None and chunk.end < n:
-            # not after the last chunk: the MTP pair of the last position is
-            # written only once the first token is sampled
-            after_chunk(chunk.end)
         between_chunks()
     result = sample(logits, [SequenceSamplingState(job.params, job.tokens)])
     if mtp:  # the prompt's last pair needs the first token

@@ -86,17 +86,21 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             try:
                 if spec is not None:
                     out = OutgoingTransfer(spec, self.link, job.pages, self.store.cache.page_size,
-                                           len(job.tokens))
+                                           len(job.tokens),
+                                           len(self.store.info.config.attention_layers))
                 between_chunks()  # it may have been cancelled while queued
                 with worker_stream(self.store.cache.device, high_priority=False):
                     sent_before = self.link.bytes_sent if out else 0
+                    # layer by layer: each KV write's finished pages leave at once
+                    self.store.cache.kv_written = out.layer_written if out else None
                     result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
-                                         between_chunks, out.after_chunk if out else None)
+                                         between_chunks, out.chunk_starts if out else None)
                     if out is None:
                         return result, 0, 0
                     pages = out.finish(job.state_slot)
                     return result, pages, self.link.bytes_sent - sent_before
             finally:
+                self.store.cache.kv_written = None
                 if out is not None:
                     try:
                         out.abort()  # a no-op after finish: the decode side stops waiting

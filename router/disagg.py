@@ -317,12 +317,11 @@ class DisaggRouter(Router):
             worker.in_flight -= 1
 
     async def _give_back(self, held: Held, handle: Running) -> None:
-        route: Route | None = getattr(handle, "route", None)
+        route: Route | None = handle.route
         if route is not None and route.receive_call is not None:
             route.receive_call.cancel()
         try:
             await super()._give_back(held, handle)
         finally:
-            counted = getattr(handle, "counted", [])
-            while counted:
-                counted.pop().in_flight -= 1
+            while handle.counted:
+                handle.counted.pop().in_flight -= 1

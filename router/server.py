@@ -81,6 +81,8 @@ class Running:
     decode_store: object = None
     prefill_held: object = None  # Held in the prefill worker's store
     prefill_store: object = None
+    route: object = None  # router.disagg.Route
+    counted: list = field(default_factory=list)  # workers whose in-flight count it raised
 
 
 @dataclass

@@ -61,17 +61,30 @@ def test_fingerprint_differs_for_another_layout():
         PeerLink(_store(1), [other])
 
 
-def test_pushes_after_each_chunk_cover_the_page_range_once():
+def _chunk(out, end, last, layers=3):
+    out.chunk_starts(end, last)
+    for layer in range(layers):  # the forward's KV writes, pool by pool
+        out.layer_written(layer)
+
+
+def test_layer_pushes_cover_the_page_range_once():
     src, dst = _store(3), _store(4, zero=True)
     link = PeerLink(src, [dst])
     table = (9, 2, 4, 6, 8, 10)  # the request's pages in the prefill store; 22 tokens
     spec = TransferSpec(transfer_id=5, decode_worker=0, first_page=1, dest_pages=(0, 1, 3, 5, 7),
                         dest_state_slot=2, snapshot_slot=0, dest_snapshot_slot=1)
-    out = OutgoingTransfer(spec, link, table, PAGE, num_tokens=22)
-    out.after_chunk(6)   # page 1 is not complete yet (tokens 4..7)
+    # pool 2 is an MTP layer: the last position's pair comes after sampling
+    out = OutgoingTransfer(spec, link, table, PAGE, num_tokens=22, target_layers=2)
+    _chunk(out, 6, False)   # page 1 is not complete yet (tokens 4..7)
     assert link.bytes_sent == 0
-    out.after_chunk(13)  # pages 1, 2
+    out.chunk_starts(13, False)
+    out.layer_written(0)    # pool 0's pages 1, 2 leave before pool 1 is even written
+    assert link.bytes_sent == 2 * src.kv[0].row_bytes
+    out.layer_written(1)
+    out.layer_written(2)
     assert link.bytes_sent == 2 * src.page_bytes()
+    _chunk(out, 22, True)   # target pools: through the partial last page; MTP: up to page 5
+    assert out.sent == [6, 6, 5]
     assert out.finish(live_slot=1) == 5
     for a, b in zip(src.kv, dst.kv):
         for ta, tb in zip(a.tensors, b.tensors):
@@ -113,7 +126,8 @@ def _rank(rank: int, port: int, results) -> None:
         for tid, dest in ((11, (0, 1, 2)), (12, (4, 5, 6))):
             spec = TransferSpec(tid, 0, 0, dest, dest_state_slot=2)
             out = OutgoingTransfer(spec, link, (3, 7, 1), PAGE, num_tokens=10)
-            out.after_chunk(8)
+            _chunk(out, 8, False)
+            _chunk(out, 10, True)
             out.finish(live_slot=0)
         results.put(("sent", link.bytes_sent))
         import time

@@ -123,8 +123,13 @@ class Inbox:
         self.group.recv(head, src)
         tid, kind, first, count, role = parse_header(head.cpu())
         if kind == PAGES:
-            payload = self._recv_layers(src, self.local.kv, count)
-            self._write(tid, payload, lambda inc: self._write_pages(inc, first, count, payload))
+            if not 0 <= role < len(self.local.kv):
+                raise TransferError(f"rank {src} sent pages of KV pool {role}; this store has "
+                                    f"{len(self.local.kv)}")
+            layer = self.local.kv[role]
+            payload = self._recv_layers(src, [layer], count)
+            self._write(tid, payload,
+                        lambda inc: self._write_pages(inc, layer, first, count, payload[0]))
         elif kind == SLOT:
             payload = self._recv_layers(src, self.local.state, 1)
             self._write(tid, payload, lambda inc: self._write_slot(inc, role, payload))
@@ -169,14 +174,14 @@ class Inbox:
                 return
             incoming.bytes += sum(p.numel() for p in payload)
 
-    def _write_pages(self, incoming: Incoming, first: int, count: int, payload) -> None:
+    def _write_pages(self, incoming: Incoming, layer, first: int, count: int, data) -> None:
         if first + count > len(incoming.dest_pages):
             raise TransferError(f"transfer {incoming.transfer_id}: pages {first}..{first + count} "
                                 f"beyond the {len(incoming.dest_pages)} registered")
         rows = self.local.rows(incoming.dest_pages[first:first + count])
-        for layer, data in zip(self.local.kv, payload):
-            layer.scatter(rows, data.to(self.local.device))
-        incoming.pages += count
+        layer.scatter(rows, data.to(self.local.device))
+        if layer is self.local.kv[0]:  # count pages once, not once per layer
+            incoming.pages += count
 
     def _write_slot(self, incoming: Incoming, role: int, payload) -> None:
         slot = incoming.dest_state_slot if role == LIVE else incoming.dest_snapshot_slot

@@ -1,6 +1,8 @@
 """The prefill side: push a request's pages to its decode store as the
-prefill produces them (after each chunk, the pages that chunk completed),
-then the last partial page, the live GDN state, the prompt-end snapshot, END.
+prefill produces them, layer by layer (the cache calls `layer_written` after
+each KV pool write; the pages that write made final go at once, while the
+following layers compute), then the rest, the live GDN state, the
+prompt-end snapshot, END.
 
 Two links carry the bytes:
   DistLink  torch.distributed send (gloo / NCCL): the prefill thread gathers
@@ -34,8 +36,8 @@ class Link(ABC):
         self.bytes_sent = 0
 
     @abstractmethod
-    def pages(self, spec: TransferSpec, first: int, src_pages: list[int]) -> None:
-        """Pages src_pages go to spec.dest_pages[first : first + len(src_pages)]."""
+    def pages(self, spec: TransferSpec, layer: int, first: int, src_pages: list[int]) -> None:
+        """KV pool `layer`'s pages src_pages go to spec.dest_pages[first : first + len]."""
 
     @abstractmethod
     def slot(self, spec: TransferSpec, role: int, src_slot: int, dst_slot: int) -> None: ...
@@ -48,26 +50,39 @@ class Link(ABC):
 
 
 class OutgoingTransfer:
-    """One request's transfer, driven by the prefill thread."""
+    """One request's transfer, driven by the prefill thread: `chunk_starts`
+    before each chunk's forward, `layer_written` after each KV pool write
+    (engine.cache.PagedKVCache.kv_written), `finish` after the last write."""
 
     def __init__(self, spec: TransferSpec, link: Link, page_table: tuple[int, ...],
-                 page_size: int, num_tokens: int) -> None:
+                 page_size: int, num_tokens: int, target_layers: int | None = None) -> None:
         last = -(-num_tokens // page_size)
         if spec.first_page > last or len(spec.dest_pages) != last - spec.first_page:
             raise TransferError(f"transfer {spec.transfer_id}: {len(spec.dest_pages)} destination "
                                 f"pages for page indices {spec.first_page}..{last}")
         self.spec, self.link = spec, link
         self.page_table, self.page_size, self.last_page = page_table, page_size, last
-        self.sent = spec.first_page  # page indices below this have been pushed
+        self.num_tokens = num_tokens
+        layers = len(link.local.kv)
+        # pools from target_layers on are MTP layers: the pair of the prompt's last
+        # position is written only after the first token is sampled
+        self.target_layers = layers if target_layers is None else target_layers
+        self.sent = [spec.first_page] * layers  # per pool: page indices below were pushed
+        self.final = self.final_mtp = spec.first_page
         self.closed = False
 
-    def after_chunk(self, end_tokens: int) -> None:
-        """The pages below end_tokens are final: push those not pushed yet."""
-        self._push_pages_until(end_tokens // self.page_size)
+    def chunk_starts(self, end: int, last: bool) -> None:
+        """The coming forward writes tokens up to `end`: which pages it finishes."""
+        self.final = self.last_page if last else end // self.page_size
+        self.final_mtp = min(end, self.num_tokens - 1) // self.page_size
+
+    def layer_written(self, layer: int) -> None:
+        self._push(layer, self.final if layer < self.target_layers else self.final_mtp)
 
     def finish(self, live_slot: int) -> int:
         """After the prefill's last write: the rest, the state, END. Returns pages sent."""
-        self._push_pages_until(self.last_page)
+        for layer in range(len(self.sent)):
+            self._push(layer, self.last_page)
         if self.spec.dest_state_slot >= 0:
             self.link.slot(self.spec, LIVE, live_slot, self.spec.dest_state_slot)
         if self.spec.snapshot_slot >= 0:
@@ -83,13 +98,14 @@ class OutgoingTransfer:
             self.closed = True
             self.link.end(self.spec, aborted=True)
 
-    def _push_pages_until(self, page_index: int) -> None:
-        page_index = min(page_index, self.last_page)
-        if page_index <= self.sent:
+    def _push(self, layer: int, until: int) -> None:
+        until = min(until, self.last_page)
+        start = self.sent[layer]
+        if until <= start:
             return
-        first = self.sent - self.spec.first_page
-        self.link.pages(self.spec, first, list(self.page_table[self.sent:page_index]))
-        self.sent = page_index
+        self.link.pages(self.spec, layer, start - self.spec.first_page,
+                        list(self.page_table[start:until]))
+        self.sent[layer] = until
 
 
 # ------------------------------------------------------------ over the group
@@ -104,10 +120,9 @@ class DistLink(Link):
         self._failed: dict[int, BaseException] = {}
         self._lock = threading.Lock()
 
-    def pages(self, spec, first, src_pages):
-        rows = self.local.rows(src_pages)
-        payload = [layer.gather(rows) for layer in self.local.kv]
-        self._queue(spec, header(spec.transfer_id, PAGES, first, len(src_pages)), payload)
+    def pages(self, spec, layer, first, src_pages):
+        payload = [self.local.kv[layer].gather(self.local.rows(src_pages))]
+        self._queue(spec, header(spec.transfer_id, PAGES, first, len(src_pages), layer), payload)
 
     def slot(self, spec, role, src_slot, dst_slot):
         rows = self.local.rows([src_slot])
@@ -178,13 +193,12 @@ class PeerLink(Link):
                                     "prefill store: same model, KV format and page size needed")
         self.peers = peers
 
-    def pages(self, spec, first, src_pages):
+    def pages(self, spec, layer, first, src_pages):
         peer = self._peer(spec)
         src = self.local.rows(src_pages)
         dst = peer.rows(spec.dest_pages[first:first + len(src_pages)])
-        for mine, theirs in zip(self.local.kv, peer.kv):
-            theirs.copy_rows(mine, src, dst)
-        self.bytes_sent += len(src_pages) * self.local.page_bytes()
+        peer.kv[layer].copy_rows(self.local.kv[layer], src, dst)
+        self.bytes_sent += len(src_pages) * self.local.kv[layer].row_bytes
 
     def slot(self, spec, role, src_slot, dst_slot):
         peer = self._peer(spec)

@@ -4,14 +4,17 @@ A transfer (one request's prompt, prefill store -> decode store) is a series
 of messages from one prefill rank to one decode rank, each a header followed
 by payloads:
 
-    PAGES  first, count   one uint8 tensor per KV layer: `count` pages, which
-                          land in dest_pages[first : first + count]
+    PAGES  first, count,  one uint8 tensor: `count` pages of KV pool `layer`
+           layer          (the store's kv layer order), which land in
+                          dest_pages[first : first + count] of that layer
     SLOT   role           one uint8 tensor per GDN layer: a state slot, which
                           lands in the live (role 0) or snapshot (role 1) slot
     END                   everything arrived
     ABORT                 the prefill stopped; nothing more comes
 
-The header names the transfer, so the decode side needs no agreement on
+Pages go layer by layer, each as soon as that layer's write of a chunk made
+them final, so a layer travels while the following layers compute. The
+header names the transfer, so the decode side needs no agreement on
 order beyond "each pair's messages arrive in the order sent"."""
 from __future__ import annotations
 
