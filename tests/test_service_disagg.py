@@ -117,14 +117,14 @@ def test_next_turn_moves_only_the_new_pages(embedded):
         assert s.held_pages == 0 and s.free_pages + s.cached_pages == s.total_pages, worker
 
 
-# -------------------------------------------- 2 prefill + 2 decode workers
+# ------------------- 2 prefill + 2 decode workers on the hybrid shape (GDN state travels)
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     # 2048 tokens (128 pages) per store, so two long requests fill both decode stores
-    svc = _disaggregated(tmp_path_factory.mktemp("pool"), 2, 2, model="tiny-llama",
-                         extra=("--kv-format", "int8", "--max-context-tokens", "2048"))
+    svc = _disaggregated(tmp_path_factory.mktemp("pool"), 2, 2, model="tiny-qwen3.5",
+                         extra=("--max-context-tokens", "2048", "--prefill-chunk", "32"))
     yield svc
     _stop(svc)
 
@@ -194,12 +194,16 @@ def test_cancel_mid_stream_and_mid_prefill_gives_back_every_page(pool):
                                                  max_new_tokens=3000, ignore_eos=True))
     next(call)  # decoding
     call.cancel()
-    # a long prompt in small chunks, cancelled while its pages are on the way
-    call = pool.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=_ids(4, 1500)),
+    # a long prompt in 32-token chunks, cancelled while its pages are on the way
+    moved = pool.metric("tandem_kv_transfer_bytes_total")
+    started = time.perf_counter()
+    call = pool.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=_ids(4, 1800)),
                                                  max_new_tokens=4, ignore_eos=True))
     time.sleep(0.3)
     call.cancel()
     assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
+    # the transfer never finished (the router counts it when it does)
+    assert pool.metric("tandem_kv_transfer_bytes_total") == moved, time.perf_counter() - started
     ids, _, _ = _generate(pool.stub, token_ids=pb.TokenIds(ids=_ids(5, 20)), max_new_tokens=3,
                           ignore_eos=True)
     assert len(ids) == 3  # the pairs are still in step after the aborted transfers
@@ -222,35 +226,57 @@ def test_a_full_decode_store_is_resource_exhausted_and_leaks_nothing(pool):
     assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
 
 
-# ---------------------------------------- the hybrid shape: GDN state travels
+def _holder(svc, workers, tokens, salt):
+    for w in workers:
+        with _store(svc, w) as client:
+            if client.match(tokens, salt).num_tokens:
+                return w
+    raise AssertionError(f"no store of {workers} caches the prompt")
 
 
-@pytest.mark.parametrize("method", ["dist", "peer"])
-def test_hybrid_state_and_snapshots_travel(tmp_path_factory, method):
-    svc = _disaggregated(tmp_path_factory.mktemp(f"hybrid-{method}"), 1, 1, model="tiny-qwen3.5",
-                         method=method)
+def _agent_turns_match_offline(svc, salt: str) -> list[int]:
+    """Two greedy turns of a conversation (token ids), each equal to the offline
+    engine's full recomputation; returns the first prompt and cached_tokens."""
+    offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE),
+                            EngineConfig(max_batch=1, kv_format="rk4"))
+    prompt = [(7 * i + 3) % 250 for i in range(40)]
+    cached = []
+    for turn in range(2):
+        ids, _, complete = _generate(svc.stub, token_ids=pb.TokenIds(ids=prompt), sampling=GREEDY,
+                                     max_new_tokens=20, ignore_eos=True, cache_salt=salt)
+        expected = offline.generate_ids(prompt, SamplingParams(temperature=0.0, max_new_tokens=20,
+                                                               ignore_eos=True))
+        assert ids == expected, f"turn {turn}"
+        cached.append(complete.usage.cached_tokens)
+        prompt = prompt + ids + [(5 * i + turn) % 250 for i in range(10)]
+    assert cached[0] == 0 and cached[1] > 0
+    return cached
+
+
+def _snapshots_equal(svc, prefill: str, decode: str, tokens, salt) -> None:
+    with _store(svc, prefill, map_memory=True) as p, _store(svc, decode, map_memory=True) as d:
+        mp, md = p.match(tokens, salt), d.match(tokens, salt)
+        assert mp.num_tokens == md.num_tokens == 32  # the prompt-end snapshot, both sides
+        for name, t in p.arenas.state.tensors().items():
+            assert torch.equal(t[mp.snapshot_slot], d.arenas.state.tensor(name)[md.snapshot_slot])
+            assert t[mp.snapshot_slot].any(), name
+
+
+def test_hybrid_state_and_snapshots_travel_over_the_group(pool):
+    _agent_turns_match_offline(pool, "agent")
+    first = [(7 * i + 3) % 250 for i in range(40)]
+    _snapshots_equal(pool, _holder(pool, WORKERS[:2], first, "agent"),
+                     _holder(pool, WORKERS[2:], first, "agent"), first, "agent")
+    assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
+
+
+def test_hybrid_state_and_snapshots_travel_by_peer_copies(tmp_path_factory):
+    svc = _disaggregated(tmp_path_factory.mktemp("peer"), 1, 1, model="tiny-qwen3.5",
+                         method="peer")
     try:
-        offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE),
-                                EngineConfig(max_batch=1, kv_format="rk4"))
-        prompt = [(7 * i + 3) % 250 for i in range(40)]
-        cached = []
-        for turn in range(2):
-            ids, _, complete = _generate(svc.stub, token_ids=pb.TokenIds(ids=prompt),
-                                         sampling=GREEDY, max_new_tokens=20, ignore_eos=True,
-                                         cache_salt="agent")
-            expected = offline.generate_ids(prompt, SamplingParams(
-                temperature=0.0, max_new_tokens=20, ignore_eos=True))
-            assert ids == expected, f"turn {turn}"
-            cached.append(complete.usage.cached_tokens)
-            prompt = prompt + ids + [(5 * i + turn) % 250 for i in range(10)]
-        assert cached[0] == 0 and cached[1] > 0
-        with _store(svc, "prefill-0", map_memory=True) as p, \
-                _store(svc, "decode-0", map_memory=True) as d:
-            first = prompt[:40]
-            mp, md = p.match(first, "agent"), d.match(first, "agent")
-            assert mp.num_tokens == md.num_tokens == 32  # the prompt-end snapshot, both sides
-            for name, t in p.arenas.state.tensors().items():
-                assert torch.equal(t[mp.snapshot_slot], d.arenas.state.tensor(name)[md.snapshot_slot])
+        _agent_turns_match_offline(svc, "agent")
+        first = [(7 * i + 3) % 250 for i in range(40)]
+        _snapshots_equal(svc, "prefill-0", "decode-0", first, "agent")
         for worker in ("prefill-0", "decode-0"):
             s = _stats(svc, worker)
             assert s.held_pages == 0 and s.held_slots == 0, worker
