@@ -199,7 +199,7 @@ def test_cancel_mid_stream_and_mid_prefill_gives_back_every_page(pool):
     started = time.perf_counter()
     call = pool.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=_ids(4, 1800)),
                                                  max_new_tokens=4, ignore_eos=True))
-    time.sleep(0.3)
+    time.sleep(0.3 if DEVICE == "cpu" else 0.05)  # a GPU prefills this in well under a second
     call.cancel()
     assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
     # the transfer never finished (the router counts it when it does)
