@@ -58,7 +58,9 @@ def _stop(svc: Service) -> None:
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    svc = _disaggregated(tmp_path_factory.mktemp("disagg"), 1, 1)
+    # with the shipped MTP head: its KV pools travel too, and greedy stays exact
+    svc = _disaggregated(tmp_path_factory.mktemp("disagg"), 1, 1,
+                         extra=("--speculative", "mtp", "--draft-tokens", "2"))
     yield svc
     _stop(svc)
 
@@ -92,6 +94,7 @@ def test_transferred_pages_are_bit_exact(embedded):
         assert mp.num_tokens == md.num_tokens == 5 * PAGE
         kv_p, kv_d = p.arenas.kv.tensors("kv."), d.arenas.kv.tensors("kv.")
         assert kv_p.keys() == kv_d.keys() and len(kv_p) >= 30
+        assert any(name.startswith("kv.30.") for name in kv_p)  # the MTP layer's pool
         for name in kv_p:
             src, dst = kv_p[name][list(mp.pages)], kv_d[name][list(md.pages)]
             assert torch.equal(src.view(torch.uint8), dst.view(torch.uint8)), name
