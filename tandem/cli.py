@@ -95,6 +95,12 @@ def _add_train_mtp(sub) -> None:
     p.add_argument("--depth", type=int, default=3, help="unrolled draft steps trained")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="sequences generated at once (64-128 on a GPU)")
+    p.add_argument("--max-prompts", type=int, default=None,
+                   help="use only the first N built-in prompts (default: all)")
+    p.add_argument("--corpus", default=None,
+                   help="file of generated samples: read when it exists, else written")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -111,13 +117,17 @@ def _run_train_mtp(args) -> int:
     try:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
-                          seed=args.seed)
+                          seed=args.seed, max_batch=args.max_batch, max_prompts=args.max_prompts,
+                          corpus_path=args.corpus)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded = load_model(args.model, device=device, progress=False)
+    # dense weights (the head starts as a copy of the last layer, and trains on
+    # them); a head from an earlier train-mtp is ignored (and replaced)
+    loaded = load_model(args.model, device=device, progress=False, weights="bf16",
+                        trained_head=False)
     if loaded.config.mtp_num_layers:
-        raise TandemError(f"{loaded.source} already has an MTP head; nothing to train")
+        raise TandemError(f"{loaded.source} ships its own MTP head; nothing to train")
     if loaded.source.startswith("dummy:"):
         raise TandemError("train-mtp needs real weights (a GGUF file or HF directory)")
     source = Path(loaded.source)
@@ -129,9 +139,11 @@ def _run_train_mtp(args) -> int:
     tensors = {f"mtp.{name}": t for name, t in head.state_dict().items()}
     save_head(out, loaded.config, tensors,
               {"base_model": source.name, "train_steps": str(stats["steps"]),
-               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"])})
-    print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; held-out draft accuracy "
-          f"by depth {[round(a, 3) for a in stats['accuracy']]})")
+               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
+               "held_out_expected_length": f"{stats['expected_length']:.3f}"})
+    print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; on held-out greedy "
+          f"answers: draft accuracy by depth {[round(a, 3) for a in stats['accuracy']]}, "
+          f"expected mean accepted length {stats['expected_length']:.2f})")
     return 0
 
 
@@ -468,7 +480,7 @@ def _add_plan(sub) -> None:
 def _run_plan(args) -> int:
     from engine.loader import default_dtype, plan_inputs
     from kvstore.memory import KVFormatSpec
-    from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes
+    from kvstore.plan import SERVICE_CUDA_PROCESSES, CapacityPlan, OverBudgetError, parse_bytes
 
     import torch
 
@@ -487,6 +499,7 @@ def _run_plan(args) -> int:
             prefill_chunk_tokens=args.prefill_chunk, activation_bytes=dtype.itemsize,
             draft_slots_per_sequence=speculative.spare_slots(config),
             mtp_kv_layers=speculative.mtp_kv_layers(config), cuda_graphs=device.type == "cuda",
+            cuda_processes=SERVICE_CUDA_PROCESSES if device.type == "cuda" else 0,
             weight_format=label)
     except ValueError as e:
         raise TandemError(str(e)) from e
