@@ -34,6 +34,7 @@ import grpc
 
 from engine.chunking import snapshot_points
 from kvstore.client import StoreCapacityError, StoreClient, StoreUnavailable
+from kvstore.control import Allocation
 from router.server import Held, Plan, Router, Running
 from tandem.internal.v1 import workers_pb2 as wpb
 
@@ -116,6 +117,15 @@ class DisaggRouter(Router):
         self._ids = itertools.count((secrets.randbits(28) << 32) + 1)
 
     # --- admission -------------------------------------------------------------
+    async def _acquire(self, held: Held, call, *args):
+        """A store call that takes locks or pages, recorded into `held` when it
+        finishes, also if this request is cancelled meanwhile (the call runs on
+        in its thread; _give_back waits for it), so nothing it took leaks."""
+        future = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        future.add_done_callback(lambda f: _record(held, f))
+        held.pending.append(future)
+        return await asyncio.shield(future)
+
     async def _admit(self, req, handle: Running, held: Held, sampling, context):
         prompt = req.prompt
         cached_p, cached_d = await self._probe(req)
@@ -182,20 +192,16 @@ class DisaggRouter(Router):
         cached prefix, the live slot and one per snapshot point."""
         prompt = req.prompt
         store = worker.store
-        match = await asyncio.to_thread(store.match, prompt, req.cache_salt, True)
-        if match.locked:
-            held.nodes.append(match.node_id)
+        match = await self._acquire(held, store.match, prompt, req.cache_salt, True)
         points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
                                   self.config.snapshot_every) if self.hybrid else [])
         slots = 1 + len(points) if self.hybrid else 0
         pages = -(-len(prompt) // self.page_size) - len(match.pages)
         try:
-            grant = await asyncio.to_thread(store.allocate, pages, slots)
+            grant = await self._acquire(held, store.allocate, pages, slots)
         except StoreCapacityError as e:
             raise StoreCapacityError(e.code, f"{worker.name}'s store has no room for a "
                                              f"{len(prompt)}-token prompt now: {e}") from None
-        held.pages.extend(grant.pages)
-        held.slots.extend(grant.slots)
         plan = Plan(cached=match.num_tokens, pages=list(match.pages) + list(grant.pages))
         if self.hybrid:
             plan.state_slot = grant.slots[0]
@@ -220,16 +226,12 @@ class DisaggRouter(Router):
 
     async def _reserve_decode_on(self, req, worker: Worker, held: Held, points: list[int]):
         prompt, store = req.prompt, worker.store
-        match = await asyncio.to_thread(store.match, prompt, req.cache_salt, True)
-        if match.locked:
-            held.nodes.append(match.node_id)
+        match = await self._acquire(held, store.match, prompt, req.cache_salt, True)
         # the prompt-end snapshot goes along when the decode store lacks it
         snapshot_at = points[-1] if self.hybrid and points and points[-1] > match.num_tokens else 0
         slots = (2 + self.spare_slots + (1 if snapshot_at else 0)) if self.hybrid else 0
         total_pages = -(-(len(prompt) + req.params.max_new_tokens) // self.page_size)
-        grant = await asyncio.to_thread(store.allocate, total_pages - len(match.pages), slots)
-        held.pages.extend(grant.pages)
-        held.slots.extend(grant.slots)
+        grant = await self._acquire(held, store.allocate, total_pages - len(match.pages), slots)
         plan = Plan(cached=match.num_tokens, pages=list(match.pages) + list(grant.pages))
         snapshot = None
         if self.hybrid:
@@ -325,3 +327,15 @@ class DisaggRouter(Router):
         finally:
             while handle.counted:
                 handle.counted.pop().in_flight -= 1
+
+
+def _record(held: Held, future) -> None:
+    """What a finished store call took, into `held` (see DisaggRouter._acquire)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    result = future.result()
+    if isinstance(result, Allocation):
+        held.pages.extend(result.pages)
+        held.slots.extend(result.slots)
+    elif getattr(result, "locked", False):  # a locking Match
+        held.nodes.append(result.node_id)

@@ -62,6 +62,9 @@ class Held:
     pages: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
+    # store calls that take locks or pages, which record what they took here
+    # when they finish (router/disagg.py _acquire); awaited before giving back
+    pending: list = field(default_factory=list)
 
 
 @dataclass
@@ -347,19 +350,43 @@ class Router(pb_grpc.GenerationServiceServicer):
         await asyncio.shield(asyncio.ensure_future(release()))
 
     async def _release(self, held: Held, store: StoreClient) -> None:
-        """Everything `held` names goes back to `store` (idempotent: emptied)."""
+        """Everything `held` names goes back to `store`. The lists are emptied
+        before any await: a store call finishes in its thread even when this
+        coroutine is cancelled, so nothing is ever given back twice. If the
+        store refuses a batch (an id the request no longer holds, e.g. an
+        insert that completed while its caller was cancelled), the ids are
+        given back one by one, so the others are not lost."""
+        while held.pending:  # calls still running in their threads record into held
+            await asyncio.gather(*held.pending, return_exceptions=True)
+            held.pending = [f for f in held.pending if not f.done()]
+        nodes, held.nodes = held.nodes, []
+        pages, slots = held.pages, held.slots
+        held.pages, held.slots = [], []
         try:
-            if held.nodes:
-                await asyncio.to_thread(store.unlock, held.nodes)
-                held.nodes = []
-            if held.pages or held.slots:
-                await asyncio.to_thread(store.release, held.pages, held.slots)
-                held.pages, held.slots = [], []
+            if nodes:
+                await self._each_or_all(store.unlock, [nodes], [[[n]] for n in nodes])
+            if pages or slots:
+                await self._each_or_all(store.release, [pages, slots],
+                                        [[[p], []] for p in pages] + [[[], [s]] for s in slots])
             if store is self.store:
                 stats = await asyncio.to_thread(store.stats)
                 self.metrics.set_kv_usage(stats.total_pages - stats.free_pages, stats.total_pages)
         except StoreError as e:
             log(PROCESS, f"could not give back a request's pages: {e}")
+
+    @staticmethod
+    async def _each_or_all(call, whole: list, parts: list[list]) -> None:
+        try:
+            await asyncio.to_thread(call, *whole)
+        except StoreError as e:
+            if e.code != "FAILED_PRECONDITION":
+                raise
+            for args in parts:
+                try:
+                    await asyncio.to_thread(call, *args)
+                except StoreError as part_error:
+                    if part_error.code != "FAILED_PRECONDITION":
+                        raise
 
     async def _stop_worker(self, handle: Running) -> None:
         prefill = handle.prefill_stub or self.prefill
