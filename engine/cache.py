@@ -61,6 +61,7 @@ class PagedKVCache:
         self.kv_format = kv_format
         self._attn_index = {layer: i for i, layer in enumerate(kv_layer_ids(config, shape))}
         self._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
+        self.kv_written = None
         self.kv = [kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
                                        config.head_dim, self.device)
                    for _ in self._attn_index]
@@ -95,6 +96,7 @@ class PagedKVCache:
         cache._attn_index = {layer: i for i, layer in enumerate(kv_layers)}
         cache._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
         cache.kv, cache.recurrent, cache.conv = list(kv_buffers), list(recurrent), list(conv)
+        cache.kv_written = None
         return cache
 
     @property
@@ -104,7 +106,12 @@ class PagedKVCache:
 
     # --- full attention -------------------------------------------------
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_format.write(self.kv[self._attn_index[layer]], slots, k, v)
+        index = self._attn_index[layer]
+        self.kv_format.write(self.kv[index], slots, k, v)
+        if self.kv_written is not None:
+            # a listener (the prefill's transfer) may send this pool's finished
+            # pages while the following layers compute
+            self.kv_written(index)
 
     def read_kv(self, layer: int, page_table: torch.Tensor, length: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
