@@ -442,6 +442,17 @@ def _worker_failure(e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return code, e.details() or code.name
 
 
+def _public_api(router):
+    """What the router's gRPC server registers: the public GenerationService
+    (served by `router`, shared or disaggregated), reflection and health."""
+    def register(server) -> None:
+        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
+        names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+                 reflection.SERVICE_NAME, "grpc.health.v1.Health")
+        reflection.enable_server_reflection(names, server)
+    return register
+
+
 async def _main(args) -> None:
     if args.prefill_group or args.decode_group:
         await _main_disaggregated(args)
@@ -460,11 +471,7 @@ async def _main(args) -> None:
                     wpb_grpc.DecodeServiceStub(decode_channel), tokenizer, metrics,
                     RouterConfig(snapshot_every=args.snapshot_every, model_name=args.model_name))
 
-    def register(server) -> None:
-        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
-        names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-                 reflection.SERVICE_NAME, "grpc.health.v1.Health")
-        reflection.enable_server_reflection(names, server)
+    register = _public_api(router)
 
     async def on_stop() -> None:
         await prefill_channel.close()
@@ -510,11 +517,7 @@ async def _main_disaggregated(args) -> None:
     log(PROCESS, f"disaggregated: {len(workers['prefill'])} prefill and "
                  f"{len(workers['decode'])} decode workers, transfers by {args.kv_transfer}")
 
-    def register(server) -> None:
-        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
-        names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-                 reflection.SERVICE_NAME, "grpc.health.v1.Health")
-        reflection.enable_server_reflection(names, server)
+    register = _public_api(router)
 
     async def on_stop() -> None:
         for channel in channels:
