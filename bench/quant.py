@@ -1,13 +1,21 @@
 """W4A16 GEMV speed for the Qwen3.5-27B matrix shapes against the memory
 bandwidth limit, and the 27B dummy's decode step with int4 weights.
 
-    python -m bench.quant [--rows 1 4] [--decode-steps 16] [--json FILE]
+    python -m bench.quant [--rows 1 4] [--decode-steps 16] [--sweep] [--json FILE]
 
 GPU only. Bandwidth is measured here (a device-to-device copy of 1 GiB); a
-GEMV's floor is (packed weight bytes + activations) / bandwidth. The decode
-step runs the offline engine on `qwen3.5-27b` with `--weights int4` and bf16
-KV at a short context, timing steps after a warm-up, and reports the peak
-memory torch allocated."""
+GEMV's floor is (packed weight bytes + activations) / bandwidth. GEMVs are
+timed inside a CUDA graph of back-to-back calls (as decode runs them), each
+call on another copy of the weights so no copy is still in L2 (the H200's
+L2 holds a whole 5120x6144 Q4_K matrix). `--sweep` times every candidate
+GEMV config (engine/quant/gemv.py CANDIDATES, and DOT_CANDIDATES for rows >
+1, each with split-K 1/2/4/8; the best then with 1 and 3 stages) on each
+shape, prints the best per shape with its share of the floor and the TUNED
+lines to paste into engine/quant/gemv.py, and estimates the GEMV part of a
+27B decode step from the per-step count of each shape. The decode step runs
+the offline engine on `qwen3.5-27b` with `--weights int4` and bf16 KV at a
+short context, timing steps after a warm-up, and reports the peak memory
+torch allocated."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +42,11 @@ def _copy_bandwidth(device) -> float:
     return 2 * src.numel() / seconds  # read + write
 
 
+L2_FLUSH_BYTES = 256 << 20  # weight copies cycled per timing: several times the L2
+
+
 def _time(fn, repeats=50) -> float:
+    """Median seconds per call of events around single eager calls."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -49,35 +61,197 @@ def _time(fn, repeats=50) -> float:
     return median(times)
 
 
-def gemv_rows(rows_list, device) -> list[dict]:
+def _time_graph(calls, replays: int = 5) -> float:
+    """Seconds per call of `calls` (a list of no-argument functions) captured
+    back to back in one CUDA graph; the median of `replays` replays."""
+    for fn in calls[:2]:
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(calls))
+    del graph
+    return median(times)
+
+
+def model_shapes() -> list[tuple[str, object, int, int, int]]:
+    """(name, format, N, K, uses per decode step) of the 27B's quantized
+    matmuls (the int4 recipe: Q4_K everywhere; down also as Q6_K, which
+    q4_k_m gives some layers)."""
     from engine.config import ModelConfig, shape_hf_config
-    from engine.quant.kernels import triton_matmul
     from engine.quant.recipes import Q4_K, Q6_K
 
     cfg = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
     h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"gate/up": (i, h), "down": (h, i), "gdn qkv": (cfg.linear_conv_dim, h),
-              "gdn z": (cfg.linear_num_v_heads * cfg.linear_v_head_dim, h),
-              "gdn out": (h, cfg.linear_num_v_heads * cfg.linear_v_head_dim),
-              "attn q+gate": (2 * cfg.num_heads * cfg.head_dim, h),
-              "lm_head": (cfg.vocab_size, h)}
-    bandwidth = _copy_bandwidth(device)
+    layers = cfg.num_layers
+    attn = sum(1 for t in cfg.layer_types if t == "full_attention") if getattr(
+        cfg, "layer_types", None) else layers // 4
+    gdn = layers - attn
+    v = cfg.linear_num_v_heads * cfg.linear_v_head_dim
+    return [("gate/up", Q4_K, i, h, 2 * layers), ("down", Q4_K, h, i, layers),
+            ("down", Q6_K, h, i, 0), ("gdn qkv", Q4_K, cfg.linear_conv_dim, h, gdn),
+            ("gdn z", Q4_K, v, h, gdn), ("gdn a/b", Q4_K, cfg.linear_num_v_heads, h, 2 * gdn),
+            ("gdn out", Q4_K, h, v, gdn),
+            ("attn q+gate", Q4_K, 2 * cfg.num_heads * cfg.head_dim, h, attn),
+            ("attn k/v", Q4_K, cfg.num_kv_heads * cfg.head_dim, h, 2 * attn),
+            ("attn o", Q4_K, h, cfg.num_heads * cfg.head_dim, attn),
+            ("lm_head", Q4_K, cfg.vocab_size, h, 1)]
+
+
+def _random_quant(fmt, n: int, k: int, device):
+    qt = fmt.meta(n, k)
+    return type(qt)(**{f: (None if t is None else torch.randint(
+        0, 60, t.shape, device=device).to(t.dtype)) for f, t in qt._fields().items()})
+
+
+def _copies(fmt, n: int, k: int, device) -> list:
+    one = _random_quant(fmt, n, k, device)
+    count = max(1, min(8, -(-L2_FLUSH_BYTES // one.nbytes)))
+    return [one] + [_random_quant(fmt, n, k, device) for _ in range(count - 1)]
+
+
+def _time_gemv(x, copies, config=None, calls: int = 16) -> float:
+    from engine.quant.gemv import gemv
+
+    out = torch.empty(x.shape[0], copies[0].out_features, dtype=x.dtype, device=x.device)
+    fns = [(lambda qt=copies[i % len(copies)]: gemv(x, qt, out=out, config=config))
+           for i in range(calls)]
+    return _time_graph(fns)
+
+
+def gemv_rows(rows_list, device, bandwidth: float) -> list[dict]:
     out = []
-    for name, (n, k) in shapes.items():
-        for fmt in (Q4_K, Q6_K) if name == "down" else (Q4_K,):
-            qt = fmt.meta(n, k)
-            qt = type(qt)(**{f: (None if t is None else torch.randint(
-                0, 60, t.shape, device=device).to(t.dtype)) for f, t in qt._fields().items()})
-            for rows in rows_list:
-                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-                seconds = _time(lambda: triton_matmul(x, qt))
-                floor = (qt.nbytes + x.numel() * 2 + rows * n * 2) / bandwidth
-                out.append({"matrix": name, "format": fmt.name, "N": n, "K": k, "rows": rows,
-                            "us": seconds * 1e6, "floor_us": floor * 1e6,
-                            "roofline": floor / seconds,
-                            "GBps": qt.nbytes / seconds / 1e9})
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
+    for name, fmt, n, k, per_step in model_shapes():
+        copies = _copies(fmt, n, k, device)
+        qt = copies[0]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            seconds = _time_gemv(x, copies)
+            floor = (qt.nbytes + x.numel() * 2 + rows * n * 2) / bandwidth
+            out.append({"matrix": name, "format": fmt.name, "N": n, "K": k, "rows": rows,
+                        "per_step": per_step, "us": seconds * 1e6, "floor_us": floor * 1e6,
+                        "roofline": floor / seconds, "GBps": qt.nbytes / seconds / 1e9})
+        del copies
     return out
+
+
+def sweep(rows_list, device, bandwidth: float) -> list[dict]:
+    """Every candidate config (x split-K 1/2/4/8) on every shape; the best
+    block config is then retried with 1, 3 and 4 stages."""
+    from dataclasses import replace
+
+    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, _sm_count, pick_config,
+                                   rows_bucket)
+
+    sms = _sm_count(device)
+    results = []
+    for name, fmt, n, k, per_step in model_shapes():
+        copies = _copies(fmt, n, k, device)
+        qt = copies[0]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            floor = (qt.nbytes + x.numel() * 2 + rows * n * 2) / bandwidth
+            picked = pick_config(qt.bits, n, k, rows, qt.group, sms)
+            timed: dict[str, tuple[float, object]] = {}
+
+            def run(cfg):
+                if cfg.key() in timed:
+                    return
+                try:
+                    timed[cfg.key()] = (_time_gemv(x, copies, cfg), cfg)
+                except Exception as exc:  # a config that cannot compile/launch here
+                    print(f"  {name} rows={rows} {cfg.key()}: {type(exc).__name__}: "
+                          f"{str(exc)[:120]}", file=sys.stderr)
+            run(picked)
+            picked_s = timed[picked.key()][0] if picked.key() in timed else float("nan")
+            # rows > 1: the CUDA-core loop pays per row, so only its middle sizes
+            block_configs = CANDIDATES if rows == 1 else CANDIDATES[1:4] + DOT_CANDIDATES
+            for cfg in block_configs:
+                for split in (1, 2, 4, 8):
+                    if -(-n // cfg.block_n) * split > 64 * sms:
+                        continue  # far more programs than the GPU holds
+                    run(replace(cfg, split_k=split))
+            best_s, best = min(timed.values(), key=lambda v: v[0])
+            for stages in (1, 3) if rows == 1 else ():
+                run(replace(best, num_stages=stages))
+            best_s, best = min(timed.values(), key=lambda v: v[0])
+            ranked = sorted(timed.values(), key=lambda v: v[0])
+            cuda_cores = [v for v in ranked if not v[1].tensor_cores]
+            tensor_cores = [v for v in ranked if v[1].tensor_cores]
+            results.append({"matrix": name, "format": fmt.name, "bits": qt.bits,
+                            "group": qt.group, "N": n, "K": k,
+                            "rows": rows, "bucket": rows_bucket(rows), "per_step": per_step,
+                            "floor_us": floor * 1e6, "picked": picked.key(),
+                            "picked_us": picked_s * 1e6, "best": best.key(),
+                            "best_config": [best.block_n, best.block_k, best.split_k,
+                                            best.num_warps, best.num_stages,
+                                            best.tensor_cores],
+                            "best_us": best_s * 1e6, "best_roofline": floor / best_s,
+                            "top5": [[c.key(), t * 1e6] for t, c in ranked[:5]],
+                            "best_cuda_cores": [cuda_cores[0][1].key(), cuda_cores[0][0] * 1e6]
+                            if cuda_cores else None,
+                            "best_tensor_cores": [tensor_cores[0][1].key(),
+                                                  tensor_cores[0][0] * 1e6]
+                            if tensor_cores else None,
+                            "configs_timed": len(timed)})
+            r = results[-1]
+            print(f"  {name:12s} {fmt.name:5s} rows={rows} picked {r['picked']} "
+                  f"{r['picked_us']:.1f} us, best {r['best']} {r['best_us']:.1f} us "
+                  f"(floor {r['floor_us']:.1f}, {100 * r['best_roofline']:.0f}%)\n"
+                  f"  {_tuned_line(r)}", file=sys.stderr)
+        del copies
+    return results
+
+
+def _tuned_line(r: dict) -> str:
+    bn, bk, sk, nw, ns, tc = r["best_config"]
+    return (f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
+            f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{', tensor_cores=True' if tc else ''}),"
+            f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "
+            f"{100 * r['best_roofline']:.0f}% of floor")
+
+
+def print_sweep(results: list[dict]) -> None:
+    print_table("GEMV sweep: best config per shape (graph-timed, weights cycled past L2)",
+                ["matrix", "format", "N", "K", "rows", "picked", "picked_us", "best", "best_us",
+                 "floor_us", "of floor"],
+                [[r["matrix"], r["format"], r["N"], r["K"], r["rows"], r["picked"],
+                  f"{r['picked_us']:.1f}", r["best"], f"{r['best_us']:.1f}",
+                  f"{r['floor_us']:.1f}", f"{100 * r['best_roofline']:.0f}%"] for r in results])
+    print("\nTUNED lines for engine/quant/gemv.py:")
+    for r in results:
+        print(_tuned_line(r))
+    both = [r for r in results if r["best_tensor_cores"] and r["best_cuda_cores"]]
+    if both:
+        print_table("rows > 1: best CUDA-core config vs best tensor-core config",
+                    ["matrix", "format", "rows", "cuda cores", "us", "tensor cores", "us"],
+                    [[r["matrix"], r["format"], r["rows"], r["best_cuda_cores"][0],
+                      f"{r['best_cuda_cores'][1]:.1f}", r["best_tensor_cores"][0],
+                      f"{r['best_tensor_cores'][1]:.1f}"] for r in both])
+    for rows in sorted({r["rows"] for r in results}):
+        sel = [r for r in results if r["rows"] == rows and r["per_step"]]
+        best = sum(r["per_step"] * r["best_us"] for r in sel)
+        picked = sum(r["per_step"] * r["picked_us"] for r in sel)
+        floor = sum(r["per_step"] * r["floor_us"] for r in sel)
+        print(f"27B decode step, GEMVs only, rows={rows}: best {best / 1e3:.2f} ms, picked "
+              f"{picked / 1e3:.2f} ms, floor {floor / 1e3:.2f} ms")
 
 
 def decode_27b(steps: int, device) -> dict:
@@ -98,30 +272,50 @@ def decode_27b(steps: int, device) -> dict:
         stamps[-1].record()
     torch.cuda.synchronize(device)
     gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(stamps[1:], stamps[2:])]
+    forward = engine.decode_forward
     return {"weights_GiB": weights / 2**30, "step_ms": median(gaps) * 1e3,
-            "tok_s": 1 / median(gaps), "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30}
+            "tok_s": 1 / median(gaps), "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30,
+            "graph_replays": float(forward.replays),
+            "eager_buckets": float(len(forward.capture_errors))}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--decode-steps", type=int, default=16, help="0 skips the 27B decode")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every candidate GEMV config per shape and print the best")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.quant needs a CUDA GPU", file=sys.stderr)
         return 2
+    if any(not 1 <= r <= 8 for r in args.rows):
+        print("--rows takes 1..8 (the GEMV's batch)", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
-    rows = gemv_rows(args.rows, device)
-    print_table("W4A16/W8A16 GEMV, Qwen3.5-27B shapes", ["matrix", "format", "N", "K", "rows", "us", "floor_us", "roofline"],
+    bandwidth = _copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
+    rows = gemv_rows(args.rows, device, bandwidth)
+    print_table("W4A16/W8A16 GEMV, Qwen3.5-27B shapes (picked configs)",
+                ["matrix", "format", "N", "K", "rows", "us", "floor_us", "roofline"],
                 [[r["matrix"], r["format"], r["N"], r["K"], r["rows"], f"{r['us']:.1f}",
                   f"{r['floor_us']:.1f}", f"{r['roofline']:.2f}"] for r in rows])
+    for rr in sorted({r["rows"] for r in rows}):
+        sel = [r for r in rows if r["rows"] == rr]
+        print(f"27B decode step, GEMVs only, rows={rr}: "
+              f"{sum(r['per_step'] * r['us'] for r in sel) / 1e3:.2f} ms (floor "
+              f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms)")
+    swept = sweep(args.rows, device, bandwidth) if args.sweep else None
+    if swept:
+        print_sweep(swept)
     decode = decode_27b(args.decode_steps, device) if args.decode_steps else None
     if decode:
         print_table("27B dummy, int4 weights, batch-1 decode", list(decode),
                     [[f"{v:.2f}" for v in decode.values()]])
     if args.json:
-        write_json(args.json, {"environment": environment(), "gemv": rows, "decode_27b": decode})
+        write_json(args.json, {"environment": environment(), "bandwidth_GBps": bandwidth / 1e9,
+                               "gemv": rows, "sweep": swept, "decode_27b": decode})
     return 0
 
 

@@ -24,7 +24,8 @@ from engine.streams import worker_stream
 from kvstore.client import StoreClient, wait_for_store
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import (abort_with, log, run_server, serve, share_cpu_with_the_other_worker,
+from tandem.serving import (TRANSFER_SERVICE, abort_with, log, run_server, serve,
+                            share_cpu_with_the_other_worker, transfer_group_config,
                             worker_arguments)
 from tandem.wire import generated_token_pb, sampling_from_pb
 
@@ -160,12 +161,48 @@ def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids) -> DecodeSequence:
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):
-    def __init__(self, steps: StepLoop) -> None:
+    def __init__(self, steps: StepLoop, inbox=None) -> None:
         self.steps = steps
+        self.inbox = inbox  # disaggregated topology over the group: incoming transfers
 
     async def Abort(self, request, context):
+        # the transfer first: once cancel returns nothing of it is written any more
+        receiving = (self.inbox is not None
+                     and await asyncio.to_thread(self.inbox.cancel, request.request_id))
         found = await asyncio.to_thread(self.steps.abort_and_wait, request.request_id)
-        return pb.AbortWorkReply(found=found)
+        return pb.AbortWorkReply(found=found or receiving)
+
+    async def Receive(self, request, context):
+        import grpc
+
+        from transfer.protocol import TransferError
+
+        if self.inbox is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this decode worker receives no transfers over a process group "
+                                "(shared topology or peer copies)")
+        try:
+            incoming = self.inbox.register(
+                request.request_id, request.transfer_id,
+                self.inbox.group.config.rank_of_prefill(request.prefill_worker),
+                request.dest_pages, request.dest_state_slot, request.dest_snapshot_slot)
+        except (TransferError, ValueError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        try:
+            yield pb.ReceiveEvent(registered=pb.ReceiveRegistered())
+            while not await asyncio.to_thread(incoming.done.wait, 1.0):
+                pass
+        finally:
+            if not incoming.done.is_set():  # the router went away: stop writing
+                self.inbox.cancel(request.request_id)
+        if incoming.error is not None:
+            code = (grpc.StatusCode.CANCELLED if incoming.error == "cancelled"
+                    else grpc.StatusCode.ABORTED if "stopped" in incoming.error
+                    else grpc.StatusCode.UNAVAILABLE)
+            await context.abort(code, incoming.error)
+        seconds = (incoming.finished or incoming.started) - (incoming.first_byte or incoming.started)
+        yield pb.ReceiveEvent(done=pb.ReceiveDone(pages=incoming.pages, bytes=incoming.bytes,
+                                                  seconds=seconds))
 
     async def Decode(self, request, context):
         try:
@@ -199,13 +236,47 @@ async def _main(args) -> None:
         log(PROCESS, f"speculative decoding: {spec.method}, {spec.num_draft_tokens} draft tokens")
     steps = StepLoop(scheduler)
     steps.start()
+    inbox, ready, close_inbox = _transfer_inbox(args, store)
 
     async def on_stop() -> None:
         steps.stop()
+        close_inbox()
         store.close()
 
+    deferred = {TRANSFER_SERVICE: ready} if ready is not None else None
     await serve(PROCESS, args.socket, lambda s: pb_grpc.add_DecodeServiceServicer_to_server(
-        DecodeService(steps), s), ("tandem.internal.v1.DecodeService",), on_stop)
+        DecodeService(steps, inbox), s), ("tandem.internal.v1.DecodeService",), on_stop,
+        deferred=deferred)
+
+
+def _transfer_inbox(args, store: StoreClient):
+    """(inbox, readiness coroutine, close) in the disaggregated topology."""
+    config = transfer_group_config(args)
+    if config is None:
+        return None, None, lambda: None
+    if args.transfer_method == "peer":  # the prefill workers copy into our store
+
+        async def ready_now() -> None:
+            return None
+        return None, ready_now, lambda: None
+    from transfer.group import TransferGroup
+    from transfer.inbox import Inbox
+    from transfer.pages import StoreBuffers
+
+    group = TransferGroup(config, store.cache.device)
+    group.start()
+    inbox = Inbox(group, StoreBuffers.of_arenas(store.arenas), range(config.num_prefill))
+
+    async def ready() -> None:
+        await asyncio.to_thread(group.wait_ready, 900.0)
+        inbox.start()
+
+    def close() -> None:
+        inbox.stop()
+        group.close()
+    log(PROCESS, f"transfer rank {config.rank} of {config.world_size} ({group.backend}) "
+                 f"via {config.addr}")
+    return inbox, ready, close
 
 
 def main(argv: list[str] | None = None) -> int:

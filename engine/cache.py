@@ -82,6 +82,7 @@ class PagedKVCache:
         self.kv_format = kv_format
         self._attn_index = {layer: i for i, layer in enumerate(kv_layer_ids(config, shape))}
         self._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
+        self.kv_written = None
         self.pool_formats = pool_formats(kv_format, config, shape)
         self.kv = [self._allocate_layer(fmt, shape, config) for fmt in self.pool_formats]
         slots = shape.num_state_slots if config.is_hybrid else 0
@@ -129,6 +130,7 @@ class PagedKVCache:
         cache._attn_index = {layer: i for i, layer in enumerate(kv_layers)}
         cache._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
         cache.kv, cache.recurrent, cache.conv = list(kv_buffers), list(recurrent), list(conv)
+        cache.kv_written = None
         return cache
 
     @property
@@ -143,8 +145,12 @@ class PagedKVCache:
 
     def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k before or after RoPE as layer_format(layer).k_pre_rope says."""
-        i = self._attn_index[layer]
-        self.pool_formats[i].write(self.kv[i], slots, k, v)
+        index = self._attn_index[layer]
+        self.pool_formats[index].write(self.kv[index], slots, k, v)
+        if self.kv_written is not None:
+            # a listener (the prefill's transfer) may send this pool's finished
+            # pages while the following layers compute
+            self.kv_written(index)
 
     def read_kv(self, layer: int, page_table: torch.Tensor, length: int,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

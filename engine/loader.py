@@ -69,7 +69,9 @@ def keeps_quantized(weights: str, device: torch.device) -> bool:
 
 def load_model(spec: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, seed: int = 0,
-               weights: str = AUTO) -> LoadedModel:
+               weights: str = AUTO, trained_head: bool = True) -> LoadedModel:
+    """trained_head=False ignores a head file from `tandem train-mtp` (the
+    trainer itself must see the model as it is, to train a new one)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     spec = spec or EMBEDDED
@@ -77,12 +79,12 @@ def load_model(spec: str | None = None, device: str | torch.device = "cpu",
     packed = keeps_quantized(weights, device)
     if spec == EMBEDDED:
         from engine.weights.gguf import embedded_model_path
-        return _load_gguf(embedded_model_path(), device, dtype, progress, packed)
+        return _load_gguf(embedded_model_path(), device, dtype, progress, packed, trained_head)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" or path.is_file():
-        return _load_gguf(path, device, dtype, progress, packed)
+        return _load_gguf(path, device, dtype, progress, packed, trained_head)
     if path.is_dir():
-        return _load_hf_dir(path, device, dtype, progress, packed)
+        return _load_hf_dir(path, device, dtype, progress, packed, trained_head)
     if spec in shape_names():
         return _load_dummy(spec, device, dtype, seed, "bf16" if weights == AUTO else weights)
     raise ModelLoadError(
@@ -91,18 +93,21 @@ def load_model(spec: str | None = None, device: str | torch.device = "cpu",
         "the embedded default")
 
 
-def _load_gguf(path: Path, device, dtype, progress, packed: bool = False) -> LoadedModel:
+def _load_gguf(path: Path, device, dtype, progress, packed: bool = False,
+               trained_head: bool = True) -> LoadedModel:
     from engine.weights.gguf import read_gguf
 
     _log(f"loading {path}")
     gguf = read_gguf(path, dtype=dtype, progress=progress, keep_quantized=packed)
     config = ModelConfig.from_hf(gguf.hf_config)
-    config = _with_trained_head(config, gguf.tensors, path, dtype)
+    if trained_head:
+        config = _with_trained_head(config, gguf.tensors, path, dtype)
     model = build_model(config, gguf.tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, gguf.tokenizer, str(path), device, dtype)
 
 
-def _load_hf_dir(path: Path, device, dtype, progress, packed: bool = False) -> LoadedModel:
+def _load_hf_dir(path: Path, device, dtype, progress, packed: bool = False,
+                 trained_head: bool = True) -> LoadedModel:
     from engine.tokenizer import Tokenizer
     from engine.weights.hf import read_hf_config, read_safetensors
 
@@ -112,7 +117,8 @@ def _load_hf_dir(path: Path, device, dtype, progress, packed: bool = False) -> L
     hf_config = read_hf_config(path)
     config = ModelConfig.from_hf(hf_config)
     tensors = read_safetensors(path, dtype, progress, hf_config, keep_quantized=packed)
-    config = _with_trained_head(config, tensors, path, dtype)
+    if trained_head:
+        config = _with_trained_head(config, tensors, path, dtype)
     model = build_model(config, tensors, device, dtype, source=str(path))
     return LoadedModel(config, model, Tokenizer.from_hf_dir(path), str(path), device, dtype)
 

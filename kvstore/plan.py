@@ -26,6 +26,14 @@ MiB = 1 << 20
 # The CUDA context itself (~0.5 GiB per process) is outside torch's allocator:
 # leave it out of --gpu-memory-budget.
 SLACK_FIXED_BYTES = 256 * MiB
+# What one process holds outside PyTorch's allocator once it has run a cuBLAS
+# matmul: CUDA context, cuBLAS handle and kernel modules. NVML on the H200
+# (CUDA 13, torch 2.11, scripts/device_context.py): 612 MiB for the context,
+# 676 MiB after the first bf16 matmul; rounded up.
+CUDA_CONTEXT_BYTES = 700 * MiB
+# The service's processes that touch the GPU: kvstore, prefill, decode (the
+# router and the HTTP gateway never initialise CUDA).
+SERVICE_CUDA_PROCESSES = 3
 SLACK_ACTIVATION_FRACTION = 0.10
 
 
@@ -66,6 +74,7 @@ class CapacityPlan:
     Decode activations (the decode worker, beside the prefill worker's reserve):
       rows x (per-token widths above) x activation_bytes + rows x vocab x 4
       where rows = live_slots x (1 + draft_slots_per_sequence) (a verify step).
+    CUDA contexts: cuda_processes x CUDA_CONTEXT_BYTES (measured).
     CUDA graphs (cuda_graphs=True): one private pool per captured batch size
       (1, 2, 4, ... up to live_slots), each sized like the decode activations
       of that batch, + 64 MiB of graph bookkeeping.
@@ -85,6 +94,7 @@ class CapacityPlan:
     draft_slots_per_sequence: int = 0
     mtp_kv_layers: int = 0
     cuda_graphs: bool = False
+    cuda_processes: int = 0
     weight_format: str = "as stored"
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
@@ -217,6 +227,11 @@ class CapacityPlan:
                      SLACK_FIXED_BYTES + int(SLACK_ACTIVATION_FRACTION * (activations + decode)),
                      "256 MiB + 10% of activations",
                      "lower any line above or raise --gpu-memory-budget"),
+            PlanLine("cuda contexts", self.cuda_processes * CUDA_CONTEXT_BYTES,
+                     f"{self.cuda_processes} processes x {format_bytes(CUDA_CONTEXT_BYTES)} "
+                     "(measured)",
+                     "every GPU process holds a CUDA context: lower a line above (--prefill-chunk-"
+                     "tokens, --snapshot-slots, --max-context-tokens) or raise --gpu-memory-budget"),
         )
 
     def _per_token_width(self) -> int:
@@ -244,13 +259,9 @@ class CapacityPlan:
 
     def _activation_reserve(self) -> int:
         cfg = self.config
-        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
         kv_width = cfg.num_kv_heads * cfg.head_dim
-        conv = cfg.linear_conv_dim if cfg.is_hybrid else 0
-        per_token = (6 * cfg.hidden_size + 3 * cfg.intermediate_size + q_width + 2 * kv_width
-                     + 2 * conv)
         context = min(self.max_context_tokens, cfg.max_position_embeddings)
-        chunk = self.prefill_chunk_tokens * per_token * self.activation_bytes
+        chunk = self.prefill_chunk_tokens * self._per_token_width() * self.activation_bytes
         dense_kv = 2 * context * kv_width * self.activation_bytes
         logits = max(self.live_slots, 1) * cfg.vocab_size * 4
         return chunk + dense_kv + logits

@@ -41,7 +41,7 @@ from kvstore.control import (Allocation, ControlError, FailedPrecondition, Inser
                              StoreStats)
 from kvstore.memory import (KVFormatSpec, StoreArenas, config_to_json, create_arenas,
                             model_on_arena)
-from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes
+from kvstore.plan import SERVICE_CUDA_PROCESSES, CapacityPlan, OverBudgetError, parse_bytes
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -107,13 +107,14 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
     fails here (InvalidRequestError naming `tandem train-mtp`)."""
     spec = options.speculative
     spec.check_model(config)
+    on_gpu = torch.device(options.device).type == "cuda"
     return CapacityPlan(
         config=config, kv_format=kv_spec_for(options, dtype), page_size=options.page_size,
         max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
         snapshot_slots=options.snapshot_slots, gpu_memory_budget=options.gpu_memory_budget,
         weight_bytes=weight_bytes, prefill_chunk_tokens=options.prefill_chunk_tokens,
-        activation_bytes=dtype.itemsize, cuda_graphs=torch.device(options.device).type == "cuda",
-        weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
+        activation_bytes=dtype.itemsize, cuda_graphs=on_gpu,
+        cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
         mtp_kv_layers=spec.mtp_kv_layers(config))
 
 

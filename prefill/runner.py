@@ -43,9 +43,12 @@ class PrefillJob:
 
 @torch.inference_mode()
 def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_size: int,
-                between_chunks: Callable[[], None] = lambda: None) -> SampleResult:
+                between_chunks: Callable[[], None] = lambda: None,
+                chunk_starts: Callable[[int, bool], None] | None = None) -> SampleResult:
     """Runs `job`; `between_chunks` is called after each chunk (the worker
-    yields the GPU there and checks for cancellation)."""
+    yields the GPU there and checks for cancellation); `chunk_starts(end,
+    last)` before each chunk's forward (a transfer listening on the cache's
+    writes then knows which pages each layer's write makes final)."""
     job.check(cache.page_size, model.config.vocab_size)
     if job.restore_slot >= 0:
         cache.copy_state(job.restore_slot, job.state_slot)
@@ -56,6 +59,8 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     for chunk in prefill_chunks(job.start, n, chunk_size, sorted(snapshot_slot)):
         seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, job.pages, job.state_slot)
         batch = ForwardBatch.build([seq], cache.page_size, cache.device)
+        if chunk_starts is not None:
+            chunk_starts(chunk.end, chunk.end == n)
         if mtp:
             logits, hidden = model(batch, cache, return_hidden=True)
             _mtp_pairs(model, cache, job, chunk.start, job.tokens[chunk.start + 1:chunk.end + 1],

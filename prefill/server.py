@@ -13,14 +13,19 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+
 from engine.errors import InvalidRequestError, TandemError
 from engine.streams import worker_stream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import (abort_with, log, run_server, serve, share_cpu_with_the_other_worker,
+from tandem.serving import (TRANSFER_SERVICE, abort_with, log, run_server, serve,
+                            share_cpu_with_the_other_worker, transfer_group_config,
                             worker_arguments)
+from transfer.outbox import Link, OutgoingTransfer
+from transfer.protocol import TransferError, TransferSpec
 from tandem.wire import generated_token_pb, sampling_from_pb
 
 PROCESS = "prefill"
@@ -38,6 +43,14 @@ def job_from_pb(r: pb.PrefillRequest) -> PrefillJob:
         params=sampling_from_pb(r.sampling))
 
 
+def transfer_from_pb(t: pb.KVTransfer) -> TransferSpec:
+    try:
+        return TransferSpec(t.transfer_id, t.decode_worker, t.first_page, tuple(t.dest_pages),
+                            t.dest_state_slot, t.snapshot_slot, t.dest_snapshot_slot)
+    except ValueError as e:
+        raise InvalidRequestError(f"bad transfer: {e}") from e
+
+
 class _Work:
     """A prefill the worker has accepted: how to stop it and when it is over."""
 
@@ -47,15 +60,17 @@ class _Work:
 
 
 class PrefillService(pb_grpc.PrefillServiceServicer):
-    def __init__(self, store: StoreClient, chunk: int) -> None:
+    def __init__(self, store: StoreClient, chunk: int, link: Link | None = None) -> None:
         self.store = store
         self.chunk = chunk
+        self.link = link  # disaggregated topology: how pages reach decode stores
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.work: dict[str, _Work] = {}
 
     async def Prefill(self, request, context):
         try:
             job = job_from_pb(request)
+            spec = self._transfer_spec(request)
         except InvalidRequestError as e:
             await abort_with(context, e)
         work = self.work[job.request_id] = _Work()
@@ -67,12 +82,30 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                 raise Cancelled(f"request {job.request_id} was cancelled during prefill")
 
         def run():
+            out = None
             try:
+                if spec is not None:
+                    out = OutgoingTransfer(spec, self.link, job.pages, self.store.cache.page_size,
+                                           len(job.tokens),
+                                           len(self.store.info.config.attention_layers))
                 between_chunks()  # it may have been cancelled while queued
                 with worker_stream(self.store.cache.device, high_priority=False):
-                    return run_prefill(self.store.model, self.store.cache, job, self.chunk,
-                                       between_chunks)
+                    sent_before = self.link.bytes_sent if out else 0
+                    # layer by layer: each KV write's finished pages leave at once
+                    self.store.cache.kv_written = out.layer_written if out else None
+                    result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
+                                         between_chunks, out.chunk_starts if out else None)
+                    if out is None:
+                        return result, 0, 0
+                    pages = out.finish(job.state_slot)
+                    return result, pages, self.link.bytes_sent - sent_before
             finally:
+                self.store.cache.kv_written = None
+                if out is not None:
+                    try:
+                        out.abort()  # a no-op after finish: the decode side stops waiting
+                    except TransferError as e:
+                        log(PROCESS, f"could not tell the decode side of the abort: {e}")
                 # forgotten only here, by the thread: until the chunk in flight
                 # is done, Abort must find the work and wait for it
                 if self.work.get(job.request_id) is work:
@@ -81,14 +114,25 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
 
         loop = asyncio.get_running_loop()
         try:
-            result = await loop.run_in_executor(self.gpu, run)
+            result, pages, sent = await loop.run_in_executor(self.gpu, run)
         except InvalidRequestError as e:
             await abort_with(context, e)
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
         except Cancelled:
             return pb.PrefillResponse()  # nobody is listening
         return pb.PrefillResponse(first=generated_token_pb(result.token_ids[0], result.logprobs[0],
                                                            result.top_logprobs[0]),
-                                  prefilled_tokens=len(job.tokens) - job.start)
+                                  prefilled_tokens=len(job.tokens) - job.start,
+                                  transferred_pages=pages, transferred_bytes=sent)
+
+    def _transfer_spec(self, request) -> TransferSpec | None:
+        if not request.HasField("transfer"):
+            return None
+        if self.link is None:
+            raise InvalidRequestError("this prefill worker runs in the shared topology: it "
+                                      "cannot send a transfer")
+        return transfer_from_pb(request.transfer)
 
     async def Abort(self, request, context):
         """Returns once the request's chunk in flight (if any) has finished."""
@@ -105,14 +149,77 @@ async def _main(args) -> None:
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
-    service = PrefillService(store, args.chunk)
+    link, ready, close_link = _transfer_link(args, store)
+    service = PrefillService(store, args.chunk, link)
 
     async def on_stop() -> None:
         service.gpu.shutdown(wait=False, cancel_futures=True)
+        close_link()
         store.close()
 
     await serve(PROCESS, args.socket, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(service, s),
-                ("tandem.internal.v1.PrefillService",), on_stop)
+                ("tandem.internal.v1.PrefillService",), on_stop,
+                deferred={TRANSFER_SERVICE: ready} if link is not None else None)
+
+
+def _transfer_link(args, store: StoreClient):
+    """(link, readiness coroutine, close) for the disaggregated topology, or Nones."""
+    config = transfer_group_config(args)
+    if config is None:
+        return None, None, lambda: None
+    from transfer.pages import StoreBuffers
+
+    local = StoreBuffers.of_arenas(store.arenas)
+    if args.transfer_method == "peer":
+        from transfer.outbox import PeerLink
+
+        peers, clients = _map_peer_stores(args)
+        link = PeerLink(local, peers)
+
+        async def ready() -> None:
+            return None
+
+        def close() -> None:
+            for c in clients:
+                c.close()
+        log(PROCESS, f"peer copies into {len(peers)} decode stores")
+        return link, ready, close
+    from transfer.group import TransferGroup
+    from transfer.outbox import DistLink
+
+    group = TransferGroup(config, store.cache.device)
+    group.start()
+    link = DistLink(local, group)
+
+    async def ready() -> None:
+        await asyncio.to_thread(group.wait_ready, 900.0)
+
+    def close() -> None:
+        link.close()
+        group.close()
+    log(PROCESS, f"transfer rank {config.rank} of {config.world_size} ({group.backend}) "
+                 f"via {config.addr}")
+    return link, ready, close
+
+
+def _map_peer_stores(args):
+    """Attach to each decode store and map its kv and state arenas (never the weights)."""
+    from kvstore.arena import Arena
+    from transfer.pages import StoreBuffers
+
+    sockets = [s for s in args.peer_stores.split(",") if s]
+    if not sockets:
+        raise TandemError("--transfer-method peer needs --peer-stores")
+    peers, clients = [], []
+    for sock in sockets:
+        wait_for_store(sock, timeout=args.store_timeout)
+        client = StoreClient.connect(sock, name=f"{PROCESS}-peer", map_memory=False)
+        info = client.info
+        kv = Arena.open("kv", info.arenas["kv"], info.store_pid)
+        state = Arena.open("state", info.arenas["state"], info.store_pid)
+        peers.append(StoreBuffers(kv.tensors("kv."), state.tensors()))
+        clients.append(client)
+    return peers, clients
 
 
 def main(argv: list[str] | None = None) -> int:

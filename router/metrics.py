@@ -74,6 +74,18 @@ class RouterMetrics:
                                      registry=r)
         self._running = Gauge("tandem_requests_running", "Requests admitted and not finished",
                               registry=r)
+        self._worker_requests = Counter("tandem_worker_requests",
+                                        "Requests routed to each worker (disaggregated topology)",
+                                        ["worker"], registry=r)
+        self._transfer_pages = Counter("tandem_kv_transfer_pages",
+                                       "KV pages moved from prefill to decode stores", registry=r)
+        self._transfer_bytes = Counter("tandem_kv_transfer_bytes",
+                                       "Bytes (pages and state slots) moved from prefill to "
+                                       "decode stores", registry=r)
+        self._transfer_wait = Histogram("tandem_kv_transfer_wait_seconds",
+                                        "Time from the end of a prefill until its transfer "
+                                        "finished arriving at the decode store",
+                                        buckets=INTER_TOKEN_BUCKETS, registry=r)
         if gpu:
             r.register(GpuCollector(nvml))
 
@@ -113,6 +125,16 @@ class RouterMetrics:
             raise ValueError(f"accepted_tokens {accepted_tokens} > draft_tokens {draft_tokens}")
         self._draft_tokens.inc(draft_tokens)
         self._accepted_tokens.inc(accepted_tokens)
+
+    def worker_assigned(self, worker: str) -> None:
+        """A request was routed to `worker` (e.g. "decode-1")."""
+        self._worker_requests.labels(worker=worker).inc()
+
+    def kv_transfer(self, pages: int, num_bytes: int, wait_s: float) -> None:
+        """One finished prefill -> decode transfer."""
+        self._transfer_pages.inc(pages)
+        self._transfer_bytes.inc(num_bytes)
+        self._transfer_wait.observe(wait_s)
 
     def set_kv_usage(self, used: int, total: int) -> None:
         self._kv_pages_used.set(used)

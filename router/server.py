@@ -62,6 +62,9 @@ class Held:
     pages: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
+    # store calls that take locks or pages, which record what they took here
+    # when they finish (router/disagg.py _acquire); awaited before giving back
+    pending: list = field(default_factory=list)
 
 
 @dataclass
@@ -71,9 +74,18 @@ class Running:
     request_id: str
     aborted: bool = False
     decode_call: object = None
-    # the worker that may still be writing this request's KV ("prefill" or
-    # "decode"); asked to stop, and waited for, before the pages are given back
+    # the worker that may still be writing this request's KV ("prefill",
+    # "decode", or "transfer" = both); asked to stop, and waited for, before
+    # the pages are given back
     busy_in: str | None = None
+    # disaggregated topology: the workers and decode store picked for it
+    prefill_stub: object = None
+    decode_stub: object = None
+    decode_store: object = None
+    prefill_held: object = None  # Held in the prefill worker's store
+    prefill_store: object = None
+    route: object = None  # router.disagg.Route
+    counted: list = field(default_factory=list)  # workers whose in-flight count it raised
 
 
 @dataclass
@@ -165,12 +177,7 @@ class Router(pb_grpc.GenerationServiceServicer):
     async def _generate(self, req: GenerationRequest, handle: Running, held: Held, context, started):
         stop_ids = _stop_ids(req, self.tokenizer)
         sampling = sampling_to_pb(req.params, stop_ids)
-        plan = await self._reserve(req, held)
-        self.metrics.cache_query(len(req.prompt), plan.cached)
-        handle.busy_in = "prefill"
-        first = await self._run_prefill(req, plan, sampling, context)
-        handle.busy_in = None
-        await self._cache_prompt(req, plan, held)
+        plan, first = await self._admit(req, handle, held, sampling, context)
         text = TextStream(self.tokenizer, req.params.stop, stop_ids)
         output = [first.token_id]
         self.metrics.first_token(time.perf_counter() - started)
@@ -178,10 +185,11 @@ class Router(pb_grpc.GenerationServiceServicer):
         yield _chunk(req.request_id, first, text.push(first.token_id), self.tokenizer,
                      with_logprobs)
         finish, boundary = self._finish_of_first(req, first.token_id, text, stop_ids)
+        await self._before_decode(req, plan, handle, held, context)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
             handle.busy_in = "decode"
-            call = handle.decode_call = self.decode.Decode(
+            call = handle.decode_call = (handle.decode_stub or self.decode).Decode(
                 self._decode_request(req, plan, first.token_id, sampling), timeout=context.time_remaining())
             try:
                 async for event in call:
@@ -220,13 +228,27 @@ class Router(pb_grpc.GenerationServiceServicer):
         tail = text.finish()
         if tail:
             yield pb.GenerateResponse(request_id=req.request_id, chunk=pb.Chunk(text=tail))
-        await self._cache_output(req, plan, held, output, boundary)
+        await self._cache_output(req, plan, held, output, boundary, handle.decode_store)
         self.metrics.request_finished(_FINISH_NAME[finish], len(req.prompt), len(output), plan.cached,
                                       time.perf_counter() - started)
         usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(output),
                          cached_tokens=plan.cached)
         yield pb.GenerateResponse(request_id=req.request_id,
                                   complete=pb.Complete(finish_reason=finish, usage=usage))
+
+    async def _admit(self, req: GenerationRequest, handle: Running, held: Held,
+                     sampling: wpb.Sampling, context):
+        """Reserve, prefill and cache the prompt: (plan, first token)."""
+        plan = await self._reserve(req, held)
+        self.metrics.cache_query(len(req.prompt), plan.cached)
+        handle.busy_in = "prefill"
+        first = await self._run_prefill(req, plan, sampling, context)
+        handle.busy_in = None
+        await self._cache_prompt(req, plan, held)
+        return plan, first
+
+    async def _before_decode(self, req, plan, handle: Running, held: Held, context) -> None:
+        """After the first token went out: nothing to wait for on one store."""
 
     @staticmethod
     def _finish_of_first(req, token: int, text: TextStream, stop_ids):
@@ -273,7 +295,8 @@ class Router(pb_grpc.GenerationServiceServicer):
             sampling=sampling), timeout=context.time_remaining())
         return reply.first
 
-    async def _cache_prompt(self, req: GenerationRequest, plan: Plan, held: Held) -> None:
+    async def _cache_prompt(self, req: GenerationRequest, plan: Plan, held: Held,
+                            store: StoreClient | None = None) -> None:
         """Hand the prompt's whole pages (with its snapshots) to the prefix cache,
         locked while this request reads them; the cache may answer with its own
         copies of pages another request wrote first, which we then read instead."""
@@ -284,7 +307,8 @@ class Router(pb_grpc.GenerationServiceServicer):
             inserts = [(end, None)] if end > plan.cached else []
         for tokens, slot in inserts:
             n = tokens // self.page_size
-            result = await asyncio.to_thread(self.store.insert, req.prompt[:tokens], plan.pages[:n],
+            result = await asyncio.to_thread((store or self.store).insert, req.prompt[:tokens],
+                                             plan.pages[:n],
                                              slot, req.cache_salt, True)
             self._forget(held, plan.pages[:n], [] if slot is None else [slot])
             plan.pages[:n] = result.pages
@@ -292,7 +316,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                 held.nodes.append(result.node_id)
 
     async def _cache_output(self, req: GenerationRequest, plan: Plan, held: Held, output: list[int],
-                            boundary: int) -> None:
+                            boundary: int, store: StoreClient | None = None) -> None:
         """Insert prompt + output up to the last page boundary whose state (and
         KV) exists, so the next turn of a conversation starts from it."""
         tokens = list(req.prompt) + output
@@ -303,7 +327,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         if end <= max(plan.cached, len(req.prompt) // self.page_size * self.page_size):
             return
         n = end // self.page_size
-        await asyncio.to_thread(self.store.insert, tokens[:end], plan.pages[:n], slot,
+        await asyncio.to_thread((store or self.store).insert, tokens[:end], plan.pages[:n], slot,
                                 req.cache_salt, False)
         self._forget(held, plan.pages[:n], [] if slot is None else [slot])
 
@@ -319,28 +343,64 @@ class Router(pb_grpc.GenerationServiceServicer):
         writes into pages another request already got."""
         async def release() -> None:
             await self._stop_worker(handle)
-            try:
-                if held.nodes:
-                    await asyncio.to_thread(self.store.unlock, held.nodes)
-                if held.pages or held.slots:
-                    await asyncio.to_thread(self.store.release, held.pages, held.slots)
-                stats = await asyncio.to_thread(self.store.stats)
-                self.metrics.set_kv_usage(stats.total_pages - stats.free_pages, stats.total_pages)
-            except StoreError as e:
-                log(PROCESS, f"could not give back a request's pages: {e}")
+            if handle.prefill_held is not None:
+                await self._release(handle.prefill_held, handle.prefill_store)
+            await self._release(held, handle.decode_store or self.store)
 
         await asyncio.shield(asyncio.ensure_future(release()))
 
-    async def _stop_worker(self, handle: Running) -> None:
-        stub = {"prefill": self.prefill, "decode": self.decode}.get(handle.busy_in)
-        if stub is None:
-            return
+    async def _release(self, held: Held, store: StoreClient) -> None:
+        """Everything `held` names goes back to `store`. The lists are emptied
+        before any await: a store call finishes in its thread even when this
+        coroutine is cancelled, so nothing is ever given back twice. If the
+        store refuses a batch (an id the request no longer holds, e.g. an
+        insert that completed while its caller was cancelled), the ids are
+        given back one by one, so the others are not lost."""
+        while held.pending:  # calls still running in their threads record into held
+            await asyncio.gather(*held.pending, return_exceptions=True)
+            held.pending = [f for f in held.pending if not f.done()]
+        nodes, held.nodes = held.nodes, []
+        pages, slots = held.pages, held.slots
+        held.pages, held.slots = [], []
         try:
-            await stub.Abort(wpb.AbortWork(request_id=handle.request_id), timeout=30)
-        except grpc.aio.AioRpcError as e:
-            # a dead worker writes nothing any more; anything else is worth a line
-            if e.code() != grpc.StatusCode.UNAVAILABLE:
-                log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id}: {e.code().name}")
+            if nodes:
+                await self._each_or_all(store.unlock, [nodes], [[[n]] for n in nodes])
+            if pages or slots:
+                await self._each_or_all(store.release, [pages, slots],
+                                        [[[p], []] for p in pages] + [[[], [s]] for s in slots])
+            if store is self.store:
+                stats = await asyncio.to_thread(store.stats)
+                self.metrics.set_kv_usage(stats.total_pages - stats.free_pages, stats.total_pages)
+        except StoreError as e:
+            log(PROCESS, f"could not give back a request's pages: {e}")
+
+    @staticmethod
+    async def _each_or_all(call, whole: list, parts: list[list]) -> None:
+        try:
+            await asyncio.to_thread(call, *whole)
+        except StoreError as e:
+            if e.code != "FAILED_PRECONDITION":
+                raise
+            for args in parts:
+                try:
+                    await asyncio.to_thread(call, *args)
+                except StoreError as part_error:
+                    if part_error.code != "FAILED_PRECONDITION":
+                        raise
+
+    async def _stop_worker(self, handle: Running) -> None:
+        prefill = handle.prefill_stub or self.prefill
+        decode = handle.decode_stub or self.decode
+        stubs = {"prefill": [prefill], "decode": [decode],
+                 "transfer": [prefill, decode]}.get(handle.busy_in, [])
+        for stub in stubs:  # the writer first: prefill pushes into the decode store
+            try:
+                await stub.Abort(wpb.AbortWork(request_id=handle.request_id), timeout=30)
+            except grpc.aio.AioRpcError as e:
+                # a dead worker writes nothing any more; anything else is worth a line
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id}: "
+                                 f"{e.code().name}")
 
     @staticmethod
     def _decode_request(req: GenerationRequest, plan: Plan, first: int,
@@ -382,7 +442,24 @@ def _worker_failure(e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     return code, e.details() or code.name
 
 
+def _public_api(router):
+    """What the router's gRPC server registers: the public GenerationService
+    (served by `router`, shared or disaggregated), reflection and health."""
+    def register(server) -> None:
+        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
+        names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+                 reflection.SERVICE_NAME, "grpc.health.v1.Health")
+        reflection.enable_server_reflection(names, server)
+    return register
+
+
 async def _main(args) -> None:
+    if args.prefill_group or args.decode_group:
+        await _main_disaggregated(args)
+        return
+    if not (args.store and args.prefill and args.decode):
+        raise TandemError("give --store, --prefill and --decode (shared topology) or "
+                          "--prefill-group and --decode-group (disaggregated)")
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS, map_memory=False)
     tokenizer = load_tokenizer(store.info.model_id)
@@ -394,11 +471,7 @@ async def _main(args) -> None:
                     wpb_grpc.DecodeServiceStub(decode_channel), tokenizer, metrics,
                     RouterConfig(snapshot_every=args.snapshot_every, model_name=args.model_name))
 
-    def register(server) -> None:
-        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
-        names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-                 reflection.SERVICE_NAME, "grpc.health.v1.Health")
-        reflection.enable_server_reflection(names, server)
+    register = _public_api(router)
 
     async def on_stop() -> None:
         await prefill_channel.close()
@@ -410,11 +483,87 @@ async def _main(args) -> None:
     await serve(PROCESS, f"{args.host}:{args.port}", register, (SERVICE,), on_stop)
 
 
+async def _main_disaggregated(args) -> None:
+    from router.disagg import DisaggRouter, Worker
+    from tandem.serving import TRANSFER_SERVICE
+
+    if not (args.prefill_group and args.decode_group):
+        raise TandemError("a disaggregated router needs at least one --prefill-group and one "
+                          "--decode-group STORE_SOCKET=WORKER_SOCKET")
+    channels, workers = [], {"prefill": [], "decode": []}
+    for kind, groups, stub_class in (("prefill", args.prefill_group, wpb_grpc.PrefillServiceStub),
+                                     ("decode", args.decode_group, wpb_grpc.DecodeServiceStub)):
+        for index, group in enumerate(groups):
+            store_sock, sep, worker_sock = group.partition("=")
+            if not sep:
+                raise TandemError(f"--{kind}-group wants STORE_SOCKET=WORKER_SOCKET, got {group!r}")
+            wait_for_store(store_sock, timeout=args.store_timeout)
+            store = StoreClient.connect(store_sock, name=PROCESS, map_memory=False)
+            channel = grpc.aio.insecure_channel(unix_target(worker_sock), options=GRPC_OPTIONS)
+            channels.append(channel)
+            await _wait_until_serving(channel, TRANSFER_SERVICE, f"{kind}-{index}",
+                                      args.transfer_ready_timeout)
+            workers[kind].append(Worker(f"{kind}-{index}", index, store, stub_class(channel)))
+    tokenizer = load_tokenizer(workers["decode"][0].store.info.model_id)
+    metrics = RouterMetrics()
+    metrics_server = metrics.serve(args.metrics_port, args.host) if args.metrics_port else None
+    try:
+        router = DisaggRouter(workers["prefill"], workers["decode"], tokenizer, metrics,
+                              RouterConfig(snapshot_every=args.snapshot_every,
+                                           model_name=args.model_name),
+                              method=args.kv_transfer, transfer_timeout_s=args.transfer_timeout)
+    except ValueError as e:
+        raise TandemError(str(e)) from e
+    log(PROCESS, f"disaggregated: {len(workers['prefill'])} prefill and "
+                 f"{len(workers['decode'])} decode workers, transfers by {args.kv_transfer}")
+
+    register = _public_api(router)
+
+    async def on_stop() -> None:
+        for channel in channels:
+            await channel.close()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        for w in (*workers["prefill"], *workers["decode"]):
+            w.store.close()
+
+    await serve(PROCESS, f"{args.host}:{args.port}", register, (SERVICE,), on_stop)
+
+
+async def _wait_until_serving(channel, service: str, name: str, timeout: float) -> None:
+    """Until the worker's `service` health is SERVING (its transfer path is up)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        if time.monotonic() > deadline:
+            raise TandemError(f"{name}'s KV transfer path was not ready after {timeout:.0f} s "
+                              "(see its log: the process group forms once every worker joined)")
+        await asyncio.sleep(0.1)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m router.server", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True)
-    p.add_argument("--prefill", required=True)
-    p.add_argument("--decode", required=True)
+    p.add_argument("--store", default=None, help="shared topology: the store's socket")
+    p.add_argument("--prefill", default=None, help="shared topology: the prefill worker's socket")
+    p.add_argument("--decode", default=None, help="shared topology: the decode worker's socket")
+    p.add_argument("--prefill-group", action="append", default=[],
+                   metavar="STORE_SOCKET=WORKER_SOCKET",
+                   help="disaggregated: a prefill worker and its store (repeat, in rank order)")
+    p.add_argument("--decode-group", action="append", default=[],
+                   metavar="STORE_SOCKET=WORKER_SOCKET",
+                   help="disaggregated: a decode worker and its store (repeat, in rank order)")
+    p.add_argument("--kv-transfer", choices=["dist", "peer"], default="dist")
+    p.add_argument("--transfer-timeout", type=float, default=120.0,
+                   help="seconds a finished prefill's transfer may take to arrive")
+    p.add_argument("--transfer-ready-timeout", type=float, default=600.0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=0, help="0 = no metrics endpoint")

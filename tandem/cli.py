@@ -95,6 +95,12 @@ def _add_train_mtp(sub) -> None:
     p.add_argument("--depth", type=int, default=3, help="unrolled draft steps trained")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-batch", type=int, default=16,
+                   help="sequences generated at once (64-128 on a GPU)")
+    p.add_argument("--max-prompts", type=int, default=None,
+                   help="use only the first N built-in prompts (default: all)")
+    p.add_argument("--corpus", default=None,
+                   help="file of generated samples: read when it exists, else written")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -111,13 +117,17 @@ def _run_train_mtp(args) -> int:
     try:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
-                          seed=args.seed)
+                          seed=args.seed, max_batch=args.max_batch, max_prompts=args.max_prompts,
+                          corpus_path=args.corpus)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded = load_model(args.model, device=device, progress=False)
+    # dense weights (the head starts as a copy of the last layer, and trains on
+    # them); a head from an earlier train-mtp is ignored (and replaced)
+    loaded = load_model(args.model, device=device, progress=False, weights="bf16",
+                        trained_head=False)
     if loaded.config.mtp_num_layers:
-        raise TandemError(f"{loaded.source} already has an MTP head; nothing to train")
+        raise TandemError(f"{loaded.source} ships its own MTP head; nothing to train")
     if loaded.source.startswith("dummy:"):
         raise TandemError("train-mtp needs real weights (a GGUF file or HF directory)")
     source = Path(loaded.source)
@@ -129,15 +139,18 @@ def _run_train_mtp(args) -> int:
     tensors = {f"mtp.{name}": t for name, t in head.state_dict().items()}
     save_head(out, loaded.config, tensors,
               {"base_model": source.name, "train_steps": str(stats["steps"]),
-               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"])})
-    print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; held-out draft accuracy "
-          f"by depth {[round(a, 3) for a in stats['accuracy']]})")
+               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
+               "held_out_expected_length": f"{stats['expected_length']:.3f}"})
+    print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; on held-out greedy "
+          f"answers: draft accuracy by depth {[round(a, 3) for a in stats['accuracy']]}, "
+          f"expected mean accepted length {stats['expected_length']:.2f})")
     return 0
 
 
 _BENCHES = {"decode": "bench.decode", "prefill": "bench.prefill", "agent-loop": "bench.agent_loop",
             "interference": "bench.interference", "memory": "bench.memory",
-            "kv-quality": "bench.kv_quality", "kv-ablation": "bench.kv_ablation"}
+            "kv-quality": "bench.kv_quality", "kv-ablation": "bench.kv_ablation",
+            "disagg": "bench.disagg"}
 
 
 def _add_bench(sub) -> None:
@@ -192,6 +205,24 @@ def _add_serve(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on the HTTP API "
                         "(default: $TANDEM_API_KEY, else no key)")
     _add_speculative_flags(p)
+    t = p.add_argument_group("topology (docs/ARCHITECTURE.md, Disaggregated topology)")
+    t.add_argument("--topology", choices=["shared", "disaggregated"], default="shared",
+                   help="shared (default): one store that prefill and decode both map; "
+                        "disaggregated: every worker has its own store (on its own device) and "
+                        "finished prefill pages move to the decode worker's store")
+    t.add_argument("--prefill-workers", type=int, default=1, help="disaggregated: N prefill workers")
+    t.add_argument("--decode-workers", type=int, default=1, help="disaggregated: M decode workers")
+    t.add_argument("--devices", default=None,
+                   help="disaggregated: comma-separated device per worker, prefill workers "
+                        "first then decode workers (e.g. cuda:0,cuda:1), or one for all "
+                        "(default: --device)")
+    t.add_argument("--kv-transfer", choices=["dist", "peer"], default="dist",
+                   help="disaggregated: dist = torch.distributed send/recv (gloo on CPU, NCCL "
+                        "on CUDA; works across hosts); peer = prefill workers map the decode "
+                        "stores and copy (shm on CPU, CUDA IPC peer copies; one host)")
+    t.add_argument("--transfer-port", type=int, default=0,
+                   help="disaggregated, dist: TCP port of the process group's rendezvous on "
+                        "127.0.0.1 (default: a free one)")
     p.set_defaults(run=_run_serve)
 
 
@@ -207,37 +238,18 @@ def serve_specs(args, socket_dir: str) -> list:
     """The processes of `tandem serve`, in start order, for parsed ARGS (with
     args.device already chosen) and sockets under SOCKET_DIR: kvstore,
     prefill, decode, router, and the OpenAI HTTP gateway unless --http-port 0."""
-    import os
-
     from tandem.supervisor import ProcessSpec
 
-    sock = {name: os.path.join(socket_dir, f"{name}.sock")
-            for name in ("kvstore", "prefill", "decode")}
-    too_long = [p for p in sock.values() if len(os.fsencode(p)) > _UNIX_PATH_MAX]
-    if too_long:
-        raise TandemError(f"socket path {too_long[0]!r} is longer than {_UNIX_PATH_MAX} bytes; "
-                          "set TMPDIR to a shorter directory")
-    if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
-        raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
-                          "and differ from --grpc-port")
-    if not 1 <= args.draft_tokens <= _MAX_DRAFT_TOKENS:
-        raise TandemError(f"--draft-tokens must be in 1..{_MAX_DRAFT_TOKENS}, got "
-                          f"{args.draft_tokens}")
+    _check_serve_flags(args)
+    sock = _socket_paths(socket_dir, ("kvstore", "prefill", "decode"))
+    if getattr(args, "topology", "shared") == "disaggregated":
+        return _disaggregated_specs(args, socket_dir)
+    if getattr(args, "prefill_workers", 1) != 1 or getattr(args, "decode_workers", 1) != 1:
+        raise TandemError("--prefill-workers/--decode-workers need --topology disaggregated "
+                          "(the shared topology runs one of each over one store)")
     device = args.device
     py = sys.executable
-    kvstore = [py, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
-               "--socket", sock["kvstore"], "--kv-format", args.kv_format,
-               "--page-size", str(args.page_size),
-               "--max-context-tokens", str(args.max_context_tokens),
-               "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
-               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device,
-               # the store lays out the drafter's memory; the workers and the router
-               # read the setting from it
-               "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
-    if getattr(args, "weights", "auto") != "auto":
-        kvstore += ["--weights", args.weights]
-    if args.gpu_memory_budget:
-        kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
+    kvstore = _kvstore_argv(args, sock["kvstore"], device)
     prefill = [py, "-m", "prefill.server", "--store", sock["kvstore"], "--socket", sock["prefill"],
                "--chunk", str(args.prefill_chunk), "--device", device]
     decode = [py, "-m", "decode.server", "--store", sock["kvstore"], "--socket", sock["decode"],
@@ -255,9 +267,130 @@ def serve_specs(args, socket_dir: str) -> list:
         ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
                     start_timeout_s=120),
     ]
+    return specs + _gateway_specs(args)
+
+
+def _check_serve_flags(args) -> None:
+    if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
+        raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
+                          "and differ from --grpc-port")
+    if not 1 <= args.draft_tokens <= _MAX_DRAFT_TOKENS:
+        raise TandemError(f"--draft-tokens must be in 1..{_MAX_DRAFT_TOKENS}, got "
+                          f"{args.draft_tokens}")
+
+
+def _socket_paths(socket_dir: str, names) -> dict:
+    import os
+
+    sock = {name: os.path.join(socket_dir, f"{name}.sock") for name in names}
+    too_long = [p for p in sock.values() if len(os.fsencode(p)) > _UNIX_PATH_MAX]
+    if too_long:
+        raise TandemError(f"socket path {too_long[0]!r} is longer than {_UNIX_PATH_MAX} bytes; "
+                          "set TMPDIR to a shorter directory")
+    return sock
+
+
+def _kvstore_argv(args, socket: str, device: str) -> list[str]:
+    kvstore = [sys.executable, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
+               "--socket", socket, "--kv-format", args.kv_format,
+               "--page-size", str(args.page_size),
+               "--max-context-tokens", str(args.max_context_tokens),
+               "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
+               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device,
+               # the store lays out the drafter's memory; the workers and the router
+               # read the setting from it
+               "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
+    if getattr(args, "weights", "auto") != "auto":
+        kvstore += ["--weights", args.weights]
+    if args.gpu_memory_budget:
+        kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
+    return kvstore
+
+
+def _devices(args) -> list[str]:
+    n = args.prefill_workers + args.decode_workers
+    given = [d.strip() for d in (args.devices or args.device).split(",") if d.strip()]
+    if len(given) == 1:
+        given = given * n
+    if len(given) != n:
+        raise TandemError(f"--devices lists {len(given)} devices for {n} workers "
+                          f"({args.prefill_workers} prefill + {args.decode_workers} decode): "
+                          "give one per worker, prefill workers first, or one for all")
+    bad = [d for d in given if d != "cpu" and not (d == "cuda" or d.startswith("cuda:")
+                                                   and d[5:].isdigit())]
+    if bad:
+        raise TandemError(f"--devices: {bad[0]!r} is not cpu, cuda or cuda:N")
+    return given
+
+
+def _disaggregated_specs(args, socket_dir: str) -> list:
+    """A store per worker (each on its device), N prefill and M decode workers
+    in one transfer group (prefill i = rank i, decode j = rank N + j), a router
+    over all of them."""
+    from tandem.supervisor import ProcessSpec
+
+    n, m = args.prefill_workers, args.decode_workers
+    if not (1 <= n <= 64 and 1 <= m <= 64):
+        raise TandemError("--prefill-workers and --decode-workers must be in 1..64")
+    devices = _devices(args)
+    prefills = [f"prefill-{i}" for i in range(n)]
+    decodes = [f"decode-{j}" for j in range(m)]
+    workers = prefills + decodes
+    sock = _socket_paths(socket_dir, workers + [f"kvstore-{w}" for w in workers])
+    port = args.transfer_port or _free_tcp_port()
+    if not 0 < port < 65536:
+        raise TandemError(f"--transfer-port {port} must be in 1..65535")
+    py = sys.executable
+    group = ["--transfer-world", str(n + m), "--transfer-prefill", str(n),
+             "--transfer-addr", f"127.0.0.1:{port}", "--transfer-method", args.kv_transfer]
+    # peer copies need no group, so a worker can be restarted; a process group
+    # cannot take a new member in a dead one's place, so with dist a worker's
+    # death stops the service
+    restartable = args.kv_transfer == "peer"
+    specs = [ProcessSpec(f"kvstore-{w}", _kvstore_argv(args, sock[f"kvstore-{w}"], d),
+                         f"unix://{sock[f'kvstore-{w}']}", False, start_timeout_s=900)
+             for w, d in zip(workers, devices)]
+    for rank, (w, d) in enumerate(zip(workers, devices)):
+        common = ["--store", sock[f"kvstore-{w}"], "--socket", sock[w], "--device", d,
+                  "--transfer-rank", str(rank), *group]
+        if rank < n:
+            argv = [py, "-m", "prefill.server", *common, "--chunk", str(args.prefill_chunk)]
+            if args.kv_transfer == "peer":
+                argv += ["--peer-stores", ",".join(sock[f"kvstore-{x}"] for x in decodes)]
+        else:
+            argv = [py, "-m", "decode.server", *common, "--max-batch", str(args.max_batch)]
+            if getattr(args, "no_cuda_graphs", False):
+                argv.append("--no-cuda-graphs")
+        specs.append(ProcessSpec(w, argv, f"unix://{sock[w]}", restartable, start_timeout_s=300))
+    router = [py, "-m", "router.server", "--host", args.host, "--port", str(args.grpc_port),
+              "--metrics-port", str(args.metrics_port), "--kv-transfer", args.kv_transfer]
+    for w in prefills:
+        router += ["--prefill-group", f"{sock[f'kvstore-{w}']}={sock[w]}"]
+    for w in decodes:
+        router += ["--decode-group", f"{sock[f'kvstore-{w}']}={sock[w]}"]
+    # the router waits for every worker's transfer path (the group forms once all joined)
+    specs.append(ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
+                             start_timeout_s=900))
+    return specs + _gateway_specs(args)
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gateway_specs(args) -> list:
+    import os
+
+    from tandem.supervisor import ProcessSpec
+
+    specs = []
     if args.http_port:
         # the gateway holds no state: a crash is reported and it is restarted
-        gateway = [py, "-m", "openai_api", "--router", _local_target(args.host, args.grpc_port),
+        gateway = [sys.executable, "-m", "openai_api", "--router", _local_target(args.host, args.grpc_port),
                    "--host", args.host, "--port", str(args.http_port)]
         key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV, "")
         specs.append(ProcessSpec("openai", gateway,
@@ -347,7 +480,7 @@ def _add_plan(sub) -> None:
 def _run_plan(args) -> int:
     from engine.loader import default_dtype, plan_inputs
     from kvstore.memory import KVFormatSpec
-    from kvstore.plan import CapacityPlan, OverBudgetError, parse_bytes
+    from kvstore.plan import SERVICE_CUDA_PROCESSES, CapacityPlan, OverBudgetError, parse_bytes
 
     import torch
 
@@ -366,6 +499,7 @@ def _run_plan(args) -> int:
             prefill_chunk_tokens=args.prefill_chunk, activation_bytes=dtype.itemsize,
             draft_slots_per_sequence=speculative.spare_slots(config),
             mtp_kv_layers=speculative.mtp_kv_layers(config), cuda_graphs=device.type == "cuda",
+            cuda_processes=SERVICE_CUDA_PROCESSES if device.type == "cuda" else 0,
             weight_format=label)
     except ValueError as e:
         raise TandemError(str(e)) from e

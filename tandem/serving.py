@@ -43,7 +43,37 @@ def worker_arguments(prog: str, description: str):
     p.add_argument("--socket", required=True, help="unix socket to serve on")
     p.add_argument("--device", default=None, help="ignored: the store's memory decides")
     p.add_argument("--store-timeout", type=float, default=60.0)
+    g = p.add_argument_group("disaggregated topology (transfer/)")
+    g.add_argument("--transfer-rank", type=int, default=None,
+                   help="this worker's rank in the transfer group (unset: shared topology)")
+    g.add_argument("--transfer-world", type=int, default=0, help="ranks in the transfer group")
+    g.add_argument("--transfer-prefill", type=int, default=0,
+                   help="how many ranks are prefill workers (ranks 0..N-1)")
+    g.add_argument("--transfer-addr", default="127.0.0.1:29500",
+                   help="host:port of rank 0's rendezvous")
+    g.add_argument("--transfer-method", choices=["dist", "peer"], default="dist",
+                   help="dist: torch.distributed send/recv (gloo on CPU, NCCL on CUDA); peer: "
+                        "map the decode stores and copy into them (shm / CUDA IPC, one host)")
+    g.add_argument("--peer-stores", default="",
+                   help="prefill workers with --transfer-method peer: the decode workers' store "
+                        "sockets, comma-separated, in decode worker order")
     return p
+
+
+TRANSFER_SERVICE = "tandem.internal.v1.KVTransfer"  # SERVING once the transfer path is ready
+
+
+def transfer_group_config(args):
+    """The GroupConfig the worker flags describe, or None in the shared topology."""
+    if args.transfer_rank is None:
+        return None
+    from transfer.group import GroupConfig
+
+    try:
+        return GroupConfig(args.transfer_rank, args.transfer_world, args.transfer_addr,
+                           args.transfer_prefill)
+    except ValueError as e:
+        raise TandemError(str(e)) from e
 
 
 def log(process: str, message: str) -> None:
@@ -84,8 +114,11 @@ def claim_socket_path(path: str) -> None:
 
 async def serve(process: str, address: str, register: Callable[[grpc.aio.Server], None],
                 services: tuple[str, ...] = (),
-                on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serve on `address` (a unix socket path, or host:port) until SIGTERM/SIGINT."""
+                on_stop: Callable[[], Awaitable[None]] | None = None,
+                deferred: dict[str, Callable[[], Awaitable[None]]] | None = None) -> None:
+    """Serve on `address` (a unix socket path, or host:port) until SIGTERM/SIGINT.
+    Each `deferred` health service turns SERVING once its coroutine returns
+    (NOT_SERVING, logged, if it raises): readiness that needs other processes."""
     is_unix = "/" in address and ":" not in address
     if is_unix:
         claim_socket_path(address)
@@ -103,16 +136,31 @@ async def serve(process: str, address: str, register: Callable[[grpc.aio.Server]
     await server.start()
     for name in ("", *services):
         await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    pending = [asyncio.ensure_future(_when_ready(process, health_service, name, ready))
+               for name, ready in (deferred or {}).items()]
     log(process, f"serving on {address}")
     try:
         await stop.wait()
     finally:
+        for task in pending:
+            task.cancel()
         await health_service.enter_graceful_shutdown()
         if on_stop is not None:
             await on_stop()
         await server.stop(grace=1.0)
         if is_unix and os.path.exists(address):
             os.unlink(address)
+
+
+async def _when_ready(process: str, health_service, name: str, ready) -> None:
+    await health_service.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        await ready()
+    except Exception as e:
+        log(process, f"{name} is not available: {e}")
+        return
+    await health_service.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log(process, f"{name} ready")
 
 
 def run_server(process: str, main: Callable[[], Awaitable[None]]) -> int:

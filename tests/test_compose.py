@@ -166,3 +166,50 @@ def test_docker_compose_accepts_the_file():
     result = subprocess.run(command + ["-f", str(ROOT / "compose.yaml"), "config", "-q"],
                             capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------- the disaggregated variant
+
+
+@pytest.fixture(scope="module")
+def disagg() -> dict:
+    return yaml.safe_load((ROOT / "compose.disagg.yaml").read_text())["services"]
+
+
+def test_disaggregated_variant_gives_each_worker_its_store_gpu_and_rank(disagg):
+    assert sorted(disagg) == ["decode", "kvstore-decode", "kvstore-prefill", "openai", "prefill",
+                              "router"]
+    for worker, rank, gpu in (("prefill", "0", "0"), ("decode", "1", "1")):
+        service, store = disagg[worker], disagg[f"kvstore-{worker}"]
+        assert flag(service, "--store") == flag(store, "--socket")
+        assert flag(service, "--transfer-rank") == rank
+        assert flag(service, "--transfer-world") == "2" and flag(service, "--transfer-prefill") == "1"
+        assert flag(service, "--transfer-addr") == "prefill:29500"  # rank 0 hosts the rendezvous
+        for s in (service, store):
+            assert s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [gpu]
+            assert s.get("ipc") in ("shareable", "service:kvstore-prefill")
+    router = argv(disagg["router"])
+    groups = [router[i + 1] for i, a in enumerate(router) if a.endswith("-group")]
+    assert groups == [f"{flag(disagg['kvstore-prefill'], '--socket')}="
+                      f"{flag(disagg['prefill'], '--socket')}",
+                      f"{flag(disagg['kvstore-decode'], '--socket')}="
+                      f"{flag(disagg['decode'], '--socket')}"]
+    worker_flags = _worker_parser().parse_args(argv(disagg["decode"])[3:])
+    assert worker_flags.transfer_rank == 1 and worker_flags.transfer_method == "dist"
+
+
+def _worker_parser():
+    from tandem.serving import worker_arguments
+
+    p = worker_arguments("decode", "")
+    p.add_argument("--max-batch")
+    return p
+
+
+def test_docker_compose_accepts_the_disaggregated_variant():
+    command = _compose_v2()
+    if command is None:
+        pytest.skip("no docker compose v2 client here")
+    result = subprocess.run(command + ["-f", str(ROOT / "compose.disagg.yaml"), "config", "-q"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr

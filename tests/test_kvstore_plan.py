@@ -159,3 +159,16 @@ def test_speculation_sizes_mtp_pages_and_draft_slots():
     assert spec.line("gdn draft slots").bytes == 12 * plain.line("gdn live slots").bytes // 4
     assert spec.num_state_slots == plain.num_state_slots + 12
     assert spec.cache_shape.mtp_layers == 1
+
+
+def test_each_gpu_process_costs_a_cuda_context():
+    """A plan for the GPU service counts the CUDA context of each of its GPU
+    processes (NVML's per-process figure, not PyTorch's allocator)."""
+    from kvstore.plan import CUDA_CONTEXT_BYTES, SERVICE_CUDA_PROCESSES
+
+    cpu = _plan(_qwen27b(), 14 * GiB)
+    gpu = _plan(_qwen27b(), 14 * GiB, cuda_processes=SERVICE_CUDA_PROCESSES)
+    assert cpu.line("cuda contexts").bytes == 0
+    assert gpu.line("cuda contexts").bytes == 3 * CUDA_CONTEXT_BYTES >= 3 * 612 * 2**20
+    assert gpu.total_bytes - cpu.total_bytes == 3 * CUDA_CONTEXT_BYTES
+    assert "3 processes" in gpu.table()

@@ -13,6 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K,  # noqa: E402
+                               GemvConfig, check_gemv_layout, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -60,6 +62,81 @@ def test_gemv_matches_reference(fmt, rows):
     y = gemv(x, qt, out=out)
     assert y.data_ptr() == out.data_ptr()
     torch.testing.assert_close(y, _expected(x, qt), **_tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("config,rows", [(GemvConfig(16, 256, 1), 1), (GemvConfig(8, 128, 3), 5),
+                                         (GemvConfig(32, 64, 4), 2),
+                                         (GemvConfig(8, 128, 2, prefetch=True), 1)],
+                         ids=["even-1row", "split3-5rows", "split4-2rows", "prefetch-split2"])
+def test_gemv_configs_with_tails_bias_and_split_k(fmt, config, rows):
+    # N = 37 is no multiple of any BLOCK_N; K = 768 / 576 leaves a partial last
+    # tile for some BLOCK_K and splits that do not divide the tiles evenly
+    k = 768 if fmt[2] == 256 else 576
+    qt = random_quant(37, k, *fmt, seed=7)
+    x = torch.randn(rows, k, device=DEVICE)
+    bias = torch.randn(37, device=DEVICE)
+    out = torch.full((rows, 37), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, bias=bias, config=config)
+    assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, _expected(x, qt) + bias, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("config,rows", [(GemvConfig(16, 256, 1, tensor_cores=True), 2),
+                                         (GemvConfig(32, 128, 3, tensor_cores=True), 8)],
+                         ids=["tc-2rows", "tc-split3-8rows"])
+def test_gemv_tensor_cores_with_tails_bias_and_split_k(fmt, config, rows):
+    k = 768 if fmt[2] == 256 else 576
+    qt = random_quant(37, k, *fmt, seed=9)
+    x = torch.randn(rows, k, device=DEVICE)
+    bias = torch.randn(37, device=DEVICE)
+    out = torch.full((rows, 37), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, bias=bias, config=config)
+    torch.testing.assert_close(y, _expected(x, qt) + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_gemv_bf16_rows_up_to_8():
+    qt = random_quant(16, 256, 4, 32, 256, True, seed=8)
+    for rows in range(1, 9):
+        x = torch.randn(rows, 256, device=DEVICE).to(torch.bfloat16)
+        out = torch.full((rows, 16), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        expected = _expected(x, qt)
+        for config in (GemvConfig(8, 128, 2), GemvConfig(16, 128, 2, tensor_cores=True)):
+            out.fill_(float("nan"))
+            y = gemv(x, qt, out=out, config=config)
+            torch.testing.assert_close(y.float(), expected, rtol=1e-2,
+                                       atol=1e-2 * expected.abs().max().item())
+
+
+def test_gemv_rejects_what_it_cannot_run():
+    qt = random_quant(16, 256, 4, 32, 256, True)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.randn(9, 256, device=DEVICE), qt)
+    with pytest.raises(ValueError, match="features"):
+        gemv(torch.randn(1, 128, device=DEVICE), qt)
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig(block_n=24)
+    odd = QuantTensor.from_codes(torch.randint(-8, 8, (4, 24)), 8, torch.ones(4, 1).half(),
+                                 torch.ones(4, 4))  # 8-bit, group 6: no whole words
+    with pytest.raises(ValueError, match="whole words"):
+        check_gemv_layout(odd)
+
+
+def test_pick_config_fills_the_gpu():
+    sms = 132
+    for n, k in ((17408, 5120), (5120, 17408), (5120, 6144), (1024, 5120), (48, 5120)):
+        for rows in (1, 4, 8):
+            cfg = pick_config(4, n, k, rows, 32, sms)
+            n_blocks, tiles = -(-n // cfg.block_n), -(-k // cfg.block_k)
+            assert cfg.split_k <= tiles and cfg.block_k % 32 == 0
+            # (nearly) every SM gets work when the shape has enough of it
+            enough = min(sms, n_blocks * tiles, n_blocks * MAX_SPLIT_K)
+            assert n_blocks * cfg.split_k >= 0.9 * enough, (n, k, rows, cfg)
+    assert not pick_config(4, 5120, 5120, 1, 32, sms).tensor_cores
+    assert pick_config(4, 5120, 5120, 4, 32, sms).tensor_cores
+    assert len({c.key() for c in CANDIDATES + DOT_CANDIDATES}) == len(CANDIDATES) + \
+        len(DOT_CANDIDATES)
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=FORMAT_IDS[:2])

@@ -22,16 +22,21 @@ def _bytes(text: str, line: str) -> float:
     return float(m.group(1)) * {"GiB": GiB, "MiB": 1 << 20, "KiB": 1 << 10}[m.group(2)]
 
 
-def test_27b_int4_rk4_full_context_fits_24gib_with_a_gib_to_spare(capsys):
-    assert main([*PLAN_27B, "--weights", "int4"]) == 0
+def test_27b_int4_rk4_full_context_plan_lists_every_line(capsys):
+    """The 24 GiB demonstration's plan, CUDA contexts included. It needs 24.26
+    GiB (BENCHMARKS.md: NVML measured 23.98): the issue's goal of fitting 24
+    GiB with 1 GiB spare is not met yet, and the plan says so."""
+    plan_25 = [*PLAN_27B[:-1], "25GiB"]
+    assert main([*plan_25, "--weights", "int4"]) == 0
     out = capsys.readouterr().out
     for line in ("weights", "kv pages", "mtp kv pages", "gdn live slots", "gdn snapshot slots",
                  "gdn draft slots", "activation reserve", "decode activations", "cuda graphs",
-                 "allocator slack"):
+                 "allocator slack", "cuda contexts"):
         assert _bytes(out, line) > 0, line
-    assert _bytes(out, "total") <= 23 * GiB
-    assert _bytes(out, "spare") >= 1.0 * GiB
+    assert 23 * GiB < _bytes(out, "total") <= 24.5 * GiB
     assert 13 * GiB < _bytes(out, "weights") < 16 * GiB  # ~27B weights at 4.625 bits
+    assert main([*PLAN_27B, "--weights", "int4"]) == 1
+    assert "over budget: cuda contexts" in capsys.readouterr().err
 
 
 def test_27b_bf16_weights_do_not_fit_and_the_message_says_what_to_change(capsys):

@@ -2,13 +2,9 @@
 
 Two Triton kernels and the PyTorch reference they are tested against:
 
-  * `gemv`: decode batches of up to GEMV_MAX_ROWS rows (the MTP verify width
-    included). One program owns BLOCK_N output features and walks K; the
-    weight tile is unpacked once and used for every row. Per group it
-    computes s * dot(q, x) - b * sum(x) (s = d*sc, b = dmin*m), so the inner
-    loop is one multiply-add per weight and row. SPLIT_K programs share a
-    row range when N alone gives too few programs to fill the GPU; their
-    fp32 partial sums are added by torch.
+  * `gemv` (engine/quant/gemv.py): decode batches of up to GEMV_MAX_ROWS
+    rows (the MTP verify width included), built for memory bandwidth; its
+    docstring says how.
   * `gemm`: prefill. Each K tile of the weight is dequantized into the
     activation dtype and fed to tl.dot. 4-bit tiles are used as two halves
     (even and odd k, the low and high nibbles) against x's even and odd
@@ -28,7 +24,7 @@ import triton.language as tl
 
 from engine.quant.tensor import QuantTensor
 
-GEMV_MAX_ROWS = 8
+from engine.quant.gemv import GEMV_MAX_ROWS, gemv  # noqa: F401  (the decode path)
 
 
 def reference_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
@@ -68,64 +64,6 @@ def _group_scales(d_ptr, sc_ptr, dmin_ptr, m_ptr, offs_n, g_ids, mask, K,
     else:
         minimum = scale * 0.0
     return scale, minimum
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
-                 M, N, K, stride_xm, stride_os, stride_om,
-                 TILES_PER_SPLIT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    NG: tl.constexpr = BLOCK_K // G
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    # loop bounds are constexpr: the interpreter cannot loop over a runtime
-    # scalar. The last split may run past K: those tiles load nothing.
-    k_lo = pid_k * (TILES_PER_SPLIT * BLOCK_K)
-    for tile in range(0, TILES_PER_SPLIT):
-        k0 = k_lo + tile * BLOCK_K
-        g_ids = k0 // G + tl.arange(0, NG)
-        g_mask = n_mask[:, None] & (g_ids < K // G)[None, :]
-        scale, minimum = _group_scales(d_ptr, sc_ptr, dmin_ptr, m_ptr, offs_n, g_ids, g_mask,
-                                       K, G, S, ASYM, True)
-        if BITS == 4:
-            HALF: tl.constexpr = BLOCK_K // 2
-            j = k0 // 2 + tl.arange(0, HALF)
-            j_ok = j < K // 2
-            packed = tl.load(qw_ptr + offs_n[:, None] * (K // 2) + j[None, :],
-                             mask=n_mask[:, None] & j_ok[None, :], other=0)
-            lo = tl.reshape((packed & 0xF).to(tl.float32), [BLOCK_N, NG, G // 2])
-            hi = tl.reshape((packed >> 4).to(tl.float32), [BLOCK_N, NG, G // 2])
-            for r in tl.static_range(BLOCK_M):
-                x_row = x_ptr + r * stride_xm + 2 * j
-                ok = j_ok & (r < M)
-                xe = tl.reshape(tl.load(x_row, mask=ok, other=0.0).to(tl.float32), [NG, G // 2])
-                xo = tl.reshape(tl.load(x_row + 1, mask=ok, other=0.0).to(tl.float32),
-                                [NG, G // 2])
-                qx = tl.sum(lo * xe[None, :, :], axis=2) + tl.sum(hi * xo[None, :, :], axis=2)
-                xs = tl.sum(xe, axis=1) + tl.sum(xo, axis=1)
-                part = tl.sum(scale * qx - minimum * xs[None, :], axis=1)
-                acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
-        else:
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            q = tl.load(qw_ptr + offs_n[:, None] * K + k[None, :],
-                        mask=n_mask[:, None] & k_ok[None, :], other=0)
-            q = tl.reshape(q.to(tl.float32), [BLOCK_N, NG, G])
-            for r in tl.static_range(BLOCK_M):
-                ok = k_ok & (r < M)
-                xv = tl.reshape(tl.load(x_ptr + r * stride_xm + k, mask=ok, other=0.0
-                                        ).to(tl.float32), [NG, G])
-                qx = tl.sum(q * xv[None, :, :], axis=2)
-                xs = tl.sum(xv, axis=1)
-                part = tl.sum(scale * qx - minimum * xs[None, :], axis=1)
-                acc = tl.where(rows[:, None] == r, acc + part[None, :], acc)
-    out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & n_mask[None, :])
 
 
 @triton.jit
@@ -204,57 +142,9 @@ def _block_k(qt: QuantTensor, want: int) -> int:
     return max(want, qt.group)
 
 
-def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
-         block_n: int | None = None, block_k: int = 256, split_k: int | None = None
-         ) -> torch.Tensor:
-    """x [M, K] with M <= GEMV_MAX_ROWS -> [M, N] in x's dtype."""
-    m_rows, k_dim = x.shape
-    n_dim = qt.out_features
-    if not 1 <= m_rows <= GEMV_MAX_ROWS:
-        raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m_rows}")
-    x = x.contiguous()
-    block_m = triton.next_power_of_2(m_rows)
-    block_n = block_n or (32 if n_dim >= 4096 else 16)
-    block_k = _block_k(qt, block_k)
-    n_blocks = triton.cdiv(n_dim, block_n)
-    if split_k is None:
-        split_k = _split_k(x.device, n_blocks, k_dim, block_k)
-    k_per_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
-    split_k = triton.cdiv(k_dim, k_per_split)
-    target = out if split_k == 1 and out is not None else None
-    if split_k == 1:
-        target = target if target is not None else torch.empty(m_rows, n_dim, dtype=x.dtype,
-                                                               device=x.device)
-        stride_os = 0
-    else:
-        target = torch.empty(split_k, m_rows, n_dim, dtype=torch.float32, device=x.device)
-        stride_os = target.stride(0)
-    _gemv_kernel[(n_blocks, split_k)](
-        x, *_parts(qt), target, m_rows, n_dim, k_dim, x.stride(0), stride_os,
-        target.stride(-2), TILES_PER_SPLIT=k_per_split // block_k,
-        BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    if split_k == 1:
-        return target
-    result = target.sum(0).to(x.dtype)
-    if out is not None:
-        out.copy_(result)
-        return out
-    return result
-
-
 def _interpreting() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _split_k(device: torch.device, n_blocks: int, k_dim: int, block_k: int) -> int:
-    """Enough programs for about two waves of the GPU's SMs."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-2 * sms // n_blocks)
-    return max(1, min(want, k_dim // (4 * block_k), 16))
 
 
 def gemm(x: torch.Tensor, qt: QuantTensor, block_m: int = 64, block_n: int = 64,
@@ -285,9 +175,9 @@ def triton_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = 
     if x2.shape[0] == 0:
         y = x2.new_empty(0, qt.out_features)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
-        y = gemv(x2, qt)
+        y = gemv(x2, qt, bias=bias)
     else:
         y = gemm(x2, qt)
-    if bias is not None:
-        y = y + bias
+        if bias is not None:
+            y = y + bias
     return y.view(*lead, qt.out_features)

@@ -1,13 +1,17 @@
 """`tandem train-mtp`: train an MTP head for a model that ships none, by
 self-distillation on text the base model itself generates.
 
-Data: the base model answers a fixed set of chat and code prompts (sampled
-at temperature 0.8 for variety). For every position p of that text the label
-of the pair (h_p, token p+1) is the base model's own greedy choice at
-position p+1, i.e. what greedy speculation must draft to be accepted
-(cross-entropy on the base's greedy tokens; decided over KL to its full
-distribution because it needs no stored teacher distributions and is exactly
-the greedy acceptance criterion).
+Data: the base model answers the prompts of prompts.py (the first sample
+of each prompt greedy, as speculation will see it, the others sampled at
+temperature 0.8 for variety); the corpus can be saved and reused. For every
+answer position p of that text the label of the pair (h_p, token p+1) is the
+base model's own greedy choice at position p+1, i.e. what greedy speculation
+must draft to be accepted (cross-entropy on the base's greedy tokens; decided
+over KL to its full distribution because it needs no stored teacher
+distributions and is exactly the greedy acceptance criterion). Prompt
+positions carry no label: drafting starts after the prompt, and a fixed chat
+template is so easy to predict that it inflated the first head's held-out
+accuracy (0.57 with the template, 0.28-0.55 on answers alone).
 
 The head is unrolled `depth` steps as it runs when drafting (step r feeds the
 head's own output at p as the hidden of the pair at p+1), with losses
@@ -32,49 +36,8 @@ import torch.nn.functional as F
 
 from engine.loader import LoadedModel
 from engine.model import CausalLM, DecoderLayer, MTPHead
+from engine.speculative.prompts import training_prompts
 
-PROMPTS = [
-    "Write a Python function that checks whether a number is prime.",
-    "Explain what a hash table is in two paragraphs.",
-    "Write a JavaScript function that reverses a string.",
-    "What are the main causes of climate change?",
-    "Write a SQL query that finds the ten most recent orders.",
-    "Give me three tips for a job interview.",
-    "Write a bash script that counts the lines in every .txt file.",
-    "Summarise the plot of Romeo and Juliet.",
-    "Write a Python class for a bank account with deposit and withdraw.",
-    "How does photosynthesis work?",
-    "Write a function in C that computes the factorial of n.",
-    "What is the difference between a list and a tuple in Python?",
-    "Write a recipe for pancakes.",
-    "Explain recursion to a beginner with an example.",
-    "Write a Python script that reads a CSV file and prints the average of a column.",
-    "What should I pack for a weekend hiking trip?",
-    "Write a Rust function that sums a vector of integers.",
-    "Describe the water cycle.",
-    "Write a Python function that merges two sorted lists.",
-    "Why is the sky blue?",
-    "Write an HTML page with a form that asks for a name and an email.",
-    "What are the benefits of regular exercise?",
-    "Write a Python generator that yields Fibonacci numbers.",
-    "Explain the difference between TCP and UDP.",
-    "Write a Go program that prints hello world.",
-    "Give me a short story about a robot learning to paint.",
-    "Write a Python function to parse a date string like 2024-01-31.",
-    "What is machine learning?",
-    "Write a unit test in Python for a function add(a, b).",
-    "How do I make a good cup of coffee?",
-    "Write a Java method that finds the maximum in an array.",
-    "Explain what an API is.",
-    "Write a Python decorator that times a function.",
-    "What are some good habits for studying?",
-    "Write a regular expression that matches an email address and explain it.",
-    "Describe how a car engine works.",
-    "Write a Python function that counts word frequencies in a text.",
-    "What is the capital of Japan and what is it known for?",
-    "Write a TypeScript interface for a user with a name, an age and an email.",
-    "Explain Big O notation with examples.",
-]
 
 
 @dataclass(frozen=True)
@@ -86,9 +49,13 @@ class TrainConfig:
     time_budget_s: float = 600.0
     seed: int = 0
     max_batch: int = 16
+    max_prompts: int | None = None  # None: every prompt of prompts.py
+    corpus_path: str | None = None  # read if it exists, else written after generation
+    max_steps: int | None = None  # stop early (tests); the time budget still applies
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1:
+        if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
+                or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10):
             raise ValueError(f"train-mtp: bad settings {self}")
 
 
@@ -96,26 +63,65 @@ def _log(message: str) -> None:
     print(f"train-mtp: {message}", file=sys.stderr, flush=True)
 
 
-def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> list[list[int]]:
-    """Prompt + the base model's sampled answer, one token list per sample."""
+@dataclass
+class Corpus:
+    """Token lists (prompt + answer), where each answer starts, and which
+    answers are greedy (the text speculation is measured on)."""
+    samples: list[list[int]]
+    prompt_lengths: list[int]
+    greedy: list[bool]
+
+    def save(self, path: str) -> None:
+        torch.save({"samples": self.samples, "prompt_lengths": self.prompt_lengths,
+                    "greedy": self.greedy}, path)
+
+    @classmethod
+    def load(cls, path: str) -> "Corpus":
+        data = torch.load(path)
+        return cls(data["samples"], data["prompt_lengths"], data["greedy"])
+
+
+def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
+    """Prompt + the base model's answer, one token list per sample."""
+    if cfg.corpus_path:
+        from pathlib import Path
+
+        if Path(cfg.corpus_path).exists():
+            corpus = Corpus.load(cfg.corpus_path)
+            _log(f"read {len(corpus.samples)} samples from {cfg.corpus_path}")
+            return corpus
     from engine.llm import EngineConfig, OfflineEngine
     from engine.sampling import SamplingParams
 
-    engine = OfflineEngine(loaded, EngineConfig(max_batch=cfg.max_batch, max_context=1024))
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=cfg.max_batch,
+                                                max_context=_context_for(cfg.new_tokens)))
+    texts = training_prompts()[:cfg.max_prompts]
     prompts, params = [], []
-    for i, text in enumerate(PROMPTS):
+    for i, text in enumerate(texts):
         prompt = engine.chat_prompt([{"role": "user", "content": text}])
         for s in range(cfg.samples_per_prompt):
             prompts.append(prompt)
-            params.append(SamplingParams(temperature=0.8, top_p=0.95, seed=cfg.seed * 1000 + i * 10 + s,
+            # greedy text is what drafts are verified against; sampled text adds variety
+            temperature = 0.0 if s == 0 else 0.8
+            params.append(SamplingParams(temperature=temperature, top_p=0.95,
+                                         seed=cfg.seed * 1000 + i * 10 + s,
                                          max_new_tokens=cfg.new_tokens))
     outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     started = time.monotonic()
     for event in engine.generate(prompts, params):
         outputs[event.index].append(event.token_id)
-    _log(f"generated {sum(map(len, outputs.values()))} tokens for {len(prompts)} samples in "
-         f"{time.monotonic() - started:.0f} s")
-    return [prompts[i] + outputs[i] for i in range(len(prompts))]
+    _log(f"generated {sum(map(len, outputs.values()))} tokens for {len(prompts)} samples of "
+         f"{len(texts)} prompts in {time.monotonic() - started:.0f} s")
+    corpus = Corpus([prompts[i] + outputs[i] for i in range(len(prompts))],
+                    [len(p) for p in prompts], [p.temperature == 0 for p in params])
+    if cfg.corpus_path:
+        corpus.save(cfg.corpus_path)
+    return corpus
+
+
+def _context_for(new_tokens: int) -> int:
+    """Room for the longest chat prompt plus the answer, in whole 256-token steps."""
+    return -(-(new_tokens + 128) // 256) * 256
 
 
 @torch.no_grad()
@@ -189,28 +195,56 @@ def init_head(model: CausalLM) -> MTPHead:
     return head
 
 
-def train_head(loaded: LoadedModel, cfg: TrainConfig) -> tuple[MTPHead, dict]:
+IGNORE = -100  # cross_entropy's ignore_index: labels inside the prompt
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # [T]
+    hidden: torch.Tensor  # [T, H], the base's normed final hidden
+    labels: torch.Tensor  # [T], the base's greedy choice; IGNORE inside the prompt
+    greedy: bool          # the answer is the base's greedy text
+
+
+def make_examples(model: CausalLM, corpus: Corpus) -> list[Example]:
+    """Drafts are only ever made after the prompt (the first answer token comes
+    from prefill): labels of prompt positions are ignored, in the loss and in
+    the accuracy (a fixed chat template is trivial to predict and would
+    inflate both)."""
+    device = model.output_embedding.device
+    examples = []
+    for toks, prompt_len, greedy in zip(corpus.samples, corpus.prompt_lengths, corpus.greedy):
+        hidden, labels = base_features(model, toks)
+        labels[:prompt_len] = IGNORE
+        examples.append(Example(torch.tensor(toks, device=device), hidden, labels, greedy))
+    return examples
+
+
+def train_head(loaded: LoadedModel, cfg: TrainConfig,
+               corpus: Corpus | None = None) -> tuple[MTPHead, dict]:
     torch.manual_seed(cfg.seed)
     _log(f"settings {cfg}")
     model = loaded.model
-    corpus = generate_corpus(loaded, cfg)
-    features = [(torch.tensor(toks), *base_features(model, toks)) for toks in corpus]
+    examples = make_examples(model, corpus or generate_corpus(loaded, cfg))
+    device = model.output_embedding.device
     rng = random.Random(cfg.seed)
     # the last prompts' samples are held out whole (no shared prompt text)
-    cut = len(features) - max(len(features) // 10, 1)
-    training, held_out = features[:cut], features[cut:]
-    head = init_head(model)
+    held = max(len(examples) // 10 // cfg.samples_per_prompt, 1) * cfg.samples_per_prompt
+    training, held_out = examples[:-held], examples[-held:]
+    head = init_head(model).to(device)
     params = [p for p in head.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()
     # The softmax of the training loss runs over the tokens of the corpus only
-    # (a sampled softmax: ~15x cheaper on a 49K vocabulary); held-out accuracy
+    # (a sampled softmax, cheaper on a 49K vocabulary); held-out accuracy
     # below is measured with the full vocabulary.
-    vocab = torch.unique(torch.cat([f[0] for f in features] + [f[2] for f in features]))
-    remap = torch.full((full_head.shape[0],), -1, dtype=torch.long)
-    remap[vocab] = torch.arange(len(vocab))
+    vocab = torch.unique(torch.cat([e.tokens for e in examples] +
+                                   [e.labels[e.labels != IGNORE] for e in examples]))
+    remap = torch.full((full_head.shape[0],), IGNORE, dtype=torch.long, device=device)
+    remap[vocab] = torch.arange(len(vocab), device=device)
     lm_head = full_head[vocab]
-    training = [(tokens, hidden, remap[greedy]) for tokens, hidden, greedy in training]
+    for e in training:
+        e.labels = torch.where(e.labels == IGNORE, e.labels, remap[e.labels.clamp(min=0)])
     _log(f"{len(training)} training and {len(held_out)} held-out samples, "
          f"{len(vocab)} tokens in the loss vocabulary")
     started, step, epochs = time.monotonic(), 0, 0
@@ -218,58 +252,75 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig) -> tuple[MTPHead, dict]:
     while time.monotonic() - started < budget:
         rng.shuffle(training)
         epochs += 1
-        for tokens, hidden, greedy in training:
+        for example in training:
             elapsed = time.monotonic() - started
-            if elapsed >= budget:
+            if elapsed >= budget or step == cfg.max_steps:
+                budget = 0.0  # ends the outer loop too
                 break
             for g in opt.param_groups:  # cosine decay over the time budget
                 g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
-            loss = _unrolled_loss(model, head, lm_head, tokens, hidden, greedy, cfg.depth)
+            loss = _unrolled_loss(model, head, lm_head, example, cfg.depth)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
-            if step % 50 == 0:
+            if step % 200 == 0:
                 _log(f"step {step} epoch {epochs} loss {loss.item():.3f} "
                      f"({time.monotonic() - started:.0f} s)")
-    accuracy = evaluate(model, head, full_head, held_out, cfg.depth)
-    _log(f"held-out draft accuracy by depth: {[round(a, 3) for a in accuracy]}")
-    return head, {"steps": step, "epochs": epochs, "accuracy": accuracy}
+    stats = evaluate(model, head, full_head, [e for e in held_out if e.greedy], cfg.depth)
+    _log(f"held-out greedy answers: draft accuracy by depth "
+         f"{[round(a, 3) for a in stats['accuracy']]}, expected mean accepted length at "
+         f"k={cfg.depth} {stats['expected_length']:.2f}")
+    return head, {"steps": step, "epochs": epochs, **stats}
 
 
-def _unrolled_loss(model, head, lm_head, tokens, hidden, greedy, depth):
+def _unrolled_loss(model, head, lm_head, example: Example, depth: int):
     """Depth r pairs: (hidden of depth r-1 at p, token p+r) at position p+r-1,
     labelled with the base's greedy choice at p+r."""
     total, weight_sum = 0.0, 0.0
-    h = hidden[:-1]
+    tokens, labels = example.tokens, example.labels
+    h = example.hidden[:-1]
     for r in range(1, depth + 1):
-        n = len(tokens) - r  # pairs p = 0..n-1 need token p+r and label greedy[p+r]
-        if n < 2:
+        n = len(tokens) - r  # pairs p = 0..n-1 need token p+r and label labels[p+r]
+        if n < 2 or bool((labels[r:r + n] == IGNORE).all()):
             break
         h = h[:n]
-        positions = torch.arange(r - 1, r - 1 + n)
+        positions = torch.arange(r - 1, r - 1 + n, device=h.device)
         out = head_forward(model, head, h, tokens[r:r + n], positions)
-        logits = F.linear(out, lm_head)
         weight = 0.5 ** (r - 1)
-        total = total + weight * F.cross_entropy(logits, greedy[r:r + n])
+        total = total + weight * F.cross_entropy(F.linear(out, lm_head), labels[r:r + n],
+                                                 ignore_index=IGNORE)
         weight_sum += weight
         h = out
     return total / weight_sum
 
 
 @torch.no_grad()
-def evaluate(model, head, lm_head, features, depth) -> list[float]:
-    """Fraction of depth-r drafts equal to the base's greedy choice."""
+def evaluate(model, head, lm_head, examples: list[Example], depth: int) -> dict:
+    """On greedy answers: the fraction of depth-r drafts equal to the base's
+    greedy choice, and the mean accepted length a verify step starting at a
+    random answer position would see (1 + the expected run of correct drafts:
+    in greedy text a correct draft is the token the next depth is fed)."""
     hits, counts = [0] * depth, [0] * depth
-    for tokens, hidden, greedy in features:
-        h = hidden[:-1]
+    run_sum, starts = 0.0, 0
+    for e in examples:
+        h = e.hidden[:-1]
+        n0 = len(e.tokens) - depth  # start positions whose whole chain is labelled
+        chain = torch.ones(max(n0, 0), dtype=torch.bool, device=h.device)
+        answer = e.labels[1:1 + max(n0, 0)] != IGNORE
         for r in range(1, depth + 1):
-            n = len(tokens) - r
+            n = len(e.tokens) - r
             h = h[:n]
-            out = head_forward(model, head, h, tokens[r:r + n], torch.arange(r - 1, r - 1 + n))
-            pred = F.linear(out, lm_head).argmax(-1)
-            hits[r - 1] += int((pred == greedy[r:r + n]).sum())
-            counts[r - 1] += n
+            positions = torch.arange(r - 1, r - 1 + n, device=h.device)
+            out = head_forward(model, head, h, e.tokens[r:r + n], positions)
+            labels = e.labels[r:r + n]
+            correct = (F.linear(out, lm_head).argmax(-1) == labels) & (labels != IGNORE)
+            hits[r - 1] += int(correct.sum())
+            counts[r - 1] += int((labels != IGNORE).sum())
+            chain &= correct[:len(chain)]
+            run_sum += float((chain & answer).sum())
             h = out
-    return [h / max(c, 1) for h, c in zip(hits, counts)]
+        starts += int(answer.sum())
+    return {"accuracy": [h / max(c, 1) for h, c in zip(hits, counts)],
+            "expected_length": 1 + run_sum / max(starts, 1)}

@@ -85,7 +85,7 @@ class AbortWorkReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling")
+    __slots__ = ("request_id", "tokens", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling", "transfer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class PrefillRequest(_message.Message):
     RESTORE_SLOT_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -102,15 +103,76 @@ class PrefillRequest(_message.Message):
     restore_slot: int
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotPoint]
     sampling: Sampling
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., restore_slot: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotPoint, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    transfer: KVTransfer
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., restore_slot: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotPoint, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+
+class KVTransfer(_message.Message):
+    __slots__ = ("transfer_id", "decode_worker", "first_page", "dest_pages", "dest_state_slot", "snapshot_slot", "dest_snapshot_slot")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
+    DEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEST_STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    DEST_SNAPSHOT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    decode_worker: int
+    first_page: int
+    dest_pages: _containers.RepeatedScalarFieldContainer[int]
+    dest_state_slot: int
+    snapshot_slot: int
+    dest_snapshot_slot: int
+    def __init__(self, transfer_id: _Optional[int] = ..., decode_worker: _Optional[int] = ..., first_page: _Optional[int] = ..., dest_pages: _Optional[_Iterable[int]] = ..., dest_state_slot: _Optional[int] = ..., snapshot_slot: _Optional[int] = ..., dest_snapshot_slot: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first", "prefilled_tokens")
+    __slots__ = ("first", "prefilled_tokens", "transferred_pages", "transferred_bytes")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
     first: GeneratedToken
     prefilled_tokens: int
-    def __init__(self, first: _Optional[_Union[GeneratedToken, _Mapping]] = ..., prefilled_tokens: _Optional[int] = ...) -> None: ...
+    transferred_pages: int
+    transferred_bytes: int
+    def __init__(self, first: _Optional[_Union[GeneratedToken, _Mapping]] = ..., prefilled_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ...) -> None: ...
+
+class ReceiveRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "prefill_worker", "dest_pages", "dest_state_slot", "dest_snapshot_slot")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEST_STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
+    DEST_SNAPSHOT_SLOT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: int
+    prefill_worker: int
+    dest_pages: _containers.RepeatedScalarFieldContainer[int]
+    dest_state_slot: int
+    dest_snapshot_slot: int
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., prefill_worker: _Optional[int] = ..., dest_pages: _Optional[_Iterable[int]] = ..., dest_state_slot: _Optional[int] = ..., dest_snapshot_slot: _Optional[int] = ...) -> None: ...
+
+class ReceiveEvent(_message.Message):
+    __slots__ = ("registered", "done")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    registered: ReceiveRegistered
+    done: ReceiveDone
+    def __init__(self, registered: _Optional[_Union[ReceiveRegistered, _Mapping]] = ..., done: _Optional[_Union[ReceiveDone, _Mapping]] = ...) -> None: ...
+
+class ReceiveRegistered(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReceiveDone(_message.Message):
+    __slots__ = ("pages", "bytes", "seconds")
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pages: int
+    bytes: int
+    seconds: float
+    def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "lease", "prompt", "first_token", "sampling", "pages", "state_slot", "boundary_slot", "spare_slots")

@@ -163,6 +163,11 @@ class DecodeServiceStub:
                 request_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.SerializeToString,
                 response_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.FromString,
                 _registered_method=True)
+        self.Receive = channel.unary_stream(
+                '/tandem.internal.v1.DecodeService/Receive',
+                request_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.ReceiveRequest.SerializeToString,
+                response_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.ReceiveEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -177,8 +182,19 @@ class DecodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Removes a request from the batch and returns only after the step that
-        may still write its KV has finished, so its pages can be reused.
+        """Removes a request from the batch (and stops writing its incoming
+        transfer) and returns only after the step or write that may still touch
+        its KV has finished, so its pages can be reused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Receive(self, request, context):
+        """Disaggregated topology: registers an incoming transfer into pages and
+        slots of this worker's store; the first event says it is registered (the
+        prefill may start), the second that every byte arrived. Fails with
+        UNAVAILABLE when the prefill side is gone, ABORTED when it stopped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +212,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.FromString,
                     response_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.SerializeToString,
+            ),
+            'Receive': grpc.unary_stream_rpc_method_handler(
+                    servicer.Receive,
+                    request_deserializer=tandem_dot_internal_dot_v1_dot_workers__pb2.ReceiveRequest.FromString,
+                    response_serializer=tandem_dot_internal_dot_v1_dot_workers__pb2.ReceiveEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -252,6 +273,33 @@ class DecodeService:
             '/tandem.internal.v1.DecodeService/Abort',
             tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWork.SerializeToString,
             tandem_dot_internal_dot_v1_dot_workers__pb2.AbortWorkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.internal.v1.DecodeService/Receive',
+            tandem_dot_internal_dot_v1_dot_workers__pb2.ReceiveRequest.SerializeToString,
+            tandem_dot_internal_dot_v1_dot_workers__pb2.ReceiveEvent.FromString,
             options,
             channel_credentials,
             insecure,

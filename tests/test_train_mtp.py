@@ -1,0 +1,65 @@
+"""`tandem train-mtp`: the corpus, the prompt masking, the held-out measure
+and that training moves the head toward the base model's greedy choices."""
+import pytest
+import torch
+
+from bench.speculative import CHAT, CODE
+from engine.loader import load_model
+from engine.speculative.prompts import training_prompts
+from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
+                                      generate_corpus, init_head, make_examples, train_head)
+
+
+def test_benchmark_prompts_are_held_out_of_training():
+    prompts = set(training_prompts())
+    assert len(prompts) == len(training_prompts()) > 500
+    assert not prompts & set(CHAT + CODE)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.pt"
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, corpus_path=str(path))
+    made = generate_corpus(tiny, cfg)
+    again = generate_corpus(tiny, cfg)  # read back, not regenerated
+    assert (again.samples, again.prompt_lengths, again.greedy) == \
+        (made.samples, made.prompt_lengths, made.greedy)
+    return made
+
+
+def test_corpus_is_prompt_plus_answer_with_one_greedy_sample_per_prompt(corpus):
+    assert len(corpus.samples) == 40 and corpus.greedy == [True, False] * 20
+    for tokens, n in zip(corpus.samples, corpus.prompt_lengths):
+        assert 0 < n < len(tokens) <= n + 12
+
+
+def test_prompt_positions_carry_no_label(tiny, corpus):
+    for e, n in zip(make_examples(tiny.model, corpus), corpus.prompt_lengths):
+        assert bool((e.labels[:n] == IGNORE).all()) and bool((e.labels[n:] != IGNORE).all())
+        # the label is the base's own greedy choice: greedy answers follow it
+        if e.greedy:
+            assert e.labels[n:-1].tolist() == e.tokens[n + 1:].tolist()
+
+
+def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus):
+    model = tiny.model
+    examples = make_examples(model, corpus)
+    lm_head = model.output_embedding.detach().float()
+    before_head = init_head(model)
+    with torch.no_grad():
+        before = sum(float(_unrolled_loss(model, before_head, lm_head, e, 3)) for e in examples)
+    head, stats = train_head(tiny, TrainConfig(samples_per_prompt=2, new_tokens=12,
+                                               max_prompts=20, max_steps=60, lr=3e-3,
+                                               corpus_path=None), corpus=corpus)
+    with torch.no_grad():
+        after = sum(float(_unrolled_loss(model, head, lm_head, e, 3)) for e in examples)
+    assert stats["steps"] == 60 and after < 0.9 * before
+    # expected length = 1 + sum over depths of P(all drafts so far right) <= 1 + sum accuracies
+    assert 1.0 <= stats["expected_length"] <= 1 + sum(stats["accuracy"]) + 1e-9
+    again = evaluate(model, head, lm_head, [e for e in examples if e.greedy], 3)
+    assert len(again["accuracy"]) == 3 and all(0 <= a <= 1 for a in again["accuracy"])
