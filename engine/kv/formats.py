@@ -402,7 +402,20 @@ class Int8Format(KVFormat):
         return int8_dequantize(flat_codes[slots], flat_scales[slots]).to(dtype)
 
 
-class RotatedInt4Format(KVFormat):
+class _SeededRotation:
+    """The fixed orthogonal rotation of a rotated format (its `seed`), built
+    once per head size and device."""
+    seed: int
+    _rotations: dict[tuple[int, str], torch.Tensor]
+
+    def _rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        key = (head_dim, str(device))
+        if key not in self._rotations:
+            self._rotations[key] = rotation.rotation_matrix(head_dim, self.seed, device)
+        return self._rotations[key]
+
+
+class RotatedInt4Format(_SeededRotation, KVFormat):
     """rk4: rotate over head_dim, then 4-bit block quantization (see module doc).
 
     Options: block (16/32/64 channels per scale), scale_format ("e8m0": a uint8
@@ -503,18 +516,12 @@ class RotatedInt4Format(KVFormat):
             dense = rotation.unrotate(dense, self._rotation(dense.shape[-1], dense.device))
         return dense.to(dtype)
 
-    def _rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
-        key = (head_dim, str(device))
-        if key not in self._rotations:
-            self._rotations[key] = rotation.rotation_matrix(head_dim, self.seed, device)
-        return self._rotations[key]
-
     def _check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.block:
             raise ValueError(f"rk4 block {self.block} does not divide head_dim {head_dim}")
 
 
-class PagedRk4Format(KVFormat):
+class PagedRk4Format(_SeededRotation, KVFormat):
     """rk4: 4-bit KV in 32-token pages, K and V treated differently (see
     docs/ARCHITECTURE.md, "rk4", and BENCHMARKS.md for the measurements).
 
@@ -701,12 +708,6 @@ class PagedRk4Format(KVFormat):
         if side == "v" and not rotated:
             dense = rotation.unrotate(dense, self._rotation(dense.shape[-1], dense.device))
         return dense.to(dtype)
-
-    def _rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
-        key = (head_dim, str(device))
-        if key not in self._rotations:
-            self._rotations[key] = rotation.rotation_matrix(head_dim, self.seed, device)
-        return self._rotations[key]
 
     def _check_head_dim(self, head_dim: int) -> None:
         if head_dim % self.v_block_for(head_dim) or head_dim % 2:
