@@ -43,7 +43,8 @@ import torch
 from bench import kv_quality as kq
 from bench.common import environment, now, print_table, write_json
 from engine.kv import rotation
-from engine.kv.formats import Bf16Format, page_table_slots, rk4_dequantize, rk4_quantize
+from engine.kv.formats import (Bf16Format, k_step_decode, k_step_encode, page_table_slots,
+                               rk4_dequantize, rk4_quantize)
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # fp32 [T, H, D] -> fake-quantized fp32
 
@@ -75,6 +76,8 @@ def channel_groups(x: torch.Tensor, group: int, bits: int = 4,
     span = (g.amax(1, keepdim=True) - lo) / levels
     if step_format == "e8m0":
         step = torch.exp2(torch.ceil(torch.log2(span.clamp(min=2.0 ** -126))))
+    elif step_format == "e5m3":  # rk4p's 8-bit float step (formats.k_step_encode)
+        step = k_step_decode(k_step_encode(g.amax(1, keepdim=True) - lo))
     else:
         step = span.half().float().clamp(min=1e-8)
     codes = torch.round((g - lo) / step).clamp(0, levels)
@@ -188,6 +191,17 @@ VARIANTS.update({
                                open_page=32, open_pages=2),
     "v2-vlloyd-open2-sinks": Variant(_K32E, _V64_LLOYD, _K_E8, token_bits(64), pre_rope=True,
                                      open_page=32, open_pages=2, sinks=32),
+})
+# rk4p v3 candidates: K's step as an 8-bit float (e5m3), still 4.75 bits for K.
+_K32F8 = partial(channel_groups, group=32, step_format="e5m3")
+VARIANTS.update({
+    "v3": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32),
+    "v3-sinks": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32,
+                        sinks=32),
+    "v3-sinks-open2": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True,
+                              open_page=32, open_pages=2, sinks=32),
+    "v2-kfp16-sinks": Variant(partial(channel_groups, group=32), _V64, channel_bits(32),
+                              token_bits(64), pre_rope=True, open_page=32, sinks=32),
 })
 
 

@@ -184,6 +184,43 @@ def e8m0_step_exponent(span: torch.Tensor) -> torch.Tensor:
     return torch.clamp(e + E8M0_BIAS, E8M0_MIN, E8M0_MAX)
 
 
+# K's step per (page, head, channel): an unsigned 8-bit float with 5 exponent
+# bits and 3 mantissa bits (no sign: a step is positive), value
+# 2**(E - K_STEP_BIAS) * (1 + M/8). The bias is the format's, not the model's:
+# 18 spans 2**-18 .. 1.875 * 2**13, which holds every step an fp16 minimum can
+# need (a span of up to 2 * 65504 in 15 steps) and goes below fp16's own
+# precision at any |min| > 2**-8. Rounding the step up to 3 mantissa bits
+# wastes at most 1/8 of K's 16 levels, where e8m0's power of two wasted up to
+# half (BENCHMARKS.md, "rk4p quality").
+K_STEP_MANTISSA_BITS = 3
+K_STEP_EXPONENT_MAX = 31
+K_STEP_BIAS = 18
+_K_STEP_DROPPED = (1 << (23 - K_STEP_MANTISSA_BITS)) - 1  # fp32 mantissa bits below the step's
+
+
+def k_step_encode(span: torch.Tensor) -> torch.Tensor:
+    """uint8 code of the least e5m3 step s with span <= 15 * s (span / 15 in
+    fp32, rounded up to 3 mantissa bits on its bits: exact). Steps below the
+    smallest code take it; above the largest (impossible for fp16 values)
+    saturate, and their values clip."""
+    quotient = torch.clamp(span.to(torch.float32), min=0.0) / K_LEVELS
+    bits = quotient.view(torch.int32)
+    up = (bits + _K_STEP_DROPPED) & ~_K_STEP_DROPPED
+    exponent = (up >> 23) - E8M0_BIAS + K_STEP_BIAS
+    code = exponent * (1 << K_STEP_MANTISSA_BITS) + ((up >> (23 - K_STEP_MANTISSA_BITS)) & 7)
+    code = torch.where(exponent < 0, 0, code)
+    code = torch.where(exponent > K_STEP_EXPONENT_MAX, 255, code)
+    return code.to(torch.uint8)
+
+
+def k_step_decode(code: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of e5m3 step codes, built from bits (exact)."""
+    c = code.to(torch.int32)
+    bits = (((c >> K_STEP_MANTISSA_BITS) - K_STEP_BIAS + E8M0_BIAS) << 23) \
+        | ((c & 7) << (23 - K_STEP_MANTISSA_BITS))
+    return bits.view(torch.float32)
+
+
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """int codes 0..15 [..., D] -> uint8 [..., D/2], channel 2i in the low nibble."""
     codes = codes.to(torch.int32)
