@@ -16,23 +16,38 @@ engine's free list or the KV store hands them out) nor the quantization
 (formats.py).
 
 Rules, for a forward that writes positions [start, end) of a sequence:
-  * pages below start // page_size are committed and full: any still staged
-    are sealed before the forward (seal_committed);
-  * a prefill (its tokens are committed) writes the pages that lie wholly
-    inside [start, end) straight into their real pages;
+  * the first `exact_first_pages` pages (attention sinks, the format says how
+    many) are always staged and never sealed: they stay bf16 for the
+    sequence's life, in staging pages of their own;
+  * other pages below start // page_size are committed and full: any still
+    staged are sealed before the forward (seal_committed);
+  * a prefill (its tokens are committed) writes the other pages that lie
+    wholly inside [start, end) straight into their real pages;
   * every other page written goes to a staging page (the page holding a
     partial prompt end, decode tokens, speculative drafts).
 Positions >= start are never read by the prefix cache, so a page only reaches
-it sealed (seal_committed(committed length) before inserting).
+it sealed (seal_committed(committed length) before inserting), or, for a sink
+page, as its final bf16 staging page.
+The real page a sequence holds for a sink page stays unwritten: one 4-bit page
+per sequence, the price of page tables that keep one id per logical page.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-# Staging pages per sequence: the page being filled, plus the next one for
-# speculative drafts that run past its end (drafts are fewer than a page).
+# Staging pages per sequence for open pages: the page being filled, plus the
+# next one for speculative drafts that run past its end (drafts are fewer than
+# a page). The format's exact first pages come on top (staging_per_sequence).
 STAGING_PER_SEQUENCE = 2
+
+
+def staging_per_sequence(kv_format) -> int:
+    """bf16 staging pages one live sequence holds under kv_format (0 for a
+    per-token format): its open pages plus its never-sealed first pages."""
+    if not getattr(kv_format, "uses_staging", False):
+        return 0
+    return STAGING_PER_SEQUENCE + kv_format.exact_first_pages
 
 
 class Sealer(Protocol):
@@ -48,17 +63,26 @@ class OpenPages:
     """One sequence's staging pages and the logical page each one holds (-1: free).
 
     num_pages: real pages in the pool; staging page s appears in page tables
-    as num_pages + s.
+    as num_pages + s. exact_first_pages: leading pages never sealed (sinks).
     """
 
     staging: tuple[int, ...]
     num_pages: int
     page_size: int
+    exact_first_pages: int = 0
     held: list[int] = field(default_factory=list)
 
+    @classmethod
+    def for_format(cls, kv_format, staging: Sequence[int], num_pages: int,
+                   page_size: int) -> "OpenPages":
+        """A sequence's open pages under kv_format, over its staging ids."""
+        return cls(tuple(staging), num_pages, page_size,
+                   exact_first_pages=kv_format.exact_first_pages)
+
     def __post_init__(self) -> None:
-        if not self.staging:
-            raise ValueError("open pages need at least one staging page")
+        if len(self.staging) <= self.exact_first_pages:
+            raise ValueError(f"open pages need more staging pages ({len(self.staging)}) than "
+                             f"exact first pages ({self.exact_first_pages})")
         if not self.held:
             self.held = [-1] * len(self.staging)
 
@@ -77,25 +101,28 @@ class OpenPages:
         self.seal_committed(sealer, pages, start)
         p = self.page_size
         for logical in range(start // p, -(-end // p)):
-            whole = prefill and logical * p >= start and (logical + 1) * p <= end
+            whole = prefill and logical * p >= start and (logical + 1) * p <= end \
+                and logical >= self.exact_first_pages
             if whole or logical in self.held:
                 continue
             self._stage(logical)
         return self.table(pages)
 
     def seal_committed(self, sealer: Sealer, pages: Sequence[int], committed: int) -> None:
-        """Seal every staged page whose tokens all lie below `committed`."""
+        """Seal every staged page whose tokens all lie below `committed`
+        (sink pages excepted: they stay staged)."""
         src, dst = [], []
         for i, logical in enumerate(self.held):
-            if 0 <= logical and (logical + 1) * self.page_size <= committed:
+            if self.exact_first_pages <= logical and (logical + 1) * self.page_size <= committed:
                 src.append(self.staging[i])
                 dst.append(pages[logical])
                 self.held[i] = -1
         sealer.seal(src, dst)
 
     def sealed_pages(self, committed: int) -> int:
-        """How many leading pages hold their final quantized content after
-        seal_committed(committed): what a prefix cache may take."""
+        """How many leading pages hold their final content after
+        seal_committed(committed): what a prefix cache may take (sink pages
+        among them are final in their bf16 staging page, not the real one)."""
         return committed // self.page_size
 
     def _stage(self, logical: int) -> None:
@@ -104,7 +131,8 @@ class OpenPages:
             raise OpenPagesError(
                 f"page {logical} needs a staging page but the sequence's {len(self.staging)} "
                 f"hold pages {self.held}: a forward may span at most "
-                f"{len(self.staging)} open pages (drafts must be shorter than a page)")
+                f"{len(self.staging) - self.exact_first_pages} open pages besides the "
+                f"{self.exact_first_pages} exact first (drafts must be shorter than a page)")
         self.held[free[0]] = logical
 
 
