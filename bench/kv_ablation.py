@@ -19,11 +19,13 @@ The schemes measured so far (BENCHMARKS.md, "rk4 ablations"):
              (open_pages > 1: that many newest pages; sinks: the first
              tokens read unquantized too);
   e8m0 step  channel groups with a power-of-two step (8 bits, not 16);
+  e5m3 step  channel groups with rk4p's 8-bit float step (formats.k_step_encode);
   codebook   per-token blocks with a Gaussian Lloyd-Max 16-level codebook, or
              the uniform -8..7 levels (rk4 leaves -8 out).
-The `v2*` variants are rk4p's design (K pre-RoPE per channel over 32-token
-pages with fp16 min + e8m0 step, V rotated per token with fp16 scales per 64
-channels, open page) and its cheap levers.
+The `v2*` variants are rk4p's first design (K pre-RoPE per channel over
+32-token pages with fp16 min + e8m0 step, V rotated per token with fp16 scales
+per 64 channels, open page) and its cheap levers; the `v3*` variants replace
+the e8m0 step by rk4p's e5m3 one (v3-sinks is rk4p as built: first page exact).
 
 Variants are named on the command line from VARIANTS. Positions are taken
 from write slots, which bench/kv_quality.py's runs make equal to positions
