@@ -202,6 +202,8 @@ VARIANTS.update({
                         sinks=32),
     "v3-sinks-open2": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True,
                               open_page=32, open_pages=2, sinks=32),
+    "v3-open2": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32,
+                        open_pages=2),
     "v2-kfp16-sinks": Variant(partial(channel_groups, group=32), _V64, channel_bits(32),
                               token_bits(64), pre_rope=True, open_page=32, sinks=32),
 })
