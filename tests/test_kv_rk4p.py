@@ -108,11 +108,16 @@ def test_rk4p_bits_and_budget():
         PagedRk4Format(page_size=16)
     with pytest.raises(ValueError, match="32-token pages"):
         fmt.allocate(4, 16, 2, 64, "cpu")
-    assert fmt.exact_first_pages == 1 and staging_per_sequence(fmt) == 3
-    assert staging_per_sequence(make_format("rk4p", exact_first_pages=0)) == 2
+    # sink page + two newest + one to spill into
+    assert (fmt.exact_first_pages, fmt.exact_recent_pages) == (1, 2)
+    assert staging_per_sequence(fmt) == 4
+    assert staging_per_sequence(make_format("rk4p", exact_first_pages=0,
+                                            exact_recent_pages=1)) == 2
     assert staging_per_sequence(make_format("int8")) == 0
     with pytest.raises(ValueError, match="exact_first_pages"):
         PagedRk4Format(exact_first_pages=-1)
+    with pytest.raises(ValueError, match="exact_recent_pages"):
+        PagedRk4Format(exact_recent_pages=0)
 
 
 @pytest.mark.parametrize("heads,dim", [(2, 64), (1, 128)])
@@ -194,8 +199,7 @@ def test_open_pages_rules():
 def test_exact_first_pages_stay_staged_and_are_never_sealed():
     rec = _Recorder()
     pages = [10, 11, 12, 13, 14]
-    open_pages = OpenPages.for_format(make_format("rk4p"), (5, 6, 7), num_pages=100,
-                                      page_size=PAGE)
+    open_pages = OpenPages((5, 6, 7), num_pages=100, page_size=PAGE, exact_first_pages=1)
     # a prefill of 70 tokens: page 0 (whole) is the sink -> staged; page 1
     # whole -> real; page 2 (6 tokens) staged
     table = open_pages.prepare(rec, pages, 0, 70, prefill=True)
@@ -206,7 +210,35 @@ def test_exact_first_pages_stay_staged_and_are_never_sealed():
     open_pages.seal_committed(rec, pages, 5 * PAGE)
     assert rec.sealed == [(6, 12), (6, 13)] and open_pages.table(pages)[0] == 105
     # the sink takes one staging page for good: two open pages remain
-    with pytest.raises(OpenPagesError, match="2 open pages"):
+    with pytest.raises(OpenPagesError, match="1 exact first"):
         open_pages.prepare(rec, pages, 97, 97 + 2 * PAGE, prefill=False)
-    with pytest.raises(ValueError, match="more staging pages"):
+    with pytest.raises(ValueError, match="at least 2 staging pages"):
         OpenPages((0,), 100, PAGE, exact_first_pages=1)
+
+
+def test_two_exact_recent_pages_follow_the_first_scored_query():
+    """rk4p's default: the sink page and the two newest pages (as seen from the
+    first query whose logits count) are bf16; staging never needs more than
+    sink + 2 + 1."""
+    rec = _Recorder()
+    pages = list(range(100, 140))
+    fmt = make_format("rk4p")
+    open_pages = OpenPages.for_format(fmt, range(staging_per_sequence(fmt)), 1000, PAGE)
+    staged = lambda table: sorted(i for i, t in enumerate(table) if t >= 1000)  # noqa: E731
+    # prefill [0, 500): its last query (499, page 15) reads pages 14, 15 exact;
+    # pages 1..13 go straight to real pages
+    table = open_pages.prepare(rec, pages, 0, 500, prefill=True)
+    assert staged(table) == [0, 14, 15] and rec.sealed == []
+    # the next chunk [500, 1012) starts inside page 15: 14 is sealed, 15 stays
+    # (its last tokens come now), 16..29 go real, 30 and 31 are the newest
+    table = open_pages.prepare(rec, pages, 500, 1012, prefill=True)
+    assert rec.sealed == [(1, 114)] and staged(table) == [0, 15, 30, 31]
+    # decode at 1012 (page 31): page 30 is still among the two newest; page
+    # 15 is sealed
+    table = open_pages.prepare(rec, pages, 1012, 1013, prefill=False)
+    assert rec.sealed[1:] == [(2, 115)] and staged(table) == [0, 30, 31]
+    # a verify at 1054 (page 32): page 30 is sealed, 31 and 32 are exact;
+    # a verify with drafts crossing into page 33 fits in the spill page
+    table = open_pages.prepare(rec, pages, 1054, 1058, prefill=False)
+    assert rec.sealed[2:] == [(1, 130)] and staged(table) == [0, 31, 32, 33]
+    assert open_pages.sealed_pages(1054) == 31  # pages 0..30 final (0 in staging)

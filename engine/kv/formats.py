@@ -168,9 +168,11 @@ def rk4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int,
 # ------------------------------------------------- rk4 pages (K per channel)
 
 K_LEVELS = 15  # asymmetric 4-bit codes 0..15 for K: x = min + code * step
-# rk4p's attention sinks: how many of a sequence's first pages stay bf16.
+# rk4p's bf16 pages per sequence: its first pages (attention sinks) and its
+# newest pages (BENCHMARKS.md, "rk4p quality": both are needed for top-1).
 DEFAULT_EXACT_FIRST_PAGES = 1
-MAX_EXACT_FIRST_PAGES = 4
+DEFAULT_EXACT_RECENT_PAGES = 2
+MAX_EXACT_PAGES = 4
 
 
 # K's step per (page, head, channel): an unsigned 8-bit float with 5 exponent
@@ -295,8 +297,10 @@ class KVFormat(ABC):
     # num_pages in a page table name staging pages.
     uses_staging: bool = False
     # With staging: a sequence's first pages that are never sealed (bf16 for
-    # its whole life: attention sinks). open_pages.py keeps them staged.
+    # its whole life: attention sinks), and how many of its newest pages stay
+    # staged (the page being filled and those before it). open_pages.py.
     exact_first_pages: int = 0
+    exact_recent_pages: int = 1
 
     def __init__(self, use_triton: bool | None = None) -> None:
         self.use_triton = use_triton
@@ -570,9 +574,11 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     (a prefill chunk's full pages), writes to staging pages any tokens.
 
     exact_first_pages: a sequence's first pages (its attention sinks) are
-    never sealed; they stay in bf16 staging for the sequence's life
-    (open_pages.py). A fixed cost per sequence, not per token, so outside
-    bits_per_element; it halves the KL (BENCHMARKS.md, "rk4p quality").
+    never sealed; they stay in bf16 staging for the sequence's life.
+    exact_recent_pages: its newest pages stay staged too (2: the page being
+    filled and the one before, so the newest 32-63 tokens are exact). Both
+    are a fixed cost per sequence, not per token, so outside
+    bits_per_element (open_pages.py; BENCHMARKS.md, "rk4p quality").
 
     Buffers: k_codes, v_codes [N, P, H, D/2] uint8 (channel 2i in the low
     nibble); k_min [N, H, D] fp16; k_step [N, H, D] uint8 (e5m3 code,
@@ -586,18 +592,22 @@ class PagedRk4Format(_SeededRotation, KVFormat):
 
     def __init__(self, page_size: int = 32, v_block: int = 64,
                  exact_first_pages: int = DEFAULT_EXACT_FIRST_PAGES,
+                 exact_recent_pages: int = DEFAULT_EXACT_RECENT_PAGES,
                  seed: int = rotation.DEFAULT_ROTATION_SEED, use_triton: bool | None = None):
         super().__init__(use_triton)
         if v_block not in RK4_BLOCKS:
             raise ValueError(f"rk4 v_block must be one of {RK4_BLOCKS}, got {v_block}")
         if page_size < 1:
             raise ValueError(f"rk4 page_size must be >= 1, got {page_size}")
-        if isinstance(exact_first_pages, bool) or not isinstance(exact_first_pages, int) \
-                or not 0 <= exact_first_pages <= MAX_EXACT_FIRST_PAGES:
-            raise ValueError(f"rk4p exact_first_pages must be an int in 0..{MAX_EXACT_FIRST_PAGES}"
-                             f", got {exact_first_pages!r}")
+        for name, value, lowest in (("exact_first_pages", exact_first_pages, 0),
+                                    ("exact_recent_pages", exact_recent_pages, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not lowest <= value <= MAX_EXACT_PAGES:
+                raise ValueError(f"rk4p {name} must be an int in {lowest}..{MAX_EXACT_PAGES}, "
+                                 f"got {value!r}")
         self.page_size, self.v_block, self.seed = page_size, v_block, seed
         self.exact_first_pages = exact_first_pages
+        self.exact_recent_pages = exact_recent_pages
         if self.bits_per_element() > RK4_BITS_BUDGET:
             raise ValueError(f"rk4 with {page_size}-token pages and v_block {v_block} costs "
                              f"{self.bits_per_element():g} bits per element, over the "
@@ -606,7 +616,8 @@ class PagedRk4Format(_SeededRotation, KVFormat):
 
     def __repr__(self) -> str:
         return (f"PagedRk4Format(page_size={self.page_size}, v_block={self.v_block}, "
-                f"exact_first_pages={self.exact_first_pages})")
+                f"exact_first_pages={self.exact_first_pages}, "
+                f"exact_recent_pages={self.exact_recent_pages})")
 
     def k_bits(self) -> float:
         return 4.0 + 24.0 / self.page_size
