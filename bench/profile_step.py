@@ -22,13 +22,14 @@ from bench.decode import decode_steps
 
 # Substrings of kernel names -> the kind of work they do; first match wins.
 KINDS = (
-    ("gemv", ("gemv", "_w4", "_w8", "splitk", "split_k")),
-    ("gemm (cuBLAS)", ("gemm", "cutlass", "sm90_xmma", "nvjet", "cublas")),
-    ("attention", ("attn", "attention", "flash", "paged", "_combine", "reduce_splits")),
-    ("kv write", ("write_kv", "quantize", "_seal", "kv_write")),
-    ("gdn", ("gdn", "delta", "conv", "recurrent")),
-    ("copy / index", ("copy", "index", "gather", "scatter", "cat")),
-    ("reduce", ("reduce", "mean", "sum", "norm")),
+    ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce")),
+    ("gemv (Triton int4/int8)", ("_gemv_kernel", "_split_k_sum")),
+    ("gemv (cuBLAS fp32)", ("gemvnsp", "gemv")),
+    ("attention", ("attn", "attention", "flash", "paged", "_combine")),
+    ("kv write", ("write_kv", "quantize", "_seal", "_write_kernel")),
+    ("fused (ours)", ("_rms", "_norm", "_gdn", "_silu", "_rotary", "_gate")),
+    ("copy / index / cat", ("copy", "index", "gather", "scatter", "cat", "memcpy", "fill")),
+    ("reduce", ("reduce",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 )
 
