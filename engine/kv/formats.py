@@ -169,7 +169,7 @@ def rk4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int,
 
 K_LEVELS = 15  # asymmetric 4-bit codes 0..15 for K: x = min + code * step
 # rk4p's bf16 pages per sequence: its first pages (attention sinks) and its
-# newest pages (BENCHMARKS.md, "rk4p quality": both are needed for top-1).
+# newest pages (BENCHMARKS.md, "rk4p v3": both are needed for top-1).
 DEFAULT_EXACT_FIRST_PAGES = 1
 DEFAULT_EXACT_RECENT_PAGES = 2
 MAX_EXACT_PAGES = 4
@@ -182,7 +182,7 @@ MAX_EXACT_PAGES = 4
 # need (a span of up to 2 * 65504 in 15 steps) and goes below fp16's own
 # precision at any |min| > 2**-8. Rounding the step up to 3 mantissa bits
 # wastes at most 1/8 of K's 16 levels, where e8m0's power of two wasted up to
-# half (BENCHMARKS.md, "rk4p quality").
+# half (BENCHMARKS.md, "rk4p v3").
 K_STEP_MANTISSA_BITS = 3
 K_STEP_EXPONENT_MAX = 31
 K_STEP_BIAS = 18
@@ -578,7 +578,7 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     exact_recent_pages: its newest pages stay staged too (2: the page being
     filled and the one before, so the newest 32-63 tokens are exact). Both
     are a fixed cost per sequence, not per token, so outside
-    bits_per_element (open_pages.py; BENCHMARKS.md, "rk4p quality").
+    bits_per_element (open_pages.py; BENCHMARKS.md, "rk4p v3").
 
     Buffers: k_codes, v_codes [N, P, H, D/2] uint8 (channel 2i in the low
     nibble); k_min [N, H, D] fp16; k_step [N, H, D] uint8 (e5m3 code,
