@@ -160,23 +160,25 @@ def test_dispatch(monkeypatch):
 PAGE = 4
 
 
-def _forward_logits(loaded, force_fused: bool, monkeypatch, dtype):
-    """A prefill of 9 tokens then 3 decode steps; every step's logits."""
+def _forward_logits(loaded, force_fused: bool, monkeypatch, dtype, device="cpu"):
+    """A prefill of 9 tokens then 3 decode steps; every step's logits. On the
+    CPU force_fused runs the kernels interpreted; on CUDA it is the env switch."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
 
     monkeypatch.setattr(fused, "_FORCE_ON_CPU", force_fused)
+    monkeypatch.setenv(fused.ENV_SWITCH, "1" if force_fused else "0")
     ids = [random.Random(3).randrange(512) for _ in range(12)]
-    cache = PagedKVCache(loaded.config, CacheShape(8, PAGE, 1), "cpu",
+    cache = PagedKVCache(loaded.config, CacheShape(8, PAGE, 1), device,
                          make_format("bf16", dtype=dtype))
     pages = (5, 2, 7)
     outs = [loaded.model(ForwardBatch.build([SequenceInput(tuple(ids[:9]), 0, pages, 0)], PAGE,
-                                            "cpu"), cache, all_logits=True)]
+                                            device), cache, all_logits=True)]
     for i in range(9, 12):
         outs.append(loaded.model(ForwardBatch.build([SequenceInput((ids[i],), i, pages, 0)], PAGE,
-                                                    "cpu"), cache))
-    return torch.cat(outs).float()
+                                                    device), cache))
+    return torch.cat(outs).float().cpu()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3", "llama"])
@@ -214,13 +216,14 @@ def _count_kernel_calls(monkeypatch) -> dict[str, int]:
 
 
 def test_model_forward_fused_bf16(tiny_hf_dir, monkeypatch):
-    if not INTERPRET:
-        pytest.skip("the model test forces the fused path on CPU tensors")
+    """bf16: interpreted on the CPU; compiled on CUDA (TANDEM_FUSED_NORMS=1 against =0)."""
     from engine.loader import load_model
 
     directory, _ = tiny_hf_dir("qwen3_5")
-    loaded = load_model(str(directory), dtype=torch.bfloat16, progress=False)
-    plain = _forward_logits(loaded, False, monkeypatch, torch.bfloat16)
-    got = _forward_logits(loaded, True, monkeypatch, torch.bfloat16)
+    loaded = load_model(str(directory), device=DEVICE, dtype=torch.bfloat16, progress=False)
+    plain = _forward_logits(loaded, False, monkeypatch, torch.bfloat16, DEVICE)
+    calls = _count_kernel_calls(monkeypatch)
+    got = _forward_logits(loaded, True, monkeypatch, torch.bfloat16, DEVICE)
+    assert calls["add_rms_norm"] and calls["norm_rope"] and calls["gated_rms_norm"]
     assert (got - plain).abs().max() < 0.02 * plain.abs().max()
     assert (got.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
