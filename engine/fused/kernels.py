@@ -39,8 +39,10 @@ def _scaled(xhat, w_ptr, offs, mask, ZERO_CENTERED: tl.constexpr, DT: tl.constex
     zero-centred x̂ * (1 + w) in fp32; Llama w * round(x̂), rounded."""
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
-        return _rounded(xhat * (1.0 + w), DT)
-    return _rounded(w * _rounded(xhat, DT), DT)
+        y = xhat * (1.0 + w)
+    else:
+        y = w * _rounded(xhat, DT)
+    return _rounded(y, DT)
 
 
 @triton.jit
