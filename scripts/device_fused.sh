@@ -6,12 +6,13 @@
 #      its PyTorch reference in bf16 and fp32, and a tiny Qwen3.5 on CUDA with
 #      TANDEM_FUSED_NORMS=1 against =0;
 #   2. tests/test_cuda.py: logits on CUDA (fused path, the default) against
-#      transformers, and the offline engine;
+#      transformers, and the offline engine; then the kernels one eager decode
+#      step of tiny-qwen3.5 launches with and without the fused ops (profiler);
 #   3. the 27B dummy decode step, bf16 weights, int8 KV, batch 1 and 4 at 4K,
 #      with the fused kernels and without (A/B: the step time and roofline %);
 #   4. the 27B int4 decode step (bench.quant), fused and not.
 # Logs and JSON under $OUT. About 4-5 minutes; each step has its own limit
-# (7.5 minutes if every one ran to it).
+# (8 minutes if every one ran to it).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -27,12 +28,13 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its t
   local name=$1 limit=$2; shift 2
   echo "=== $name (limit ${limit}s)"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 16 "$OUT/$name.log"; echo "=== $name rc=$rc"
+  tail -n 30 "$OUT/$name.log"; echo "=== $name rc=$rc"
 }
 
 step pytest_fused_cuda 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
   tests/test_fused.py
 step pytest_cuda 90 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+step count_kernels 45 env TRITON_INTERPRET=0 python3 scripts/count_kernels.py --model tiny-qwen3.5
 M=qwen3.5-27b
 for fused in 1 0; do
   step "bench_decode_fused$fused" 75 env TANDEM_FUSED_NORMS=$fused TRITON_INTERPRET=0 \
