@@ -108,7 +108,7 @@ def test_arenas_round_trip_model_and_cache_without_copies():
         assert all(os.path.exists(n) for n in names)
         mapped = open_arenas(arenas.handles())
         config = config_from_json(config_to_json(loaded.config))
-        model = model_on_arena(config, mapped.weights, torch.float32, "test")
+        model = model_on_arena(config, mapped, torch.float32, "test")
         assert all(mapped.weights.contains(p) for p in model.parameters())
         cache = cache_on_arenas(config, shape, fmt.build(), mapped)
         assert mapped.kv.contains(cache.kv[0]["k_codes"])
@@ -169,6 +169,7 @@ def test_each_gpu_process_costs_a_cuda_context():
     cpu = _plan(_qwen27b(), 14 * GiB)
     gpu = _plan(_qwen27b(), 14 * GiB, cuda_processes=SERVICE_CUDA_PROCESSES)
     assert cpu.line("cuda contexts").bytes == 0
-    assert gpu.line("cuda contexts").bytes == 3 * CUDA_CONTEXT_BYTES >= 3 * 612 * 2**20
+    # NVML after a cuBLAS matmul with the stack reservation trimmed: 526 MiB
+    assert gpu.line("cuda contexts").bytes == 3 * CUDA_CONTEXT_BYTES >= 3 * 526 * 2**20
     assert gpu.total_bytes - cpu.total_bytes == 3 * CUDA_CONTEXT_BYTES
     assert "3 processes" in gpu.table()
