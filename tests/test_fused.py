@@ -148,11 +148,14 @@ def test_sigmoid_gate(dtype):
 
 def test_dispatch(monkeypatch):
     cpu = torch.zeros(1)
-    assert not fused.use_fused(cpu)  # production: CPU tensors take the references
-    monkeypatch.setattr(fused, "_FORCE_ON_CPU", True)
-    assert fused.use_fused(cpu)
-    monkeypatch.setenv(fused.ENV_SWITCH, "0")
-    assert not fused.use_fused(cpu)
+    with torch.inference_mode():
+        assert not fused.use_fused(cpu)  # production: CPU tensors take the references
+        monkeypatch.setattr(fused, "_FORCE_ON_CPU", True)
+        assert fused.use_fused(cpu)
+    assert not fused.use_fused(cpu)  # autograd on (MTP training): the kernels have no backward
+    with torch.inference_mode():
+        monkeypatch.setenv(fused.ENV_SWITCH, "0")
+        assert not fused.use_fused(cpu)
 
 
 # ------------------------------------------------------------- whole model

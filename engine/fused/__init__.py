@@ -14,7 +14,7 @@ and calls the kernels or the references. It must not know about pages,
 batches or the CUDA graphs.
 
 Dispatch: CUDA tensors take the kernels unless TANDEM_FUSED_NORMS=0 (the old
-eager path, kept for A/B on the GPU). CPU tensors always take the references
+eager path, kept for A/B on the GPU) or autograd is recording. CPU tensors always take the references
 (CI compares them with transformers); tests force the kernels on CPU tensors
 (Triton's interpreter) through `_FORCE_ON_CPU`.
 """
@@ -30,8 +30,10 @@ _FORCE_ON_CPU = False  # tests only: run the kernels on CPU tensors (TRITON_INTE
 
 def use_fused(x: torch.Tensor) -> bool:
     """Whether ops on `x` take the Triton kernels (read on every call, so a
-    process's environment decides; inside a CUDA graph it was decided at capture)."""
-    if not (x.is_cuda or _FORCE_ON_CPU):
+    process's environment decides; inside a CUDA graph it was decided at capture).
+    The kernels have no backward: with autograd on (training the MTP head on a
+    GPU) the references run. The model's forwards run under inference_mode."""
+    if not (x.is_cuda or _FORCE_ON_CPU) or torch.is_grad_enabled():
         return False
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
