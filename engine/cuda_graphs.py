@@ -23,6 +23,7 @@ the CPU `DecodeForward` is a plain call of the model.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -59,6 +60,7 @@ class _Graph:
         self.kv_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(size, pages, dtype=torch.int32, device=device)
         self.q_offsets = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.input_embeds: torch.Tensor | None = None  # [size, H], with a host token table
 
     def fill(self, batch: ForwardBatch) -> None:
         """Copies the batch into the static buffers, padding with its last row."""
@@ -76,6 +78,13 @@ class _Graph:
         self.kv_lens.copy_(padded(meta.kv_lens))
         width = meta.page_table.shape[1]
         self.page_table[:, :width].copy_(padded(meta.page_table))
+        if batch.input_embeds is not None:  # a host token table: looked up before the graph
+            if self.input_embeds is None:
+                with torch.inference_mode(False):
+                    self.input_embeds = torch.empty(self.size, batch.input_embeds.shape[1],
+                                                    dtype=batch.input_embeds.dtype,
+                                                    device=self.input_ids.device)
+            self.input_embeds.copy_(padded(batch.input_embeds))
 
     def batch(self, seqs: list[SequenceInput]) -> ForwardBatch:
         """A ForwardBatch whose tensors are the static buffers."""
@@ -88,7 +97,7 @@ class _Graph:
         return ForwardBatch(seqs=padded, page_size=self.page_size, input_ids=self.input_ids,
                             positions=self.positions, kv_slots=self.kv_slots, page_tables=[],
                             state_slots=self.state_slots, offsets=list(range(self.size + 1)),
-                            _attention=meta)
+                            _attention=meta, input_embeds=self.input_embeds)
 
 
 class DecodeForward:
@@ -114,6 +123,8 @@ class DecodeForward:
         bucket = self._bucket(batch)
         if bucket is None or bucket in self._eager_buckets:
             return self.model(batch, self.cache)
+        if self.model.embeds_on_host:  # a host copy cannot be captured: embed first
+            batch = replace(batch, input_embeds=self.model.embed(batch))
         graph = self._graphs.get(bucket)
         if graph is None or graph.graph is None:
             return self._warm_up_and_capture(bucket, batch)
