@@ -123,6 +123,14 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool) -> Tiles:
     return Tiles(rows=64, block_n=64 if head_dim <= 128 else 32, num_warps=4)
 
 
+def _stages_for(fmt: KVFormat, head_dim: int) -> int | None:
+    """Pipeline stages of the attention kernel (None: Triton's default). rk4p
+    at head_dim 256 (the 27B) asked for 248 KB of shared memory at the
+    default, over the H200's 227 KB (2026-12-01): its K tiles are dequantized
+    and rotated in registers, so one stage loses little."""
+    return 1 if isinstance(fmt, PagedRk4Format) and head_dim > 128 else None
+
+
 def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> tuple:
     from engine.kv import attention_kernels as K
 
@@ -182,7 +190,7 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                       if meta.is_decode else 1)
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
-             tiles.rows, tiles.block_n, tiles.num_warps)
+             tiles.rows, tiles.block_n, tiles.num_warps, _stages_for(fmt, q.shape[-1]))
     if rotated:
         return fmt.unrotate_output(out).to(q.dtype)
     return out

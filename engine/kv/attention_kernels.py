@@ -301,7 +301,8 @@ def _as_kernel_dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: torch.Tensor,
            page_table: torch.Tensor, page_size: int, kv_heads: int, max_new_tokens: int,
            softmax_scale: float, out: torch.Tensor, num_splits: int,
-           rows: int, block_n: int, num_warps: int | None = None) -> torch.Tensor:
+           rows: int, block_n: int, num_warps: int | None = None,
+           num_stages: int | None = None) -> torch.Tensor:
     """Runs the attention kernel (and the split combine when num_splits > 1).
 
     kind_args: (KIND, k_codes, k_scales, v_codes, v_scales, SCALE_BLOCK, E8M0), and for
@@ -328,6 +329,8 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         part_out = part_lse = out_arg  # unused
     grid = (triton.cdiv(max(max_new_tokens, 1) * group, rows), batch * kv_heads, num_splits)
     extra = {} if num_warps is None else {"num_warps": num_warps}
+    if num_stages is not None:
+        extra["num_stages"] = num_stages
     _paged_attention_kernel[grid](
         q_arg, q_offsets, kv_lens, page_table, page_table.stride(0),
         k_codes, k_scales, v_codes, v_scales, k_step, k_open, v_open, inv_freq, first_staged,

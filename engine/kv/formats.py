@@ -196,7 +196,10 @@ def k_step_encode(span: torch.Tensor) -> torch.Tensor:
     fp32, rounded up to 3 mantissa bits on its bits (exact). Steps below the
     smallest code take it; above the largest (beyond fp16 values) saturate,
     and their values clip."""
-    quotient = torch.clamp(span.to(torch.float32), min=0.0) / K_LEVELS
+    span = torch.clamp(span.to(torch.float32), min=0.0)
+    # by a tensor, not the scalar: CUDA divides by a scalar as a multiply by
+    # its reciprocal, which is not the kernel's IEEE div_rn
+    quotient = span / torch.full_like(span, K_LEVELS)
     bits = quotient.view(torch.int32)
     up = ((bits + _K_STEP_DROPPED) >> _K_STEP_SHIFT) << _K_STEP_SHIFT
     exponent = (up >> 23) - E8M0_BIAS + K_STEP_BIAS
