@@ -4,7 +4,7 @@
 # decode and verify steps; the 27B-shape decode step (bf16 weights, int8 KV,
 # batch 1 and 4 at 4K) with all fused kernels and with none; where the fused
 # step's time goes; the int4 step; the k=1..3 verify step against the plain
-# step, both replayed from graphs. scripts/device_fused.sh and
+# step, both replayed from graphs; rk4p's kernels and its 27B step. scripts/device_fused.sh and
 # scripts/device_gdn.sh are the per-helper versions with more A/B detail.
 set -uo pipefail
 source scripts/device_env.sh
@@ -29,3 +29,7 @@ step verify 80 python3 -m bench.speculative --device cuda --verify-model $M --co
 step profile_bf16 60 python3 -m bench.profile_step --weights bf16 --top 20 \
   --json "$OUT/profile_bf16.json"
 step quant_int4 60 python3 -m bench.quant --rows 1 --decode-steps 16 --json "$OUT/quant_int4.json"
+step pytest_rk4p 60 python3 -m pytest -q -p no:cacheprovider tests/test_kv_rk4p.py \
+  tests/test_attention_rk4p.py
+step decode_rk4p 60 python3 -m bench.decode --model $M --device cuda --kv-format rk4p \
+  --batch 1 --context 4096 --steps 16 --json "$OUT/decode_rk4p.json"
