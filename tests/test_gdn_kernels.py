@@ -1,0 +1,125 @@
+"""The fused GDN step kernels (engine/gdn_kernels.py) against their PyTorch
+references, which run engine/gdn.py's causal_conv1d and
+recurrent_gated_delta_rule(output_all_states=True). On the CPU the kernels run
+under TRITON_INTERPRET=1; scripts/device_gdn.sh runs the same file compiled.
+
+Each case packs three sequences with different token counts: a verify-style
+one whose first position slot is its own input slot, a fresh one whose input
+slot holds NaN (it must start from zeros), and a third; unused slots and the
+outputs start NaN, so a missed write or a stray read shows."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine import gdn_kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SLOTS = 16
+
+
+def _layout(counts, starts, in_slots, verify):
+    """offsets, positions, in_slots, write slots for sequences with `counts`
+    new tokens at `starts`; verify writes every token's state to its own slot
+    (the first to the input slot), decode only the last, to the input slot."""
+    offsets, positions, writes = [0], [], []
+    spare = iter(range(6, SLOTS))
+    for n, start, slot in zip(counts, starts, in_slots):
+        offsets.append(offsets[-1] + n)
+        positions += range(start, start + n)
+        if verify:
+            writes += [slot] + [next(spare) for _ in range(n - 1)]
+        else:
+            writes += [-1] * (n - 1) + [slot]
+    longs = dict(dtype=torch.long, device=DEVICE)
+    return (torch.tensor(offsets, dtype=torch.int32, device=DEVICE),
+            torch.tensor(positions, **longs), torch.tensor(in_slots, **longs),
+            torch.tensor(writes, **longs))
+
+
+def _poisoned_slots(shape, dtype, fresh_slot, gen):
+    slots = torch.full((SLOTS, *shape), float("nan"), dtype=dtype)
+    for s in (0, 2, 3):  # live inputs of the non-fresh sequences (and one spare)
+        slots[s] = torch.randn(shape, generator=gen).to(dtype)
+    slots[fresh_slot] = float("nan")
+    return slots.to(DEVICE)
+
+
+CASES = [  # (tokens per sequence, verify), the largest count is max_tokens
+    ((1, 1, 1), False),
+    ((4, 1, 3), False),
+    ((4, 4, 4), True),
+    ((2, 1, 4), True),
+]
+STARTS = (5, 0, 9)  # the second sequence is fresh
+IN_SLOTS = (0, 1, 2)
+
+
+@pytest.mark.parametrize("counts,verify", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_step_matches_reference(counts, verify, dtype):
+    gen = torch.Generator().manual_seed(sum(counts) + verify)
+    channels, kernel = 72, 4  # two channel blocks of 64, the second partial
+    tokens = sum(counts)
+    mixed = torch.randn(tokens, channels, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    windows = _poisoned_slots((channels, kernel - 1), dtype, IN_SLOTS[1], gen)
+    offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
+    ref_windows = windows.clone()
+    ref = gdn_kernels.conv_step_reference(mixed.cpu(), ref_windows, weight.cpu(), offsets,
+                                          positions, in_slots, writes, max(counts))
+    out = torch.full_like(mixed, float("nan"))
+    got = gdn_kernels.conv_step(mixed, windows, weight, offsets, positions, in_slots, writes,
+                                max(counts), block_c=64, out=out)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), **tol)
+    # windows are copies of inputs: exact, and untouched slots keep their NaN
+    torch.testing.assert_close(windows.cpu(), ref_windows.cpu(), rtol=0, atol=0, equal_nan=True)
+    written = set(writes.tolist()) - {-1}
+    assert all(windows[s].isnan().all() for s in range(SLOTS) if s not in written | {0, 2, 3})
+
+
+@pytest.mark.parametrize("counts,verify", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrence_step_matches_reference(counts, verify, dtype):
+    gen = torch.Generator().manual_seed(10 + sum(counts) + verify)
+    k_heads, v_heads, dk, dv = 2, 4, 16, 24  # GQA groups of 2; dv spans a partial block
+    tokens = sum(counts)
+    # q, k, v as views of one conv output row, as the model hands them over
+    row = torch.randn(tokens, 2 * k_heads * dk + v_heads * dv, generator=gen).to(dtype).to(DEVICE)
+    q, k, v = row.split((k_heads * dk, k_heads * dk, v_heads * dv), dim=-1)
+    q, k = q.view(tokens, k_heads, dk), k.view(tokens, k_heads, dk)
+    v = v.view(tokens, v_heads, dv)
+    ab = torch.randn(tokens, 2 * v_heads, generator=gen).to(dtype).to(DEVICE)
+    a, b = ab[:, :v_heads], ab[:, v_heads:]
+    a_log = torch.randn(v_heads, generator=gen).to(DEVICE)
+    dt_bias = torch.randn(v_heads, generator=gen).to(DEVICE)
+    states = _poisoned_slots((v_heads, dk, dv), torch.float32, IN_SLOTS[1], gen)
+    offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
+    ref_states = states.clone().cpu()
+    ref = gdn_kernels.recurrence_step_reference(
+        q.cpu(), k.cpu(), v.cpu(), a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu(), ref_states,
+        offsets, positions, in_slots, writes, max(counts))
+    out = torch.full_like(v, float("nan"))
+    got = gdn_kernels.recurrence_step(q, k, v, a, b, a_log, dt_bias, states, offsets, positions,
+                                      in_slots, writes, max(counts), block_v=16, out=out)
+    # fp32 state either way; bf16 only rounds the output
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), **tol)
+    torch.testing.assert_close(states.cpu(), ref_states, rtol=1e-4, atol=1e-5, equal_nan=True)
+    written = set(writes.tolist()) - {-1}
+    assert all(states[s].isnan().all() for s in range(SLOTS) if s not in written | {0, 2, 3})
+    assert not states[sorted(written)].isnan().any()
+
+
+def test_out_of_range_token_counts_are_refused():
+    offsets, positions, in_slots, writes = _layout((1,), (0,), (0,), False)
+    x = torch.zeros(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="1..8 new tokens"):
+        gdn_kernels.conv_step(x, torch.zeros(2, 8, 3, device=DEVICE),
+                              torch.zeros(8, 4, device=DEVICE), offsets, positions, in_slots,
+                              writes, max_tokens=9)
+    assert gdn_kernels.fits(8) and not gdn_kernels.fits(0) and not gdn_kernels.fits(9)
