@@ -65,6 +65,7 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B] long
     offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
     _attention: AttentionMetadata | None = field(default=None, repr=False)
+    _gdn_write_slots: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], page_size: int, device: torch.device | str) -> "ForwardBatch":
@@ -103,6 +104,22 @@ class ForwardBatch:
             self._attention = AttentionMetadata.build(
                 self.offsets, [s.end for s in self.seqs], self.page_tables, self.input_ids.device)
         return self._attention
+
+    @property
+    def gdn_write_slots(self) -> torch.Tensor:
+        """[T] long: the GDN slot that takes the state (and conv window) after
+        each new token, -1 for none: every token's position slot for a verify
+        row, else the sequence's own slot after its last token. Built once."""
+        if self._gdn_write_slots is None:
+            writes: list[int] = []
+            for seq in self.seqs:
+                if seq.position_slots:
+                    writes.extend(seq.position_slots)
+                else:
+                    writes.extend([-1] * (len(seq.tokens) - 1) + [seq.state_slot])
+            self._gdn_write_slots = torch.tensor(writes, dtype=torch.long,
+                                                 device=self.input_ids.device)
+        return self._gdn_write_slots
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,9 @@ references, which run engine/gdn.py's causal_conv1d and
 recurrent_gated_delta_rule(output_all_states=True). On the CPU the kernels run
 under TRITON_INTERPRET=1; scripts/device_gdn.sh runs the same file compiled.
 
+The last test runs the tiny Qwen3.5 through decode and verify steps with the
+fused path wired into the model against the model's other path.
+
 Each case packs three sequences with different token counts: a verify-style
 one whose first position slot is its own input slot, a fresh one whose input
 slot holds NaN (it must start from zeros), and a third; unused slots and the
@@ -12,12 +15,16 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from engine import gdn_kernels  # noqa: E402
+from engine import gdn_batched, gdn_kernels  # noqa: E402
+from engine.batch import ForwardBatch, SequenceInput  # noqa: E402
+from engine.cache import CacheShape, PagedKVCache  # noqa: E402
+from engine.kv import make_format  # noqa: E402
+from engine.loader import load_model  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 SLOTS = 16
 
 
@@ -123,3 +130,42 @@ def test_out_of_range_token_counts_are_refused():
                               torch.zeros(8, 4, device=DEVICE), offsets, positions, in_slots,
                               writes, max_tokens=9)
     assert gdn_kernels.fits(8) and not gdn_kernels.fits(0) and not gdn_kernels.fits(9)
+
+
+def _model_steps(loaded, fused: bool, monkeypatch):
+    """Prefill, a decode step with a fresh sequence, then a verify batch that
+    mixes position-slot rows (k+1 = 4 and 3 tokens) with a plain decode row."""
+    if DEVICE == "cpu":  # the interpreter stands in for the GPU
+        monkeypatch.setattr(gdn_batched, "use_fused_path",
+                            lambda x, batch: fused and batch.attention.max_new_tokens <= 8)
+    else:
+        monkeypatch.setenv("TANDEM_FUSED_GDN", "1" if fused else "0")
+    cache = PagedKVCache(loaded.config, CacheShape(12, 8, 10), DEVICE,
+                         make_format("bf16", dtype=loaded.dtype))
+    for t in cache.recurrent:
+        t[2].fill_(float("nan"))  # a fresh sequence's slot: must be ignored
+    tables = [tuple(range(0, 4)), tuple(range(4, 8)), tuple(range(8, 12))]
+    ids = [[(7 * i + 3) % 512 for i in range(20)], [(5 * i + 1) % 512 for i in range(12)]]
+    steps = [
+        [SequenceInput(tuple(ids[0][:12]), 0, tables[0], 0),
+         SequenceInput(tuple(ids[1][:9]), 0, tables[1], 1)],
+        [SequenceInput((ids[0][12],), 12, tables[0], 0),
+         SequenceInput((ids[1][9],), 9, tables[1], 1),
+         SequenceInput((11,), 0, tables[2], 2)],
+        [SequenceInput(tuple(ids[0][13:17]), 13, tables[0], 0, (0, 3, 4, 5)),
+         SequenceInput((ids[1][10],), 10, tables[1], 1),
+         SequenceInput((12, 13, 14), 1, tables[2], 2, (6, 7, 2))],
+    ]
+    logits = [loaded.model(ForwardBatch.build(step, 8, DEVICE), cache, all_logits=True)
+              for step in steps]
+    return torch.cat(logits).float(), [s.clone() for s in cache.recurrent + cache.conv]
+
+
+def test_fused_path_in_the_model_matches_the_other_path(monkeypatch):
+    loaded = load_model("tiny-qwen3.5", device=DEVICE, dtype=torch.float32, seed=6)
+    ref_logits, ref_states = _model_steps(loaded, False, monkeypatch)
+    logits, states = _model_steps(loaded, True, monkeypatch)
+    tol = dict(rtol=1e-2, atol=1e-2) if DEVICE == "cuda" else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, **tol)
+    for s, r in zip(states, ref_states):  # every slot, the position slots included
+        torch.testing.assert_close(s[:8], r[:8], **tol)
