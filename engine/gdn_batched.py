@@ -7,7 +7,7 @@ What runs where (GatedDeltaNet.forward in engine/model.py picks):
   batches of k+1 tokens, short tails): the fused Triton steps of
   engine/gdn_kernels.py, one conv kernel and one recurrence kernel per layer,
   g/beta computed inside from the raw projections; the state after each token
-  goes to its write slot (ForwardBatch.gdn_write_slots). TANDEM_FUSED_GDN=0
+  goes to its write slot (ForwardBatch.gdn). TANDEM_FUSED_GDN=0
   switches them off (A/B on the GPU) and the two items below run instead.
 - CUDA decode steps without the fused steps: `decode_conv` and
   `gated_delta_rule_decode` below (the PyTorch recurrence of engine/gdn.py on

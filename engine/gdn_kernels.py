@@ -18,7 +18,10 @@ rows [offsets[i], offsets[i+1]) with at most `max_tokens` rows. Per token a
 write slot says where the state (and conv window) after it goes, -1 for
 nowhere: decode writes only the last token's, to the input slot; verify
 writes every token's to its position slot. A sequence is fresh when its first
-new token sits at position 0. Every index is a device tensor and nothing
+new token sits at position 0; an input slot of -1 marks a padding copy that
+no program computes (CUDA graphs pad a batch with copies of its last
+sequence: a copy reading the slot its original has just written would see
+the wrong state, so the caller copies the original's output rows instead). Every index is a device tensor and nothing
 syncs with the host, so both steps can be captured in a CUDA graph.
 
 Owns only the arithmetic of these steps; it does not know about caches,
@@ -97,11 +100,12 @@ def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_str
     n = tl.load(offsets_ptr + seq + 1) - lo
     fresh = tl.load(positions_ptr + lo) == 0
     slot = tl.load(in_slots_ptr + seq).to(tl.int64)
+    live = slot >= 0  # -1: a padding copy of another sequence, computed by none
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     cols = tl.arange(0, HIST)
     token = cols - (KERNEL - 1)
-    in_window = (cols < KERNEL - 1) & (fresh == 0)
+    in_window = (cols < KERNEL - 1) & (fresh == 0) & live
     in_tokens = (token >= 0) & (token < n)
     win = _load_f32(windows_ptr, slot * w_stride_slot + c[:, None] * w_stride_c + cols[None, :],
                     c_ok[:, None] & in_window[None, :], WIN_BF16)
@@ -109,7 +113,7 @@ def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_str
                     c_ok[:, None] & in_tokens[None, :], X_BF16)
     hist = win + new
     for t in tl.static_range(MAX_T):
-        if t < n:
+        if (t < n) & live:
             # y_t = sum_j w[c, j] * hist[c, t + j]: the weights laid along the tile
             tap = cols - t
             w = _load_f32(weight_ptr, c[:, None] * KERNEL + tap[None, :],
@@ -131,7 +135,8 @@ def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """mixed [T, C] (rows of each sequence's new tokens); windows [S, C, K-1]
     updated at the write slots; weight [C, K]; offsets [B+1] int32; positions
-    [T] long; in_slots [B] long; write_slots [T] long (-1: none).
+    [T] long; in_slots [B] long (-1: a padding sequence, skipped, its rows
+    left as they are); write_slots [T] long (-1: none).
     Returns SiLU(conv) [T, C] in mixed's dtype (written into `out` if given)."""
     _check_fits(max_tokens)
     tokens, channels = mixed.shape
@@ -161,6 +166,8 @@ def conv_step_reference(mixed, windows, weight, offsets, positions, in_slots, wr
     width = weight.shape[-1] - 1
     for i, slot in enumerate(in_slots):
         lo, hi = offsets[i], offsets[i + 1]
+        if slot < 0:  # a padding copy: computed by none
+            continue
         window = torch.zeros_like(reads[i]) if positions[lo] == 0 else reads[i]
         out[lo:hi], _ = causal_conv1d(mixed[lo:hi], window, weight)
         history = torch.cat((window.to(mixed.dtype), mixed[lo:hi].t()), dim=-1)
@@ -194,6 +201,7 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
     n = tl.load(offsets_ptr + seq + 1) - lo
     fresh = tl.load(positions_ptr + lo) == 0
     slot = tl.load(in_slots_ptr + seq).to(tl.int64)
+    live = slot >= 0  # -1: a padding copy of another sequence, computed by none
     dk = tl.arange(0, DK_PAD)
     dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     dk_ok = dk < DK
@@ -203,12 +211,12 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
     state_size = HV * DK * DV
     head_base = head * DK * DV
     state = tl.load(states_ptr + slot * state_size + head_base + tile,
-                    mask=tile_ok & (fresh == 0), other=0.0)
+                    mask=tile_ok & (fresh == 0) & live, other=0.0)
     # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
     neg_rate = -tl.exp(_load_f32(a_log_ptr, head, True, P_BF16))
     dt_bias = _load_f32(dt_bias_ptr, head, True, P_BF16)
     for t in tl.static_range(MAX_T):
-        if t < n:
+        if (t < n) & live:
             row = (lo + t).to(tl.int64)
             q = _load_f32(q_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
             k = _load_f32(k_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
@@ -239,7 +247,7 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     """q, k [T, Hk, Dk] and v [T, Hv, Dv] (views of one [T, C] conv output are
     fine: one row stride for all three); a, b [T, Hv] the raw projections;
     a_log, dt_bias [Hv]; states [S, Hv, Dk, Dv] fp32 contiguous, updated at
-    the write slots. Returns o [T, Hv, Dv] in v's dtype (into `out` if given)."""
+    the write slots; in_slots -1 skips a padding sequence (rows left as they are). Returns o [T, Hv, Dv] in v's dtype (into `out` if given)."""
     _check_fits(max_tokens)
     tokens, heads, dv = v.shape
     dk = k.shape[-1]
@@ -283,6 +291,8 @@ def recurrence_step_reference(q, k, v, a, b, a_log, dt_bias, states, offsets, po
     reads = [states[s].clone() for s in in_slots]  # every read before any write
     for i in range(len(in_slots)):
         lo, hi = offsets[i], offsets[i + 1]
+        if in_slots[i] < 0:  # a padding copy: computed by none
+            continue
         initial = None if positions[lo] == 0 else reads[i][None]
         o, _, every = recurrent_gated_delta_rule(
             q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi],

@@ -186,18 +186,18 @@ class GatedDeltaNet(nn.Module):
     def _forward_fused(self, mixed, a, b, batch, states, windows, weight):
         """Decode and verify steps on CUDA: two Triton kernels, every index on
         the device (graph-safe); the state after each token goes to its write
-        slot (batch.gdn_write_slots). See engine/gdn_batched.py."""
+        slot (batch.gdn). See engine/gdn_batched.py."""
         tokens = mixed.shape[0]
-        meta = batch.attention
-        where = (meta.q_offsets, batch.positions, batch.state_slots, batch.gdn_write_slots,
-                 meta.max_new_tokens)
+        meta, slots = batch.attention, batch.gdn
+        where = (meta.q_offsets, batch.positions, slots.read, slots.write, meta.max_new_tokens)
         conv_out = gdn_batched.fused_conv(mixed, windows, weight, *where)
         q, k, v = conv_out.split(self._split, dim=-1)
         q = q.view(tokens, self.num_k_heads, self.k_dim)
         k = k.view(tokens, self.num_k_heads, self.k_dim)
         v = v.view(tokens, self.num_v_heads, self.v_dim)
-        return gdn_batched.fused_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, states,
-                                            *where)
+        out = gdn_batched.fused_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, states,
+                                           *where)
+        return out if slots.rows is None else out.index_select(0, slots.rows)
 
     def _forward_batched(self, mixed, g, beta, batch, states, windows, weight):
         """All sequences at once with device-indexed state slots (CUDA; graph-safe

@@ -33,11 +33,14 @@ def _layout(counts, starts, in_slots, verify):
     new tokens at `starts`; verify writes every token's state to its own slot
     (the first to the input slot), decode only the last, to the input slot."""
     offsets, positions, writes = [0], [], []
+    in_slots = in_slots[:len(counts)]
     spare = iter(range(6, SLOTS))
     for n, start, slot in zip(counts, starts, in_slots):
         offsets.append(offsets[-1] + n)
         positions += range(start, start + n)
-        if verify:
+        if slot < 0:  # a padding copy: nothing written
+            writes += [-1] * n
+        elif verify:
             writes += [slot] + [next(spare) for _ in range(n - 1)]
         else:
             writes += [-1] * (n - 1) + [slot]
@@ -56,13 +59,19 @@ def _poisoned_slots(shape, dtype, fresh_slot, gen):
 
 
 CASES = [  # (tokens per sequence, verify), the largest count is max_tokens
-    ((1, 1, 1), False),
+    ((1, 1, 1, 1), False),
     ((4, 1, 3), False),
-    ((4, 4, 4), True),
+    ((4, 4, 4, 4), True),
     ((2, 1, 4), True),
 ]
-STARTS = (5, 0, 9)  # the second sequence is fresh
-IN_SLOTS = (0, 1, 2)
+STARTS = (5, 0, 9, 9)  # the second sequence is fresh
+IN_SLOTS = (0, 1, 2, -1)  # a fourth sequence is a padding copy of the third (CUDA graphs)
+
+
+def _live_rows(counts):
+    """Rows of the sequences that are not padding; padding rows stay NaN."""
+    live = sum(counts[:3])
+    return slice(0, live), slice(live, sum(counts))
 
 
 @pytest.mark.parametrize("counts,verify", CASES)
@@ -75,6 +84,7 @@ def test_conv_step_matches_reference(counts, verify, dtype):
     weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype).to(DEVICE)
     windows = _poisoned_slots((channels, kernel - 1), dtype, IN_SLOTS[1], gen)
     offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
+    live, pad = _live_rows(counts)
     ref_windows = windows.clone()
     ref = gdn_kernels.conv_step_reference(mixed.cpu(), ref_windows, weight.cpu(), offsets,
                                           positions, in_slots, writes, max(counts))
@@ -82,7 +92,8 @@ def test_conv_step_matches_reference(counts, verify, dtype):
     got = gdn_kernels.conv_step(mixed, windows, weight, offsets, positions, in_slots, writes,
                                 max(counts), block_c=64, out=out)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), **tol)
+    torch.testing.assert_close(got[live].float().cpu(), ref[live].float().cpu(), **tol)
+    assert got[pad].isnan().all()
     # windows are copies of inputs: exact, and untouched slots keep their NaN
     torch.testing.assert_close(windows.cpu(), ref_windows.cpu(), rtol=0, atol=0, equal_nan=True)
     written = set(writes.tolist()) - {-1}
@@ -106,6 +117,7 @@ def test_recurrence_step_matches_reference(counts, verify, dtype):
     dt_bias = torch.randn(v_heads, generator=gen).to(DEVICE)
     states = _poisoned_slots((v_heads, dk, dv), torch.float32, IN_SLOTS[1], gen)
     offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
+    live, pad = _live_rows(counts)
     ref_states = states.clone().cpu()
     ref = gdn_kernels.recurrence_step_reference(
         q.cpu(), k.cpu(), v.cpu(), a.cpu(), b.cpu(), a_log.cpu(), dt_bias.cpu(), ref_states,
@@ -115,7 +127,8 @@ def test_recurrence_step_matches_reference(counts, verify, dtype):
                                       in_slots, writes, max(counts), block_v=16, out=out)
     # fp32 state either way; bf16 only rounds the output
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), **tol)
+    torch.testing.assert_close(got[live].float().cpu(), ref[live].float().cpu(), **tol)
+    assert got[pad].isnan().all()
     torch.testing.assert_close(states.cpu(), ref_states, rtol=1e-4, atol=1e-5, equal_nan=True)
     written = set(writes.tolist()) - {-1}
     assert all(states[s].isnan().all() for s in range(SLOTS) if s not in written | {0, 2, 3})
