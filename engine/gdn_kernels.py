@@ -98,14 +98,14 @@ def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_str
     cb = tl.program_id(1)
     lo = tl.load(offsets_ptr + seq)
     n = tl.load(offsets_ptr + seq + 1) - lo
-    fresh = tl.load(positions_ptr + lo) == 0
+    warm = tl.load(positions_ptr + lo) > 0  # not fresh: the input slot holds its state
     slot = tl.load(in_slots_ptr + seq).to(tl.int64)
     live = slot >= 0  # -1: a padding copy of another sequence, computed by none
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < channels
     cols = tl.arange(0, HIST)
     token = cols - (KERNEL - 1)
-    in_window = (cols < KERNEL - 1) & (fresh == 0) & live
+    in_window = (cols < KERNEL - 1) & warm & live
     in_tokens = (token >= 0) & (token < n)
     win = _load_f32(windows_ptr, slot * w_stride_slot + c[:, None] * w_stride_c + cols[None, :],
                     c_ok[:, None] & in_window[None, :], WIN_BF16)
@@ -199,7 +199,7 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
     kh = head // GROUPS  # consecutive value heads share a q/k head
     lo = tl.load(offsets_ptr + seq)
     n = tl.load(offsets_ptr + seq + 1) - lo
-    fresh = tl.load(positions_ptr + lo) == 0
+    warm = tl.load(positions_ptr + lo) > 0  # not fresh: the input slot holds its state
     slot = tl.load(in_slots_ptr + seq).to(tl.int64)
     live = slot >= 0  # -1: a padding copy of another sequence, computed by none
     dk = tl.arange(0, DK_PAD)
@@ -211,10 +211,11 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
     state_size = HV * DK * DV
     head_base = head * DK * DV
     state = tl.load(states_ptr + slot * state_size + head_base + tile,
-                    mask=tile_ok & (fresh == 0) & live, other=0.0)
+                    mask=tile_ok & warm & live, other=0.0)
     # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
-    neg_rate = -tl.exp(_load_f32(a_log_ptr, head, True, P_BF16))
-    dt_bias = _load_f32(dt_bias_ptr, head, True, P_BF16)
+    one = head < HV  # a true mask for the scalar loads
+    neg_rate = -tl.exp(_load_f32(a_log_ptr, head, one, P_BF16))
+    dt_bias = _load_f32(dt_bias_ptr, head, one, P_BF16)
     for t in tl.static_range(MAX_T):
         if (t < n) & live:
             row = (lo + t).to(tl.int64)
@@ -223,9 +224,9 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
             v = _load_f32(v_ptr, row * row_stride + head * DV + dv, dv_ok, X_BF16)
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-            a = _load_f32(a_ptr, row * gate_stride + head, True, G_BF16) + dt_bias
+            a = _load_f32(a_ptr, row * gate_stride + head, one, G_BF16) + dt_bias
             softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-            b = _load_f32(b_ptr, row * gate_stride + head, True, G_BF16)
+            b = _load_f32(b_ptr, row * gate_stride + head, one, G_BF16)
             beta = 1.0 / (1.0 + tl.exp(-b))
             state = state * tl.exp(neg_rate * softplus)
             predicted = tl.sum(state * k[:, None], axis=0)

@@ -11,6 +11,9 @@ one whose first position slot is its own input slot, a fresh one whose input
 slot holds NaN (it must start from zeros), and a third; unused slots and the
 outputs start NaN, so a missed write or a stray read shows."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +185,43 @@ def test_fused_path_in_the_model_matches_the_other_path(monkeypatch):
     torch.testing.assert_close(logits, ref_logits, **tol)
     for s, r in zip(states, ref_states):  # every slot, the position slots included
         torch.testing.assert_close(s[:8], r[:8], **tol)
+
+
+# Compiles both kernels for sm_90 at the 27B shape (decode and k=3 verify)
+# without a GPU: Triton's own ptxas, so a kernel that only the interpreter
+# accepts fails here in CI rather than on the device machine.
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine import gdn_kernels as G
+
+INDEX = dict(offsets_ptr="*i32", positions_ptr="*i64", in_slots_ptr="*i64", write_slots_ptr="*i64")
+CONV = dict(mixed_ptr="*i16", mixed_stride="i32", windows_ptr="*fp32", w_stride_slot="i32",
+            w_stride_c="i32", weight_ptr="*i16", out_ptr="*i16", **INDEX, channels="i32")
+REC = dict(q_ptr="*i16", k_ptr="*i16", v_ptr="*i16", row_stride="i32", a_ptr="*i16",
+           b_ptr="*i16", gate_stride="i32", a_log_ptr="*i16", dt_bias_ptr="*i16",
+           states_ptr="*fp32", out_ptr="*i16", **INDEX, scale="fp32")
+for t in (1, 4):
+    for kernel, sig, consts in (
+            (G._conv_step_kernel, CONV, dict(KERNEL=4, MAX_T=t, HIST=triton.next_power_of_2(3 + t),
+                                             BLOCK_C=128, X_BF16=True, WIN_BF16=False, W_BF16=True)),
+            (G._recurrence_step_kernel, REC, dict(HV=48, GROUPS=3, DK=128, DV=128, DK_PAD=128,
+                                                  BLOCK_V=32, MAX_T=t, X_BF16=True, G_BF16=True,
+                                                  P_BF16=True))):
+        signature = dict(sig, **{k: "constexpr" for k in consts})
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert compiled.asm["cubin"], kernel
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90():
+    ptxas = Path(gdn_kernels.triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton has no bundled ptxas")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
+                          text=True, timeout=240, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
