@@ -188,7 +188,7 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
                             HV: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr,
                             DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                             MAX_T: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                            P_BF16: tl.constexpr):
+                            A_LOG_BF16: tl.constexpr, DT_BF16: tl.constexpr):
     """One (sequence, value head, block of value columns): the state tile
     [DK, BLOCK_V] stays in registers across the sequence's tokens. It is read
     before the first write, so a write slot equal to the input slot is safe;
@@ -214,8 +214,8 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
                     mask=tile_ok & warm & live, other=0.0)
     # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
     one = head < HV  # a true mask for the scalar loads
-    neg_rate = -tl.exp(_load_f32(a_log_ptr, head, one, P_BF16))
-    dt_bias = _load_f32(dt_bias_ptr, head, one, P_BF16)
+    neg_rate = -tl.exp(_load_f32(a_log_ptr, head, one, A_LOG_BF16))
+    dt_bias = _load_f32(dt_bias_ptr, head, one, DT_BF16)
     for t in tl.static_range(MAX_T):
         if (t < n) & live:
             row = (lo + t).to(tl.int64)
@@ -259,8 +259,6 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         raise ValueError("recurrence_step: q, k, v need one dtype, one row stride and packed heads")
     if a.stride() != b.stride() or a.stride(-1) != 1 or a.dtype != b.dtype:
         raise ValueError("recurrence_step: a and b need the same layout, unit-stride heads")
-    if a_log.dtype != dt_bias.dtype:
-        raise ValueError("recurrence_step: A_log and dt_bias need one dtype")
     if states.dtype != torch.float32 or not states.is_contiguous():
         raise ValueError("recurrence_step: states must be contiguous fp32")
     if out is None:
@@ -269,13 +267,14 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         block_v = min(32, triton.next_power_of_2(dv))
     (q_, x_bf16), (k_, _), (v_, _) = map(_as_kernel, (q, k, v))
     (a_, g_bf16), (b_, _) = map(_as_kernel, (a, b))
-    (a_log_, p_bf16), (dt_bias_, _) = map(_as_kernel, (a_log, dt_bias))
+    (a_log_, a_log_bf16), (dt_bias_, dt_bf16) = map(_as_kernel, (a_log, dt_bias))
     grid = (in_slots.shape[0], heads, triton.cdiv(dv, block_v))
     _recurrence_step_kernel[grid](
         q_, k_, v_, row_stride, a_, b_, a.stride(0), a_log_, dt_bias_, states,
         _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5,
         HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
-        BLOCK_V=block_v, MAX_T=max_tokens, X_BF16=x_bf16, G_BF16=g_bf16, P_BF16=p_bf16)
+        BLOCK_V=block_v, MAX_T=max_tokens, X_BF16=x_bf16, G_BF16=g_bf16,
+        A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16)
     return out
 
 

@@ -117,7 +117,7 @@ def test_recurrence_step_matches_reference(counts, verify, dtype):
     ab = torch.randn(tokens, 2 * v_heads, generator=gen).to(dtype).to(DEVICE)
     a, b = ab[:, :v_heads], ab[:, v_heads:]
     a_log = torch.randn(v_heads, generator=gen).to(DEVICE)
-    dt_bias = torch.randn(v_heads, generator=gen).to(DEVICE)
+    dt_bias = torch.randn(v_heads, generator=gen).to(dtype).to(DEVICE)  # A_log stays fp32
     states = _poisoned_slots((v_heads, dk, dv), torch.float32, IN_SLOTS[1], gen)
     offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
     live, pad = _live_rows(counts)
@@ -208,7 +208,7 @@ for t in (1, 4):
                                              BLOCK_C=128, X_BF16=True, WIN_BF16=False, W_BF16=True)),
             (G._recurrence_step_kernel, REC, dict(HV=48, GROUPS=3, DK=128, DV=128, DK_PAD=128,
                                                   BLOCK_V=32, MAX_T=t, X_BF16=True, G_BF16=True,
-                                                  P_BF16=True))):
+                                                  A_LOG_BF16=False, DT_BF16=True))):
         signature = dict(sig, **{k: "constexpr" for k in consts})
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
