@@ -57,7 +57,8 @@ def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int,
         seq = SequenceInput(prompt[start:start + 512], start, table, 0)
         loaded.model(ForwardBatch.build([seq], page, device), cache)
     plain_forward = DecodeForward(loaded.model, cache, context + 8, enabled=cuda_graphs)
-    verify_forward = VerifyForward(loaded.model, cache, context + 8, enabled=cuda_graphs)
+    verify_forward = VerifyForward(loaded.model, cache, context + 8, enabled=cuda_graphs,
+                                   pool_of=plain_forward)
 
     def timed(tokens: int) -> float:
         # position slots 0 (the input slot, as the decoder does), then 1..k

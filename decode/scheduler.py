@@ -96,7 +96,7 @@ class DecodeScheduler:
         self.forward = DecodeForward(model, cache, self.max_context, enabled=cuda_graphs)
         speculative = speculative or SpeculativeConfig()
         self.spec = (SpeculativeDecoder(model, cache, speculative, self.max_context,
-                                        cuda_graphs=cuda_graphs)
+                                        cuda_graphs=cuda_graphs, graph_pool_of=self.forward)
                      if speculative.enabled else None)
 
     # --- membership -----------------------------------------------------

@@ -120,13 +120,28 @@ class _Graph:
                             _gdn=GdnSlots(self.gdn_read, self.gdn_write, self.gdn_rows))
 
 
+class _Pool:
+    """One CUDA graph memory pool, made at the first capture. Graphs that share
+    it may reuse each other's intermediates, so their outputs are only valid
+    until the next replay of any of them (callers consume or clone them)."""
+
+    def __init__(self) -> None:
+        self._handle = None
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+
 class _GraphedForward:
     """Buckets of captured forwards over (batch size, tokens per sequence): the
     first batch of a bucket runs eagerly (the warm-up: Triton kernels compile
     at the exact shapes) and is then captured; later ones replay."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_context: int,
-                 buckets: tuple[int, ...], enabled: bool | None) -> None:
+                 buckets: tuple[int, ...], enabled: bool | None,
+                 pool_of: "_GraphedForward | None" = None) -> None:
         self.model, self.cache = model, cache
         self.max_context = max_context
         self.buckets = tuple(sorted(buckets))
@@ -135,7 +150,9 @@ class _GraphedForward:
             raise ValueError("CUDA graphs need the cache on a CUDA device")
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._eager_keys: set[tuple[int, int]] = set()
-        self._pool = None
+        # one process's decode and verify graphs never run at the same time:
+        # sharing the pool keeps their memory at the larger of the two
+        self.pool = pool_of.pool if pool_of is not None else _Pool()
         self.replays = 0  # forwards served from a graph (tests and benches read it)
         self.capture_errors: list[str] = []  # buckets that fell back to eager forwards
 
@@ -193,11 +210,9 @@ class _GraphedForward:
             outputs = tuple(out[:rows].clone() for out in self._forward(static))
         torch.cuda.current_stream().wait_stream(side)
         # Recording runs nothing, so the step is not applied twice.
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         cuda_graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(cuda_graph, pool=self._pool):
+            with torch.cuda.graph(cuda_graph, pool=self.pool.handle()):
                 graph.outputs = self._forward(static)
         except RuntimeError as e:
             # A forward that cannot be captured (a host copy somewhere in it)
@@ -237,8 +252,9 @@ class VerifyForward(_GraphedForward):
     model (TANDEM_FUSED_GDN=0 runs verify eagerly)."""
 
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_context: int,
-                 buckets: tuple[int, ...] = VERIFY_BUCKETS, enabled: bool | None = None) -> None:
-        super().__init__(model, cache, max_context, buckets, enabled)
+                 buckets: tuple[int, ...] = VERIFY_BUCKETS, enabled: bool | None = None,
+                 pool_of: _GraphedForward | None = None) -> None:
+        super().__init__(model, cache, max_context, buckets, enabled, pool_of)
 
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -83,7 +83,8 @@ class Verified:
 
 class SpeculativeDecoder:
     def __init__(self, model: CausalLM, cache: PagedKVCache, config: SpeculativeConfig,
-                 max_context: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 max_context: int | None = None, cuda_graphs: bool | None = None,
+                 graph_pool_of=None) -> None:
         config.check_model(model.config)
         if config.uses_mtp and cache.shape.mtp_layers < model.config.mtp_num_layers:
             raise ValueError("--speculative mtp needs the cache laid out with the MTP layers' "
@@ -93,8 +94,9 @@ class SpeculativeDecoder:
         self.hybrid = model.config.is_hybrid
         self.max_context = max_context or model.config.max_position_embeddings
         # verify batches of k+1 tokens per sequence replay CUDA graphs on a GPU
-        # (None: on for CUDA caches)
-        self.verify_forward = VerifyForward(model, cache, self.max_context, enabled=cuda_graphs)
+        # (None: on for CUDA caches), in the decode graphs' pool when given
+        self.verify_forward = VerifyForward(model, cache, self.max_context, enabled=cuda_graphs,
+                                            pool_of=graph_pool_of)
 
     # --- membership -----------------------------------------------------
     def start(self, seq, spare_slots: Sequence[int] = ()) -> SpecState:
