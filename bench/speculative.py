@@ -86,10 +86,11 @@ def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int,
         t = timed(k + 1)
         rows.append({"bench": "verify", "model": model_name, "context": context, "k": k,
                      "ms": t * 1e3, "ratio": t / plain, **graphs})
+    errors = plain_forward.capture_errors + verify_forward.capture_errors
     if plain_forward.enabled and (not plain_forward.replays or not verify_forward.replays
-                                  or plain_forward.capture_errors or verify_forward.capture_errors):
+                                  or errors):
         print(f"warning: graphs not replayed (decode {plain_forward.replays} replays, verify "
-              f"{verify_forward.replays}): {plain_forward.capture_errors + verify_forward.capture_errors}")
+              f"{verify_forward.replays}): {errors}")
     return rows
 
 

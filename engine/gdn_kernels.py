@@ -18,11 +18,12 @@ rows [offsets[i], offsets[i+1]) with at most `max_tokens` rows. Per token a
 write slot says where the state (and conv window) after it goes, -1 for
 nowhere: decode writes only the last token's, to the input slot; verify
 writes every token's to its position slot. A sequence is fresh when its first
-new token sits at position 0; an input slot of -1 marks a padding copy that
-no program computes (CUDA graphs pad a batch with copies of its last
-sequence: a copy reading the slot its original has just written would see
-the wrong state, so the caller copies the original's output rows instead). Every index is a device tensor and nothing
-syncs with the host, so both steps can be captured in a CUDA graph.
+new token sits at position 0. An input slot of -1 marks a padding copy that
+no program computes: CUDA graphs pad a batch with copies of its last
+sequence, and a copy reading the slot its original has just written would
+see the wrong state, so the caller copies the original's output rows
+instead. Every index is a device tensor and nothing syncs with the host, so
+both steps can be captured in a CUDA graph.
 
 Owns only the arithmetic of these steps; it does not know about caches,
 batches or slot allocation (callers hand in tensors). The references call
@@ -142,7 +143,8 @@ def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
     tokens, channels = mixed.shape
     kernel = weight.shape[-1]
     if mixed.stride(1) != 1 or windows.stride(2) != 1 or not weight.is_contiguous():
-        raise ValueError("conv_step needs unit-stride channels and windows, and a contiguous weight")
+        raise ValueError("conv_step needs unit-stride channels and windows, "
+                         "and a contiguous weight")
     if out is None:
         out = torch.empty(tokens, channels, dtype=mixed.dtype, device=mixed.device)
     (x, x_bf16), (win, win_bf16), (w, w_bf16) = map(_as_kernel, (mixed, windows, weight))
@@ -248,7 +250,8 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     """q, k [T, Hk, Dk] and v [T, Hv, Dv] (views of one [T, C] conv output are
     fine: one row stride for all three); a, b [T, Hv] the raw projections;
     a_log, dt_bias [Hv]; states [S, Hv, Dk, Dv] fp32 contiguous, updated at
-    the write slots; in_slots -1 skips a padding sequence (rows left as they are). Returns o [T, Hv, Dv] in v's dtype (into `out` if given)."""
+    the write slots; in_slots -1 skips a padding sequence (rows left as they
+    are). Returns o [T, Hv, Dv] in v's dtype (into `out` if given)."""
     _check_fits(max_tokens)
     tokens, heads, dv = v.shape
     dk = k.shape[-1]
