@@ -270,9 +270,10 @@ class VerifyForward(_GraphedForward):
         tokens = batch.attention.max_new_tokens
         if batch.num_tokens != tokens * len(batch.seqs):
             return None  # ragged: eager
-        if self.model.config.is_hybrid:
-            from engine import gdn_batched, gdn_kernels
+        key = self._key(batch, tokens)
+        if key is not None and self.model.config.is_hybrid:
+            from engine import gdn_batched, gdn_kernels  # triton: only where graphs run
 
             if not (gdn_batched.fused_enabled() and gdn_kernels.fits(tokens)):
                 return None
-        return self._key(batch, tokens)
+        return key

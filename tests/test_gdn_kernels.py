@@ -88,7 +88,7 @@ def test_conv_step_matches_reference(counts, verify, dtype):
     windows = _poisoned_slots((channels, kernel - 1), dtype, IN_SLOTS[1], gen)
     offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
     live, pad = _live_rows(counts)
-    ref_windows = windows.clone()
+    ref_windows = windows.clone().cpu()
     ref = gdn_kernels.conv_step_reference(mixed.cpu(), ref_windows, weight.cpu(), offsets,
                                           positions, in_slots, writes, max(counts))
     out = torch.full_like(mixed, float("nan"))
@@ -128,11 +128,12 @@ def test_recurrence_step_matches_reference(counts, verify, dtype):
     out = torch.full_like(v, float("nan"))
     got = gdn_kernels.recurrence_step(q, k, v, a, b, a_log, dt_bias, states, offsets, positions,
                                       in_slots, writes, max(counts), block_v=16, out=out)
-    # fp32 state either way; bf16 only rounds the output
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    # fp32 state either way; bf16 only rounds the output (the GPU's exp/log differ a little)
+    fp32 = dict(rtol=1e-4, atol=1e-4 if DEVICE == "cuda" else 1e-5)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else fp32
     torch.testing.assert_close(got[live].float().cpu(), ref[live].float().cpu(), **tol)
     assert got[pad].isnan().all()
-    torch.testing.assert_close(states.cpu(), ref_states, rtol=1e-4, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(states.cpu(), ref_states, equal_nan=True, **fp32)
     written = set(writes.tolist()) - {-1}
     assert all(states[s].isnan().all() for s in range(SLOTS) if s not in written | {0, 2, 3})
     assert not states[sorted(written)].isnan().any()
