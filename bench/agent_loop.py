@@ -34,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
     add_service_arguments(p, max_context_tokens=131072)
     p.add_argument("--turns", type=int, default=20)
     p.add_argument("--new-tokens", type=int, default=1024, help="new user tokens per turn (about)")
+    p.add_argument("--first-turn-tokens", type=int, default=None,
+                   help="tokens of the first user message (about; default --new-tokens): the "
+                        "files an agent read before its loop, so the conversation can grow "
+                        "past 100K tokens in 20 turns")
     p.add_argument("--output-tokens", type=int, default=32, help="answer tokens per turn")
     return p
 
@@ -48,8 +52,10 @@ def run(svc: Service, args) -> dict:
     messages: list[tuple[str, str]] = []
     chars_per_token = 4.0
     reusable = 0
+    first = args.first_turn_tokens or args.new_tokens
     for turn in range(1, args.turns + 1):
-        messages.append(("user", user_text(turn, int(args.new_tokens * chars_per_token))))
+        tokens = first if turn == 1 else args.new_tokens
+        messages.append(("user", user_text(turn, int(tokens * chars_per_token))))
         r = svc.generate(messages=messages, max_new_tokens=args.output_tokens)
         if turn == 1:  # calibrate text length to the tokenizer
             chars_per_token = max(1.0, len(messages[0][1]) / max(1, r.prompt_tokens))

@@ -24,8 +24,10 @@ from bench.limits import copy_bandwidth, decode_step_bytes, sync
 
 
 def decode_steps(loaded, kv_format_name: str, batch: int, context: int, steps: int,
-                 page_size: int = 16, cuda_graphs: bool | None = None) -> list[float]:
-    """Seconds of each of `steps` decode steps of `batch` sequences at `context`."""
+                 page_size: int = 16, cuda_graphs: bool | None = None,
+                 after_step=None) -> list[float]:
+    """Seconds of each of `steps` decode steps of `batch` sequences at `context`;
+    `after_step()` runs after each (the profiler's step marker)."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.cuda_graphs import DecodeForward
@@ -63,6 +65,8 @@ def decode_steps(loaded, kv_format_name: str, batch: int, context: int, steps: i
             t0 = now()
             forward(fb).argmax(-1).tolist()  # the token reaches the host, as when serving
             times.append(now() - t0)
+            if after_step is not None:
+                after_step()
     return times
 
 

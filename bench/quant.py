@@ -202,7 +202,7 @@ def sweep(rows_list, device, bandwidth: float) -> list[dict]:
                             "picked_us": picked_s * 1e6, "best": best.key(),
                             "best_config": [best.block_n, best.block_k, best.split_k,
                                             best.num_warps, best.num_stages,
-                                            best.tensor_cores],
+                                            best.tensor_cores, best.prefetch],
                             "best_us": best_s * 1e6, "best_roofline": floor / best_s,
                             "top5": [[c.key(), t * 1e6] for t, c in ranked[:5]],
                             "best_cuda_cores": [cuda_cores[0][1].key(), cuda_cores[0][0] * 1e6]
@@ -221,9 +221,10 @@ def sweep(rows_list, device, bandwidth: float) -> list[dict]:
 
 
 def _tuned_line(r: dict) -> str:
-    bn, bk, sk, nw, ns, tc = r["best_config"]
+    bn, bk, sk, nw, ns, tc, pf = r["best_config"]
+    flags = (", tensor_cores=True" if tc else "") + (", prefetch=True" if pf else "")
     return (f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
-            f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{', tensor_cores=True' if tc else ''}),"
+            f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{flags}),"
             f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "
             f"{100 * r['best_roofline']:.0f}% of floor")
 

@@ -263,19 +263,17 @@ def _transfer_inbox(args, store: StoreClient):
     from transfer.inbox import Inbox
     from transfer.pages import StoreBuffers
 
-    group = TransferGroup(config, store.cache.device)
-    group.start()
+    group = TransferGroup.joining(config, store.cache.device)
     inbox = Inbox(group, StoreBuffers.of_arenas(store.arenas), range(config.num_prefill))
 
     async def ready() -> None:
-        await asyncio.to_thread(group.wait_ready, 900.0)
+        await group.joined_async()
         inbox.start()
 
     def close() -> None:
         inbox.stop()
         group.close()
-    log(PROCESS, f"transfer rank {config.rank} of {config.world_size} ({group.backend}) "
-                 f"via {config.addr}")
+    log(PROCESS, group.describe())
     return inbox, ready, close
 
 

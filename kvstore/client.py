@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.cache import CacheShape, PagedKVCache
 from engine.config import ModelConfig
+from engine.cuda_context import trim_stack_reservation
 from engine.errors import TandemError
 from engine.model import CausalLM
 from engine.speculative import SpeculativeConfig
@@ -181,6 +182,7 @@ class StoreClient:
     def _map_memory(self) -> None:
         info = self.info
         self.arenas = open_arenas(info.arenas, info.store_pid)
+        trim_stack_reservation(self.arenas.weights.buffer.device)
         kv_format = info.kv_format.build()
         shape = CacheShape(info.num_pages, info.page_size, info.num_state_slots,
                            info.mtp_kv_layers)

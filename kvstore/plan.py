@@ -27,14 +27,19 @@ MiB = 1 << 20
 # leave it out of --gpu-memory-budget.
 SLACK_FIXED_BYTES = 256 * MiB
 # What one process holds outside PyTorch's allocator once it has run a cuBLAS
-# matmul: CUDA context, cuBLAS handle and kernel modules. NVML on the H200
-# (CUDA 13, torch 2.11, scripts/device_context.py): 612 MiB for the context,
-# 676 MiB after the first bf16 matmul; rounded up.
-CUDA_CONTEXT_BYTES = 700 * MiB
+# matmul: CUDA context, cuBLAS handle and kernel modules, with the thread-stack
+# reservation trimmed as every service process does (engine/cuda_context.py).
+# NVML on the H200 (CUDA 13, torch 2.11, scripts/device_context.py --stack 64):
+# 364 MiB for the context, 526 MiB after the first bf16 matmul (612 and 774 MiB
+# untrimmed); rounded up.
+CUDA_CONTEXT_BYTES = 560 * MiB
 # The service's processes that touch the GPU: kvstore, prefill, decode (the
 # router and the HTTP gateway never initialise CUDA).
 SERVICE_CUDA_PROCESSES = 3
 SLACK_ACTIVATION_FRACTION = 0.10
+# fp32 [tokens, v_heads, head_dim] tensors a GDN prefill chunk holds at once
+# (see CapacityPlan._gdn_prefill_bytes_per_token).
+GDN_PREFILL_FP32_TENSORS = 24
 
 
 class OverBudgetError(TandemError):
@@ -65,7 +70,9 @@ class CapacityPlan:
     Activation reserve (an estimate, per worker forward):
       prefill_chunk_tokens x (6 hidden + 3 intermediate + q_width + 2 kv_width
                               + 2 conv_dim) x activation_bytes     the widest layer's live tensors
+      + prefill_chunk_tokens x 24 x gdn_v_heads x gdn_head_dim x 4  the GDN chunk's fp32 work
       + 2 x context x kv_heads x head_dim x activation_bytes      one layer's K and V dequantized
+                                                                  (not with paged_attention_kernel)
       + live_slots x vocab x 4                                    fp32 logits of a decode batch
     where context = min(max_context_tokens, max_position_embeddings).
     Allocator slack: 256 MiB + 10% of the activation reserve (and of the
@@ -95,6 +102,9 @@ class CapacityPlan:
     mtp_kv_layers: int = 0
     cuda_graphs: bool = False
     cuda_processes: int = 0
+    # attention reads the pages in place (the Triton kernels on CUDA), so no
+    # layer's K and V are ever dequantized whole; False: the PyTorch path does
+    paged_attention_kernel: bool = False
     weight_format: str = "as stored"
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
@@ -242,6 +252,16 @@ class CapacityPlan:
         return (6 * cfg.hidden_size + 3 * cfg.intermediate_size + q_width + 2 * kv_width
                 + 2 * conv)
 
+    def _gdn_prefill_bytes_per_token(self) -> int:
+        """The chunked delta rule's fp32 working set (engine/gdn.py): about 16
+        [tokens, v_heads, head_dim] tensors live at once by count, 24 once
+        calibrated on the 27B shape (NVML, prefill worker, chunks 512 and 2048)."""
+        cfg = self.config
+        if not cfg.is_hybrid:
+            return 0
+        head = max(cfg.linear_k_head_dim, cfg.linear_v_head_dim)
+        return GDN_PREFILL_FP32_TENSORS * cfg.linear_num_v_heads * head * 4
+
     def _decode_activations(self, batch: int) -> int:
         rows = max(batch, 1) * (1 + self.draft_slots_per_sequence)
         return (rows * self._per_token_width() * self.activation_bytes
@@ -261,8 +281,10 @@ class CapacityPlan:
         cfg = self.config
         kv_width = cfg.num_kv_heads * cfg.head_dim
         context = min(self.max_context_tokens, cfg.max_position_embeddings)
-        chunk = self.prefill_chunk_tokens * self._per_token_width() * self.activation_bytes
-        dense_kv = 2 * context * kv_width * self.activation_bytes
+        chunk = self.prefill_chunk_tokens * (self._per_token_width() * self.activation_bytes
+                                             + self._gdn_prefill_bytes_per_token())
+        dense_kv = 0 if self.paged_attention_kernel else \
+            2 * context * kv_width * self.activation_bytes
         logits = max(self.live_slots, 1) * cfg.vocab_size * 4
         return chunk + dense_kv + logits
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 import torch
 
+from engine.cuda_context import trim_stack_reservation
 from engine.errors import TandemError
 from engine.config import ModelConfig, shape_names
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
@@ -114,7 +115,8 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         snapshot_slots=options.snapshot_slots, gpu_memory_budget=options.gpu_memory_budget,
         weight_bytes=weight_bytes, prefill_chunk_tokens=options.prefill_chunk_tokens,
         activation_bytes=dtype.itemsize, cuda_graphs=on_gpu,
-        cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
+        cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, paged_attention_kernel=on_gpu,
+        weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
         mtp_kv_layers=spec.mtp_kv_layers(config))
 
 
@@ -138,6 +140,7 @@ def start_store(options: ServerOptions) -> Store:
         # mtp.* tensors or a trained head file beside it, is known once loaded)
         plan = _checked_plan(options, config, dtype, weight_bytes, weight_format)
     store_id = new_store_id()
+    trim_stack_reservation(device)  # before the arenas: the context's share is planned
     if device.type == "cpu":
         for path in sweep_orphaned_shm():
             print(f"kvstore: removed {path}, left by a store that was killed", file=sys.stderr)

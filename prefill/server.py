@@ -187,19 +187,14 @@ def _transfer_link(args, store: StoreClient):
     from transfer.group import TransferGroup
     from transfer.outbox import DistLink
 
-    group = TransferGroup(config, store.cache.device)
-    group.start()
+    group = TransferGroup.joining(config, store.cache.device)
     link = DistLink(local, group)
-
-    async def ready() -> None:
-        await asyncio.to_thread(group.wait_ready, 900.0)
 
     def close() -> None:
         link.close()
         group.close()
-    log(PROCESS, f"transfer rank {config.rank} of {config.world_size} ({group.backend}) "
-                 f"via {config.addr}")
-    return link, ready, close
+    log(PROCESS, group.describe())
+    return link, group.joined_async, close
 
 
 def _map_peer_stores(args):

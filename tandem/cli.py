@@ -500,6 +500,7 @@ def _run_plan(args) -> int:
             draft_slots_per_sequence=speculative.spare_slots(config),
             mtp_kv_layers=speculative.mtp_kv_layers(config), cuda_graphs=device.type == "cuda",
             cuda_processes=SERVICE_CUDA_PROCESSES if device.type == "cuda" else 0,
+            paged_attention_kernel=device.type == "cuda",
             weight_format=label)
     except ValueError as e:
         raise TandemError(str(e)) from e

@@ -64,13 +64,15 @@ def test_prefill_bench_flops(tmp_path):
 def test_service_benches_on_one_service(tmp_path):
     with Service("tiny-llama", "cpu", "int8", max_context_tokens=1024, prefill_chunk=32) as svc:
         loop = agent_loop.run(svc, agent_loop.parser().parse_args(
-            ["--turns", "2", "--new-tokens", "40", "--output-tokens", "4"]))
+            ["--turns", "2", "--new-tokens", "40", "--first-turn-tokens", "120",
+             "--output-tokens", "4"]))
         busy = interference.run(svc, interference.parser().parse_args(
             ["--prefill-tokens", "200", "--decode-tokens", "24", "--prefill-chunk", "32"]))
         mem = memory.run(svc, memory.parser().parse_args(
             ["--prompt-tokens", "40", "--new-tokens", "4", "--json", str(tmp_path / "m.json")]))
-    second = loop["turns"][1]
-    assert second["cached_tokens"] >= 32 and second["reused_ratio"] > 0.5
+    first, second = loop["turns"]
+    assert first["prompt_tokens"] > 100 and second["prompt_tokens"] > first["prompt_tokens"] + 30
+    assert second["cached_tokens"] >= 96 and second["reused_ratio"] > 0.5
     assert all(t["ttft_s"] > 0 for t in loop["turns"])
     result = busy["result"]
     assert result["idle_itl_p50_ms"] > 0 and result["prefill_solo_tok_s"] > 0

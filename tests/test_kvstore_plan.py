@@ -169,6 +169,7 @@ def test_each_gpu_process_costs_a_cuda_context():
     cpu = _plan(_qwen27b(), 14 * GiB)
     gpu = _plan(_qwen27b(), 14 * GiB, cuda_processes=SERVICE_CUDA_PROCESSES)
     assert cpu.line("cuda contexts").bytes == 0
-    assert gpu.line("cuda contexts").bytes == 3 * CUDA_CONTEXT_BYTES >= 3 * 612 * 2**20
+    # NVML after a cuBLAS matmul with the stack reservation trimmed: 526 MiB
+    assert gpu.line("cuda contexts").bytes == 3 * CUDA_CONTEXT_BYTES >= 3 * 526 * 2**20
     assert gpu.total_bytes - cpu.total_bytes == 3 * CUDA_CONTEXT_BYTES
     assert "3 processes" in gpu.table()

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K,  # noqa: E402
+from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K, TUNED,  # noqa: E402
                                GemvConfig, check_gemv_layout, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
@@ -123,7 +123,9 @@ def test_gemv_rejects_what_it_cannot_run():
         check_gemv_layout(odd)
 
 
-def test_pick_config_fills_the_gpu():
+def test_pick_config_fills_the_gpu(monkeypatch):
+    # the heuristic, for shapes the sweep has not tuned
+    monkeypatch.setattr("engine.quant.gemv.TUNED", {})
     sms = 132
     for n, k in ((17408, 5120), (5120, 17408), (5120, 6144), (1024, 5120), (48, 5120)):
         for rows in (1, 4, 8):
@@ -194,3 +196,17 @@ def test_quant_embedding_dequantizes_only_the_rows_it_reads():
     emb = QuantEmbedding(qt, torch.float32)
     ids = torch.tensor([[3, 63], [0, 3]])
     assert torch.equal(emb(ids), qt.dequantize()[ids])
+
+
+@pytest.mark.skipif(INTERPRET, reason="the real 27B widths: compiled kernels only")
+@pytest.mark.parametrize("key", sorted(TUNED), ids=lambda k: "-".join(map(str, k)))
+def test_tuned_configs_compute_the_product(key):
+    # every swept config on its real K (splits, tails and prefetch as timed);
+    # N is cut to 4096 + a tail, which only drops whole programs
+    bits, group, n, k, rows = key
+    fmt = next(f for f in FORMATS if f[:2] == (bits, group) and f[2] == 256)
+    qt = random_quant(min(n, 4096 + 24), k, *fmt, seed=11)
+    x = torch.randn(rows, k, device=DEVICE)
+    out = torch.full((rows, qt.out_features), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, config=TUNED[key])
+    torch.testing.assert_close(y, _expected(x, qt), rtol=1e-4, atol=1e-4)

@@ -15,6 +15,7 @@ messages are sent by one thread and received by one thread, so sizes always
 line up."""
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from dataclasses import dataclass
@@ -91,6 +92,21 @@ class TransferGroup:
             self.error = e
         finally:
             self.ready.set()
+
+    @classmethod
+    def joining(cls, config: "GroupConfig", device: torch.device) -> "TransferGroup":
+        """A group whose join has started in the background."""
+        group = cls(config, device)
+        group.start()
+        return group
+
+    def describe(self) -> str:
+        return (f"transfer rank {self.config.rank} of {self.config.world_size} "
+                f"({self.backend}) via {self.config.addr}")
+
+    async def joined_async(self, timeout: float = 900.0) -> None:
+        """Waits for the join without blocking the worker's event loop."""
+        await asyncio.to_thread(self.wait_ready, timeout)
 
     def wait_ready(self, timeout: float) -> None:
         if not self.ready.wait(timeout):

@@ -458,7 +458,30 @@ DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
 
 # Tuned configs by (bits, group, N, K, rows bucket): paste the sweep's "TUNED"
 # lines here. rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
-TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {}
+# The H200 sweep of 2026-12-01 (BENCHMARKS.md, "decode step profile"); gdn out
+# and attn o share a shape, the faster of the two is kept.
+TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {
+    (4, 32, 17408, 5120, 1): GemvConfig(32, 1024, 8, 4, 3),  # gate/up 25.0 us, 49% of floor
+    (4, 32, 17408, 5120, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 52.8 us
+    (4, 32, 5120, 17408, 1): GemvConfig(16, 1024, 2, 4, 1),  # down 29.9 us, 41%
+    (4, 32, 5120, 17408, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 65.7 us
+    (8, 16, 5120, 17408, 1): GemvConfig(16, 512, 8, 4, 2),  # down Q6_K 33.2 us, 68%
+    (8, 16, 5120, 17408, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 66.6 us
+    (4, 32, 10240, 5120, 1): GemvConfig(16, 1024, 1, 4, 3),  # gdn qkv 16.5 us, 43%
+    (4, 32, 10240, 5120, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 34.9 us
+    (4, 32, 6144, 5120, 1): GemvConfig(16, 1024, 8, 4, 2, prefetch=True),  # gdn z 12.7 us
+    (4, 32, 6144, 5120, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 22.3 us
+    (4, 32, 48, 5120, 1): GemvConfig(16, 1024, 8, 4, 1, prefetch=True),  # gdn a/b 3.7 us
+    (4, 32, 48, 5120, 4): GemvConfig(16, 1024, 8, 4, 2),  # 5.9 us
+    (4, 32, 5120, 6144, 1): GemvConfig(16, 1024, 2, 4, 3),  # attn o / gdn out 12.7 us, 34%
+    (4, 32, 5120, 6144, 4): GemvConfig(64, 256, 7, 4, 2, tensor_cores=True),  # 22.6 us
+    (4, 32, 12288, 5120, 1): GemvConfig(32, 1024, 8, 4, 3),  # attn q+gate 19.4 us, 44%
+    (4, 32, 12288, 5120, 4): GemvConfig(64, 256, 2, 4, 2, tensor_cores=True),  # 39.2 us
+    (4, 32, 1024, 5120, 1): GemvConfig(16, 1024, 8, 4, 1, prefetch=True),  # attn k/v 4.9 us
+    (4, 32, 1024, 5120, 4): GemvConfig(64, 256, 16, 4, 2, tensor_cores=True),  # 8.3 us
+    (4, 32, 248320, 5120, 1): GemvConfig(32, 1024, 1, 4, 1),  # lm_head 271.6 us, 64%
+    (4, 32, 248320, 5120, 4): GemvConfig(128, 256, 1, 8, 2, tensor_cores=True),  # 579.2 us
+}
 
 
 # Rows=1 block shapes with their K loop's instructions per weight on sm_90

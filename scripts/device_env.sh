@@ -1,0 +1,12 @@
+# Sourced by every scripts/device_*.sh (on the device machine, from the repo
+# root): installs the wheels carried in .whl (grpcio, protobuf, fla-core, ...)
+# into /tmp/site, puts them and the repo on PYTHONPATH, makes $OUT and
+# records the date, commit and card. Triton compiles (TRITON_INTERPRET=0).
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+date -u +%FT%TZ | tee "$OUT/date.txt"; git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/date.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/date.txt"
