@@ -16,10 +16,7 @@
 #      (TANDEM_FUSED_GDN=0: verify runs eagerly) for comparison.
 # Logs and JSON under $OUT. Typical ~5-6 minutes; the limits add up to 9.5.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-date -u +%FT%TZ | tee "$OUT/date.txt"; git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/date.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/date.txt"
+source scripts/device_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
