@@ -117,7 +117,9 @@ class _Graph:
         return ForwardBatch(seqs=padded, page_size=self.page_size, input_ids=self.input_ids,
                             positions=self.positions, kv_slots=self.kv_slots, page_tables=[],
                             state_slots=self.state_slots, offsets=offsets, _attention=meta,
-                            _gdn=GdnSlots(self.gdn_read, self.gdn_write, self.gdn_rows))
+                            # a bucket of one is never padded: no row copy to capture
+                            _gdn=GdnSlots(self.gdn_read, self.gdn_write,
+                                          self.gdn_rows if size > 1 else None))
 
 
 class _Pool:
