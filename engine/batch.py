@@ -84,6 +84,9 @@ class ForwardBatch:
     offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
     _attention: AttentionMetadata | None = field(default=None, repr=False)
     _gdn: GdnSlots | None = field(default=None, repr=False)
+    # [T, H] the new tokens' embeddings, when the model looked them up before
+    # the forward (a table in host memory: CausalLM.embed); None: the forward does
+    input_embeds: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[SequenceInput], page_size: int, device: torch.device | str) -> "ForwardBatch":
@@ -146,6 +149,10 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence runs exactly one new token."""
         return self.num_tokens == len(self.seqs)
+
+    def host_token_ids(self) -> torch.Tensor:
+        """input_ids as a CPU tensor, from the host lists (no device sync)."""
+        return torch.tensor([t for seq in self.seqs for t in seq.tokens], dtype=torch.long)
 
     def last_token_indices(self) -> torch.Tensor:
         return torch.tensor(self.offsets[1:], dtype=torch.long, device=self.input_ids.device) - 1

@@ -30,6 +30,7 @@ CUDA-only by nature; on the CPU both are plain calls of the model.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -73,6 +74,7 @@ class _Graph:
         self.kv_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(size, pages, dtype=torch.int32, device=device)
         self.q_offsets = torch.arange(0, rows + 1, tokens, dtype=torch.int32, device=device)
+        self.input_embeds: torch.Tensor | None = None  # [rows, H], with a host token table
 
     def fill(self, batch: ForwardBatch) -> None:
         """Copies the batch into the static buffers, padding with copies of its
@@ -103,6 +105,13 @@ class _Graph:
             self.gdn_write[:n * t].copy_(batch.gdn.write)
             self.gdn_write[n * t:].fill_(-1)
             self.gdn_rows.copy_(padded(self._identity_rows[:n * t], t))
+        if batch.input_embeds is not None:  # a host token table: looked up before the graph
+            if self.input_embeds is None:
+                with torch.inference_mode(False):
+                    self.input_embeds = torch.empty(self.size * t, batch.input_embeds.shape[1],
+                                                    dtype=batch.input_embeds.dtype,
+                                                    device=self.input_ids.device)
+            self.input_embeds.copy_(padded(batch.input_embeds, t))
 
     def batch(self, seqs: list[SequenceInput]) -> ForwardBatch:
         """A ForwardBatch whose tensors are the static buffers."""
@@ -117,6 +126,7 @@ class _Graph:
         return ForwardBatch(seqs=padded, page_size=self.page_size, input_ids=self.input_ids,
                             positions=self.positions, kv_slots=self.kv_slots, page_tables=[],
                             state_slots=self.state_slots, offsets=offsets, _attention=meta,
+                            input_embeds=self.input_embeds,
                             # a bucket of one is never padded: no row copy to capture
                             _gdn=GdnSlots(self.gdn_read, self.gdn_write,
                                           self.gdn_rows if size > 1 else None))
@@ -172,6 +182,8 @@ class _GraphedForward:
         """The outputs of the forward: (logits, hidden) of every row (padding cut)."""
         if key is None or key in self._eager_keys:
             return eager()
+        if self.model.embeds_on_host:  # a host copy cannot be captured: embed first
+            batch = replace(batch, input_embeds=self.model.embed(batch))
         graph = self._graphs.get(key)
         if graph is None or graph.graph is None:
             return self._warm_up_and_capture(key, batch)

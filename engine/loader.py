@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -157,26 +158,31 @@ def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
-                source: str) -> CausalLM:
+                source: str, host_prefixes: tuple[str, ...] = ()) -> CausalLM:
     """A CausalLM whose parameters are exactly `tensors` (checked by name and
     shape). Packed entries (`{module}.qweight`, ...) put a quantized module in
-    place of that nn.Linear / nn.Embedding; they keep their dtypes."""
+    place of that nn.Linear / nn.Embedding; they keep their dtypes. Tensors
+    under `host_prefixes` stay where they are (host memory: the token table,
+    see CausalLM.embeds_on_host); everything else moves to `device`."""
+    def place(name: str) -> torch.device | str:
+        return "cpu" if host_prefixes and name.startswith(host_prefixes) else device
+
     if config.mtp_num_layers and not any(n.startswith("mtp.") for n in tensors):
         _log(f"{source}: no mtp.* tensors; the model runs without its MTP head")
         config = replace(config, mtp_num_layers=0)
     with torch.device("meta"):
         model = CausalLM(config)
-    tensors, packed_names = _swap_packed(model, tensors, device, dtype, source)
+    tensors, packed_names = _swap_packed(model, tensors, place, dtype, source)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     check_tensors(expected, tensors, source)
-    state = {name: tensors[name].to(device=device) if name in packed_names
-             else tensors[name].to(device=device, dtype=dtype) for name in expected}
+    state = {name: tensors[name].to(device=place(name)) if name in packed_names
+             else tensors[name].to(device=place(name), dtype=dtype) for name in expected}
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     return model
 
 
-def _swap_packed(model: CausalLM, tensors: dict[str, torch.Tensor], device, dtype, source: str
+def _swap_packed(model: CausalLM, tensors: dict[str, torch.Tensor], place, dtype, source: str
                  ) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Swap quantized modules in for the packed entries of `tensors`. A packed
     matrix whose module cannot hold one is dequantized into `.weight`."""
@@ -196,7 +202,7 @@ def _swap_packed(model: CausalLM, tensors: dict[str, torch.Tensor], device, dtyp
             raise ModelLoadError(f"{source}: packed weight {prefix!r} is malformed ({e})") from e
         for suffix in qt.tensors():
             name = f"{prefix}.{suffix}"
-            tensors[name] = tensors[name].to(device)
+            tensors[name] = tensors[name].to(place(name))
             names.add(name)
         if prefix in holders:
             swap[prefix] = QuantTensor.from_state(tensors, prefix)
@@ -234,21 +240,29 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def plan_inputs(spec: str | None, weights: str, device: torch.device | str
-                ) -> tuple[ModelConfig, int, str]:
-    """(config, bytes of the weights once loaded, a label) for the capacity
-    plan, without reading any weight: shapes and HF directories from their
-    config, GGUF files from their metadata and tensor table."""
+class PlanInputs(NamedTuple):
+    """What the capacity plan needs of a model before loading it."""
+    config: ModelConfig
+    weight_bytes: int  # every parameter as it will be held
+    label: str  # how weight_bytes was counted
+    embedding_bytes: int  # the token table among them (it may live in host memory)
+
+
+def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> PlanInputs:
+    """The plan's inputs without reading any weight: shapes and HF directories
+    from their config, GGUF files from their metadata and tensor table."""
     from kvstore.plan import weight_bytes_of
 
     device = torch.device(device)
     dtype = default_dtype(device)
     spec = spec or EMBEDDED
     check_weights(spec, weights)
+    table = "model.embed_tokens."
     if spec in shape_names():
         recipe = "bf16" if weights == AUTO else weights
         config = ModelConfig.from_hf(shape_hf_config(spec))
-        return config, weight_bytes_of(config, dtype, recipe), recipe
+        return PlanInputs(config, weight_bytes_of(config, dtype, recipe), recipe,
+                          weight_bytes_of(config, dtype, recipe, table))
     packed = keeps_quantized(weights, device)
     label = "as stored (packed)" if packed else f"dequantized to {str(dtype).removeprefix('torch.')}"
     path = Path(spec).expanduser()
@@ -260,10 +274,11 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str
         hf = read_hf_config(path)
         config = ModelConfig.from_hf(hf)
         recipe = "gptq-int4" if packed and hf.get("quantization_config") else "bf16"
-        return config, weight_bytes_of(config, dtype, recipe), label
+        return PlanInputs(config, weight_bytes_of(config, dtype, recipe), label,
+                          weight_bytes_of(config, dtype, recipe, table))
     from engine.weights.gguf import gguf_plan_inputs
-    hf, nbytes = gguf_plan_inputs(path, packed, dtype)
-    return ModelConfig.from_hf(hf), nbytes, label
+    hf, nbytes, embedding = gguf_plan_inputs(path, packed, dtype)
+    return PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding)
 
 
 def peek_config(spec: str | None) -> ModelConfig | None:

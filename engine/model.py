@@ -301,6 +301,22 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
+def _table_device(table: nn.Module) -> torch.device:
+    quant = getattr(table, "quant", None)  # a QuantEmbedding holds packed rows
+    return quant.device if quant is not None else table.weight.device
+
+
+def embed_rows(table: nn.Module, ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Rows `ids` (a CPU tensor) of a token table in host memory, on `device`:
+    gathered on the host, copied, and (packed tables) dequantized on the
+    device, so the copy moves the packed bytes and the host does no math."""
+    quant = getattr(table, "quant", None)
+    if quant is not None:
+        rows = quant.select_rows(ids).to(device)
+        return rows.dequantize(table.compute_dtype)
+    return table.weight.index_select(0, ids).to(device, non_blocking=True)
+
+
 def _full_attention_view(config: ModelConfig) -> ModelConfig:
     """A config whose every layer (including MTP ones past the end) is full attention."""
     total = config.num_layers + config.mtp_num_layers
@@ -320,6 +336,26 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config)
 
     @property
+    def embeds_on_host(self) -> bool:
+        """The token table lives in host memory while the model computes on a
+        GPU (the KV store keeps it there: a 27B's table is 0.7-2.4 GiB that a
+        lookup of a few rows per step does not need on the card)."""
+        return (_table_device(self.model.embed_tokens).type == "cpu"
+                and self.compute_device.type != "cpu")
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """The new tokens' embeddings [T, H] on the batch's device."""
+        if batch.input_embeds is not None:
+            return batch.input_embeds
+        if not self.embeds_on_host:
+            return self.model.embed_tokens(batch.input_ids)
+        return embed_rows(self.model.embed_tokens, batch.host_token_ids(), batch.input_ids.device)
+
+    @property
     def output_embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -330,7 +366,7 @@ class CausalLM(nn.Module):
         the last token of each sequence [B, V] (or of every token [T, V] with
         all_logits), and with return_hidden also the final hidden states after
         the norm of every token [T, H] (what the MTP head consumes)."""
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, batch, cache, self.rotary, cos_sin)
@@ -348,6 +384,6 @@ class CausalLM(nn.Module):
         with all_logits; the normed output of every pair [T, H])."""
         if self.mtp is None:
             raise ValueError("this model has no MTP head")
-        out = self.mtp(self.model.embed_tokens(batch.input_ids), hidden, batch, cache, self.rotary)
+        out = self.mtp(self.embed(batch), hidden, batch, cache, self.rotary)
         picked = out if all_logits else out.index_select(0, batch.last_token_indices())
         return F.linear(picked, self.output_embedding), out

@@ -186,7 +186,7 @@ class StoreClient:
         kv_format = info.kv_format.build()
         shape = CacheShape(info.num_pages, info.page_size, info.num_state_slots,
                            info.mtp_kv_layers)
-        self.model = model_on_arena(info.config, self.arenas.weights, info.dtype, info.model_id)
+        self.model = model_on_arena(info.config, self.arenas, info.dtype, info.model_id)
         self.cache = cache_on_arenas(info.config, shape, kv_format, self.arenas)
 
     # ----------------------------------------------------------- control
@@ -275,7 +275,7 @@ def _info_from_pb(a: pb.Attached) -> StoreInfo:
         store_pid=a.store_pid, speculative=_speculative_from_pb(a.speculative),
         mtp_kv_layers=a.speculative.mtp_kv_layers,
         arenas={"weights": _arena_from_pb(a.weights), "kv": _arena_from_pb(a.kv),
-                "state": _arena_from_pb(a.state)})
+                "state": _arena_from_pb(a.state), "host": _arena_from_pb(a.host_weights)})
 
 
 def _speculative_from_pb(s: pb.SpeculativeInfo) -> SpeculativeConfig:

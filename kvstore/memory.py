@@ -1,8 +1,11 @@
 """What the KV store keeps in shared memory, and how any process rebuilds the
 model and the paged cache around it without copying.
 
-Three arenas (kvstore/arena.py):
-  weights  every parameter, by its state-dict name;
+Four arenas (kvstore/arena.py):
+  weights  every parameter on the store's device, by its state-dict name;
+  host     parameters kept in host memory (POSIX shared memory even for a GPU
+           store): the token table of an untied model on a GPU, which a step
+           reads a few rows of (CausalLM.embed); empty otherwise;
   kv       `kv.{layer}.{buffer}`: each full-attention layer's KV-format buffers
            ([num_pages, page_size, kv_heads, ...]);
   state    `recurrent.{layer}` (fp32 [slots, v_heads, k_dim, v_dim]) and
@@ -29,8 +32,11 @@ from engine.loader import build_model
 from engine.model import CausalLM
 from kvstore.arena import Arena, ArenaHandle, Layout, dtype_from_name, dtype_name
 
-WEIGHTS, KV, STATE = "weights", "kv", "state"
-ARENA_NAMES = (WEIGHTS, KV, STATE)
+WEIGHTS, KV, STATE, HOST = "weights", "kv", "state", "host"
+ARENA_NAMES = (WEIGHTS, KV, STATE, HOST)
+# Parameters a GPU store keeps in host memory (with host_embeddings).
+HOST_PREFIXES = ("model.embed_tokens.",)
+EMBEDDING_PLACES = ("auto", "host", "device")
 # PagedKVCache's default; the conv window is tiny, so fp32 costs nothing.
 CONV_DTYPE = torch.float32
 
@@ -75,8 +81,19 @@ def config_from_json(text: str) -> ModelConfig:
 # ----------------------------------------------------------------- layouts
 
 
-def weights_layout(model: nn.Module) -> Layout:
-    return Layout.pack((name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items())
+def weights_layout(model: nn.Module, on_host: bool = False,
+                   host_embeddings: bool = False) -> Layout:
+    """The device weights (on_host=False) or the host ones: with
+    host_embeddings, the token table of an untied model goes to the host."""
+    def wanted(name: str) -> bool:
+        return on_host == (host_embeddings and name.startswith(HOST_PREFIXES))
+    return Layout.pack((name, t.dtype, tuple(t.shape))
+                       for name, t in model.state_dict().items() if wanted(name))
+
+
+def can_host_embeddings(config: ModelConfig) -> bool:
+    """Only an untied table: a tied one is also the lm_head, read whole each step."""
+    return not config.tie_word_embeddings
 
 
 def kv_layout(config: ModelConfig, shape: CacheShape, kv_format: KVFormat) -> Layout:
@@ -111,9 +128,13 @@ class StoreArenas:
     weights: Arena
     kv: Arena
     state: Arena
+    host: Arena
 
     def by_name(self) -> dict[str, Arena]:
-        return {WEIGHTS: self.weights, KV: self.kv, STATE: self.state}
+        return {WEIGHTS: self.weights, KV: self.kv, STATE: self.state, HOST: self.host}
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.weights.tensors(), **self.host.tensors()}
 
     def handles(self) -> dict[str, ArenaHandle]:
         return {name: arena.handle for name, arena in self.by_name().items()}
@@ -124,15 +145,19 @@ class StoreArenas:
 
 
 def create_arenas(model: nn.Module, config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
-                  device: torch.device | str, store_id: str, copy_weights: bool = True) -> StoreArenas:
-    """Allocate all three arenas once and copy the model's weights in (a model
-    on the meta device only lays out the weights arena: copy_weights=False)."""
+                  device: torch.device | str, store_id: str, copy_weights: bool = True,
+                  host_embeddings: bool = False) -> StoreArenas:
+    """Allocate the arenas once and copy the model's weights in (a model on
+    the meta device only lays out the weights arenas: copy_weights=False)."""
+    host_embeddings = host_embeddings and can_host_embeddings(config)
     made: list[Arena] = []
     try:
-        for name, layout in ((WEIGHTS, weights_layout(model)),
-                             (KV, kv_layout(config, shape, kv_format)),
-                             (STATE, state_layout(config, shape.num_state_slots))):
-            made.append(Arena.create(name, layout, device, store_id))
+        for name, layout, where in (
+                (WEIGHTS, weights_layout(model, False, host_embeddings), device),
+                (KV, kv_layout(config, shape, kv_format), device),
+                (STATE, state_layout(config, shape.num_state_slots), device),
+                (HOST, weights_layout(model, True, host_embeddings), "cpu")):
+            made.append(Arena.create(name, layout, where, store_id))
     except BaseException:
         for arena in made:  # no half-made store leaves files behind
             arena.close()
@@ -140,7 +165,8 @@ def create_arenas(model: nn.Module, config: ModelConfig, shape: CacheShape, kv_f
     arenas = StoreArenas(*made)
     with torch.no_grad():
         for name, t in model.state_dict().items() if copy_weights else ():
-            arenas.weights.tensor(name).copy_(t)
+            arena = arenas.host if name in arenas.host.layout.names else arenas.weights
+            arena.tensor(name).copy_(t)
     if torch.device(device).type == "cuda":
         # Workers map the memory later on other streams: the copies must be done.
         torch.cuda.synchronize(device)
@@ -154,11 +180,12 @@ def open_arenas(handles: dict[str, ArenaHandle], owner_pid: int | None = None) -
 # --------------------------------------------------------------- rebuilding
 
 
-def model_on_arena(config: ModelConfig, weights: Arena, dtype: torch.dtype,
+def model_on_arena(config: ModelConfig, arenas: StoreArenas, dtype: torch.dtype,
                    source: str) -> CausalLM:
-    """A CausalLM whose parameters are views of the weights arena (zero copy)."""
-    device = weights.buffer.device
-    return build_model(config, weights.tensors(), device, dtype, source)
+    """A CausalLM whose parameters are views of the weights arenas (zero copy)."""
+    device = arenas.weights.buffer.device
+    return build_model(config, arenas.weight_tensors(), device, dtype, source,
+                       host_prefixes=HOST_PREFIXES if arenas.host.layout.names else ())
 
 
 def cache_on_arenas(config: ModelConfig, shape: CacheShape, kv_format: KVFormat,

@@ -86,6 +86,8 @@ class CapacityPlan:
       (1, 2, 4, ... up to live_slots), each sized like the decode activations
       of that batch, + 64 MiB of graph bookkeeping.
     weight_format names how weight_bytes was counted (for the table).
+    host_weight_bytes: the part of weight_bytes kept in host memory (the
+    token table of an untied model on a GPU, kvstore/memory.py): not on the GPU.
     """
 
     config: ModelConfig
@@ -106,6 +108,7 @@ class CapacityPlan:
     # layer's K and V are ever dequantized whole; False: the PyTorch path does
     paged_attention_kernel: bool = False
     weight_format: str = "as stored"
+    host_weight_bytes: int = 0
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -200,7 +203,7 @@ class CapacityPlan:
         activations = self._activation_reserve()
         decode = self._decode_activations(self.live_slots)
         return (
-            PlanLine("weights", self.weight_bytes, self.weight_format,
+            PlanLine("weights", self.weight_bytes - self.host_weight_bytes, self._weights_detail(),
                      "the weights alone do not fit: use 4-bit weights (--weights q4_k_m, or a "
                      "Q4_K_M GGUF / GPTQ int4 checkpoint), a smaller model, or raise "
                      "--gpu-memory-budget"),
@@ -243,6 +246,12 @@ class CapacityPlan:
                      "every GPU process holds a CUDA context: lower a line above (--prefill-chunk-"
                      "tokens, --snapshot-slots, --max-context-tokens) or raise --gpu-memory-budget"),
         )
+
+    def _weights_detail(self) -> str:
+        if not self.host_weight_bytes:
+            return self.weight_format
+        return (f"{self.weight_format}; the token table ({format_bytes(self.host_weight_bytes)}) "
+                "in host memory")
 
     def _per_token_width(self) -> int:
         cfg = self.config
@@ -297,9 +306,12 @@ class CapacityPlan:
         for name in ("page_size", "max_context_tokens", "prefill_chunk_tokens",
                      "activation_bytes"):
             positive(name)
-        for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "mtp_kv_layers"):
+        for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "mtp_kv_layers",
+                     "host_weight_bytes"):
             positive(name, 0)
         positive("live_slots", 1 if self.config.is_hybrid else 0)
+        if self.host_weight_bytes > self.weight_bytes:
+            raise ValueError("capacity plan: host_weight_bytes cannot exceed weight_bytes")
         if self.gpu_memory_budget is not None:
             positive("gpu_memory_budget")
         fmt = self.kv_format.build()  # unknown names and bad options raise here, not at start-up
@@ -318,15 +330,17 @@ def _state_bytes_per_slot(cfg: ModelConfig) -> int:
     return max(one - zero, 0)
 
 
-def weight_bytes_of(config: ModelConfig, dtype: torch.dtype, weights: str = "bf16") -> int:
+def weight_bytes_of(config: ModelConfig, dtype: torch.dtype, weights: str = "bf16",
+                    prefix: str = "") -> int:
     """Bytes of the model's parameters under a weight recipe (engine/quant/
-    recipes.py; "bf16" = everything dense in `dtype`), counted on the meta device."""
+    recipes.py; "bf16" = everything dense in `dtype`), counted on the meta
+    device; only those whose names start with `prefix`, if given."""
     from engine.model import CausalLM
     from engine.quant.recipes import recipe_weight_bytes
 
     with torch.device("meta"):
         model = CausalLM(config)
-    return recipe_weight_bytes(model, weights, dtype)
+    return recipe_weight_bytes(model, weights, dtype, prefix)
 
 
 _UNITS = {"": 1, "b": 1,

@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from engine.cuda_context import trim_stack_reservation
-from engine.errors import TandemError
+from engine.errors import InvalidRequestError, TandemError
 from engine.config import ModelConfig, shape_names
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
 from engine.speculative import SpeculativeConfig
@@ -40,8 +40,8 @@ from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
 from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
                              InvalidArgument, MatchResult, ResourceExhausted, StoreControl,
                              StoreStats)
-from kvstore.memory import (KVFormatSpec, StoreArenas, config_to_json, create_arenas,
-                            model_on_arena)
+from kvstore.memory import (EMBEDDING_PLACES, HOST_PREFIXES, KVFormatSpec, StoreArenas,
+                            can_host_embeddings, config_to_json, create_arenas, model_on_arena)
 from kvstore.plan import SERVICE_CUDA_PROCESSES, CapacityPlan, OverBudgetError, parse_bytes
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
@@ -74,8 +74,14 @@ class ServerOptions:
     # the decode workers' drafter: the store lays out its memory (MTP KV pools,
     # k spare GDN slots per live sequence) and tells every process
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # where an untied token table lives: auto = host memory for a CUDA store
+    # (as llama.cpp keeps it), host, or device
+    embeddings: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.embeddings not in EMBEDDING_PLACES:
+            raise ValueError(f"--embeddings must be one of {', '.join(EMBEDDING_PLACES)}, "
+                             f"got {self.embeddings!r}")
         if not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError("speculative must be a SpeculativeConfig")
         if torch.device(self.device).type not in ("cpu", "cuda"):
@@ -102,13 +108,24 @@ class Store:
     control: StoreControl
 
 
+def host_embeddings(options: ServerOptions, config: ModelConfig) -> bool:
+    """Whether the store keeps the token table in host memory."""
+    if options.embeddings == "host" and not can_host_embeddings(config):
+        raise InvalidRequestError("--embeddings host: this model ties its token table to the "
+                                  "lm_head, which reads it whole every step; use auto or device")
+    if options.embeddings == "auto":
+        return torch.device(options.device).type == "cuda" and can_host_embeddings(config)
+    return options.embeddings == "host"
+
+
 def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, weight_bytes: int,
-             weight_format: str = "as stored") -> CapacityPlan:
+             weight_format: str = "as stored", embedding_bytes: int = 0) -> CapacityPlan:
     """The plan for `config`; --speculative mtp on a model without an MTP head
     fails here (InvalidRequestError naming `tandem train-mtp`)."""
     spec = options.speculative
     spec.check_model(config)
     on_gpu = torch.device(options.device).type == "cuda"
+    on_host = embedding_bytes if on_gpu and host_embeddings(options, config) else 0
     return CapacityPlan(
         config=config, kv_format=kv_spec_for(options, dtype), page_size=options.page_size,
         max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
@@ -117,7 +134,7 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         activation_bytes=dtype.itemsize, cuda_graphs=on_gpu,
         cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, paged_attention_kernel=on_gpu,
         weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
-        mtp_kv_layers=spec.mtp_kv_layers(config))
+        mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host)
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
@@ -133,17 +150,17 @@ def start_store(options: ServerOptions) -> Store:
     device = torch.device(options.device)
     dtype = default_dtype(device)
     # plan before loading (from configs and tensor tables): an over-budget store loads nothing
-    config, weight_bytes, weight_format = plan_inputs(options.model, options.weights, device)
+    config, weight_bytes, weight_format, embedding_bytes = plan_inputs(options.model,
+                                                                       options.weights, device)
     plan = None
     if not (options.speculative.uses_mtp and options.model not in shape_names()):
         # (with --speculative mtp, whether a model file has an MTP head, its own
         # mtp.* tensors or a trained head file beside it, is known once loaded)
-        plan = _checked_plan(options, config, dtype, weight_bytes, weight_format)
+        plan = _checked_plan(options, config, dtype, weight_bytes, weight_format, embedding_bytes)
     store_id = new_store_id()
     trim_stack_reservation(device)  # before the arenas: the context's share is planned
-    if device.type == "cpu":
-        for path in sweep_orphaned_shm():
-            print(f"kvstore: removed {path}, left by a store that was killed", file=sys.stderr)
+    for path in sweep_orphaned_shm():  # CPU arenas, and any store's host arena
+        print(f"kvstore: removed {path}, left by a store that was killed", file=sys.stderr)
     if options.model in shape_names():
         loaded, arenas = _dummy_in_arena(options, config, plan, dtype, device, store_id)
     else:
@@ -153,11 +170,14 @@ def start_store(options: ServerOptions) -> Store:
         loaded = load_model(options.model, "cpu", dtype=dtype, progress=False, seed=options.seed,
                             weights=weights)
         if plan is None:
-            loaded_bytes = sum(t.numel() * t.element_size()
-                               for t in loaded.model.state_dict().values())
-            plan = _checked_plan(options, loaded.config, dtype, loaded_bytes, weight_format)
+            sizes = {name: t.numel() * t.element_size()
+                     for name, t in loaded.model.state_dict().items()}
+            table = sum(b for name, b in sizes.items() if name.startswith(HOST_PREFIXES))
+            plan = _checked_plan(options, loaded.config, dtype, sum(sizes.values()),
+                                 weight_format, table)
         arenas = create_arenas(loaded.model, loaded.config, plan.cache_shape, plan.kv_format.build(),
-                               device, store_id)
+                               device, store_id,
+                               host_embeddings=host_embeddings(options, loaded.config))
     kv_spec = plan.kv_format
     atexit.register(arenas.close)
     control = StoreControl(plan.num_pages, plan.num_state_slots, plan.page_size,
@@ -169,7 +189,8 @@ def start_store(options: ServerOptions) -> Store:
 
 def _dummy_in_arena(options, config, plan, dtype, device, store_id):
     """Random weights drawn straight into the arena on the device: a 27B shape
-    never exists on the CPU, and the values equal load_model(shape, device)'s."""
+    never exists on the CPU, and the values equal load_model(shape, device)'s
+    (but for a token table kept in host memory, drawn from a CPU generator)."""
     from engine.loader import LoadedModel
     from engine.model import CausalLM
     from engine.tokenizer import ByteTokenizer
@@ -182,8 +203,9 @@ def _dummy_in_arena(options, config, plan, dtype, device, store_id):
         layout_model = CausalLM(config).to(dtype)
     formats = swap_in_meta(layout_model, recipe, dtype)
     arenas = create_arenas(layout_model, config, plan.cache_shape, plan.kv_format.build(), device,
-                           store_id, copy_weights=False)
-    model = model_on_arena(config, arenas.weights, dtype, f"dummy:{options.model}")
+                           store_id, copy_weights=False,
+                           host_embeddings=host_embeddings(options, config))
+    model = model_on_arena(config, arenas, dtype, f"dummy:{options.model}")
     randomize(model, options.seed)
     randomize_quantized(model, formats, options.seed)
     if device.type == "cuda":
@@ -192,9 +214,9 @@ def _dummy_in_arena(options, config, plan, dtype, device, store_id):
                        device, dtype), arenas
 
 
-def _checked_plan(options, config, dtype, weight_bytes, weight_format="as stored"
-                  ) -> CapacityPlan:
-    plan = plan_for(options, config, dtype, weight_bytes, weight_format)
+def _checked_plan(options, config, dtype, weight_bytes, weight_format="as stored",
+                  embedding_bytes=0) -> CapacityPlan:
+    plan = plan_for(options, config, dtype, weight_bytes, weight_format, embedding_bytes)
     plan.check()
     print(plan.table(), flush=True)
     return plan
@@ -234,7 +256,8 @@ def attached_to_pb(store: Store, session_id: str) -> pb.Attached:
         page_size=store.plan.page_size, num_pages=store.plan.num_pages,
         num_state_slots=store.plan.num_state_slots,
         weights=arena_to_pb(handles["weights"]), kv=arena_to_pb(handles["kv"]),
-        state=arena_to_pb(handles["state"]), store_pid=os.getpid(),
+        state=arena_to_pb(handles["state"]), host_weights=arena_to_pb(handles["host"]),
+        store_pid=os.getpid(),
         speculative=pb.SpeculativeInfo(method=spec.method, draft_tokens=spec.num_draft_tokens,
                                        mtp_kv_layers=store.plan.mtp_kv_layers))
 
@@ -386,6 +409,9 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     p.add_argument("--speculative", default="none",
                    help="the decode workers' drafter: none (default), mtp (lays out MTP KV "
                         "pools) or ngram")
+    p.add_argument("--embeddings", default="auto", choices=EMBEDDING_PLACES,
+                   help="where an untied token table lives: auto (host memory on a GPU, where a "
+                        "27B's table would take 0.7-2.4 GiB of the card), host or device")
     p.add_argument("--draft-tokens", type=int, default=3,
                    help="draft tokens per step, 1..4: hybrid models get that many spare GDN "
                         "slots per live sequence")
@@ -397,7 +423,7 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
         max_context_tokens=a.max_context_tokens, live_slots=a.live_slots,
         snapshot_slots=a.snapshot_slots, gpu_memory_budget=budget, device=a.device,
         prefill_chunk_tokens=a.prefill_chunk_tokens, seed=a.seed, weights=a.weights,
-        speculative=SpeculativeConfig(a.speculative, a.draft_tokens))
+        speculative=SpeculativeConfig(a.speculative, a.draft_tokens), embeddings=a.embeddings)
 
 
 def _parse_kv_options(items: list[str]) -> dict:

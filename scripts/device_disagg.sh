@@ -13,10 +13,7 @@
 #   3. TTFT / time-to-second-token, shared vs disaggregated (peer copies),
 #      on the Qwen3.5-27B dummy shape with int4 weights
 set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-date -u +%FT%TZ | tee "$OUT/date.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source scripts/device_env.sh
 TANDEM_TEST_DEVICE=cuda TANDEM_TRANSFER_BACKEND=gloo timeout 220 python -m pytest -q \
   -p no:cacheprovider tests/test_transfer.py tests/test_service_disagg.py 2>&1 \
   | tee "$OUT/pytest_disagg_cuda.log" | tail -15

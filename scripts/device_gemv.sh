@@ -14,9 +14,7 @@
 # Logs and JSON under $OUT. Budget: ~7 minutes, 8.5 at worst (step timeouts);
 # a sweep cut short still leaves each finished shape's TUNED line in the log.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source scripts/device_env.sh
 python -c "import torch, triton; print(torch.__version__, triton.__version__)"
 echo "== quant kernel tests on CUDA (compiled Triton)"
 TRITON_INTERPRET=0 timeout 180 python -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \

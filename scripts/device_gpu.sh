@@ -6,14 +6,7 @@
 # logs under $OUT. Each step has its own time limit so the whole run stays
 # under ~8 minutes and one failure does not hide the rest.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-date -u +%FT%TZ | tee "$OUT/date.txt"; git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/date.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/date.txt"
+source scripts/device_env.sh
 python3 -c "import torch, triton; import importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', bool(u.find_spec('fla')))"
 
 step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail

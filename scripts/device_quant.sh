@@ -5,9 +5,7 @@
 # floor, the 27B dummy's decode step with int4 weights, and `tandem plan` for
 # the 24 GiB demonstration. Logs and JSON under $OUT. Budget: ~6 minutes.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source scripts/device_env.sh
 python -c "import torch, triton; print(torch.__version__, triton.__version__)"
 echo "== quant kernel tests on CUDA (compiled Triton)"
 TRITON_INTERPRET=0 timeout 240 python -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \

@@ -4,9 +4,7 @@
 # IPC, the hybrid service end to end on CUDA, and the Qwen3.5-27B dummy shape
 # served by `tandem serve` within a memory budget. Logs under $OUT.
 set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-date -u +%FT%TZ | tee "$OUT/date.txt"
+source scripts/device_env.sh
 python -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_kvstore_process.py -k "cuda or Cuda" \
   2>&1 | tee "$OUT/pytest_cuda.log" | tail -4
 TANDEM_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_service_hybrid.py \
@@ -14,3 +12,4 @@ TANDEM_TEST_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_servi
 python -m bench.serve_smoke --model qwen3.5-27b --device cuda --prompt-tokens 2048 --new-tokens 32 \
   --max-context-tokens 32768 --gpu-memory-budget 80GiB --json "$OUT/serve_27b.json" \
   2>&1 | tee "$OUT/serve_27b.log" | tail -25
+

@@ -5,10 +5,9 @@
 # length with and without speculation on the embedded model. Logs and JSON
 # under $OUT.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source scripts/device_env.sh
 python -m bench.speculative --device cuda --verify-model qwen3.5-27b --context 4096 --ks 1 2 3 \
   --repeats 20 --json "$OUT/spec_verify_27b.json" 2>&1 | tee "$OUT/spec_verify.log" | tail -5
 python -m bench.speculative --device cuda --tokens-model embedded --methods none ngram mtp \
   --ks 1 2 3 --new-tokens 96 --json "$OUT/spec_tokens.json" 2>&1 | tee "$OUT/spec_tokens.log" | tail -16
+

@@ -6,10 +6,7 @@
 # memory budget (the kvstore's plan, printed at start, has the "mtp kv pages"
 # and "gdn draft slots" lines). Logs and JSON under $OUT.
 set -uo pipefail
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-date -u +%FT%TZ | tee "$OUT/date.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+source scripts/device_env.sh
 TANDEM_TEST_DEVICE=cuda timeout 330 python -m pytest -q -p no:cacheprovider \
   tests/test_service_speculative.py 2>&1 | tee "$OUT/pytest_service_speculative_cuda.log" | tail -15
 for method in none mtp; do
@@ -17,3 +14,4 @@ for method in none mtp; do
     --new-tokens 32 --max-context-tokens 32768 --gpu-memory-budget 80GiB --speculative "$method" \
     --draft-tokens 3 --json "$OUT/serve_27b_$method.json" 2>&1 | tee "$OUT/serve_27b_$method.log" | tail -12
 done
+

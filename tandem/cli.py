@@ -186,6 +186,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--live-slots", type=int, default=16, help="sequences that can run at once")
     p.add_argument("--snapshot-slots", type=int, default=64,
                    help="cached hybrid-state snapshots kept for the prefix cache")
+    _add_embeddings_flag(p)
     p.add_argument("--max-batch", type=int, default=16, help="decode batch size")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -302,6 +303,8 @@ def _kvstore_argv(args, socket: str, device: str) -> list[str]:
                "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
     if getattr(args, "weights", "auto") != "auto":
         kvstore += ["--weights", args.weights]
+    if getattr(args, "embeddings", "auto") != "auto":
+        kvstore += ["--embeddings", args.embeddings]
     if args.gpu_memory_budget:
         kvstore += ["--gpu-memory-budget", str(args.gpu_memory_budget)]
     return kvstore
@@ -474,34 +477,36 @@ def _add_plan(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
                    help="the device planned for (default cuda)")
     p.add_argument("--gpu-memory-budget", required=True, help="e.g. 24GiB")
+    _add_embeddings_flag(p)
     p.set_defaults(run=_run_plan)
+
+
+def _add_embeddings_flag(p) -> None:
+    p.add_argument("--embeddings", default="auto", choices=["auto", "host", "device"],
+                   help="where an untied token table lives: auto (host memory on a GPU: a 27B's "
+                        "table is 0.7-2.4 GiB a step reads a few rows of), host or device")
 
 
 def _run_plan(args) -> int:
     from engine.loader import default_dtype, plan_inputs
-    from kvstore.memory import KVFormatSpec
-    from kvstore.plan import SERVICE_CUDA_PROCESSES, CapacityPlan, OverBudgetError, parse_bytes
+    from kvstore.plan import OverBudgetError, parse_bytes
+    from kvstore.server import ServerOptions, plan_for
 
     import torch
 
     try:
-        budget = parse_bytes(args.gpu_memory_budget)
         device = torch.device(args.device)
-        dtype = default_dtype(device)
-        speculative = _speculative_config(args)
-        config, weight_bytes, label = plan_inputs(args.model, args.weights, device)
-        kv_options = {"dtype": dtype} if args.kv_format == "bf16" else {}
-        plan = CapacityPlan(
-            config=config, kv_format=KVFormatSpec(args.kv_format, kv_options),
+        # the very options `tandem serve` would give the store, so the plans agree
+        options = ServerOptions(
+            socket="(plan)", model=args.model, kv_format=args.kv_format,
             page_size=args.page_size, max_context_tokens=args.context,
             live_slots=args.live_slots, snapshot_slots=args.snapshot_slots,
-            gpu_memory_budget=budget, weight_bytes=weight_bytes,
-            prefill_chunk_tokens=args.prefill_chunk, activation_bytes=dtype.itemsize,
-            draft_slots_per_sequence=speculative.spare_slots(config),
-            mtp_kv_layers=speculative.mtp_kv_layers(config), cuda_graphs=device.type == "cuda",
-            cuda_processes=SERVICE_CUDA_PROCESSES if device.type == "cuda" else 0,
-            paged_attention_kernel=device.type == "cuda",
-            weight_format=label)
+            gpu_memory_budget=parse_bytes(args.gpu_memory_budget), device=args.device,
+            prefill_chunk_tokens=args.prefill_chunk, weights=args.weights,
+            speculative=_speculative_config(args), embeddings=args.embeddings)
+        inputs = plan_inputs(args.model, args.weights, device)
+        plan = plan_for(options, inputs.config, default_dtype(device), inputs.weight_bytes,
+                        inputs.label, inputs.embedding_bytes)
     except ValueError as e:
         raise TandemError(str(e)) from e
     try:

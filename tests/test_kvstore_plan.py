@@ -108,7 +108,7 @@ def test_arenas_round_trip_model_and_cache_without_copies():
         assert all(os.path.exists(n) for n in names)
         mapped = open_arenas(arenas.handles())
         config = config_from_json(config_to_json(loaded.config))
-        model = model_on_arena(config, mapped.weights, torch.float32, "test")
+        model = model_on_arena(config, mapped, torch.float32, "test")
         assert all(mapped.weights.contains(p) for p in model.parameters())
         cache = cache_on_arenas(config, shape, fmt.build(), mapped)
         assert mapped.kv.contains(cache.kv[0]["k_codes"])

@@ -223,7 +223,8 @@ def test_dense_store_serves_then_stops_cleanly_on_sigterm(tmp_path):
     store = StoreProcess(tmp_path, "--model", "tiny-llama", "--kv-format", "int8",
                          "--page-size", "8", "--max-context-tokens", "128").wait_serving()
     files = store.shm_files()
-    assert [f.name.rsplit("-", 1)[1] for f in files] == ["kv", "state", "weights"]
+    # a CPU store keeps its token table with the other weights: the host arena is empty
+    assert [f.name.rsplit("-", 1)[1] for f in files] == ["host", "kv", "state", "weights"]
     with StoreClient.connect(store.socket, "dense") as c:
         assert c.info.num_state_slots == 0 and c.cache.recurrent == []
         with pytest.raises(StoreError, match="no GDN layers"):
@@ -314,7 +315,11 @@ def test_cuda_store_is_mapped_by_ipc(tmp_path):
         _join(reader, 120)
         with StoreClient.connect(store.socket, "oracle") as oracle:
             assert oracle.arenas.weights.buffer.is_cuda
-            assert all(oracle.arenas.weights.contains(p) for p in oracle.model.parameters())
+            # the untied token table stays in host memory (--embeddings auto on a GPU)
+            table = oracle.model.model.embed_tokens.weight
+            assert oracle.model.embeds_on_host and oracle.arenas.host.contains(table)
+            assert all(oracle.arenas.weights.contains(p) for n, p in
+                       oracle.model.named_parameters() if not n.startswith("model.embed_tokens."))
             full = PROMPT + TURN
             cache = PagedKVCache(oracle.info.config, CacheShape(16, PAGE, 1), "cuda",
                                  oracle.info.kv_format.build())

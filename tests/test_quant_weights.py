@@ -204,7 +204,7 @@ def test_packed_weights_travel_through_the_weights_arena():
                            "cpu", f"tandem-test-quant-{os.getpid()}")
     try:
         mapped = open_arenas(arenas.handles())
-        model = model_on_arena(loaded.config, mapped.weights, torch.float32, "test")
+        model = model_on_arena(loaded.config, mapped, torch.float32, "test")
         packed = [m for m in model.modules() if type(m).__name__ == "QuantLinear"]
         assert packed and all(mapped.weights.contains(m.qweight) for m in packed)
         logits = []

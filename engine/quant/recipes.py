@@ -151,11 +151,15 @@ def plan_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat]:
     return out
 
 
-def recipe_weight_bytes(model: nn.Module, recipe: str, dense_dtype: torch.dtype) -> int:
-    """Bytes of `model`'s weights (a meta model is fine) under `recipe`."""
+def recipe_weight_bytes(model: nn.Module, recipe: str, dense_dtype: torch.dtype,
+                        prefix: str = "") -> int:
+    """Bytes of `model`'s weights (a meta model is fine) under `recipe`; only
+    the parameters whose names start with `prefix`, if given."""
     formats = plan_formats(model, recipe)
     total = 0
     for name, t in model.state_dict().items():
+        if not name.startswith(prefix):
+            continue
         owner = name.rpartition(".")[0]
         if owner in formats and name.endswith(".weight"):
             total += formats[owner].nbytes(*t.shape)

@@ -14,12 +14,19 @@ from engine.model import CausalLM, GatedDeltaNet, GatedRMSNorm, RMSNorm
 def randomize(model: CausalLM, seed: int = 0) -> None:
     """Fill every parameter with values of a sensible scale (so activations stay
     finite through many layers), deterministically from `seed`."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
+
+    def generator(t: torch.Tensor) -> torch.Generator:
+        # one stream per device: a table kept in host memory draws from its own
+        if t.device not in gens:
+            gens[t.device] = torch.Generator(device=t.device).manual_seed(seed)
+        return gens[t.device]
+
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             fan_in = module.weight.shape[-1]
             std = 0.02 if isinstance(module, nn.Embedding) else 1 / math.sqrt(fan_in)
-            module.weight.normal_(0.0, std, generator=gen)
+            module.weight.normal_(0.0, std, generator=generator(module.weight))
             if getattr(module, "bias", None) is not None:
                 module.bias.zero_()
         elif isinstance(module, RMSNorm):
@@ -28,6 +35,7 @@ def randomize(model: CausalLM, seed: int = 0) -> None:
             module.weight.fill_(1.0)
         elif isinstance(module, GatedDeltaNet):
             kernel = module.conv1d.weight.shape[-1]
-            module.conv1d.weight.normal_(0.0, 1 / math.sqrt(kernel), generator=gen)
+            module.conv1d.weight.normal_(0.0, 1 / math.sqrt(kernel),
+                                        generator=generator(module.conv1d.weight))
             module.dt_bias.fill_(1.0)
-            module.A_log.uniform_(0.0, math.log(16.0), generator=gen)
+            module.A_log.uniform_(0.0, math.log(16.0), generator=generator(module.A_log))

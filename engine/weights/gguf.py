@@ -91,24 +91,28 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
 
 
 def gguf_plan_inputs(path: str | Path, keep_quantized: bool, dtype: torch.dtype
-                     ) -> tuple[dict[str, Any], int]:
-    """(HF config, bytes the weights take once loaded) from the metadata and
-    tensor table alone: nothing is decoded (what `tandem plan` needs)."""
+                     ) -> tuple[dict[str, Any], int, int]:
+    """(HF config, bytes the weights take once loaded, bytes of the token
+    table among them) from the metadata and tensor table alone: nothing is
+    decoded (what `tandem plan` needs)."""
     path = Path(path)
     reader = open_gguf(path)
     meta = _Metadata(reader, path)
     hf_config = meta.hf_config()
     plan = _tensor_plan(_model_config(hf_config, path), meta)
     _check_plan(plan, meta)
-    total = 0
+    total = embedding = 0
     for spec in plan:
         kind = meta.tensors[spec.gguf_name].tensor_type.name
         elements = math.prod(spec.file_shape)
         if keep_quantized and ggml.is_quantized(kind) and len(spec.file_shape) == 2:
-            total += ggml.packed_nbytes(kind, *spec.file_shape)
+            nbytes = ggml.packed_nbytes(kind, *spec.file_shape)
         else:
-            total += elements * dtype.itemsize
-    return hf_config, total
+            nbytes = elements * dtype.itemsize
+        total += nbytes
+        if spec.gguf_name == "token_embd.weight":
+            embedding += nbytes
+    return hf_config, total, embedding
 
 
 # ===========================================================================

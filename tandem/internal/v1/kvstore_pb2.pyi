@@ -19,7 +19,7 @@ class AttachEvent(_message.Message):
     def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative")
+    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative", "host_weights")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class Attached(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     STORE_PID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    HOST_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: ModelInfo
     kv_format: KVFormatInfo
@@ -42,7 +43,8 @@ class Attached(_message.Message):
     state: ArenaInfo
     store_pid: int
     speculative: SpeculativeInfo
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ...) -> None: ...
+    host_weights: ArenaInfo
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ..., host_weights: _Optional[_Union[ArenaInfo, _Mapping]] = ...) -> None: ...
 
 class SpeculativeInfo(_message.Message):
     __slots__ = ("method", "draft_tokens", "mtp_kv_layers")
