@@ -142,30 +142,41 @@ def test_cpu_verify_forward_is_the_eager_model():
     assert hidden.shape == (8, loaded.config.hidden_size) and forward.replays == 0
 
 
+def _verify_steps(loaded, kv_format: str, graphs: bool):
+    """Verify steps of k+1 = 3 tokens: three sequences (bucket 4, padded), then
+    one (bucket 1). Returns the logits and hidden states of every step and
+    every GDN slot at the end (position slots included)."""
+    k = 2
+    cache, tables, lengths = _verify_setup(loaded, "cuda", kv_format)
+    forward = VerifyForward(loaded.model, cache, max_context=160, enabled=graphs)
+    outs = []
+    for step in range(6):
+        active = [0, 1, 2] if step < 4 else [1]
+        logits, hidden = forward(_verify_batch(tables, lengths, active, step, k, "cuda"))
+        outs += [logits.float(), hidden.float()]
+        for i in active:  # as if one draft was accepted: the next step starts 2 on
+            lengths[i] += 2
+            cache.copy_state(3 + 3 * i, i)  # the state after token 1 of the step
+    if graphs:
+        assert forward.replays == 4 and not forward.capture_errors, forward.capture_errors
+    return outs + [t.clone() for t in cache.recurrent + cache.conv]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kv_format", ["bf16", "int8"])
 def test_verify_graph_replay_matches_eager(kv_format):
-    """Verify steps of k+1 = 3 tokens: three sequences (bucket 4, padded), then
-    one (bucket 1), each replayed step against the eager forward on its own
-    cache; logits, hidden states and every GDN slot (position slots included)."""
+    """Each replayed verify step against the eager forward on its own cache."""
     loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, seed=3)
-    k = 2
-    runs = {}
-    for graphs in (False, True):
-        cache, tables, lengths = _verify_setup(loaded, "cuda", kv_format)
-        forward = VerifyForward(loaded.model, cache, max_context=160, enabled=graphs)
-        outs = []
-        for step in range(6):
-            active = [0, 1, 2] if step < 4 else [1]
-            logits, hidden = forward(_verify_batch(tables, lengths, active, step, k, "cuda"))
-            outs += [logits.float(), hidden.float()]
-            for i in active:  # as if one draft was accepted: the next step starts 2 on
-                lengths[i] += 2
-                cache.copy_state(3 + 3 * i, i)  # the state after token 1 of the step
-        runs[graphs] = (outs, [t.clone() for t in cache.recurrent + cache.conv])
-        if graphs:
-            assert forward.replays == 4 and not forward.capture_errors
-    for got, ref in zip(runs[True][0], runs[False][0]):
+    eager, replayed = (_verify_steps(loaded, kv_format, graphs) for graphs in (False, True))
+    for got, ref in zip(replayed, eager):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
-    for got, ref in zip(runs[True][1], runs[False][1]):
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verify_graph_with_the_token_table_in_host_memory():
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, seed=3)
+    on_device = _verify_steps(loaded, "int8", graphs=False)
+    loaded.model.model.embed_tokens.to("cpu")
+    assert loaded.model.embeds_on_host
+    for got, ref in zip(_verify_steps(loaded, "int8", graphs=True), on_device):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
