@@ -33,12 +33,13 @@ def decode_steps(loaded, kv_format_name: str, batch: int, context: int, steps: i
     from engine.cuda_graphs import DecodeForward
     from engine.kv import make_format
 
-    from engine.kv.open_pages import STAGING_PER_SEQUENCE, OpenPages
+    from engine.kv.open_pages import OpenPages, staging_per_sequence
 
     options = {"dtype": loaded.dtype} if kv_format_name == "bf16" else {}
     kv_format = make_format(kv_format_name, **options)
     page_size = getattr(kv_format, "page_size", page_size)  # rk4p: its own page size
-    staging = STAGING_PER_SEQUENCE * batch if kv_format.uses_staging else 0
+    per_seq = staging_per_sequence(kv_format)
+    staging = per_seq * batch
     pages_per_seq = -(-(context + steps) // page_size)
     num_pages = pages_per_seq * batch
     cache = PagedKVCache(loaded.config, CacheShape(num_pages, page_size, batch,
@@ -46,8 +47,10 @@ def decode_steps(loaded, kv_format_name: str, batch: int, context: int, steps: i
                          loaded.device, kv_format)
     forward = DecodeForward(loaded.model, cache, max_context=context + steps, enabled=cuda_graphs)
     tables = [tuple(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
-    # rk4p: each sequence's newest page is open (staged), sealed when filled
-    open_pages = [OpenPages((2 * i, 2 * i + 1), num_pages, page_size) for i in range(batch)] \
+    # rk4p: each sequence's newest page is open (staged), sealed when filled;
+    # its first page (sinks) stays staged
+    open_pages = [OpenPages.for_format(kv_format, range(i * per_seq, (i + 1) * per_seq),
+                                       num_pages, page_size) for i in range(batch)] \
         if staging else None
     times = []
     with torch.inference_mode():

@@ -19,11 +19,13 @@ The schemes measured so far (BENCHMARKS.md, "rk4 ablations"):
              (open_pages > 1: that many newest pages; sinks: the first
              tokens read unquantized too);
   e8m0 step  channel groups with a power-of-two step (8 bits, not 16);
+  e5m3 step  channel groups with rk4p's 8-bit float step (formats.k_step_encode);
   codebook   per-token blocks with a Gaussian Lloyd-Max 16-level codebook, or
              the uniform -8..7 levels (rk4 leaves -8 out).
-The `v2*` variants are rk4p's design (K pre-RoPE per channel over 32-token
-pages with fp16 min + e8m0 step, V rotated per token with fp16 scales per 64
-channels, open page) and its cheap levers.
+The `v2*` variants are rk4p's first design (K pre-RoPE per channel over
+32-token pages with fp16 min + e8m0 step, V rotated per token with fp16 scales
+per 64 channels, open page) and its cheap levers; the `v3*` variants replace
+the e8m0 step by rk4p's e5m3 one (v3-sinks is rk4p as built: first page exact).
 
 Variants are named on the command line from VARIANTS. Positions are taken
 from write slots, which bench/kv_quality.py's runs make equal to positions
@@ -43,7 +45,8 @@ import torch
 from bench import kv_quality as kq
 from bench.common import environment, now, print_table, write_json
 from engine.kv import rotation
-from engine.kv.formats import Bf16Format, page_table_slots, rk4_dequantize, rk4_quantize
+from engine.kv.formats import (Bf16Format, k_step_decode, k_step_encode, page_table_slots,
+                               rk4_dequantize, rk4_quantize)
 
 Quantizer = Callable[[torch.Tensor], torch.Tensor]  # fp32 [T, H, D] -> fake-quantized fp32
 
@@ -75,6 +78,8 @@ def channel_groups(x: torch.Tensor, group: int, bits: int = 4,
     span = (g.amax(1, keepdim=True) - lo) / levels
     if step_format == "e8m0":
         step = torch.exp2(torch.ceil(torch.log2(span.clamp(min=2.0 ** -126))))
+    elif step_format == "e5m3":  # rk4p's 8-bit float step (formats.k_step_encode)
+        step = k_step_decode(k_step_encode(g.amax(1, keepdim=True) - lo))
     else:
         step = span.half().float().clamp(min=1e-8)
     codes = torch.round((g - lo) / step).clamp(0, levels)
@@ -188,6 +193,19 @@ VARIANTS.update({
                                open_page=32, open_pages=2),
     "v2-vlloyd-open2-sinks": Variant(_K32E, _V64_LLOYD, _K_E8, token_bits(64), pre_rope=True,
                                      open_page=32, open_pages=2, sinks=32),
+})
+# rk4p v3 candidates: K's step as an 8-bit float (e5m3), still 4.75 bits for K.
+_K32F8 = partial(channel_groups, group=32, step_format="e5m3")
+VARIANTS.update({
+    "v3": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32),
+    "v3-sinks": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32,
+                        sinks=32),
+    "v3-sinks-open2": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True,
+                              open_page=32, open_pages=2, sinks=32),
+    "v3-open2": Variant(_K32F8, _V64, _K_E8, token_bits(64), pre_rope=True, open_page=32,
+                        open_pages=2),
+    "v2-kfp16-sinks": Variant(partial(channel_groups, group=32), _V64, channel_bits(32),
+                              token_bits(64), pre_rope=True, open_page=32, sinks=32),
 })
 
 

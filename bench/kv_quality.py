@@ -139,11 +139,11 @@ class ChunkedPrefill:
 
     def __init__(self, loaded, tokens: list[int], kv_format, chunk: int) -> None:
         from engine.cache import CacheShape, PagedKVCache
-        from engine.kv.open_pages import STAGING_PER_SEQUENCE, OpenPages
+        from engine.kv.open_pages import OpenPages, staging_per_sequence
 
         page_size = getattr(kv_format, "page_size", PAGE_SIZE)
         pages = -(-len(tokens) // page_size)
-        staging = STAGING_PER_SEQUENCE if kv_format.uses_staging else 0
+        staging = staging_per_sequence(kv_format)
         self.model, self.device = loaded.model, loaded.device
         self.page_size = page_size
         # A staged format runs decode-like: chunks of one page, each written to
@@ -154,7 +154,7 @@ class ChunkedPrefill:
                                                             staging_pages=staging),
                                   loaded.device, kv_format)
         self.page_table = tuple(range(pages))
-        self.open_pages = (OpenPages(tuple(range(staging)), pages, page_size)
+        self.open_pages = (OpenPages.for_format(kv_format, range(staging), pages, page_size)
                            if staging else None)
         self.prefilled = 0  # tokens whose KV is in the cache
         self.delivered = 0  # positions whose logits were handed out

@@ -32,8 +32,10 @@ class CacheShape:
     page_size: int = 16
     num_state_slots: int = 0
     mtp_layers: int = 0  # MTP layers that get a KV page pool (speculative decoding)
-    # bf16 pages for the open (not yet sealed) pages of live sequences, for
-    # formats that quantize whole pages (rk4); page ids num_pages.. name them.
+    # bf16 pages for the open (not yet sealed) pages of live sequences, and
+    # their never-sealed first pages (rk4p's sinks), for formats that quantize
+    # whole pages: open_pages.staging_per_sequence(format) per live sequence,
+    # a fixed cost per sequence; page ids num_pages.. name them.
     staging_pages: int = 0
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import CacheShape, PagedKVCache
 from engine.cuda_graphs import DecodeForward
 from engine.kv import make_format
-from engine.kv.open_pages import STAGING_PER_SEQUENCE, OpenPages, prepare_pages
+from engine.kv.open_pages import OpenPages, prepare_pages, staging_per_sequence
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
@@ -126,7 +126,7 @@ class OfflineEngine:
         if kv_format.uses_staging:
             shape = CacheShape(num_pages=shape.num_pages, page_size=shape.page_size,
                                num_state_slots=shape.num_state_slots, mtp_layers=shape.mtp_layers,
-                               staging_pages=STAGING_PER_SEQUENCE * self.config.max_batch)
+                               staging_pages=staging_per_sequence(kv_format) * self.config.max_batch)
         self.cache = PagedKVCache(loaded.config, shape, loaded.device, kv_format)
         self.pages = _FreeList(shape.num_pages)
         self.staging = _FreeList(shape.staging_pages)
@@ -220,8 +220,9 @@ class OfflineEngine:
     def _open_pages(self) -> OpenPages | None:
         if not self.cache.kv_format.uses_staging:
             return None
-        return OpenPages(tuple(self.staging.take(STAGING_PER_SEQUENCE)),
-                         self.cache.shape.num_pages, self.config.page_size)
+        fmt = self.cache.kv_format
+        return OpenPages.for_format(fmt, self.staging.take(staging_per_sequence(fmt)),
+                                    self.cache.shape.num_pages, self.config.page_size)
 
     def _ensure_pages(self, seq: _Sequence, length: int) -> None:
         needed = -(-length // self.config.page_size) - len(seq.pages)

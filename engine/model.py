@@ -10,6 +10,12 @@ Module and parameter names are Hugging Face's, so a checkpoint's state dict
 loads as is. The forward takes a ForwardBatch of sequences of different
 lengths and positions and reads/writes KV pages and GDN state slots in a
 PagedKVCache; on the CPU everything is plain PyTorch.
+
+On CUDA the small per-layer ops (norms, the residual adds, SiLU * up, q/k
+norm + rotary, the output gate) run as fused Triton kernels (engine/fused;
+TANDEM_FUSED_NORMS=0 keeps the eager ops). To fuse each residual add into the
+norm after it, the layer loop carries the residual stream as (x, pending): the
+stream's value is x + pending, added by the next norm.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from engine.batch import ForwardBatch
 from engine.cache import PagedKVCache
 from engine import gdn_batched
 from engine.config import LINEAR_ATTENTION, ModelConfig
+from engine.fused import load_kernels as fused_kernels, reference, use_fused
 from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from engine.rotary import Rotary
 
@@ -38,11 +45,18 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        if use_fused(x):
+            return fused_kernels().rms_norm(x, self.weight, self.eps, self.zero_centered)
+        return reference.rms_norm(x, self.weight, self.eps, self.zero_centered)
+
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual update then this norm: (x + h, norm(x + h)); h None: (x, norm(x))."""
+        if h is None:
+            return x, self(x)
+        if use_fused(x):
+            return fused_kernels().add_rms_norm(x, h, self.weight, self.eps, self.zero_centered)
+        return reference.add_rms_norm(x, h, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):
@@ -54,10 +68,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)
-        return (out * F.silu(gate.float())).to(x.dtype)
+        if use_fused(x):
+            return fused_kernels().gated_rms_norm(x, gate, self.weight, self.eps)
+        return reference.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -69,7 +82,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        act = fused_kernels().silu_mul(gate, up) if use_fused(x) else reference.silu_mul(gate, up)
+        return self.down_proj(act)
 
 
 class Attention(nn.Module):
@@ -100,21 +115,39 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(tokens, self.num_heads, -1)
         gate = None
         if self.output_gate:  # per head: [query | gate]
-            q, gate = q.split(self.head_dim, dim=-1)
-            gate = gate.reshape(tokens, -1)
+            q, gate = q.split(self.head_dim, dim=-1)  # gate: [T, heads, head_dim]
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        k_stored = k  # formats that store K before RoPE apply it after dequantizing
-        q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         pre_rope = cache.layer_format(self.layer).k_pre_rope
+        if use_fused(x):
+            q, k, k_stored = self._norm_rope_fused(q, k, rotary, cos_sin, pre_rope)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            k_stored = k  # formats that store K before RoPE apply it after dequantizing
+            q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         cache.write_kv(self.layer, batch.kv_slots, k_stored if pre_rope else k, v)
         out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
         out = out.reshape(tokens, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            if use_fused(x):
+                out = fused_kernels().sigmoid_gate(out, gate)
+            else:
+                out = out * torch.sigmoid(gate.reshape(tokens, -1))
         return self.o_proj(out)
+
+    def _norm_rope_fused(self, q, k, rotary, cos_sin, keep_k_normed: bool):
+        """q/k norm (when the model has one) and rotary, one launch each; with
+        keep_k_normed also K before rotary (for formats that store it so)."""
+        kernels, dim = fused_kernels(), rotary.rotary_dim
+        q_weight = None if self.q_norm is None else self.q_norm.weight
+        k_weight = None if self.k_norm is None else self.k_norm.weight
+        eps, zc = (0.0, False) if self.q_norm is None else (self.q_norm.eps,
+                                                             self.q_norm.zero_centered)
+        q, _ = kernels.norm_rope(q, q_weight, *cos_sin, dim, eps, zc)
+        k, k_normed = kernels.norm_rope(k, k_weight, *cos_sin, dim, eps, zc,
+                                        keep_normed=keep_k_normed)
+        return q, k, k_normed
 
 
 class GatedDeltaNet(nn.Module):
@@ -250,13 +283,30 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, batch, cache, rotary, cos_sin):
-        h = self.input_layernorm(x)
+        x, pending = self.forward_deferred(x, None, batch, cache, rotary, cos_sin)
+        return x + pending
+
+    def forward_deferred(self, x, pending, batch, cache, rotary, cos_sin):
+        """The layer on the residual stream x + pending (pending None: x alone);
+        returns the stream after it as (x', pending'), the MLP's output left
+        unadded so that the next norm adds it in the same kernel. Rounding is
+        that of the plain `x = x + h` sequence."""
+        x, h = self.input_layernorm.add_forward(x, pending)
         if self.is_linear:
             h = self.linear_attn(h, batch, cache)
         else:
             h = self.self_attn(h, batch, cache, rotary, cos_sin)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, h)
+        return x, self.mlp(h)
+
+
+def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm) -> torch.Tensor:
+    """x through `layers` then `final_norm`, each residual add fused into the
+    norm after it."""
+    pending = None
+    for layer in layers:
+        x, pending = layer.forward_deferred(x, pending, batch, cache, rotary, cos_sin)
+    return final_norm.add_forward(x, pending)[1]
 
 
 class Backbone(nn.Module):
@@ -296,9 +346,7 @@ class MTPHead(nn.Module):
         x = self.fc(torch.cat((self.pre_fc_norm_embedding(embedded),
                                self.pre_fc_norm_hidden(hidden)), dim=-1))
         cos_sin = rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, batch, cache, rotary, cos_sin)
-        return self.norm(x)
+        return run_layers(self.layers, x, batch, cache, rotary, cos_sin, self.norm)
 
 
 def _table_device(table: nn.Module) -> torch.device:
@@ -368,9 +416,8 @@ class CausalLM(nn.Module):
         the norm of every token [T, H] (what the MTP head consumes)."""
         x = self.embed(batch)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, batch, cache, self.rotary, cos_sin)
-        hidden = self.model.norm(x)
+        hidden = run_layers(self.model.layers, x, batch, cache, self.rotary, cos_sin,
+                            self.model.norm)
         picked = hidden if all_logits else hidden.index_select(0, batch.last_token_indices())
         logits = F.linear(picked, self.output_embedding)
         return (logits, hidden) if return_hidden else logits

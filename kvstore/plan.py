@@ -17,6 +17,7 @@ import torch
 from engine.cache import CacheShape
 from engine.config import ModelConfig
 from engine.errors import TandemError
+from engine.kv.open_pages import staging_per_sequence
 from kvstore.arena import HEADER_BYTES
 from kvstore.memory import KVFormatSpec, kv_layout, state_layout
 
@@ -316,12 +317,28 @@ class CapacityPlan:
             positive("gpu_memory_budget")
         fmt = self.kv_format.build()  # unknown names and bad options raise here, not at start-up
         if fmt.uses_staging:
-            # rk4p quantizes whole pages and keeps each sequence's open pages in
-            # bf16 staging; the store does not lay out staging pages nor hand
-            # them to sequences yet (docs/ARCHITECTURE.md, "rk4p").
-            raise ValueError(f"KV format {self.kv_format.name!r} needs per-sequence staging "
-                             "pages, which the KV store does not provide yet: serve with "
-                             "int8 or rk4; rk4p runs in the offline engine and the benches")
+            # rk4p quantizes whole pages and keeps each sequence's open pages
+            # (and its exact first pages) in bf16 staging; the store does not
+            # lay out staging pages nor hand them to sequences yet
+            # (docs/ARCHITECTURE.md, "rk4p"). What they would cost is stated.
+            per_seq = staging_bytes_per_sequence(self.config, fmt)
+            raise ValueError(
+                f"KV format {self.kv_format.name!r} needs per-sequence staging pages "
+                f"({staging_per_sequence(fmt)} bf16 pages x {len(self.config.attention_layers)} "
+                f"layers = {format_bytes(per_seq)} per live sequence, "
+                f"{format_bytes(per_seq * max(self.live_slots, 1))} for {self.live_slots} live), "
+                "which the KV store does not provide yet: serve with int8 or rk4; rk4p runs "
+                "in the offline engine and the benches")
+
+
+def staging_bytes_per_sequence(cfg: ModelConfig, fmt) -> int:
+    """bf16 staging one live sequence holds under a staged format (rk4p): its
+    open pages and its never-sealed first pages, in every full-attention
+    layer. A fixed cost per sequence, not per token (0 for other formats)."""
+    if not fmt.uses_staging:
+        return 0
+    page = fmt.staging_bytes_per_page(cfg.num_kv_heads, cfg.head_dim)
+    return staging_per_sequence(fmt) * page * len(cfg.attention_layers)
 
 
 def _state_bytes_per_slot(cfg: ModelConfig) -> int:

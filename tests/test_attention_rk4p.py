@@ -30,14 +30,15 @@ def rotary_of(head_dim: int, rotary_dim: int) -> Rotary:
     return Rotary(SimpleNamespace(rotary_dim=rotary_dim, rope_theta=10000.0, rope_scaling=None))
 
 
-def build_case(seqs, q_heads, kv_heads, head_dim, staged_pages, seed):
+def build_case(seqs, q_heads, kv_heads, head_dim, staged_pages, seed, sink=False):
     """seqs [(cached, new)]: each sequence's last `staged_pages` pages (of those
-    its keys reach) live in staging, the rest in real pages; every other real
-    and staging page holds unrelated data, so a wrong lookup reads garbage."""
+    its keys reach) live in staging, and with `sink` its first page too (rk4p's
+    exact first page), the rest in real pages; every other real and staging
+    page holds unrelated data, so a wrong lookup reads garbage."""
     fmt = make_format("rk4p")
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // PAGE) for c, n in seqs]
-    num_pages, num_staging = sum(need) + 2, staged_pages * len(seqs) + 1
+    num_pages, num_staging = sum(need) + 2, (staged_pages + sink) * len(seqs) + 1
     buffers = fmt.allocate(num_pages, PAGE, kv_heads, head_dim, DEVICE)
     buffers.update(fmt.allocate_staging(num_staging, PAGE, kv_heads, head_dim, DEVICE))
     offsets_k = torch.linspace(-8, 8, head_dim)
@@ -57,6 +58,9 @@ def build_case(seqs, q_heads, kv_heads, head_dim, staged_pages, seed):
         for j in range(min(staged_pages, pages)):
             table[pages - 1 - j] = num_pages + staging_used
             staging_used += 1
+        if sink and pages > staged_pages:
+            table[0] = num_pages + staging_used
+            staging_used += 1
         tables.append(table.to(DEVICE))
     offsets = [0]
     for _, n in seqs:
@@ -70,12 +74,15 @@ def tolerance():
     return dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("rotary_dim,staged,splits", [(64, 0, 1), (16, 1, 3), (64, 2, 2)])
-def test_decode_matches_reference(rotary_dim, staged, splits):
+@pytest.mark.parametrize("rotary_dim,staged,splits,sink", [(64, 0, 1, False), (16, 1, 3, True),
+                                                           (64, 2, 2, False)])
+def test_decode_matches_reference(rotary_dim, staged, splits, sink):
     """Full and partial rotary (Qwen3.5: a quarter of the head), no, one and
-    two staged pages per sequence, one and several key splits."""
+    two staged pages per sequence (and the first, the sinks), one and several
+    key splits."""
     seqs = [(70, 1), (31, 1), (95, 1)]
-    fmt, buffers, q, meta = build_case(seqs, 4, 2, 64, staged, seed=rotary_dim + staged)
+    fmt, buffers, q, meta = build_case(seqs, 4, 2, 64, staged, seed=rotary_dim + staged,
+                                       sink=sink)
     rotary = rotary_of(64, rotary_dim)
     scale = 64 ** -0.5
     expected = paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)
@@ -86,7 +93,7 @@ def test_decode_matches_reference(rotary_dim, staged, splits):
 
 def test_prefill_matches_reference_with_gqa_and_partial_rotary():
     seqs = [(32, 40), (0, 17)]
-    fmt, buffers, q, meta = build_case(seqs, 6, 2, 64, 1, seed=7)
+    fmt, buffers, q, meta = build_case(seqs, 6, 2, 64, 1, seed=7, sink=True)
     rotary = rotary_of(64, 32)
     scale = 64 ** -0.5
     expected = paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)

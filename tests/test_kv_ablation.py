@@ -63,7 +63,12 @@ def test_e8m0_channel_groups_and_codebooks():
     step = torch.exp2(torch.ceil(torch.log2(span)))
     assert ((y - x).abs() <= step / 2 * 1.01 + 1e-2).all()
     # a power-of-two step is coarser than the exact one: more error than fp16 steps
-    assert (y - x).square().mean() > (ab.channel_groups(x, group=32) - x).square().mean()
+    err_fp16 = (ab.channel_groups(x, group=32) - x).square().mean()
+    assert (y - x).square().mean() > err_fp16
+    # rk4p's e5m3 step sits between: at most 1/8 coarser than the fp16 step
+    err_e5m3 = (ab.channel_groups(x, group=32, step_format="e5m3") - x).square().mean()
+    assert err_fp16 <= err_e5m3 < (y - x).square().mean()
+    assert err_e5m3 < err_fp16 * 1.125 ** 2
     v = torch.randn(256, 2, 64)
     err = {name: (q(v) - v).square().mean() for name, q in
            (("rk4", ab._V64), ("lloyd", ab._V64_LLOYD), ("int4", ab._V64_INT4))}

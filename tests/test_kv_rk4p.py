@@ -8,10 +8,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from engine.kv.formats import (PagedRk4Format, e8m0_step_exponent, e8m0_to_scale,
-                               k_page_dequantize, k_page_quantize, make_format)
-from engine.kv.open_pages import OpenPages, OpenPagesError
+from engine.kv.formats import (K_STEP_BIAS, PagedRk4Format, k_page_dequantize,
+                               k_page_quantize, k_step_decode, k_step_encode, make_format)
+from engine.kv.kernels import _k_step_decode, _k_step_encode
+from engine.kv.open_pages import OpenPages, OpenPagesError, staging_per_sequence
 
 INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -51,22 +54,51 @@ def test_k_page_error_is_within_half_a_step_per_channel():
     x = _k_like(2 * PAGE, 2, 64).reshape(2, PAGE, 2, 64)
     codes, lo, step = k_page_quantize(x)
     back = k_page_dequantize(codes, lo[:, None], step[:, None])
-    step_value = e8m0_to_scale(step)
+    step_value = k_step_decode(step)
     span = x.amax(1) - lo.float()
-    assert (span <= 15 * step_value).all() and (span > 7.5 * step_value - 1e-30).all()
+    # the e5m3 step wastes at most 1/8 of the levels (e8m0 wasted up to half)
+    assert (span <= 15 * step_value).all() and (span * 1.125 >= 15 * step_value).all()
     # half a step, plus the fp16 rounding of the minimum (values below it clip)
     bound = step_value / 2 + (x.amin(1) - lo.float()).abs()
     assert ((back - x).abs() <= bound[:, None] * (1 + 1e-6)).all()
 
 
-def test_e8m0_step_exponent_is_the_least_covering_power_of_two():
-    span = torch.tensor([0.0, 1e-45, 1.0, 15.0, 15.01, 1.875 * 8, 0.3, 1e30])
-    exp = e8m0_step_exponent(span)
-    step = e8m0_to_scale(exp)
-    assert (span <= 15 * step).all()
-    ok = span > 15 * step / 2
-    assert ok[2:].all()  # zero and subnormal spans take the smallest normal step
-    assert int(exp[0]) == 1
+def test_k_step_is_the_least_covering_e5m3_value():
+    """span <= 15 s for the least s with 3 mantissa bits; every code decodes to
+    a distinct increasing value; out-of-range spans take the end codes."""
+    values = k_step_decode(torch.arange(256, dtype=torch.uint8))
+    assert (values[1:] > values[:-1]).all() and values[0] == 2.0 ** -K_STEP_BIAS
+    assert torch.equal(k_step_encode(15 * values), torch.arange(256, dtype=torch.uint8))
+    span = torch.rand(10000, generator=torch.Generator().manual_seed(0)) * 1e3
+    code = k_step_encode(span)
+    step = k_step_decode(code)
+    below = k_step_decode((code.to(torch.int32) - 1).clamp(min=0))
+    assert (span <= 15 * step).all() and ((15 * below < span) | (code == 0)).all()
+    edge = torch.tensor([0.0, 1e-45, 1e-30, 2 * 65504.0, 1e30, float("inf")])
+    assert k_step_encode(edge).tolist() == [0, 0, 0, k_step_encode(edge[3:4]).item(), 255, 255]
+    assert 15 * k_step_decode(k_step_encode(edge[3:4])) >= 2 * 65504.0  # any fp16 span fits
+
+
+@triton.jit
+def _k_step_roundtrip(span_ptr, code_ptr, value_ptr, n, BLOCK: tl.constexpr):
+    """The kernels' e5m3 helpers on their own, for the bit-for-bit test."""
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    code = _k_step_encode(tl.load(span_ptr + i, mask=ok, other=0.0))
+    tl.store(code_ptr + i, code, mask=ok)
+    tl.store(value_ptr + i, _k_step_decode(code), mask=ok)
+
+
+def test_k_step_kernel_helpers_match_reference_bit_for_bit():
+    g = torch.Generator().manual_seed(5)
+    span = torch.cat([torch.rand(200, generator=g) * 10.0 ** torch.randint(-8, 6, (200,),
+                                                                           generator=g),
+                      torch.tensor([0.0, 1e-45, 15 * 2.0 ** -K_STEP_BIAS, 1e30])]).to(DEVICE)
+    code = torch.full(span.shape, -1, dtype=torch.int32, device=DEVICE)
+    value = torch.full(span.shape, float("nan"), device=DEVICE)
+    _k_step_roundtrip[(1,)](span, code, value, span.numel(), BLOCK=256)
+    assert torch.equal(code, k_step_encode(span).to(torch.int32))
+    assert torch.equal(value.view(torch.int32), k_step_decode(k_step_encode(span)).view(torch.int32))
 
 
 def test_rk4p_bits_and_budget():
@@ -76,6 +108,16 @@ def test_rk4p_bits_and_budget():
         PagedRk4Format(page_size=16)
     with pytest.raises(ValueError, match="32-token pages"):
         fmt.allocate(4, 16, 2, 64, "cpu")
+    # sink page + two newest + one to spill into
+    assert (fmt.exact_first_pages, fmt.exact_recent_pages) == (1, 2)
+    assert staging_per_sequence(fmt) == 4
+    assert staging_per_sequence(make_format("rk4p", exact_first_pages=0,
+                                            exact_recent_pages=1)) == 2
+    assert staging_per_sequence(make_format("int8")) == 0
+    with pytest.raises(ValueError, match="exact_first_pages"):
+        PagedRk4Format(exact_first_pages=-1)
+    with pytest.raises(ValueError, match="exact_recent_pages"):
+        PagedRk4Format(exact_recent_pages=0)
 
 
 @pytest.mark.parametrize("heads,dim", [(2, 64), (1, 128)])
@@ -152,3 +194,51 @@ def test_open_pages_rules():
     # a forward spanning three open pages cannot be staged
     with pytest.raises(OpenPagesError):
         open_pages.prepare(rec, pages, 97, 97 + 2 * PAGE, prefill=False)
+
+
+def test_exact_first_pages_stay_staged_and_are_never_sealed():
+    rec = _Recorder()
+    pages = [10, 11, 12, 13, 14]
+    open_pages = OpenPages((5, 6, 7), num_pages=100, page_size=PAGE, exact_first_pages=1)
+    # a prefill of 70 tokens: page 0 (whole) is the sink -> staged; page 1
+    # whole -> real; page 2 (6 tokens) staged
+    table = open_pages.prepare(rec, pages, 0, 70, prefill=True)
+    assert table == (105, 11, 106, 13, 14) and rec.sealed == []
+    # decode past page 2: it is sealed, the sink page is not
+    table = open_pages.prepare(rec, pages, 96, 97, prefill=False)
+    assert rec.sealed == [(6, 12)] and table == (105, 11, 12, 106, 14)
+    open_pages.seal_committed(rec, pages, 5 * PAGE)
+    assert rec.sealed == [(6, 12), (6, 13)] and open_pages.table(pages)[0] == 105
+    # the sink takes one staging page for good: two open pages remain
+    with pytest.raises(OpenPagesError, match="1 exact first"):
+        open_pages.prepare(rec, pages, 97, 97 + 2 * PAGE, prefill=False)
+    with pytest.raises(ValueError, match="at least 2 staging pages"):
+        OpenPages((0,), 100, PAGE, exact_first_pages=1)
+
+
+def test_two_exact_recent_pages_follow_the_first_scored_query():
+    """rk4p's default: the sink page and the two newest pages (as seen from the
+    first query whose logits count) are bf16; staging never needs more than
+    sink + 2 + 1."""
+    rec = _Recorder()
+    pages = list(range(100, 140))
+    fmt = make_format("rk4p")
+    open_pages = OpenPages.for_format(fmt, range(staging_per_sequence(fmt)), 1000, PAGE)
+    staged = lambda table: sorted(i for i, t in enumerate(table) if t >= 1000)  # noqa: E731
+    # prefill [0, 500): its last query (499, page 15) reads pages 14, 15 exact;
+    # pages 1..13 go straight to real pages
+    table = open_pages.prepare(rec, pages, 0, 500, prefill=True)
+    assert staged(table) == [0, 14, 15] and rec.sealed == []
+    # the next chunk [500, 1012) starts inside page 15: 14 is sealed, 15 stays
+    # (its last tokens come now), 16..29 go real, 30 and 31 are the newest
+    table = open_pages.prepare(rec, pages, 500, 1012, prefill=True)
+    assert rec.sealed == [(1, 114)] and staged(table) == [0, 15, 30, 31]
+    # decode at 1012 (page 31): page 30 is still among the two newest; page
+    # 15 is sealed
+    table = open_pages.prepare(rec, pages, 1012, 1013, prefill=False)
+    assert rec.sealed[1:] == [(2, 115)] and staged(table) == [0, 30, 31]
+    # a verify at 1054 (page 32): page 30 is sealed, 31 and 32 are exact;
+    # a verify with drafts crossing into page 33 fits in the spill page
+    table = open_pages.prepare(rec, pages, 1054, 1058, prefill=False)
+    assert rec.sealed[2:] == [(1, 130)] and staged(table) == [0, 31, 32, 33]
+    assert open_pages.sealed_pages(1054) == 31  # pages 0..30 final (0 in staging)

@@ -83,7 +83,8 @@ def test_plan_validates_on_creation():
     with pytest.raises(ValueError, match="block"):
         _plan(config, 1, kv_format=KVFormatSpec("rk4", {"block": 48}))
     # rk4p needs staging pages the store does not lay out yet: refused, not half-served
-    with pytest.raises(ValueError, match="staging"):
+    # (4 bf16 pages of 32 tokens x 4 KV heads x 256 x K and V, 16 layers = 8 MiB each)
+    with pytest.raises(ValueError, match=r"4 bf16 pages x 16 layers = 8.00 MiB per live"):
         _plan(config, 1, kv_format=KVFormatSpec("rk4p"), page_size=32)
 
 

@@ -16,10 +16,12 @@ from tests.test_speculative import _oracle_drafter
 
 PAGE = 32
 PARAMS = SamplingParams(temperature=0, max_new_tokens=36, ignore_eos=True)
-# 35 tokens (+36): prefill writes page 0 whole and stages page 1; decode seals
-# page 1 and stages page 2 (and 3 for drafts); 70 (+36): pages 0, 1 whole,
-# page 2 staged, then sealed
-PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8] * 3 + [1, 2, 3, 4, 5], list(range(40, 110))]
+# rk4p keeps page 0 (sinks) and the two newest pages in staging. 67 tokens
+# (+36): prefill stages pages 0, 1 and 2; decode crosses into page 3 (drafts
+# too) and seals page 1 at 96; 70 (+36): page 0 staged, page 1 whole but
+# among the newest for the prompt's last token (staged), page 2 staged; page 1
+# is sealed at 96
+PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8] * 6 + [1, 2, 3, 4, 5, 6, 7], list(range(40, 110))]
 
 
 @pytest.fixture(scope="module")

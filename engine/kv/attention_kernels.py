@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv.kernels import _e8m0_scale, _store_dense
+from engine.kv.kernels import _e8m0_scale, _k_step_decode, _store_dense
 
 # KV layouts the kernel knows (constexpr KIND).
 DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
@@ -99,7 +99,7 @@ def _load_rk4p_k(codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_
                  key_ok, col_ok, KV_HEADS: tl.constexpr, D: tl.constexpr,
                  PAGE_SIZE: tl.constexpr):
     """rk4p K [BLOCK_N, D_PAD] before RoPE: a real page's codes with its
-    per-channel min and e8m0 step, or a staging page's bf16 (formats.py)."""
+    per-channel min and e5m3 step, or a staging page's bf16 (formats.py)."""
     staged = slot >= first_staged
     real_mask = (key_ok & ~staged)[:, None] & col_ok[None, :]
     open_mask = (key_ok & staged)[:, None] & col_ok[None, :]
@@ -110,8 +110,8 @@ def _load_rk4p_k(codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_
     page_row = (slot // PAGE_SIZE) * KV_HEADS + kv_head
     lo = tl.load(min_ptr + page_row[:, None] * D + cols[None, :], mask=real_mask,
                  other=0.0).to(tl.float32)
-    step = _e8m0_scale(tl.load(step_ptr + page_row[:, None] * D + cols[None, :],
-                               mask=real_mask, other=127))
+    step = _k_step_decode(tl.load(step_ptr + page_row[:, None] * D + cols[None, :],
+                                  mask=real_mask, other=0))
     real = lo + nibble.to(tl.float32) * step
     open_row = tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head
     exact = _load_bf16_rows(open_ptr, open_row, cols, open_mask, D)

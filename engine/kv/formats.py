@@ -168,20 +168,50 @@ def rk4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int,
 # ------------------------------------------------- rk4 pages (K per channel)
 
 K_LEVELS = 15  # asymmetric 4-bit codes 0..15 for K: x = min + code * step
+# rk4p's bf16 pages per sequence: its first pages (attention sinks) and its
+# newest pages (BENCHMARKS.md, "rk4p v3": both are needed for top-1).
+DEFAULT_EXACT_FIRST_PAGES = 1
+DEFAULT_EXACT_RECENT_PAGES = 2
+MAX_EXACT_PAGES = 4
 
 
-def e8m0_step_exponent(span: torch.Tensor) -> torch.Tensor:
-    """Biased exponent of the smallest power of two s with span <= 15 * s.
+# K's step per (page, head, channel): an unsigned 8-bit float with 5 exponent
+# bits and 3 mantissa bits (no sign: a step is positive), value
+# 2**(E - K_STEP_BIAS) * (1 + M/8). The bias is the format's, not the model's:
+# 18 spans 2**-18 .. 1.875 * 2**13, which holds every step an fp16 minimum can
+# need (a span of up to 2 * 65504 in 15 steps) and goes below fp16's own
+# precision at any |min| > 2**-8. Rounding the step up to 3 mantissa bits
+# wastes at most 1/8 of K's 16 levels, where e8m0's power of two wasted up to
+# half (BENCHMARKS.md, "rk4p v3").
+K_STEP_MANTISSA_BITS = 3
+K_STEP_EXPONENT_MAX = 31
+K_STEP_BIAS = 18
+_K_STEP_SHIFT = 23 - K_STEP_MANTISSA_BITS  # fp32 mantissa bits below the step's
+_K_STEP_DROPPED = (1 << _K_STEP_SHIFT) - 1
+_K_STEP_MANTISSA_MASK = (1 << K_STEP_MANTISSA_BITS) - 1
 
-    From span's float bits, exactly (as e8m0_ceil_exponent): with span =
-    m * 2**f, m in [1, 2), 15 * 2**(f-3) = 1.875 * 2**f, so the answer is f - 3
-    when m <= 1.875 and f - 2 otherwise. Zero and subnormal spans get the
-    smallest normal step, 2**-126 (their codes are all 0 or tiny)."""
-    bits = span.to(torch.float32).view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - E8M0_BIAS
-    mantissa = bits & 0x7FFFFF
-    e = exponent - 3 + (mantissa > 0x700000).to(torch.int32)
-    return torch.clamp(e + E8M0_BIAS, E8M0_MIN, E8M0_MAX)
+
+def k_step_encode(span: torch.Tensor) -> torch.Tensor:
+    """uint8 code of the least e5m3 step s with span <= 15 * s: span / 15 in
+    fp32, rounded up to 3 mantissa bits on its bits (exact). Steps below the
+    smallest code take it; above the largest (beyond fp16 values) saturate,
+    and their values clip."""
+    quotient = torch.clamp(span.to(torch.float32), min=0.0) / K_LEVELS
+    bits = quotient.view(torch.int32)
+    up = ((bits + _K_STEP_DROPPED) >> _K_STEP_SHIFT) << _K_STEP_SHIFT
+    exponent = (up >> 23) - E8M0_BIAS + K_STEP_BIAS
+    code = (exponent << K_STEP_MANTISSA_BITS) + ((up >> _K_STEP_SHIFT) & _K_STEP_MANTISSA_MASK)
+    code = torch.where(exponent < 0, 0, code)
+    code = torch.where(exponent > K_STEP_EXPONENT_MAX, 255, code)
+    return code.to(torch.uint8)
+
+
+def k_step_decode(code: torch.Tensor) -> torch.Tensor:
+    """The fp32 value of e5m3 step codes, built from bits (exact)."""
+    c = code.to(torch.int32)
+    bits = (((c >> K_STEP_MANTISSA_BITS) - K_STEP_BIAS + E8M0_BIAS) << 23) \
+        | ((c & _K_STEP_MANTISSA_MASK) << _K_STEP_SHIFT)
+    return bits.view(torch.float32)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -197,9 +227,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def k_page_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Whole pages of K, x [n, P, H, D] (before RoPE) -> (packed codes
-    [n, P, H, D/2] uint8, fp16 minimum [n, H, D], e8m0 step [n, H, D] uint8):
-    per (page, head, channel), codes round((x - min) / step) in 0..15, the
-    step the smallest power of two that spans max - min in 15 steps.
+    [n, P, H, D/2] uint8, fp16 minimum [n, H, D], e5m3 step code [n, H, D]
+    uint8): per (page, head, channel), codes round((x - min) / step) in 0..15,
+    the step the least e5m3 value that spans max - min in 15 steps.
 
     Why per channel along the page's tokens: K carries large per-channel
     offsets that are nearly constant across tokens; a per-token scale spends
@@ -207,20 +237,20 @@ def k_page_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     x = x.to(torch.float32)
     lo = torch.clamp(x.amin(dim=1), -FP16_MAX, FP16_MAX).to(torch.float16)
     lo32 = lo.to(torch.float32)
-    span = torch.clamp(x.amax(dim=1) - lo32, min=0.0)
-    biased_exp = e8m0_step_exponent(span)
-    step = e8m0_to_scale(biased_exp)
-    # x - lo rounds once in fp32; dividing by a power of two is exact.
+    step_code = k_step_encode(x.amax(dim=1) - lo32)
+    step = k_step_decode(step_code)
+    # x - lo and the division each round once (IEEE, as the kernel's div_rn).
     codes = round_half_even(torch.clamp((x - lo32[:, None]) / step[:, None], 0.0, K_LEVELS))
-    return pack_nibbles(codes), lo, biased_exp.to(torch.uint8)
+    return pack_nibbles(codes), lo, step_code
 
 
 def k_page_dequantize(packed: torch.Tensor, lo: torch.Tensor,
-                      biased_exp: torch.Tensor) -> torch.Tensor:
+                      step_code: torch.Tensor) -> torch.Tensor:
     """Inverse of k_page_quantize for per-token rows: packed [..., H, D/2] with
-    their page's lo, biased_exp [..., H, D] (broadcast) -> fp32 [..., H, D]."""
+    their page's lo, step_code [..., H, D] (broadcast) -> fp32 [..., H, D].
+    code * step is exact (4 + 4 significant bits), so only the sum rounds."""
     codes = unpack_nibbles(packed).to(torch.float32)
-    return lo.to(torch.float32) + codes * e8m0_to_scale(biased_exp)
+    return lo.to(torch.float32) + codes * k_step_decode(step_code)
 
 
 def page_table_slots(page_table: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -266,6 +296,11 @@ class KVFormat(ABC):
     # into their real page once full and committed (seal); page ids >=
     # num_pages in a page table name staging pages.
     uses_staging: bool = False
+    # With staging: a sequence's first pages that are never sealed (bf16 for
+    # its whole life: attention sinks), and how many of its newest pages stay
+    # staged (the page being filled and those before it). open_pages.py.
+    exact_first_pages: int = 0
+    exact_recent_pages: int = 1
 
     def __init__(self, use_triton: bool | None = None) -> None:
         self.use_triton = use_triton
@@ -526,10 +561,10 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     docs/ARCHITECTURE.md, "rk4", and BENCHMARKS.md for the measurements).
 
     K, stored before RoPE, per (page, head, channel) along the page's tokens:
-    asymmetric codes 0..15 with an fp16 minimum and an e8m0 step, 4 + 24/32 =
-    4.75 bits. V, rotated over head_dim (rotation.py), per token: symmetric
-    codes -7..7 with one fp16 scale per `v_block` channels, 4 + 16/64 = 4.25
-    bits. 4.5 bits per element on average.
+    asymmetric codes 0..15 with an fp16 minimum and an 8-bit float (e5m3)
+    step, 4 + 24/32 = 4.75 bits. V, rotated over head_dim (rotation.py), per
+    token: symmetric codes -7..7 with one fp16 scale per `v_block` channels,
+    4 + 16/64 = 4.25 bits. 4.5 bits per element on average.
 
     A page can only be quantized once all its tokens are known, so the pages a
     sequence is still filling (and any holding unverified speculative tokens)
@@ -538,9 +573,17 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     so seal() quantizes it as is. Writes to real pages must cover whole pages
     (a prefill chunk's full pages), writes to staging pages any tokens.
 
+    exact_first_pages: a sequence's first pages (its attention sinks) are
+    never sealed; they stay in bf16 staging for the sequence's life.
+    exact_recent_pages: its newest pages stay staged too (2: the page being
+    filled and the one before, so the newest 32-63 tokens are exact). Both
+    are a fixed cost per sequence, not per token, so outside
+    bits_per_element (open_pages.py; BENCHMARKS.md, "rk4p v3").
+
     Buffers: k_codes, v_codes [N, P, H, D/2] uint8 (channel 2i in the low
-    nibble); k_min [N, H, D] fp16; k_step [N, H, D] uint8 (biased exponent);
-    v_scales [N, P, H, D/v_block] fp16; k_open, v_open [S, P, H, D] bf16.
+    nibble); k_min [N, H, D] fp16; k_step [N, H, D] uint8 (e5m3 code,
+    k_step_decode); v_scales [N, P, H, D/v_block] fp16; k_open, v_open
+    [S, P, H, D] bf16.
     """
 
     name = "rk4p"
@@ -548,13 +591,23 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     uses_staging = True
 
     def __init__(self, page_size: int = 32, v_block: int = 64,
+                 exact_first_pages: int = DEFAULT_EXACT_FIRST_PAGES,
+                 exact_recent_pages: int = DEFAULT_EXACT_RECENT_PAGES,
                  seed: int = rotation.DEFAULT_ROTATION_SEED, use_triton: bool | None = None):
         super().__init__(use_triton)
         if v_block not in RK4_BLOCKS:
             raise ValueError(f"rk4 v_block must be one of {RK4_BLOCKS}, got {v_block}")
         if page_size < 1:
             raise ValueError(f"rk4 page_size must be >= 1, got {page_size}")
+        for name, value, lowest in (("exact_first_pages", exact_first_pages, 0),
+                                    ("exact_recent_pages", exact_recent_pages, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not lowest <= value <= MAX_EXACT_PAGES:
+                raise ValueError(f"rk4p {name} must be an int in {lowest}..{MAX_EXACT_PAGES}, "
+                                 f"got {value!r}")
         self.page_size, self.v_block, self.seed = page_size, v_block, seed
+        self.exact_first_pages = exact_first_pages
+        self.exact_recent_pages = exact_recent_pages
         if self.bits_per_element() > RK4_BITS_BUDGET:
             raise ValueError(f"rk4 with {page_size}-token pages and v_block {v_block} costs "
                              f"{self.bits_per_element():g} bits per element, over the "
@@ -562,7 +615,9 @@ class PagedRk4Format(_SeededRotation, KVFormat):
         self._rotations: dict[tuple[int, str], torch.Tensor] = {}
 
     def __repr__(self) -> str:
-        return f"PagedRk4Format(page_size={self.page_size}, v_block={self.v_block})"
+        return (f"PagedRk4Format(page_size={self.page_size}, v_block={self.v_block}, "
+                f"exact_first_pages={self.exact_first_pages}, "
+                f"exact_recent_pages={self.exact_recent_pages})")
 
     def k_bits(self) -> float:
         return 4.0 + 24.0 / self.page_size

@@ -10,7 +10,8 @@ codes and scales come out bit-identical:
   * divisions use div_rn (IEEE round-to-nearest; plain `/` may be approximate
     on GPU);
   * rounding is round-half-to-even built from floor, which is exact;
-  * e8m0 scales are built from exponent bits, never from exp2/log2.
+  * e8m0 scales and rk4p's e5m3 K steps are built from their bits, never
+    from exp2/log2.
 
 Work is split into rows: a (token, head) pair for int8, one block of `block`
 channels of one (token, head) for rk4. Row r of token t is stored at row
@@ -24,6 +25,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kv import formats
+
+# rk4p's e5m3 K step (formats.k_step_encode), as constants kernels may read.
+_K_STEP_BIAS = tl.constexpr(formats.K_STEP_BIAS)
+_K_STEP_MANTISSA_BITS = tl.constexpr(formats.K_STEP_MANTISSA_BITS)
+_K_STEP_MANTISSA_MASK = tl.constexpr(formats._K_STEP_MANTISSA_MASK)
+_K_STEP_SHIFT = tl.constexpr(formats._K_STEP_SHIFT)
+_K_STEP_DROPPED = tl.constexpr(formats._K_STEP_DROPPED)
+_K_STEP_EXPONENT_MAX = tl.constexpr(formats.K_STEP_EXPONENT_MAX)
 
 # Elements per program: enough work per program for the GPU, and few enough
 # programs that the CPU interpreter stays fast.
@@ -365,10 +376,10 @@ def _k_page_kernel(x_ptr, slots_ptr, codes_ptr, min_ptr, step_ptr, n_tokens, fir
     x_odd = x_odd.to(tl.float32)
     lo_even = _fp16_min(tl.min(x_even, axis=0))
     lo_odd = _fp16_min(tl.min(x_odd, axis=0))
-    exp_even = _e8m0_step_exponent(tl.maximum(tl.max(x_even, axis=0) - lo_even, 0.0))
-    exp_odd = _e8m0_step_exponent(tl.maximum(tl.max(x_odd, axis=0) - lo_odd, 0.0))
-    low = _k_codes(x_even, lo_even, exp_even)
-    high = _k_codes(x_odd, lo_odd, exp_odd)
+    step_even = _k_step_encode(tl.max(x_even, axis=0) - lo_even)
+    step_odd = _k_step_encode(tl.max(x_odd, axis=0) - lo_odd)
+    low = _k_codes(x_even, lo_even, step_even)
+    high = _k_codes(x_odd, lo_odd, step_odd)
     packed = (low | (high << 4)).to(tl.uint8)
     dst = (first + tokens).to(tl.int64) * H + h
     tl.store(codes_ptr + dst[:, None] * (D // 2) + pairs[None, :], packed, mask=mask)
@@ -376,8 +387,8 @@ def _k_page_kernel(x_ptr, slots_ptr, codes_ptr, min_ptr, step_ptr, n_tokens, fir
     chan_ok = starts_page & pair_ok
     tl.store(min_ptr + page_row + 2 * pairs, lo_even.to(tl.float16), mask=chan_ok)
     tl.store(min_ptr + page_row + 2 * pairs + 1, lo_odd.to(tl.float16), mask=chan_ok)
-    tl.store(step_ptr + page_row + 2 * pairs, exp_even.to(tl.uint8), mask=chan_ok)
-    tl.store(step_ptr + page_row + 2 * pairs + 1, exp_odd.to(tl.uint8), mask=chan_ok)
+    tl.store(step_ptr + page_row + 2 * pairs, step_even.to(tl.uint8), mask=chan_ok)
+    tl.store(step_ptr + page_row + 2 * pairs + 1, step_odd.to(tl.uint8), mask=chan_ok)
 
 
 @triton.jit
@@ -387,21 +398,32 @@ def _fp16_min(x):
 
 
 @triton.jit
-def _e8m0_step_exponent(span):
-    """Biased exponent of the least power of two s with span <= 15 s
-    (formats.e8m0_step_exponent)."""
-    bits = span.to(tl.int32, bitcast=True)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    mantissa = bits & 0x7FFFFF
-    e = exponent - 3 + (mantissa > 0x700000).to(tl.int32)
-    return tl.minimum(tl.maximum(e + 127, 1), 254)
+def _k_step_encode(span):
+    """uint8-range int32 code of the least e5m3 step s with span <= 15 s
+    (formats.k_step_encode, on the same bits)."""
+    quotient = tl.math.div_rn(tl.maximum(span, 0.0), tl.full(span.shape, 15.0, tl.float32))
+    bits = quotient.to(tl.int32, bitcast=True)
+    up = ((bits + _K_STEP_DROPPED) >> _K_STEP_SHIFT) << _K_STEP_SHIFT
+    exponent = (up >> 23) - 127 + _K_STEP_BIAS
+    code = (exponent << _K_STEP_MANTISSA_BITS) + ((up >> _K_STEP_SHIFT) & _K_STEP_MANTISSA_MASK)
+    code = tl.where(exponent < 0, 0, code)
+    return tl.where(exponent > _K_STEP_EXPONENT_MAX, 255, code)
 
 
 @triton.jit
-def _k_codes(x, lo, biased_exp):
-    """round((x - lo) / step) in 0..15 as int32; the step is a power of two,
-    so the division is exact and only x - lo rounds (as in the reference)."""
-    step = _e8m0_scale(biased_exp)
+def _k_step_decode(code):
+    """fp32 value of e5m3 step codes, from bits (formats.k_step_decode)."""
+    c = code.to(tl.int32)
+    bits = (((c >> _K_STEP_MANTISSA_BITS) - _K_STEP_BIAS + 127) << 23) \
+        | ((c & _K_STEP_MANTISSA_MASK) << _K_STEP_SHIFT)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _k_codes(x, lo, step_code):
+    """round((x - lo) / step) in 0..15 as int32; x - lo and the division each
+    round once, as in the reference (div_rn: IEEE on the GPU too)."""
+    step = _k_step_decode(step_code)
     v = tl.math.div_rn(x - lo[None, :], tl.broadcast_to(step[None, :], x.shape))
     v = tl.minimum(tl.maximum(v, 0.0), 15.0)
     return _round_half_even(v).to(tl.int32)

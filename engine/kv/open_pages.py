@@ -1,38 +1,59 @@
 """Open pages: where a sequence's not-yet-quantized pages live, and when they
 are sealed into their real pages.
 
-A format that quantizes whole pages (rk4: K per channel along a page's
+A format that quantizes whole pages (rk4p: K per channel along a page's
 tokens) cannot quantize a page before all its tokens are known and final. So a
-sequence's newest page, and the next one when speculative drafts cross a page
+sequence's newest pages, and the next one when speculative drafts cross a page
 boundary, are written to bf16 staging pages; the page table handed to a
 forward names them by id num_pages + staging id. When every token of such a
-page is committed (a later forward starts past it, or a prefill ends past it),
-seal() quantizes it into the sequence's real page and the table goes back to
-the real id.
+page is committed and it is no longer among the newest, seal() quantizes it
+into the sequence's real page and the table goes back to the real id.
 
 Owns the mapping logical page -> staging page of one sequence and the rules
 below. It does not own which staging or real pages a sequence holds (the
 engine's free list or the KV store hands them out) nor the quantization
 (formats.py).
 
-Rules, for a forward that writes positions [start, end) of a sequence:
-  * pages below start // page_size are committed and full: any still staged
-    are sealed before the forward (seal_committed);
-  * a prefill (its tokens are committed) writes the pages that lie wholly
-    inside [start, end) straight into their real pages;
-  * every other page written goes to a staging page (the page holding a
-    partial prompt end, decode tokens, speculative drafts).
+Rules, for a forward that writes positions [start, end) of a sequence, whose
+first query whose logits matter sits at q = start (decode, verify, a decode-
+like bench) or q = end - 1 (a prefill: only its last position samples):
+  * the first `exact_first_pages` pages (attention sinks, the format says how
+    many) are always staged and never sealed: they stay bf16 for the
+    sequence's life, in staging pages of their own;
+  * the `exact_recent_pages` newest pages as seen from q (the page holding q
+    and those just before it) stay staged, so q reads them in bf16;
+  * other pages below start // page_size are committed and full: any still
+    staged are sealed before the forward (seal_committed);
+  * a prefill (its tokens are committed) writes the other pages that lie
+    wholly inside [start, end) straight into their real pages;
+  * every other page written goes to a staging page (the newest pages, the
+    page holding a partial prompt end, decode tokens, speculative drafts).
+So a sequence holds exact_first_pages + exact_recent_pages + 1 staging pages
+at most (the one more: a page that a prefill chunk starts inside of, or
+drafts that cross a page end; drafts are shorter than a page).
 Positions >= start are never read by the prefix cache, so a page only reaches
-it sealed (seal_committed(committed length) before inserting).
+it sealed (seal_committed(committed length) before inserting), or, for a sink
+page, as its final bf16 staging page.
+The real page a sequence holds for a sink page stays unwritten: one 4-bit page
+per sequence, the price of page tables that keep one id per logical page.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-# Staging pages per sequence: the page being filled, plus the next one for
-# speculative drafts that run past its end (drafts are fewer than a page).
-STAGING_PER_SEQUENCE = 2
+# Staging beyond the exact pages: a page a prefill chunk starts inside of, or
+# the next page for speculative drafts that run past the newest's end.
+SPILL_PAGES = 1
+
+
+def staging_per_sequence(kv_format) -> int:
+    """bf16 staging pages one live sequence holds under kv_format (0 for a
+    per-token format): its never-sealed first pages, its newest pages, and one
+    to spill into."""
+    if not getattr(kv_format, "uses_staging", False):
+        return 0
+    return kv_format.exact_first_pages + kv_format.exact_recent_pages + SPILL_PAGES
 
 
 class Sealer(Protocol):
@@ -48,17 +69,33 @@ class OpenPages:
     """One sequence's staging pages and the logical page each one holds (-1: free).
 
     num_pages: real pages in the pool; staging page s appears in page tables
-    as num_pages + s.
+    as num_pages + s. exact_first_pages: leading pages never sealed (sinks);
+    exact_recent_pages: newest pages kept staged (1: only the page being filled).
     """
 
     staging: tuple[int, ...]
     num_pages: int
     page_size: int
+    exact_first_pages: int = 0
+    exact_recent_pages: int = 1
     held: list[int] = field(default_factory=list)
 
+    @classmethod
+    def for_format(cls, kv_format, staging: Sequence[int], num_pages: int,
+                   page_size: int) -> "OpenPages":
+        """A sequence's open pages under kv_format, over its staging ids."""
+        return cls(tuple(staging), num_pages, page_size,
+                   exact_first_pages=kv_format.exact_first_pages,
+                   exact_recent_pages=kv_format.exact_recent_pages)
+
     def __post_init__(self) -> None:
-        if not self.staging:
-            raise ValueError("open pages need at least one staging page")
+        if self.exact_recent_pages < 1 or self.exact_first_pages < 0:
+            raise ValueError("open pages keep at least the page being filled "
+                             "(exact_recent_pages >= 1) and exact_first_pages >= 0")
+        exact = self.exact_first_pages + self.exact_recent_pages
+        if len(self.staging) < exact:
+            raise ValueError(f"open pages need at least {exact} staging pages (exact first + "
+                             f"exact recent), got {len(self.staging)}")
         if not self.held:
             self.held = [-1] * len(self.staging)
 
@@ -72,39 +109,55 @@ class OpenPages:
 
     def prepare(self, sealer: Sealer, pages: Sequence[int], start: int, end: int,
                 prefill: bool) -> tuple[int, ...]:
-        """Seal what [0, start) completed, stage the pages [start, end) needs;
-        returns the page table for the forward."""
-        self.seal_committed(sealer, pages, start)
+        """Seal what [0, start) completed and the forward's first scored query
+        no longer reads exact, stage the pages [start, end) needs; returns the
+        page table for the forward."""
+        query = end - 1 if prefill else start
+        self.seal_committed(sealer, pages, start, query)
         p = self.page_size
         for logical in range(start // p, -(-end // p)):
-            whole = prefill and logical * p >= start and (logical + 1) * p <= end
+            whole = prefill and logical * p >= start and (logical + 1) * p <= end \
+                and not self._kept_exact(logical, query)
             if whole or logical in self.held:
                 continue
             self._stage(logical)
         return self.table(pages)
 
-    def seal_committed(self, sealer: Sealer, pages: Sequence[int], committed: int) -> None:
-        """Seal every staged page whose tokens all lie below `committed`."""
+    def seal_committed(self, sealer: Sealer, pages: Sequence[int], committed: int,
+                       query: int | None = None) -> None:
+        """Seal every staged page whose tokens all lie below `committed`, but
+        the sink pages and the newest pages as seen from position `query`
+        (default: committed, the next token's)."""
+        query = committed if query is None else query
         src, dst = [], []
         for i, logical in enumerate(self.held):
-            if 0 <= logical and (logical + 1) * self.page_size <= committed:
+            if 0 <= logical and (logical + 1) * self.page_size <= committed \
+                    and not self._kept_exact(logical, query):
                 src.append(self.staging[i])
                 dst.append(pages[logical])
                 self.held[i] = -1
         sealer.seal(src, dst)
 
+    def _kept_exact(self, logical: int, query: int) -> bool:
+        """A sink page, or among the exact_recent_pages newest as seen from query."""
+        return logical < self.exact_first_pages \
+            or logical > query // self.page_size - self.exact_recent_pages
+
     def sealed_pages(self, committed: int) -> int:
-        """How many leading pages hold their final quantized content after
-        seal_committed(committed): what a prefix cache may take."""
-        return committed // self.page_size
+        """How many leading pages hold their final content after
+        seal_committed(committed): what a prefix cache may take (sink pages
+        among them are final in their bf16 staging page, not the real one)."""
+        return max(0, committed // self.page_size - self.exact_recent_pages + 1)
 
     def _stage(self, logical: int) -> None:
         free = [i for i, held in enumerate(self.held) if held < 0]
         if not free:
             raise OpenPagesError(
                 f"page {logical} needs a staging page but the sequence's {len(self.staging)} "
-                f"hold pages {self.held}: a forward may span at most "
-                f"{len(self.staging)} open pages (drafts must be shorter than a page)")
+                f"hold pages {self.held} ({self.exact_first_pages} exact first, "
+                f"{self.exact_recent_pages} exact recent): a forward may add at most "
+                f"{len(self.staging) - self.exact_first_pages - self.exact_recent_pages} open "
+                "page beyond them (drafts must be shorter than a page)")
         self.held[free[0]] = logical
 
 
