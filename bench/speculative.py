@@ -3,6 +3,8 @@
 verify   the target forward of k+1 tokens (with per-position GDN slots) vs a
          plain one-token decode step, batch 1, at a given context, on a
          (dummy) model shape; the goal for the 27B shape is <= 1.15x at k=3.
+         Both replay CUDA graphs on a GPU (DecodeForward, VerifyForward);
+         --no-cuda-graphs times the eager forwards.
 tokens   tokens/s and mean accepted length with and without speculation on
          chat and code prompts (offline engine, greedy).
 Prints a table last; --json writes the rows."""
@@ -37,7 +39,13 @@ def _sync(device):
 
 
 @torch.inference_mode()
-def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int) -> list[dict]:
+def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int,
+                 cuda_graphs: bool | None = None) -> list[dict]:
+    """The plain row is a decode step through DecodeForward, the verify rows a
+    k+1-token forward through VerifyForward (the speculative decoder's), both
+    replaying CUDA graphs on a GPU, so the ratio is what a step costs."""
+    from engine.cuda_graphs import DecodeForward, VerifyForward
+
     loaded = load_model(model_name, device=device, progress=False)
     cfg, page = loaded.config, 16
     pages = -(-(context + 8) // page)
@@ -48,30 +56,41 @@ def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int) -
     for start in range(0, context, 512):  # fill the context
         seq = SequenceInput(prompt[start:start + 512], start, table, 0)
         loaded.model(ForwardBatch.build([seq], page, device), cache)
+    plain_forward = DecodeForward(loaded.model, cache, context + 8, enabled=cuda_graphs)
+    verify_forward = VerifyForward(loaded.model, cache, context + 8, enabled=cuda_graphs,
+                                   pool_of=plain_forward)
 
     def timed(tokens: int) -> float:
-        slots = tuple(range(1, 1 + tokens)) if tokens > 1 and cfg.is_hybrid else ()
+        # position slots 0 (the input slot, as the decoder does), then 1..k
+        slots = tuple(range(tokens)) if tokens > 1 and cfg.is_hybrid else ()
         seq = SequenceInput((1,) * tokens, context, table, 0, slots)
         batch = ForwardBatch.build([seq], page, device)
+        run = plain_forward if tokens == 1 else verify_forward
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):  # the first call warms up (and captures)
             cache.copy_state(0, 7)  # keep the slot's state for the next repeat
             _sync(device)
             t = time.perf_counter()
-            loaded.model(batch, cache, all_logits=True)
+            run(batch)
             _sync(device)
             times.append(time.perf_counter() - t)
             cache.copy_state(7, 0)
+        times = times[1:]
         return sorted(times)[len(times) // 2]
 
-    timed(1)  # warm-up
     plain = timed(1)
+    graphs = {"graphs": plain_forward.enabled}
     rows = [{"bench": "verify", "model": model_name, "context": context, "k": 0,
-             "ms": plain * 1e3, "ratio": 1.0}]
+             "ms": plain * 1e3, "ratio": 1.0, **graphs}]
     for k in ks:
         t = timed(k + 1)
         rows.append({"bench": "verify", "model": model_name, "context": context, "k": k,
-                     "ms": t * 1e3, "ratio": t / plain})
+                     "ms": t * 1e3, "ratio": t / plain, **graphs})
+    errors = plain_forward.capture_errors + verify_forward.capture_errors
+    if plain_forward.enabled and (not plain_forward.replays or not verify_forward.replays
+                                  or errors):
+        print(f"warning: graphs not replayed (decode {plain_forward.replays} replays, verify "
+              f"{verify_forward.replays}): {errors}")
     return rows
 
 
@@ -113,11 +132,14 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["none", "ngram", "mtp"])
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="time the verify bench's eager forwards instead of graph replays")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = []
     if a.verify_model:
-        rows += verify_ratio(a.verify_model, a.device, a.context, a.ks, a.repeats)
+        rows += verify_ratio(a.verify_model, a.device, a.context, a.ks, a.repeats,
+                             cuda_graphs=False if a.no_cuda_graphs else None)
     if a.tokens_model:
         rows += tokens_per_second(None if a.tokens_model == "embedded" else a.tokens_model,
                                   a.device, a.methods, a.ks, a.new_tokens)
@@ -126,8 +148,9 @@ def main(argv=None) -> int:
             json.dump(rows, f, indent=1)
     for r in rows:
         if r["bench"] == "verify":
-            print(f"verify {r['model']} ctx {r['context']} k={r['k']}: {r['ms']:.2f} ms "
-                  f"({r['ratio']:.2f}x plain)")
+            mode = "graphs" if r["graphs"] else "eager"
+            print(f"verify {r['model']} ctx {r['context']} k={r['k']} ({mode}): "
+                  f"{r['ms']:.2f} ms ({r['ratio']:.2f}x plain)")
         else:
             print(f"tokens {r['model']} {r['prompts']} {r['method']} k={r['k']}: "
                   f"{r['tok_s']:.1f} tok/s, mean accepted length {r['mean_accepted_length']:.2f}")

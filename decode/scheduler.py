@@ -95,7 +95,8 @@ class DecodeScheduler:
         # decode steps replay CUDA graphs on a GPU (None: on for CUDA caches)
         self.forward = DecodeForward(model, cache, self.max_context, enabled=cuda_graphs)
         speculative = speculative or SpeculativeConfig()
-        self.spec = (SpeculativeDecoder(model, cache, speculative, self.max_context)
+        self.spec = (SpeculativeDecoder(model, cache, speculative, self.max_context,
+                                        cuda_graphs=cuda_graphs, graph_pool_of=self.forward)
                      if speculative.enabled else None)
 
     # --- membership -----------------------------------------------------

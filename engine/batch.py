@@ -53,6 +53,24 @@ class SequenceInput:
 
 
 @dataclass
+class GdnSlots:
+    """The GDN slots of a forward as device tensors (the fused steps take only these).
+
+    read:  [B] long, the slot holding each sequence's input state; -1 marks a
+           padding copy of another sequence that no kernel computes;
+    write: [T] long, the slot that takes the state after each new token, -1 for
+           none: every token's position slot for a verify row, else the
+           sequence's own slot after its last token;
+    rows:  None, or [T] long: the GDN output of row r is that of row rows[r]
+           (padding copies take their original's rows, so they write the same K/V).
+    """
+
+    read: torch.Tensor
+    write: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardBatch:
     """Flattened tensors for a list of SequenceInput, built once per forward."""
 
@@ -65,6 +83,7 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B] long
     offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
     _attention: AttentionMetadata | None = field(default=None, repr=False)
+    _gdn: GdnSlots | None = field(default=None, repr=False)
     # [T, H] the new tokens' embeddings, when the model looked them up before
     # the forward (a table in host memory: CausalLM.embed); None: the forward does
     input_embeds: torch.Tensor | None = None
@@ -106,6 +125,21 @@ class ForwardBatch:
             self._attention = AttentionMetadata.build(
                 self.offsets, [s.end for s in self.seqs], self.page_tables, self.input_ids.device)
         return self._attention
+
+    @property
+    def gdn(self) -> "GdnSlots":
+        """Where the fused GDN steps read and write state slots; built once from
+        the sequences (CUDA graphs hand in static buffers instead)."""
+        if self._gdn is None:
+            writes: list[int] = []
+            for seq in self.seqs:
+                if seq.position_slots:
+                    writes.extend(seq.position_slots)
+                else:
+                    writes.extend([-1] * (len(seq.tokens) - 1) + [seq.state_slot])
+            self._gdn = GdnSlots(self.state_slots, torch.tensor(
+                writes, dtype=torch.long, device=self.input_ids.device))
+        return self._gdn
 
     @property
     def num_tokens(self) -> int:

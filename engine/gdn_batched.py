@@ -1,12 +1,22 @@
-"""Gated DeltaNet over a whole batch at once, for CUDA: state slots gathered
-and scattered by a device index (no per-sequence Python loop, so a decode
-step can be captured in a CUDA graph), and fla-core's Triton kernels when
-they are installed (`pip install tandem-serve[gpu]`) and TANDEM_FLA=1 is set: the fused recurrent
-form for decode steps, the chunked form with cu_seqlens for prefill.
+"""Gated DeltaNet over a whole batch at once, for CUDA tensors: state slots
+read and written through device indices, no per-sequence Python loop, so
+decode and speculative verify steps can be captured in CUDA graphs.
 
-Without fla-core the same batched layout runs engine/gdn.py's PyTorch
-recurrence, so everything here also works (slowly) without it. The CPU path
-of the model does not come here: it keeps the per-sequence reference loop.
+What runs where (GatedDeltaNet.forward in engine/model.py picks):
+- CUDA, every sequence with 1..8 new tokens (decode steps, speculative verify
+  batches of k+1 tokens, short tails): the fused Triton steps of
+  engine/gdn_kernels.py, one conv kernel and one recurrence kernel per layer,
+  g/beta computed inside from the raw projections; the state after each token
+  goes to its write slot (ForwardBatch.gdn). TANDEM_FUSED_GDN=0
+  switches them off (A/B on the GPU) and the two items below run instead.
+- CUDA decode steps without the fused steps: `decode_conv` and
+  `gated_delta_rule_decode` below (the PyTorch recurrence of engine/gdn.py on
+  gathered slots, or fla-core's fused recurrent kernel with TANDEM_FLA=1).
+- CUDA prefill (longer chunks): `prefill_conv` and `gated_delta_rule_prefill`
+  (the chunked PyTorch form per sequence, or fla's chunked kernel with
+  cu_seqlens under TANDEM_FLA=1). Without the fused steps, verify batches
+  (position slots) take the model's per-sequence loop.
+- CPU: never here; the model keeps the per-sequence reference loop.
 """
 from __future__ import annotations
 
@@ -37,6 +47,41 @@ def fla_available() -> bool:
 
 def use_batched_path(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def fused_enabled() -> bool:
+    """The fused Triton steps are on unless TANDEM_FUSED_GDN=0 (read per call,
+    so a process can A/B them; inside a captured graph nothing is read)."""
+    return os.environ.get("TANDEM_FUSED_GDN", "1") not in ("0", "")
+
+
+def use_fused_path(x: torch.Tensor, batch) -> bool:
+    """CUDA tensors, the switch on, and every sequence of the ForwardBatch within
+    the kernels' 1..8 new tokens."""
+    if not x.is_cuda or not fused_enabled():
+        return False
+    from engine import gdn_kernels  # triton: imported only where it runs
+
+    return gdn_kernels.fits(batch.attention.max_new_tokens)
+
+
+def fused_conv(mixed, windows, weight, offsets, positions, state_slots, write_slots,
+               max_new_tokens: int) -> torch.Tensor:
+    """Conv + SiLU of each sequence's new tokens; see gdn_kernels.conv_step."""
+    from engine import gdn_kernels
+
+    return gdn_kernels.conv_step(mixed, windows, weight, offsets, positions, state_slots,
+                                 write_slots, max_new_tokens)
+
+
+def fused_recurrence(q, k, v, a, b, a_log, dt_bias, states, offsets, positions, state_slots,
+                     write_slots, max_new_tokens: int) -> torch.Tensor:
+    """The gated delta rule with g/beta from the raw a/b projections; see
+    gdn_kernels.recurrence_step."""
+    from engine import gdn_kernels
+
+    return gdn_kernels.recurrence_step(q, k, v, a, b, a_log, dt_bias, states, offsets,
+                                       positions, state_slots, write_slots, max_new_tokens)
 
 
 def decode_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,

@@ -131,14 +131,15 @@ class OfflineEngine:
         self.pages = _FreeList(shape.num_pages)
         self.staging = _FreeList(shape.staging_pages)
         self.slots = _FreeList(slots)
-        self.spec = (SpeculativeDecoder(self.model, self.cache, spec, self.max_context)
-                     if spec.enabled else None)
-        self.spec_totals = {"steps": 0, "drafted": 0, "accepted": 0}
         graphs = self.config.cuda_graphs
         if graphs is None:
             graphs = loaded.device.type == "cuda"
         self.decode_forward = DecodeForward(self.model, self.cache, self.max_context,
                                             enabled=graphs)
+        self.spec = (SpeculativeDecoder(self.model, self.cache, spec, self.max_context,
+                                        cuda_graphs=graphs, graph_pool_of=self.decode_forward)
+                     if spec.enabled else None)
+        self.spec_totals = {"steps": 0, "drafted": 0, "accepted": 0}
 
     # --- public ---------------------------------------------------------
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:

@@ -177,11 +177,15 @@ class GatedDeltaNet(nn.Module):
         tokens = x.shape[0]
         mixed = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(tokens, self.num_v_heads, self.v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
+        if gdn_batched.use_fused_path(x, batch):
+            out = self._forward_fused(mixed, a, b, batch, states, windows, weight)
+            return self.out_proj(self.norm(out, z).reshape(tokens, -1))
+        beta = torch.sigmoid(b)
+        # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         # speculative verify (position_slots) keeps every state: the per-sequence path
         keeps_every_state = any(seq.position_slots for seq in batch.seqs)
         if gdn_batched.use_batched_path(x) and not keeps_every_state:
@@ -211,6 +215,22 @@ class GatedDeltaNet(nn.Module):
             out[lo:hi] = o[0]
         out = self.norm(out, z).reshape(tokens, -1)
         return self.out_proj(out)
+
+    def _forward_fused(self, mixed, a, b, batch, states, windows, weight):
+        """Decode and verify steps on CUDA: two Triton kernels, every index on
+        the device (graph-safe); the state after each token goes to its write
+        slot (batch.gdn). See engine/gdn_batched.py."""
+        tokens = mixed.shape[0]
+        meta, slots = batch.attention, batch.gdn
+        where = (meta.q_offsets, batch.positions, slots.read, slots.write, meta.max_new_tokens)
+        conv_out = gdn_batched.fused_conv(mixed, windows, weight, *where)
+        q, k, v = conv_out.split(self._split, dim=-1)
+        q = q.view(tokens, self.num_k_heads, self.k_dim)
+        k = k.view(tokens, self.num_k_heads, self.k_dim)
+        v = v.view(tokens, self.num_v_heads, self.v_dim)
+        out = gdn_batched.fused_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, states,
+                                           *where)
+        return out if slots.rows is None else out.index_select(0, slots.rows)
 
     def _forward_batched(self, mixed, g, beta, batch, states, windows, weight):
         """All sequences at once with device-indexed state slots (CUDA; graph-safe

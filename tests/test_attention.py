@@ -89,6 +89,19 @@ def test_decode_matches_reference(name, options, page_size):
         torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
 
 
+def test_verify_width_queries_with_key_splits():
+    """Speculative verify graphs (engine/cuda_graphs.py VerifyForward) split the
+    keys of multi-token queries as decode does: causal rows whose later splits
+    see no key must still combine to the reference."""
+    fmt = make_format("int8")
+    seqs = [(20, 4), (47, 4), (3, 3)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=2, head_dim=32, page_size=16,
+                                  q_dtype=torch.float32, seed=7)
+    actual, expected = run_both(fmt, buffers, q, meta, num_splits=3)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
 @pytest.mark.parametrize("q_heads, kv_heads", [(4, 4), (4, 1), (8, 2)])
 def test_decode_gqa_ratios_and_bf16_queries(q_heads, kv_heads):
     fmt = make_format("int8")

@@ -1,14 +1,21 @@
-"""Decode steps replayed from CUDA graphs (engine/cuda_graphs.py) against the
-eager forward. Needs a GPU (skipped elsewhere; run by scripts/device_gpu.sh);
-on the CPU only the pass-through is checked."""
+"""Decode and verify forwards replayed from CUDA graphs (engine/cuda_graphs.py)
+against the eager forward. Replays need a GPU (skipped elsewhere; run by
+scripts/device_gpu.sh and scripts/device_gdn.sh); on the CPU the pass-through
+and a padded static verify batch (the graph's inputs, run eagerly through the
+fused GDN steps under the Triton interpreter) are checked."""
+import os
+
 import pytest
 import torch
 
-from engine.batch import ForwardBatch, SequenceInput
-from engine.cache import CacheShape, PagedKVCache
-from engine.cuda_graphs import DecodeForward
-from engine.kv import make_format
-from engine.loader import load_model
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+from engine import gdn_batched  # noqa: E402
+from engine.batch import ForwardBatch, SequenceInput  # noqa: E402
+from engine.cache import CacheShape, PagedKVCache  # noqa: E402
+from engine.cuda_graphs import DecodeForward, VerifyForward, _Graph  # noqa: E402
+from engine.kv import make_format  # noqa: E402
+from engine.loader import load_model  # noqa: E402
 
 
 def test_cpu_decode_forward_is_the_eager_model():
@@ -68,3 +75,108 @@ def test_graph_replay_with_the_token_table_in_host_memory():
     assert loaded.model.embeds_on_host
     torch.testing.assert_close(_decode_logits(loaded, "int8", graphs=True), on_device,
                                rtol=1e-2, atol=1e-2)
+
+
+def _verify_setup(loaded, device, kv_format="bf16", **options):
+    """A cache with three prefilled sequences (slots 0-2, spares from 3)."""
+    if kv_format == "bf16":
+        options["dtype"] = loaded.dtype
+    cache = PagedKVCache(loaded.config, CacheShape(30, 16, 12), device,
+                         make_format(kv_format, **options))
+    tables = [tuple(range(10 * i, 10 * i + 10)) for i in range(3)]
+    prompts = [[(7 * i + 3) % 512 for i in range(n)] for n in (19, 40, 7)]
+    for i, p in enumerate(prompts):
+        loaded.model(ForwardBatch.build([SequenceInput(tuple(p), 0, tables[i], i)], 16,
+                                        device), cache)
+    return cache, tables, [len(p) for p in prompts]
+
+
+def _verify_batch(tables, lengths, active, step, k, device):
+    """Each active sequence verifies [last token, k drafts]; its position slots
+    are its own slot then k spares."""
+    seqs = []
+    for i in active:
+        tokens = tuple((step * 13 + 5 * i + j) % 512 for j in range(k + 1))
+        spares = tuple(3 + 3 * i + j for j in range(k))
+        seqs.append(SequenceInput(tokens, lengths[i] - 1, tables[i], i, (i, *spares)))
+    return ForwardBatch.build(seqs, 16, device)
+
+
+@pytest.mark.skipif(os.environ["TRITON_INTERPRET"] in ("", "0"),
+                    reason="runs the kernels interpreted on CPU tensors (the GPU run replays)")
+def test_padded_static_verify_batch_matches_eager(monkeypatch):
+    """What a verify graph replays, run eagerly on the CPU: two sequences in a
+    bucket of 4 (two padding copies of the second). The copies must neither
+    change the real rows nor write any GDN slot."""
+    monkeypatch.setattr(gdn_batched, "use_fused_path",
+                        lambda x, batch: batch.attention.max_new_tokens <= 8)
+    loaded = load_model("tiny-qwen3.5", dtype=torch.float32, seed=3)
+    k = 2
+    results = []
+    for padded in (False, True):
+        # attention through the Triton kernel (interpreted): the static batch
+        # carries device metadata only, as on the GPU
+        cache, tables, lengths = _verify_setup(loaded, "cpu", use_triton=True)
+        batch = _verify_batch(tables, lengths, [0, 1], 0, k, "cpu")
+        if padded:
+            graph = _Graph(4, k + 1, 10, torch.device("cpu"), None, 160, 16)
+            graph.fill(batch)
+            batch = graph.batch(list(batch.seqs))
+        logits, hidden = loaded.model(batch, cache, all_logits=True, return_hidden=True)
+        results.append((logits[:2 * (k + 1)], hidden[:2 * (k + 1)],
+                        [t.clone() for t in cache.recurrent + cache.conv]))
+    (ref_logits, ref_hidden, ref_states), (logits, hidden, states) = results
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
+    for s, r in zip(states, ref_states):
+        torch.testing.assert_close(s, r, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_verify_forward_is_the_eager_model():
+    loaded = load_model("tiny-qwen3.5", dtype=torch.float32, seed=3)
+    cache, tables, lengths = _verify_setup(loaded, "cpu")
+    forward = VerifyForward(loaded.model, cache, max_context=160)
+    assert not forward.enabled
+    logits, hidden = forward(_verify_batch(tables, lengths, [0, 2], 0, 3, "cpu"))
+    assert logits.shape == (8, loaded.config.vocab_size)
+    assert hidden.shape == (8, loaded.config.hidden_size) and forward.replays == 0
+
+
+def _verify_steps(loaded, kv_format: str, graphs: bool):
+    """Verify steps of k+1 = 3 tokens: three sequences (bucket 4, padded), then
+    one (bucket 1). Returns the logits and hidden states of every step and
+    every GDN slot at the end (position slots included)."""
+    k = 2
+    cache, tables, lengths = _verify_setup(loaded, "cuda", kv_format)
+    forward = VerifyForward(loaded.model, cache, max_context=160, enabled=graphs)
+    outs = []
+    for step in range(6):
+        active = [0, 1, 2] if step < 4 else [1]
+        logits, hidden = forward(_verify_batch(tables, lengths, active, step, k, "cuda"))
+        outs += [logits.float(), hidden.float()]
+        for i in active:  # as if one draft was accepted: the next step starts 2 on
+            lengths[i] += 2
+            cache.copy_state(3 + 3 * i, i)  # the state after token 1 of the step
+    if graphs:
+        assert forward.replays == 4 and not forward.capture_errors, forward.capture_errors
+    return outs + [t.clone() for t in cache.recurrent + cache.conv]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_format", ["bf16", "int8"])
+def test_verify_graph_replay_matches_eager(kv_format):
+    """Each replayed verify step against the eager forward on its own cache."""
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, seed=3)
+    eager, replayed = (_verify_steps(loaded, kv_format, graphs) for graphs in (False, True))
+    for got, ref in zip(replayed, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_verify_graph_with_the_token_table_in_host_memory():
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, seed=3)
+    on_device = _verify_steps(loaded, "int8", graphs=False)
+    loaded.model.model.embed_tokens.to("cpu")
+    assert loaded.model.embeds_on_host
+    for got, ref in zip(_verify_steps(loaded, "int8", graphs=True), on_device):
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)

@@ -16,6 +16,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def run_steps(loaded, batched: bool, monkeypatch):
     monkeypatch.setattr(gdn_batched, "use_batched_path", lambda x: batched)
+    # the unfused batched path under test (the fused one: tests/test_gdn_kernels.py)
+    monkeypatch.setenv("TANDEM_FUSED_GDN", "0")
     ids = [[(7 * i + 3) % 512 for i in range(40)], [(5 * i + 1) % 512 for i in range(25)],
            [(3 * i + 2) % 512 for i in range(9)]]
     cache = PagedKVCache(loaded.config, CacheShape(24, 8, 4), DEVICE,

@@ -90,6 +90,24 @@ def test_gdn_state_selection_keeps_greedy_parity(qwen35, params):
     assert engine.mean_accepted_length > 1.5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_replayed_verify_keeps_greedy_parity_on_cuda():
+    """On the GPU verify batches of k+1 tokens replay CUDA graphs through the
+    fused GDN steps (engine/cuda_graphs.py VerifyForward): still identical to
+    plain greedy decoding, with acceptance to every depth."""
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, progress=False)
+    reference, _ = _run(loaded, TINY_PROMPTS, GREEDY)
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=4, max_context=512,
+                                                speculative=SpeculativeConfig("ngram", 3)))
+    _oracle_drafter(engine, reference, seed=2)
+    out = {i: [] for i in range(len(TINY_PROMPTS))}
+    for event in engine.generate(TINY_PROMPTS, GREEDY):
+        out[event.index].append(event.token_id)
+    assert [out[i] for i in range(4)] == reference
+    assert engine.spec.verify_forward.replays > 0 and not engine.spec.verify_forward.capture_errors
+    assert 0 < engine.spec_totals["accepted"] < engine.spec_totals["drafted"]
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_drafter_greedy_parity_tiny_qwen35(qwen35, k):
     assert qwen35.config.mtp_num_layers == 1

@@ -29,6 +29,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
+from engine.cuda_graphs import VerifyForward
 from engine.kv.open_pages import page_table_of, prepare_pages
 from engine.model import CausalLM
 from engine.sampling import processed_probs
@@ -82,7 +83,8 @@ class Verified:
 
 class SpeculativeDecoder:
     def __init__(self, model: CausalLM, cache: PagedKVCache, config: SpeculativeConfig,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, cuda_graphs: bool | None = None,
+                 graph_pool_of=None) -> None:
         config.check_model(model.config)
         if config.uses_mtp and cache.shape.mtp_layers < model.config.mtp_num_layers:
             raise ValueError("--speculative mtp needs the cache laid out with the MTP layers' "
@@ -91,6 +93,10 @@ class SpeculativeDecoder:
         self.page_size = cache.page_size
         self.hybrid = model.config.is_hybrid
         self.max_context = max_context or model.config.max_position_embeddings
+        # verify batches of k+1 tokens per sequence replay CUDA graphs on a GPU
+        # (None: on for CUDA caches), in the decode graphs' pool when given
+        self.verify_forward = VerifyForward(model, cache, self.max_context, enabled=cuda_graphs,
+                                            pool_of=graph_pool_of)
 
     # --- membership -----------------------------------------------------
     def start(self, seq, spare_slots: Sequence[int] = ()) -> SpecState:
@@ -131,9 +137,9 @@ class SpeculativeDecoder:
                                         seq.state_slot, position_slots))
             slots.append(position_slots)
         batch = ForwardBatch.build(inputs, self.page_size, self.cache.device)
-        want_hidden = self.config.uses_mtp
-        out = self.model(batch, self.cache, all_logits=True, return_hidden=want_hidden)
-        logits, hidden = out if want_hidden else (out, None)
+        logits, hidden = self.verify_forward(batch)
+        if not self.config.uses_mtp:
+            hidden = None
         results = []
         for i, seq in enumerate(seqs):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]

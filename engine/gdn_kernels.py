@@ -1,0 +1,313 @@
+"""Fused Gated DeltaNet steps for short runs of new tokens (decode: 1 token per
+sequence; speculative verify: k+1), as Triton kernels with their PyTorch
+references beside them.
+
+Two kernels per GDN layer replace the dozens of small ones of the batched
+PyTorch path (engine/gdn_batched.py):
+
+- `conv_step`: the depthwise causal conv + SiLU over each sequence's new
+  tokens, reading the conv window of its input slot (zeros for a fresh
+  sequence) and writing the window after token j to that token's write slot;
+- `recurrence_step`: q/k L2 norm, the decay g and the gate beta from the raw
+  a/b projections, and the gated delta rule, reading the fp32 state of the
+  input slot (zeros when fresh) and writing the state after token j to that
+  token's write slot.
+
+The batch layout is the model's: tokens packed along rows, sequence i owns
+rows [offsets[i], offsets[i+1]) with at most `max_tokens` rows. Per token a
+write slot says where the state (and conv window) after it goes, -1 for
+nowhere: decode writes only the last token's, to the input slot; verify
+writes every token's to its position slot. A sequence is fresh when its first
+new token sits at position 0. An input slot of -1 marks a padding copy that
+no program computes: CUDA graphs pad a batch with copies of its last
+sequence, and a copy reading the slot its original has just written would
+see the wrong state, so the caller copies the original's output rows
+instead. Every index is a device tensor and nothing syncs with the host, so
+both steps can be captured in a CUDA graph.
+
+Owns only the arithmetic of these steps; it does not know about caches,
+batches or slot allocation (callers hand in tensors). The references call
+engine/gdn.py, the CPU path, which stays the ground truth.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.gdn import causal_conv1d, recurrent_gated_delta_rule
+
+MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
+
+
+def fits(max_new_tokens: int) -> bool:
+    """Whether a batch whose longest sequence runs `max_new_tokens` can use them."""
+    return 1 <= max_new_tokens <= MAX_TOKENS
+
+
+# ---------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _load_f32(ptr, offsets, mask, BF16: tl.constexpr):
+    """fp32 values; bf16 tensors arrive as their int16 bits (the interpreter
+    cannot load bf16) and widen exactly."""
+    if BF16:
+        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_f32(ptr, offsets, values, mask, BF16: tl.constexpr):
+    """Store fp32 values in the tensor's dtype; bf16 rounded to nearest even on
+    the bits (as torch rounds; the interpreter's own cast truncates)."""
+    if BF16:
+        bits = values.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(ptr + offsets, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr + offsets, values.to(ptr.dtype.element_ty), mask=mask)
+
+
+def _as_kernel(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A tensor as the kernels take it: bf16 as its int16 bits."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16), True
+    return t, False
+
+
+# ---------------------------------------------------------------- conv step
+
+
+@triton.jit
+def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_stride_c,
+                      weight_ptr, out_ptr, offsets_ptr, positions_ptr, in_slots_ptr,
+                      write_slots_ptr, channels,
+                      KERNEL: tl.constexpr, MAX_T: tl.constexpr, HIST: tl.constexpr,
+                      BLOCK_C: tl.constexpr, X_BF16: tl.constexpr, WIN_BF16: tl.constexpr,
+                      W_BF16: tl.constexpr):
+    """One (sequence, channel block). The history tile holds, per channel, the
+    K-1 window inputs then the new tokens' inputs: column i < K-1 is window
+    column i, column K-1+t is token t. It is read whole before the first
+    write, so a write slot equal to the input slot (verify's position 0,
+    decode's only write) cannot feed back into this program's reads; other
+    programs touch other channels or other slots."""
+    seq = tl.program_id(0)
+    cb = tl.program_id(1)
+    lo = tl.load(offsets_ptr + seq)
+    n = tl.load(offsets_ptr + seq + 1) - lo
+    warm = tl.load(positions_ptr + lo) > 0  # not fresh: the input slot holds its state
+    slot = tl.load(in_slots_ptr + seq).to(tl.int64)
+    live = slot >= 0  # -1: a padding copy of another sequence, computed by none
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    cols = tl.arange(0, HIST)
+    token = cols - (KERNEL - 1)
+    in_window = (cols < KERNEL - 1) & warm & live
+    in_tokens = (token >= 0) & (token < n)
+    win = _load_f32(windows_ptr, slot * w_stride_slot + c[:, None] * w_stride_c + cols[None, :],
+                    c_ok[:, None] & in_window[None, :], WIN_BF16)
+    new = _load_f32(mixed_ptr, (lo + token[None, :]).to(tl.int64) * mixed_stride + c[:, None],
+                    c_ok[:, None] & in_tokens[None, :], X_BF16)
+    hist = win + new
+    for t in tl.static_range(MAX_T):
+        if (t < n) & live:
+            # y_t = sum_j w[c, j] * hist[c, t + j]: the weights laid along the tile
+            tap = cols - t
+            w = _load_f32(weight_ptr, c[:, None] * KERNEL + tap[None, :],
+                          c_ok[:, None] & ((tap >= 0) & (tap < KERNEL))[None, :], W_BF16)
+            y = tl.sum(hist * w, axis=1)
+            y = y / (1.0 + tl.exp(-y))  # SiLU
+            _store_f32(out_ptr, (lo + t).to(tl.int64) * channels + c, y, c_ok, X_BF16)
+            dst = tl.load(write_slots_ptr + lo + t)
+            if dst >= 0:  # the window after token t: history columns t+1 .. t+K-1
+                keep = (cols > t) & (cols < t + KERNEL)
+                _store_f32(windows_ptr, dst.to(tl.int64) * w_stride_slot
+                           + c[:, None] * w_stride_c + (cols - t - 1)[None, :],
+                           hist, c_ok[:, None] & keep[None, :], WIN_BF16)
+
+
+def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
+              offsets: torch.Tensor, positions: torch.Tensor, in_slots: torch.Tensor,
+              write_slots: torch.Tensor, max_tokens: int, block_c: int = 128,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """mixed [T, C] (rows of each sequence's new tokens); windows [S, C, K-1]
+    updated at the write slots; weight [C, K]; offsets [B+1] int32; positions
+    [T] long; in_slots [B] long (-1: a padding sequence, skipped, its rows
+    left as they are); write_slots [T] long (-1: none).
+    Returns SiLU(conv) [T, C] in mixed's dtype (written into `out` if given)."""
+    _check_fits(max_tokens)
+    tokens, channels = mixed.shape
+    kernel = weight.shape[-1]
+    if mixed.stride(1) != 1 or windows.stride(2) != 1 or not weight.is_contiguous():
+        raise ValueError("conv_step needs unit-stride channels and windows, "
+                         "and a contiguous weight")
+    if out is None:
+        out = torch.empty(tokens, channels, dtype=mixed.dtype, device=mixed.device)
+    (x, x_bf16), (win, win_bf16), (w, w_bf16) = map(_as_kernel, (mixed, windows, weight))
+    grid = (in_slots.shape[0], triton.cdiv(channels, block_c))
+    _conv_step_kernel[grid](
+        x, mixed.stride(0), win, windows.stride(0), windows.stride(1), w, _as_kernel(out)[0],
+        offsets, positions, in_slots, write_slots, channels,
+        KERNEL=kernel, MAX_T=max_tokens, HIST=triton.next_power_of_2(kernel - 1 + max_tokens),
+        BLOCK_C=block_c, X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16)
+    return out
+
+
+def conv_step_reference(mixed, windows, weight, offsets, positions, in_slots, write_slots,
+                        max_tokens: int) -> torch.Tensor:
+    """conv_step through engine/gdn.py's causal_conv1d, one sequence at a time."""
+    _check_fits(max_tokens)
+    out = torch.empty_like(mixed)
+    offsets, positions = offsets.tolist(), positions.tolist()
+    in_slots, write_slots = in_slots.tolist(), write_slots.tolist()
+    reads = [windows[s].clone() for s in in_slots]  # every read before any write
+    width = weight.shape[-1] - 1
+    for i, slot in enumerate(in_slots):
+        lo, hi = offsets[i], offsets[i + 1]
+        if slot < 0:  # a padding copy: computed by none
+            continue
+        window = torch.zeros_like(reads[i]) if positions[lo] == 0 else reads[i]
+        out[lo:hi], _ = causal_conv1d(mixed[lo:hi], window, weight)
+        history = torch.cat((window.to(mixed.dtype), mixed[lo:hi].t()), dim=-1)
+        for j in range(hi - lo):
+            if write_slots[lo + j] >= 0:
+                windows[write_slots[lo + j]] = history[:, j + 1:j + 1 + width]
+    return out
+
+
+# ---------------------------------------------------------- recurrence step
+
+
+@triton.jit
+def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_stride,
+                            a_log_ptr, dt_bias_ptr, states_ptr, out_ptr,
+                            offsets_ptr, positions_ptr, in_slots_ptr, write_slots_ptr,
+                            scale,
+                            HV: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr,
+                            DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+                            MAX_T: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
+                            A_LOG_BF16: tl.constexpr, DT_BF16: tl.constexpr):
+    """One (sequence, value head, block of value columns): the state tile
+    [DK, BLOCK_V] stays in registers across the sequence's tokens. It is read
+    before the first write, so a write slot equal to the input slot is safe;
+    no other program reads or writes this tile of these slots."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = head // GROUPS  # consecutive value heads share a q/k head
+    lo = tl.load(offsets_ptr + seq)
+    n = tl.load(offsets_ptr + seq + 1) - lo
+    warm = tl.load(positions_ptr + lo) > 0  # not fresh: the input slot holds its state
+    slot = tl.load(in_slots_ptr + seq).to(tl.int64)
+    live = slot >= 0  # -1: a padding copy of another sequence, computed by none
+    dk = tl.arange(0, DK_PAD)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    dk_ok = dk < DK
+    dv_ok = dv < DV
+    tile = dk[:, None] * DV + dv[None, :]
+    tile_ok = dk_ok[:, None] & dv_ok[None, :]
+    state_size = HV * DK * DV
+    head_base = head * DK * DV
+    state = tl.load(states_ptr + slot * state_size + head_base + tile,
+                    mask=tile_ok & warm & live, other=0.0)
+    # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
+    one = head < HV  # a true mask for the scalar loads
+    neg_rate = -tl.exp(_load_f32(a_log_ptr, head, one, A_LOG_BF16))
+    dt_bias = _load_f32(dt_bias_ptr, head, one, DT_BF16)
+    for t in tl.static_range(MAX_T):
+        if (t < n) & live:
+            row = (lo + t).to(tl.int64)
+            q = _load_f32(q_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
+            k = _load_f32(k_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
+            v = _load_f32(v_ptr, row * row_stride + head * DV + dv, dv_ok, X_BF16)
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            a = _load_f32(a_ptr, row * gate_stride + head, one, G_BF16) + dt_bias
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+            b = _load_f32(b_ptr, row * gate_stride + head, one, G_BF16)
+            beta = 1.0 / (1.0 + tl.exp(-b))
+            state = state * tl.exp(neg_rate * softplus)
+            predicted = tl.sum(state * k[:, None], axis=0)
+            delta = (v - predicted) * beta
+            state = state + k[:, None] * delta[None, :]
+            o = tl.sum(state * q[:, None], axis=0)
+            _store_f32(out_ptr, row * HV * DV + head * DV + dv, o, dv_ok, X_BF16)
+            dst = tl.load(write_slots_ptr + row)
+            if dst >= 0:
+                tl.store(states_ptr + dst.to(tl.int64) * state_size + head_base + tile, state,
+                         mask=tile_ok)
+
+
+def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                    b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                    states: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor,
+                    in_slots: torch.Tensor, write_slots: torch.Tensor, max_tokens: int,
+                    block_v: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k [T, Hk, Dk] and v [T, Hv, Dv] (views of one [T, C] conv output are
+    fine: one row stride for all three); a, b [T, Hv] the raw projections;
+    a_log, dt_bias [Hv]; states [S, Hv, Dk, Dv] fp32 contiguous, updated at
+    the write slots; in_slots -1 skips a padding sequence (rows left as they
+    are). Returns o [T, Hv, Dv] in v's dtype (into `out` if given)."""
+    _check_fits(max_tokens)
+    tokens, heads, dv = v.shape
+    dk = k.shape[-1]
+    row_stride = q.stride(0)
+    if k.stride(0) != row_stride or v.stride(0) != row_stride or q.stride(-1) != 1 \
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(1) != dk \
+            or k.stride(1) != dk or v.stride(1) != dv or not q.dtype == k.dtype == v.dtype:
+        raise ValueError("recurrence_step: q, k, v need one dtype, one row stride and packed heads")
+    if a.stride() != b.stride() or a.stride(-1) != 1 or a.dtype != b.dtype:
+        raise ValueError("recurrence_step: a and b need the same layout, unit-stride heads")
+    if states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError("recurrence_step: states must be contiguous fp32")
+    if out is None:
+        out = torch.empty(tokens, heads, dv, dtype=v.dtype, device=v.device)
+    if block_v is None:
+        block_v = min(32, triton.next_power_of_2(dv))
+    (q_, x_bf16), (k_, _), (v_, _) = map(_as_kernel, (q, k, v))
+    (a_, g_bf16), (b_, _) = map(_as_kernel, (a, b))
+    (a_log_, a_log_bf16), (dt_bias_, dt_bf16) = map(_as_kernel, (a_log, dt_bias))
+    grid = (in_slots.shape[0], heads, triton.cdiv(dv, block_v))
+    _recurrence_step_kernel[grid](
+        q_, k_, v_, row_stride, a_, b_, a.stride(0), a_log_, dt_bias_, states,
+        _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5,
+        HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
+        BLOCK_V=block_v, MAX_T=max_tokens, X_BF16=x_bf16, G_BF16=g_bf16,
+        A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16)
+    return out
+
+
+def recurrence_step_reference(q, k, v, a, b, a_log, dt_bias, states, offsets, positions,
+                              in_slots, write_slots, max_tokens: int) -> torch.Tensor:
+    """recurrence_step through engine/gdn.py's recurrent_gated_delta_rule
+    (output_all_states), one sequence at a time, with the model's g/beta math."""
+    _check_fits(max_tokens)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b.float())
+    out = torch.empty_like(v)
+    offsets, positions = offsets.tolist(), positions.tolist()
+    in_slots, write_slots = in_slots.tolist(), write_slots.tolist()
+    reads = [states[s].clone() for s in in_slots]  # every read before any write
+    for i in range(len(in_slots)):
+        lo, hi = offsets[i], offsets[i + 1]
+        if in_slots[i] < 0:  # a padding copy: computed by none
+            continue
+        initial = None if positions[lo] == 0 else reads[i][None]
+        o, _, every = recurrent_gated_delta_rule(
+            q[None, lo:hi], k[None, lo:hi], v[None, lo:hi], g[None, lo:hi], beta[None, lo:hi],
+            initial, output_all_states=True)
+        out[lo:hi] = o[0]
+        for j in range(hi - lo):
+            if write_slots[lo + j] >= 0:
+                states[write_slots[lo + j]] = every[0, j]
+    return out
+
+
+def _check_fits(max_tokens: int) -> None:
+    if not fits(max_tokens):
+        raise ValueError(f"the fused GDN step takes 1..{MAX_TOKENS} new tokens per sequence, "
+                         f"got {max_tokens}")
