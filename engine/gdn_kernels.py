@@ -256,7 +256,10 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     tokens, heads, dv = v.shape
     dk = k.shape[-1]
     row_stride = q.stride(0)
-    if k.stride(0) != row_stride or v.stride(0) != row_stride or q.stride(-1) != 1 \
+    # one token: views of a [1, C] row report made-up row strides (a size-1
+    # dimension's stride is free), and no second row is ever read
+    rows_agree = tokens == 1 or (k.stride(0) == row_stride and v.stride(0) == row_stride)
+    if not rows_agree or q.stride(-1) != 1 \
             or k.stride(-1) != 1 or v.stride(-1) != 1 or q.stride(1) != dk \
             or k.stride(1) != dk or v.stride(1) != dv or not q.dtype == k.dtype == v.dtype:
         raise ValueError("recurrence_step: q, k, v need one dtype, one row stride and packed heads")

@@ -150,8 +150,9 @@ def test_out_of_range_token_counts_are_refused():
 
 
 def _model_steps(loaded, fused: bool, monkeypatch):
-    """Prefill, a decode step with a fresh sequence, then a verify batch that
-    mixes position-slot rows (k+1 = 4 and 3 tokens) with a plain decode row."""
+    """Prefill, a decode step with a fresh sequence, a verify batch that mixes
+    position-slot rows (k+1 = 4 and 3 tokens) with a plain decode row, then a
+    batch-1 decode step."""
     if DEVICE == "cpu":  # the interpreter stands in for the GPU
         monkeypatch.setattr(gdn_batched, "use_fused_path",
                             lambda x, batch: fused and batch.attention.max_new_tokens <= 8)
@@ -172,6 +173,8 @@ def _model_steps(loaded, fused: bool, monkeypatch):
         [SequenceInput(tuple(ids[0][13:17]), 13, tables[0], 0, (0, 3, 4, 5)),
          SequenceInput((ids[1][10],), 10, tables[1], 1),
          SequenceInput((12, 13, 14), 1, tables[2], 2, (6, 7, 2))],
+        # one sequence, one token: its q/k/v views have made-up row strides
+        [SequenceInput((ids[0][17],), 17, tables[0], 0)],
     ]
     logits = [loaded.model(ForwardBatch.build(step, 8, DEVICE), cache, all_logits=True)
               for step in steps]

@@ -209,4 +209,7 @@ def test_tuned_configs_compute_the_product(key):
     x = torch.randn(rows, k, device=DEVICE)
     out = torch.full((rows, qt.out_features), float("nan"), device=DEVICE)
     y = gemv(x, qt, out=out, config=TUNED[key])
-    torch.testing.assert_close(y, _expected(x, qt), rtol=1e-4, atol=1e-4)
+    expected = _expected(x, qt)
+    # fp32 sums over up to 17,408 terms in another order (H200: up to 1.7e-3
+    # apart at outputs of ~1); a wrong tile or split is off by O(1)
+    torch.testing.assert_close(y, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
