@@ -3,9 +3,14 @@
 # into /tmp/site, puts them and the repo on PYTHONPATH, makes $OUT and
 # records the date, commit and card. Triton compiles (TRITON_INTERPRET=0).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+# fla-core only with TANDEM_FLA=1: transformers (the tests' reference) picks
+# fla's Triton kernels for its Qwen3.5 GDN when fla is importable, even for
+# CPU tensors, and fails ("Pointer argument ... cpu tensor?").
+wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -e fla_core -e einops)
+[ "${TANDEM_FLA:-0}" != "0" ] && wheels=$(ls .whl/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --target /tmp/site $wheels && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 date -u +%FT%TZ | tee "$OUT/date.txt"; git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/date.txt"
