@@ -8,12 +8,6 @@
 # scripts/device_gdn.sh are the per-helper versions with more A/B detail.
 set -uo pipefail
 source scripts/device_env.sh
-step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 12 "$OUT/$name.log"; echo "=== $name rc=$rc"
-}
 step pytest_gpu 170 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py \
   tests/test_gdn_kernels.py tests/test_gdn_batched.py tests/test_cuda_graphs.py tests/test_cuda.py \
   "tests/test_speculative.py::test_graph_replayed_verify_keeps_greedy_parity_on_cuda" \

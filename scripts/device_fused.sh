@@ -16,12 +16,6 @@ set -uo pipefail
 source scripts/device_env.sh
 python3 -c "import torch, triton; import importlib.util as u; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', bool(u.find_spec('fla')))"
 
-step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 18 "$OUT/$name.log"; echo "=== $name rc=$rc"
-}
 
 step pytest_fused_cuda 90 python3 -m pytest -q -p no:cacheprovider tests/test_fused.py
 step pytest_cuda 90 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py

@@ -19,12 +19,6 @@ set -uo pipefail
 source scripts/device_env.sh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 14 "$OUT/$name.log"; echo "=== $name rc=$rc"
-}
 
 step pytest_gdn_kernels 100 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
   tests/test_gdn_kernels.py

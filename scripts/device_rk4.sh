@@ -29,12 +29,6 @@ if [ -f /tmp/gguf.part.aa ] && [ -f .device/gguf.part.ab ]; then
   export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 
-step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (limit ${limit}s)"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n 14 "$OUT/$name.log"; echo "=== $name rc=$rc"
-}
 
 step pytest_rk4p_gpu 140 python3 -m pytest -q -p no:cacheprovider tests/test_kv_rk4p.py \
   tests/test_attention_rk4p.py
