@@ -112,23 +112,22 @@ class Tiles:
     rows: int
     block_n: int
     num_warps: int | None = None
+    num_stages: int | None = None  # None: Triton's default
 
 
-def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool) -> Tiles:
+def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
+              fmt: KVFormat | None = None) -> Tiles:
     if not on_gpu:  # the interpreter: the smallest tiles tl.dot takes
         return Tiles(rows=16, block_n=16)
+    # rk4p at head_dim 256 (the 27B) asked for 248 KB of shared memory at
+    # Triton's default stages, over the H200's 227 KB (2026-12-01): its K tiles
+    # are dequantized and rotated in registers, so one stage loses little
+    stages = 1 if isinstance(fmt, PagedRk4Format) and head_dim > 128 else None
+    block_n = 64 if head_dim <= 128 else 32
     if decode:  # one token: its GQA group's rows, padded to tl.dot's minimum of 16
         rows = max(16, 1 << (group - 1).bit_length())
-        return Tiles(rows=rows, block_n=64 if head_dim <= 128 else 32, num_warps=4)
-    return Tiles(rows=64, block_n=64 if head_dim <= 128 else 32, num_warps=4)
-
-
-def _stages_for(fmt: KVFormat, head_dim: int) -> int | None:
-    """Pipeline stages of the attention kernel (None: Triton's default). rk4p
-    at head_dim 256 (the 27B) asked for 248 KB of shared memory at the
-    default, over the H200's 227 KB (2026-12-01): its K tiles are dequantized
-    and rotated in registers, so one stage loses little."""
-    return 1 if isinstance(fmt, PagedRk4Format) and head_dim > 128 else None
+        return Tiles(rows=rows, block_n=block_n, num_warps=4, num_stages=stages)
+    return Tiles(rows=64, block_n=block_n, num_warps=4, num_stages=stages)
 
 
 def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> tuple:
@@ -181,7 +180,7 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     rotated = rotated or isinstance(fmt, PagedRk4Format)
     out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
     group = q.shape[1] // kv_heads
-    tiles = tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda)
+    tiles = tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda, fmt)
     if num_splits is None:
         num_splits = meta.num_splits
     if num_splits is None:
@@ -190,7 +189,7 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                       if meta.is_decode else 1)
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
-             tiles.rows, tiles.block_n, tiles.num_warps, _stages_for(fmt, q.shape[-1]))
+             tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages)
     if rotated:
         return fmt.unrotate_output(out).to(q.dtype)
     return out
