@@ -16,6 +16,7 @@ import torch
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
 from engine.cuda_graphs import DecodeForward
+from engine.kv.open_pages import OpenPages, prepare_pages
 from engine.model import CausalLM
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
@@ -47,6 +48,8 @@ class DecodeSequence:
     # speculation); held by the request like state_slot, whose id may swap with one
     spare_slots: list[int] = field(default_factory=list)
     spec: SpecState | None = None
+    # staging pages of a KV format that quantizes whole pages (rk4p)
+    open_pages: OpenPages | None = None
     sampling: SequenceSamplingState = field(init=False)
     stop: StopChecker = field(init=False)
     finish_reason: FinishReason | None = None
@@ -222,9 +225,20 @@ class DecodeScheduler:
         return dropped
 
     def _batch(self) -> ForwardBatch:
-        inputs = [SequenceInput((s.output[-1],), s.length - 1, tuple(s.pages), s.state_slot)
+        inputs = [SequenceInput((s.output[-1],), s.length - 1,
+                                prepare_pages(s, self.cache, s.length - 1, s.length, prefill=False),
+                                s.state_slot)
                   for s in self.running]
         return ForwardBatch.build(inputs, self.page_size, self.cache.device)
+
+    def settle(self, seq: DecodeSequence) -> int:
+        """A sequence that left: make its KV final in its pages and return how
+        many tokens that covers (all but the last sampled one), so the prefix
+        cache may take the whole pages below it."""
+        final = seq.length - 1
+        if seq.open_pages is not None:
+            seq.open_pages.flush(self.cache, seq.pages, final)
+        return final
 
     def _capture_boundaries(self) -> None:
         """After this step a sequence's state covers `length` tokens; when that

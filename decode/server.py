@@ -145,19 +145,29 @@ class StepLoop:
             self._send(request_id, pb.DecodeEvent(tokens=event))
 
     def _publish_finished(self, seq: DecodeSequence) -> None:
+        try:
+            final = self.scheduler.settle(seq)
+        except Exception as e:  # nothing of its KV goes to the prefix cache then
+            log(PROCESS, f"could not settle {seq.request_id}'s KV: {e!r}")
+            final = 0
         finished = pb.DecodeFinished(reason=_FINISH_PB[seq.finish_reason], detail=seq.finish_detail,
-                                     pages=seq.pages, boundary_tokens=seq.boundary_tokens)
+                                     pages=seq.pages, boundary_tokens=seq.boundary_tokens,
+                                     final_tokens=final)
         self._send(seq.request_id, pb.DecodeEvent(finished=finished), last=True)
 
 
-def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids) -> DecodeSequence:
+def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids, cache) -> DecodeSequence:
+    """The request as the scheduler runs it; its open pages (a format that
+    quantizes whole pages) resume where the prefill left them."""
     if not r.prompt:
         raise InvalidRequestError("a decode request needs its prompt")
+    open_pages = cache.open_pages_for(list(r.open_pages), list(r.pages), list(r.open_held),
+                                      committed=len(r.prompt))
     return DecodeSequence(
         request_id=r.request_id, prompt=list(r.prompt), output=[r.first_token],
         params=sampling_from_pb(r.sampling), pages=list(r.pages), state_slot=r.state_slot,
         eos_token_ids=eos_token_ids, boundary_slot=r.boundary_slot,
-        spare_slots=list(r.spare_slots))
+        spare_slots=list(r.spare_slots), open_pages=open_pages)
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):
@@ -207,7 +217,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
     async def Decode(self, request, context):
         try:
             # stop ids arrive resolved (EOS included unless ignore_eos)
-            seq = sequence_from_pb(request, eos_token_ids=())
+            seq = sequence_from_pb(request, eos_token_ids=(), cache=self.steps.scheduler.cache)
         except InvalidRequestError as e:
             await abort_with(context, e)
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())

@@ -16,6 +16,7 @@ reservation covers the target and its drafter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -72,6 +73,23 @@ def pool_formats(kv_format: KVFormat, config: ModelConfig,
     return [kv_format] * (len(layers) - shape.mtp_layers) + [mtp] * shape.mtp_layers
 
 
+def allocate_pool(pool_format: KVFormat, kv_format: KVFormat, shape: CacheShape,
+                  config: ModelConfig, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """One layer's page pool in pool_format (pool_formats) for a cache whose
+    format is kv_format; on the meta device it only lays the buffers out (the
+    KV store's arenas are laid out this way, so they match the cache exactly)."""
+    dims = (shape.page_size, config.num_kv_heads, config.head_dim, device)
+    if pool_format is not kv_format:  # an MTP pool beside staged pages
+        return pool_format.allocate(shape.num_pages + shape.staging_pages, *dims)
+    buffers = kv_format.allocate(shape.num_pages, *dims)
+    if kv_format.uses_staging:
+        if shape.staging_pages < 1:
+            raise ValueError(f"KV format {kv_format!r} keeps open pages in staging: the "
+                             "cache shape needs staging_pages >= 1")
+        buffers.update(kv_format.allocate_staging(shape.staging_pages, *dims))
+    return buffers
+
+
 class PagedKVCache:
     """Page pools for the full-attention layers and state slots for the GDN layers."""
 
@@ -86,7 +104,8 @@ class PagedKVCache:
         self._gdn_index = {layer: i for i, layer in enumerate(config.linear_layers)}
         self.kv_written = None
         self.pool_formats = pool_formats(kv_format, config, shape)
-        self.kv = [self._allocate_layer(fmt, shape, config) for fmt in self.pool_formats]
+        self.kv = [allocate_pool(fmt, kv_format, shape, config, self.device)
+                   for fmt in self.pool_formats]
         slots = shape.num_state_slots if config.is_hybrid else 0
         if config.is_hybrid and slots < 1:
             raise ValueError("a hybrid model needs at least one GDN state slot")
@@ -96,19 +115,6 @@ class PagedKVCache:
         self.conv = [torch.zeros(slots, config.linear_conv_dim, config.linear_conv_kernel - 1,
                                  dtype=conv_dtype, device=self.device)
                      for _ in config.linear_layers]
-
-    def _allocate_layer(self, kv_format: KVFormat, shape: CacheShape,
-                        config: ModelConfig) -> dict[str, torch.Tensor]:
-        dims = (shape.page_size, config.num_kv_heads, config.head_dim, self.device)
-        if kv_format is not self.kv_format:  # an MTP pool beside staged pages
-            return kv_format.allocate(shape.num_pages + shape.staging_pages, *dims)
-        buffers = kv_format.allocate(shape.num_pages, *dims)
-        if kv_format.uses_staging:
-            if shape.staging_pages < 1:
-                raise ValueError(f"KV format {kv_format!r} keeps open pages in staging: the "
-                                 "cache shape needs staging_pages >= 1")
-            buffers.update(kv_format.allocate_staging(shape.staging_pages, *dims))
-        return buffers
 
     @classmethod
     def from_tensors(cls, config: ModelConfig, shape: CacheShape, kv_format: KVFormat,
@@ -176,6 +182,40 @@ class PagedKVCache:
             from engine.rotary import Rotary
             self._rotary = Rotary(self.config)
         return self._rotary
+
+    def open_pages_for(self, table_ids: Sequence[int], page_table: Sequence[int],
+                       held: Sequence[int] | None = None, committed: int = 0):
+        """A sequence's OpenPages over the staging pages named by their
+        page-table ids (>= num_pages), for a page table whose sink pages are
+        staging pages already (the KV store's way); `held`/`committed` resume
+        what another process left (OpenPages.resumed). None for a per-token
+        format. Bad ids raise InvalidRequestError saying what is wrong."""
+        from engine.errors import InvalidRequestError
+        from engine.kv.open_pages import OpenPages, open_staging_per_sequence, sink_pages
+
+        fmt, num_pages = self.kv_format, self.shape.num_pages
+        if not fmt.uses_staging:
+            if table_ids:
+                raise InvalidRequestError(f"KV format {fmt.name} has no staging pages: send no "
+                                          "open pages")
+            return None
+        wanted = open_staging_per_sequence(fmt)
+        staging = [int(p) - num_pages for p in table_ids]
+        if len(staging) != wanted or not all(0 <= s < self.shape.staging_pages for s in staging):
+            raise InvalidRequestError(
+                f"KV format {fmt.name} needs {wanted} open (staging) page ids in "
+                f"{num_pages}..{num_pages + self.shape.staging_pages - 1}, got {list(table_ids)}")
+        sinks = list(page_table[:sink_pages(fmt)])
+        if any(p < num_pages for p in sinks):
+            raise InvalidRequestError(f"KV format {fmt.name} keeps the first {len(sinks)} pages "
+                                      "exact: the page table must name staging pages there, "
+                                      f"got {sinks}")
+        if held is None:
+            return OpenPages.for_format(fmt, staging, num_pages, self.page_size)
+        if len(held) != wanted or any(h < -1 for h in held):
+            raise InvalidRequestError(f"open pages: {wanted} held entries (logical page or -1) "
+                                      f"expected, got {list(held)}")
+        return OpenPages.resumed(fmt, staging, num_pages, self.page_size, held, committed)
 
     def seal(self, staging_ids: list[int], page_ids: list[int]) -> None:
         """Quantize full, committed staging pages into their real pages, in

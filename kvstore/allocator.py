@@ -1,7 +1,10 @@
-"""Free lists for the KV store's two fixed pools: KV pages and GDN state slots.
+"""Free lists for the KV store's fixed pools: KV pages (with, for formats that
+quantize whole pages, bf16 staging pages) and GDN state slots.
 
-Both pools hand out small integer ids in [0, num_total). The contract is the
-same for both:
+Pools hand out small integer ids in [first_id, first_id + num_total); staging
+pages continue the page ids (num_pages ..), as page tables name them, so one
+PageAllocator frees, checks and counts both kinds. The contract is the same
+for every pool:
 
 * `allocate(n)` is all-or-nothing: it returns exactly n ids or raises
   (`OutOfPages` / `OutOfSlots`) and changes nothing.
@@ -39,11 +42,13 @@ class IdAllocator:
     kind = "id"
     out_of_capacity: type[OutOfCapacity] = OutOfCapacity
 
-    def __init__(self, num_total: int):
+    def __init__(self, num_total: int, first_id: int = 0):
         if isinstance(num_total, bool) or not isinstance(num_total, int) or num_total < 0:
             raise ValueError(f"{self.kind} pool size must be an int >= 0, got {num_total!r}")
         self._num_total = num_total
-        self._free_heap: list[int] = list(range(num_total))  # sorted, hence a valid heap
+        self._first = first_id
+        # sorted, hence a valid heap
+        self._free_heap: list[int] = list(range(first_id, first_id + num_total))
         self._is_free = bytearray(b"\x01") * num_total
 
     @property
@@ -63,7 +68,12 @@ class IdAllocator:
 
     def is_free(self, id_: int) -> bool:
         self._check_in_range(id_)
-        return bool(self._is_free[id_])
+        return bool(self._is_free[id_ - self._first])
+
+    def owns(self, id_: int) -> bool:
+        """Whether id_ is one of this pool's ids (free or not)."""
+        return isinstance(id_, int) and not isinstance(id_, bool) \
+            and self._first <= id_ < self._first + self._num_total
 
     def allocate(self, n: int) -> list[int]:
         """Take n ids, lowest first; raise (taking none) when fewer are free."""
@@ -76,7 +86,7 @@ class IdAllocator:
             )
         ids = [heapq.heappop(self._free_heap) for _ in range(n)]
         for i in ids:
-            self._is_free[i] = 0
+            self._is_free[i - self._first] = 0
         return ids
 
     def free(self, ids: Iterable[int]) -> None:
@@ -84,35 +94,73 @@ class IdAllocator:
         ids = list(ids)
         self._check_freeable(ids)
         for i in ids:
-            self._is_free[i] = 1
+            self._is_free[i - self._first] = 1
             heapq.heappush(self._free_heap, i)
 
     def _check_freeable(self, ids: list[int]) -> None:
         seen: set[int] = set()
         for i in ids:
             self._check_in_range(i)
-            if self._is_free[i]:
+            if self._is_free[i - self._first]:
                 raise ValueError(f"double free: {self.kind} {i} is already free")
             if i in seen:
                 raise ValueError(f"double free: {self.kind} {i} is listed twice in one free()")
             seen.add(i)
 
     def _check_in_range(self, id_: int) -> None:
-        if isinstance(id_, bool) or not isinstance(id_, int) or not 0 <= id_ < self._num_total:
-            raise ValueError(f"{self.kind} id {id_!r} is out of range [0, {self._num_total})")
+        if not self.owns(id_):
+            raise ValueError(f"{self.kind} id {id_!r} is out of range "
+                             f"[{self._first}, {self._first + self._num_total})")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(free={self.num_free}/{self.num_total})"
 
 
+class OutOfStagingPages(OutOfCapacity):
+    """Fewer free bf16 staging pages than asked for."""
+
+
+class StagingAllocator(IdAllocator):
+    """Free list of bf16 staging pages, ids num_pages .. num_pages + n - 1."""
+
+    kind = "staging page"
+    out_of_capacity = OutOfStagingPages
+
+
 class PageAllocator(IdAllocator):
-    """Free list of fixed-size KV pages (page_size tokens of full-attention KV each)."""
+    """Free list of fixed-size KV pages (page_size tokens of full-attention KV
+    each). `allocate`, `num_free` and `num_total` are about the real pages;
+    `staging` hands out staging pages; `free` and `is_free` take either kind."""
 
     kind = "page"
     out_of_capacity = OutOfPages
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, staging_pages: int = 0):
         super().__init__(num_pages)
+        self.staging = StagingAllocator(staging_pages, first_id=num_pages)
+
+    @property
+    def num_ids(self) -> int:
+        """Real and staging pages: valid ids are 0 .. num_ids - 1."""
+        return self.num_total + self.staging.num_total
+
+    def is_staging(self, id_: int) -> bool:
+        return self.staging.owns(id_)
+
+    def is_free(self, id_: int) -> bool:
+        if self.staging.owns(id_):
+            return self.staging.is_free(id_)
+        return super().is_free(id_)
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Return pages of either kind. Checks all of them first; on error frees none."""
+        ids = list(ids)
+        staged = [i for i in ids if self.staging.owns(i)]
+        real = [i for i in ids if not self.staging.owns(i)]
+        self._check_freeable(real)
+        self.staging._check_freeable(staged)
+        super().free(real)
+        self.staging.free(staged)
 
 
 class SlotAllocator(IdAllocator):

@@ -28,6 +28,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.cache import CacheShape, PagedKVCache
+from engine.kv.open_pages import open_staging_per_sequence, sink_pages
 from engine.config import ModelConfig
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import TandemError
@@ -81,6 +82,24 @@ class StoreInfo:
     # the service's drafter, which the store laid out memory for
     speculative: SpeculativeConfig = SpeculativeConfig()
     mtp_kv_layers: int = 0  # MTP layers with KV page pools in the kv arena
+    num_staging_pages: int = 0  # bf16 staging pages, ids num_pages ..
+
+    @property
+    def sink_pages_per_sequence(self) -> int:
+        """Leading pages of every page table that must be staging pages (rk4p's
+        exact sinks): allocated as staging, or shared from the prefix cache."""
+        return sink_pages(self.kv_format.build())
+
+    @property
+    def open_pages_per_sequence(self) -> int:
+        """Staging pages a running sequence holds for its open pages (rk4p)."""
+        return open_staging_per_sequence(self.kv_format.build())
+
+    @property
+    def cache_shape(self) -> CacheShape:
+        """The shape the store laid its kv and state arenas out for."""
+        return CacheShape(self.num_pages, self.page_size, self.num_state_slots,
+                          self.mtp_kv_layers, self.num_staging_pages)
 
     @property
     def spare_slots_per_sequence(self) -> int:
@@ -183,11 +202,9 @@ class StoreClient:
         info = self.info
         self.arenas = open_arenas(info.arenas, info.store_pid)
         trim_stack_reservation(self.arenas.weights.buffer.device)
-        kv_format = info.kv_format.build()
-        shape = CacheShape(info.num_pages, info.page_size, info.num_state_slots,
-                           info.mtp_kv_layers)
         self.model = model_on_arena(info.config, self.arenas, info.dtype, info.model_id)
-        self.cache = cache_on_arenas(info.config, shape, kv_format, self.arenas)
+        self.cache = cache_on_arenas(info.config, info.cache_shape, info.kv_format.build(),
+                                     self.arenas)
 
     # ----------------------------------------------------------- control
 
@@ -197,10 +214,10 @@ class StoreClient:
         slot = r.snapshot_slot if r.HasField("snapshot_slot") else None
         return MatchResult(r.num_tokens, tuple(r.pages), slot, r.node_id, r.locked)
 
-    def allocate(self, pages: int = 0, slots: int = 0) -> Allocation:
+    def allocate(self, pages: int = 0, slots: int = 0, staging: int = 0) -> Allocation:
         r = self._call(self._stub.Allocate, pb.AllocateRequest(
-            session_id=self.session_id, num_pages=pages, num_slots=slots))
-        return Allocation(tuple(r.pages), tuple(r.slots))
+            session_id=self.session_id, num_pages=pages, num_slots=slots, num_staging=staging))
+        return Allocation(tuple(r.pages), tuple(r.slots), tuple(r.staging))
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int], snapshot_slot: int | None = None,
                cache_salt: str = "", lock: bool = False) -> InsertResult:
@@ -273,7 +290,7 @@ def _info_from_pb(a: pb.Attached) -> StoreInfo:
         kv_format=KVFormatSpec.from_json(a.kv_format.name, a.kv_format.options_json),
         page_size=a.page_size, num_pages=a.num_pages, num_state_slots=a.num_state_slots,
         store_pid=a.store_pid, speculative=_speculative_from_pb(a.speculative),
-        mtp_kv_layers=a.speculative.mtp_kv_layers,
+        mtp_kv_layers=a.speculative.mtp_kv_layers, num_staging_pages=a.num_staging_pages,
         arenas={"weights": _arena_from_pb(a.weights), "kv": _arena_from_pb(a.kv),
                 "state": _arena_from_pb(a.state), "host": _arena_from_pb(a.host_weights)})
 

@@ -6,6 +6,10 @@ one of free, held by one session, or referenced by the cache:
 
     free + held by sessions + cached == total       (pages, and slots)
 
+Staging pages (bf16 pages of a format that quantizes whole pages, ids after
+the real pages) are pages in this sense: held, cached and released the same
+way, with a free count of their own.
+
 Requests are validated in full before anything changes, so a bad request
 (unknown session, ids out of range or not held, wrong counts) raises a
 ControlError and leaves the state exactly as it was. Closing a session gives
@@ -60,6 +64,7 @@ class MatchResult:
 class Allocation:
     pages: tuple[int, ...]
     slots: tuple[int, ...]
+    staging: tuple[int, ...] = ()  # bf16 staging page ids (num_pages ..)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class StoreStats:
     cache_hits: int
     queried_tokens: int
     hit_tokens: int
+    total_staging: int = 0
+    free_staging: int = 0
 
 
 @dataclass
@@ -108,8 +115,8 @@ class StoreControl:
     """Sessions, page/slot ownership and the prefix cache of one store."""
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int, hybrid: bool,
-                 vocab_size: int, namespace_prefix: str):
-        self.pages = PageAllocator(num_pages)
+                 vocab_size: int, namespace_prefix: str, staging_pages: int = 0):
+        self.pages = PageAllocator(num_pages, staging_pages)
         self.slots = SlotAllocator(num_slots)
         self.hybrid = hybrid
         self.page_size = page_size
@@ -159,34 +166,46 @@ class StoreControl:
 
     # ----------------------------------------------------------- allocate
 
-    def allocate(self, session_id: str, num_pages: int, num_slots: int) -> Allocation:
+    def allocate(self, session_id: str, num_pages: int, num_slots: int,
+                 num_staging: int = 0) -> Allocation:
         session = self._session(session_id)
         if num_slots and not self.hybrid:
             raise InvalidArgument("this model has no GDN layers: ask for 0 state slots")
+        if num_staging and not self.pages.staging.num_total:
+            raise InvalidArgument("this store's KV format keeps no staging pages: ask for 0")
         _check_count(num_pages, "pages", self.pages.num_total)
         _check_count(num_slots, "state slots", self.slots.num_total)
-        self._make_room(num_pages, num_slots)
-        if not (self.pages.can_allocate(num_pages) and self.slots.can_allocate(num_slots)):
-            raise ResourceExhausted(self._shortage(num_pages, num_slots))
+        _check_count(num_staging, "staging pages", self.pages.staging.num_total)
+        self._make_room(num_pages, num_slots, num_staging)
+        if not (self.pages.can_allocate(num_pages) and self.slots.can_allocate(num_slots)
+                and self.pages.staging.can_allocate(num_staging)):
+            raise ResourceExhausted(self._shortage(num_pages, num_slots, num_staging))
         pages, slots = self.pages.allocate(num_pages), self.slots.allocate(num_slots)
+        staging = self.pages.staging.allocate(num_staging)
         session.pages.update(pages)
+        session.pages.update(staging)
         session.slots.update(slots)
-        return Allocation(tuple(pages), tuple(slots))
+        return Allocation(tuple(pages), tuple(slots), tuple(staging))
 
-    def _make_room(self, num_pages: int, num_slots: int) -> None:
+    def _make_room(self, num_pages: int, num_slots: int, num_staging: int) -> None:
         # Evicting unlocked entries is always safe; only what is short is evicted.
+        if num_staging > self.pages.staging.num_free:  # first: it frees whole subtrees
+            self.cache.evict_staging(num_staging - self.pages.staging.num_free)
         if num_pages > self.pages.num_free:
             self.cache.evict(num_pages - self.pages.num_free)
         if num_slots > self.slots.num_free:
             self.cache.evict_snapshots(num_slots - self.slots.num_free)
 
-    def _shortage(self, num_pages: int, num_slots: int) -> str:
+    def _shortage(self, num_pages: int, num_slots: int, num_staging: int) -> str:
         stats = self.stats()
-        return (f"asked for {num_pages} pages and {num_slots} state slots; after evicting every "
-                f"unlocked cache entry {stats.free_pages} pages and {stats.free_slots} slots are "
-                f"free ({stats.held_pages} pages / {stats.held_slots} slots held by "
-                f"{stats.sessions} sessions, {stats.locked_pages} cached pages locked): release "
-                "or unlock, wait for requests to finish, or plan a larger store")
+        staging = (f" and {num_staging} staging pages ({stats.free_staging} free)"
+                   if num_staging else "")
+        return (f"asked for {num_pages} pages and {num_slots} state slots{staging}; after "
+                f"evicting every unlocked cache entry {stats.free_pages} pages and "
+                f"{stats.free_slots} slots are free ({stats.held_pages} pages / "
+                f"{stats.held_slots} slots held by {stats.sessions} sessions, "
+                f"{stats.locked_pages} cached pages locked): release or unlock, wait for "
+                "requests to finish, or plan a larger store")
 
     # ------------------------------------------------------------- insert
 
@@ -208,7 +227,7 @@ class StoreControl:
         return self._settle_insert(session, pages, snapshot_slot, inserted, lock)
 
     def _check_insert_pages(self, session: Session, pages: list[int]) -> None:
-        self._check_ids(pages, self.pages.num_total, "page")
+        self._check_ids(pages, self.pages.num_ids, "page")
         for page in pages:
             if page in session.pages:
                 continue
@@ -279,7 +298,7 @@ class StoreControl:
 
     def release(self, session_id: str, pages: Sequence[int], slots: Sequence[int]) -> None:
         session = self._session(session_id)
-        self._check_held(session.pages, pages, self.pages.num_total, "page")
+        self._check_held(session.pages, pages, self.pages.num_ids, "page")
         self._check_held(session.slots, slots, self.slots.num_total, "state slot")
         self.pages.free(pages)
         self.slots.free(slots)
@@ -299,7 +318,8 @@ class StoreControl:
             held_pages=sum(len(s.pages) for s in self.sessions.values()),
             held_slots=sum(len(s.slots) for s in self.sessions.values()),
             cache_queries=c.queries, cache_hits=c.hits,
-            queried_tokens=c.queried_tokens, hit_tokens=c.hit_tokens)
+            queried_tokens=c.queried_tokens, hit_tokens=c.hit_tokens,
+            total_staging=self.pages.staging.num_total, free_staging=self.pages.staging.num_free)
 
     # ---------------------------------------------------------- validation
 

@@ -97,14 +97,15 @@ def can_host_embeddings(config: ModelConfig) -> bool:
 
 
 def kv_layout(config: ModelConfig, shape: CacheShape, kv_format: KVFormat) -> Layout:
-    """Every full-attention layer's buffers, as the format would allocate them."""
-    from engine.cache import kv_layer_ids
+    """Every full-attention layer's buffers (and staging pages), as the cache
+    would allocate them."""
+    from engine.cache import allocate_pool, kv_layer_ids, pool_formats
 
     entries = []
-    for layer in kv_layer_ids(config, shape):  # the MTP layers' pools too, when laid out
+    # the MTP layers' pools too, when laid out
+    for layer, fmt in zip(kv_layer_ids(config, shape), pool_formats(kv_format, config, shape)):
         # On the meta device: shapes and dtypes without a byte of memory.
-        buffers = kv_format.allocate(shape.num_pages, shape.page_size, config.num_kv_heads,
-                                     config.head_dim, "meta")
+        buffers = allocate_pool(fmt, kv_format, shape, config, "meta")
         entries += [(f"kv.{layer}.{name}", t.dtype, tuple(t.shape)) for name, t in buffers.items()]
     return Layout.pack(entries)
 

@@ -17,7 +17,7 @@ import torch
 from engine.cache import CacheShape
 from engine.config import ModelConfig
 from engine.errors import TandemError
-from engine.kv.open_pages import staging_per_sequence
+from engine.kv.open_pages import sink_pages, staging_per_sequence
 from kvstore.arena import HEADER_BYTES
 from kvstore.memory import KVFormatSpec, kv_layout, state_layout
 
@@ -133,8 +133,19 @@ class CapacityPlan:
         return self.live_slots + self.snapshot_slots + self.num_draft_slots
 
     @property
+    def num_staging_pages(self) -> int:
+        """bf16 staging pages under a format that quantizes whole pages (rk4p):
+        each live sequence's sink and open pages, and as many sink pages again
+        for the prefix cache to keep (prefixes that share their first page
+        share one; evicting one frees its whole subtree)."""
+        fmt = self.kv_format.build()
+        per_sequence = staging_per_sequence(fmt)
+        return self.live_slots * (per_sequence + sink_pages(fmt)) if per_sequence else 0
+
+    @property
     def cache_shape(self) -> CacheShape:
-        return CacheShape(self.num_pages, self.page_size, self.num_state_slots, self.mtp_kv_layers)
+        return CacheShape(self.num_pages, self.page_size, self.num_state_slots, self.mtp_kv_layers,
+                          self.num_staging_pages)
 
     @property
     def total_bytes(self) -> int:
@@ -197,9 +208,14 @@ class CapacityPlan:
     def _compute_lines(self) -> tuple[PlanLine, ...]:
         cfg = self.config
         fmt = self.kv_format.build()
-        target_shape = CacheShape(self.num_pages, self.page_size, self.num_state_slots)
-        kv = kv_layout(cfg, target_shape, fmt).total_bytes - HEADER_BYTES
-        mtp_kv = kv_layout(cfg, self.cache_shape, fmt).total_bytes - HEADER_BYTES - kv
+        target_shape = CacheShape(self.num_pages, self.page_size, self.num_state_slots,
+                                  staging_pages=self.num_staging_pages)
+        staged = kv_layout(cfg, target_shape, fmt).total_bytes - HEADER_BYTES
+        staging = (self.num_staging_pages * len(cfg.attention_layers)
+                   * (fmt.staging_bytes_per_page(cfg.num_kv_heads, cfg.head_dim)
+                      if self.num_staging_pages else 0))
+        kv = staged - staging  # alignment padding stays here
+        mtp_kv = kv_layout(cfg, self.cache_shape, fmt).total_bytes - HEADER_BYTES - staged
         per_slot = _state_bytes_per_slot(cfg)
         activations = self._activation_reserve()
         decode = self._decode_activations(self.live_slots)
@@ -213,6 +229,12 @@ class CapacityPlan:
                      f"{len(cfg.attention_layers)} layers",
                      f"lower --max-context-tokens (now {self.max_context_tokens}) or pick a "
                      "smaller --kv-format (rk4 is 4.5 bits per element)"),
+            PlanLine("kv staging pages", staging,
+                     f"{self.num_staging_pages} bf16 pages = {self.live_slots} live x "
+                     f"({staging_per_sequence(fmt)} + {sink_pages(fmt)} cached sink)"
+                     if self.num_staging_pages else "none (the format quantizes per token)",
+                     f"lower --live-slots (now {self.live_slots}) or use a per-token "
+                     "--kv-format (int8, rk4)"),
             PlanLine("mtp kv pages", mtp_kv,
                      f"{self.num_pages} pages x {self.page_size} tokens x {self.mtp_kv_layers} "
                      "MTP layers (speculative decoding)",
@@ -316,29 +338,9 @@ class CapacityPlan:
         if self.gpu_memory_budget is not None:
             positive("gpu_memory_budget")
         fmt = self.kv_format.build()  # unknown names and bad options raise here, not at start-up
-        if fmt.uses_staging:
-            # rk4p quantizes whole pages and keeps each sequence's open pages
-            # (and its exact first pages) in bf16 staging; the store does not
-            # lay out staging pages nor hand them to sequences yet
-            # (docs/ARCHITECTURE.md, "rk4p"). What they would cost is stated.
-            per_seq = staging_bytes_per_sequence(self.config, fmt)
-            raise ValueError(
-                f"KV format {self.kv_format.name!r} needs per-sequence staging pages "
-                f"({staging_per_sequence(fmt)} bf16 pages x {len(self.config.attention_layers)} "
-                f"layers = {format_bytes(per_seq)} per live sequence, "
-                f"{format_bytes(per_seq * max(self.live_slots, 1))} for {self.live_slots} live), "
-                "which the KV store does not provide yet: serve with int8 or rk4; rk4p runs "
-                "in the offline engine and the benches")
-
-
-def staging_bytes_per_sequence(cfg: ModelConfig, fmt) -> int:
-    """bf16 staging one live sequence holds under a staged format (rk4p): its
-    open pages and its never-sealed first pages, in every full-attention
-    layer. A fixed cost per sequence, not per token (0 for other formats)."""
-    if not fmt.uses_staging:
-        return 0
-    page = fmt.staging_bytes_per_page(cfg.num_kv_heads, cfg.head_dim)
-    return staging_per_sequence(fmt) * page * len(cfg.attention_layers)
+        if fmt.uses_staging and self.live_slots < 1:
+            raise ValueError(f"capacity plan: KV format {self.kv_format.name!r} keeps each live "
+                             "sequence's open pages in staging pages: live_slots must be >= 1")
 
 
 def _state_bytes_per_slot(cfg: ModelConfig) -> int:

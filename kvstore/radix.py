@@ -27,6 +27,11 @@ Shape of the tree::
 * LRU uses a logical clock (one tick per match or insert), not wall time, so
   eviction order is deterministic. Ties break by node creation order.
 
+* Page ids may be staging ids (PageAllocator.staging): a KV format that keeps
+  a sequence's first pages exact in bf16 (rk4p's sinks) caches those pages as
+  they are. They come free only with their node's whole subtree
+  (evict_staging); evict() counts and frees real pages.
+
 Ownership: pages and snapshot slots the tree references belong to the cache; it
 gives them back to the allocators when it evicts. Pure Python; no torch.
 """
@@ -362,6 +367,30 @@ class RadixCache(PrefixCache):
                 heapq.heappush(candidates, _lru_key(parent))
         return freed
 
+    def evict_staging(self, num_pages: int) -> int:
+        """Free at least `num_pages` staging pages if possible. Staging pages
+        are the sink pages at the start of prefixes, so each comes free only
+        with its node's whole subtree: the least recently used unlocked node
+        holding one goes first, with everything below it. Returns staging
+        pages freed."""
+        _check_count(num_pages, "staging pages")
+        freed = 0
+        while freed < num_pages:
+            holders = [n for n in self._iter_nodes()
+                       if n.lock_ref == 0 and any(map(self._pages.is_staging, n.pages))]
+            if not holders:
+                break
+            freed += self._remove_subtree(min(holders, key=_lru_key))
+        return freed
+
+    def _remove_subtree(self, node: CacheNode) -> int:
+        """Remove an unlocked node and everything below it; staging pages freed."""
+        staged = sum(map(self._pages.is_staging, node.pages))
+        for child in list(node.children.values()):
+            staged += self._remove_subtree(child)
+        self._remove_leaf(node)
+        return staged
+
     def evict_snapshots(self, num_slots: int) -> int:
         _check_count(num_slots, "snapshots")
         if num_slots == 0 or not self._cached_slots:
@@ -385,7 +414,8 @@ class RadixCache(PrefixCache):
         self._cached_pages.difference_update(leaf.pages)
         if parent.parent is self._root and not parent.children:
             self._drop_namespace(parent)
-        return leaf.num_pages
+        # real pages only: staging pages (sinks) are a pool of their own
+        return leaf.num_pages - sum(map(self._pages.is_staging, leaf.pages))
 
     def _drop_snapshot(self, node: CacheNode) -> None:
         if node.snapshot is None:

@@ -34,6 +34,7 @@ import torch
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.config import ModelConfig, shape_names
+from engine.kv.formats import FORMATS
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
 from engine.speculative import SpeculativeConfig
 from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
@@ -62,7 +63,7 @@ class ServerOptions:
     model: str | None = None
     kv_format: str = "int8"  # not rk4 until rk4 meets its quality goal (BENCHMARKS.md)
     kv_options: dict = field(default_factory=dict, hash=False)
-    page_size: int = 16
+    page_size: int | None = None  # None: the format's (default_page_size)
     max_context_tokens: int = 65536
     live_slots: int = 8
     snapshot_slots: int = 32
@@ -79,6 +80,8 @@ class ServerOptions:
     embeddings: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.page_size is None:
+            object.__setattr__(self, "page_size", default_page_size(self.kv_format))
         if self.embeddings not in EMBEDDING_PLACES:
             raise ValueError(f"--embeddings must be one of {', '.join(EMBEDDING_PLACES)}, "
                              f"got {self.embeddings!r}")
@@ -89,6 +92,14 @@ class ServerOptions:
         # sockaddr_un.sun_path is 108 bytes including the NUL.
         if len(os.fsencode(self.socket)) > 107:
             raise ValueError(f"--socket path is {len(self.socket)} bytes; unix sockets allow 107")
+
+
+def default_page_size(kv_format: str) -> int:
+    """16 tokens, but 32 for a format that quantizes whole pages (rk4p): its
+    per-page K scales cost 24 / page_size bits per element, within the
+    4.5-bit budget only from 32 tokens on."""
+    fmt = FORMATS.get(kv_format)
+    return 32 if getattr(fmt, "uses_staging", False) else 16
 
 
 # ---------------------------------------------------------------- start-up
@@ -142,6 +153,8 @@ def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
     if options.kv_format == "bf16":
         # "bf16" stores K/V as computed: the model's dtype (fp32 on the CPU).
         kv_options.setdefault("dtype", dtype)
+    if getattr(FORMATS.get(options.kv_format), "uses_staging", False):
+        kv_options.setdefault("page_size", options.page_size)  # its K scales are per page
     return KVFormatSpec(options.kv_format, kv_options)
 
 
@@ -182,7 +195,8 @@ def start_store(options: ServerOptions) -> Store:
     atexit.register(arenas.close)
     control = StoreControl(plan.num_pages, plan.num_state_slots, plan.page_size,
                            loaded.config.is_hybrid, loaded.config.vocab_size,
-                           namespace_prefix=f"{loaded.source}|{kv_spec.describe()}")
+                           namespace_prefix=f"{loaded.source}|{kv_spec.describe()}",
+                           staging_pages=plan.cache_shape.staging_pages)
     return Store(options, plan, loaded.source, config_to_json(loaded.config), dtype, kv_spec,
                  arenas, control)
 
@@ -255,6 +269,7 @@ def attached_to_pb(store: Store, session_id: str) -> pb.Attached:
         kv_format=pb.KVFormatInfo(name=store.kv_spec.name, options_json=store.kv_spec.to_json()),
         page_size=store.plan.page_size, num_pages=store.plan.num_pages,
         num_state_slots=store.plan.num_state_slots,
+        num_staging_pages=store.plan.cache_shape.staging_pages,
         weights=arena_to_pb(handles["weights"]), kv=arena_to_pb(handles["kv"]),
         state=arena_to_pb(handles["state"]), host_weights=arena_to_pb(handles["host"]),
         store_pid=os.getpid(),
@@ -322,8 +337,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Allocate(self, request, context):
         def allocate():
             a: Allocation = self.control.allocate(request.session_id, request.num_pages,
-                                                  request.num_slots)
-            return pb.AllocateReply(pages=a.pages, slots=a.slots)
+                                                  request.num_slots, request.num_staging)
+            return pb.AllocateReply(pages=a.pages, slots=a.slots, staging=a.staging)
         return await _answer(context, allocate)
 
     async def Insert(self, request, context):
@@ -388,10 +403,11 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     p.add_argument("--model", default=None,
                    help="GGUF file, Hugging Face directory or dummy shape (default: embedded)")
     p.add_argument("--socket", required=True, help="unix socket path to serve on")
-    p.add_argument("--kv-format", default="int8", help="bf16, int8 or rk4 (default int8)")
+    p.add_argument("--kv-format", default="int8", help="bf16, int8, rk4 or rk4p (default int8)")
     p.add_argument("--kv-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a KV format option, e.g. block=32 or scale_format=e8m0 (repeatable)")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default 16; 32 for rk4p)")
     p.add_argument("--max-context-tokens", type=int, default=65536,
                    help="tokens the page pool holds in all (sequences and prefix cache)")
     p.add_argument("--live-slots", type=int, default=8, help="GDN state slots for running sequences")

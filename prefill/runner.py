@@ -12,6 +12,7 @@ from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
 from engine.chunking import prefill_chunks
 from engine.errors import InvalidRequestError
+from engine.kv.open_pages import OpenPages
 from engine.model import CausalLM
 from engine.sampling import SamplingParams, SampleResult, SequenceSamplingState, sample
 
@@ -26,6 +27,9 @@ class PrefillJob:
     restore_slot: int = -1
     snapshots: tuple[tuple[int, int], ...] = ()  # (page-aligned token count, slot)
     params: SamplingParams = field(default_factory=SamplingParams)
+    # staging page ids (>= the pool's num_pages) for the open pages of a KV
+    # format that quantizes whole pages (rk4p); its sink pages are in `pages`
+    open_pages: tuple[int, ...] = ()
 
     def check(self, page_size: int, vocab_size: int) -> None:
         n = len(self.tokens)
@@ -40,31 +44,45 @@ class PrefillJob:
         if any(not 0 <= t < vocab_size for t in self.tokens):
             raise InvalidRequestError(f"a token id is outside the vocabulary [0, {vocab_size})")
 
+    def open_pages_in(self, cache: PagedKVCache) -> OpenPages | None:
+        """The job's open pages over `cache`'s staging pages (None for a
+        per-token format), or InvalidRequestError naming what is wrong."""
+        return cache.open_pages_for(self.open_pages, self.pages)
+
 
 @torch.inference_mode()
 def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_size: int,
                 between_chunks: Callable[[], None] = lambda: None,
-                chunk_starts: Callable[[int, bool], None] | None = None) -> SampleResult:
+                chunk_starts: Callable[[int, bool], None] | None = None,
+                open_pages: OpenPages | None = None) -> SampleResult:
     """Runs `job`; `between_chunks` is called after each chunk (the worker
     yields the GPU there and checks for cancellation); `chunk_starts(end,
     last)` before each chunk's forward (a transfer listening on the cache's
-    writes then knows which pages each layer's write makes final)."""
+    writes then knows which pages each layer's write makes final).
+    `open_pages` (job.open_pages_in(cache), for a format that quantizes whole
+    pages) is left as the decode must resume it: every whole prompt page is
+    final in job.pages, the newest still staged."""
     job.check(cache.page_size, model.config.vocab_size)
+    if cache.kv_format.uses_staging and open_pages is None:
+        raise InvalidRequestError(f"KV format {cache.kv_format.name} needs the job's open pages")
     if job.restore_slot >= 0:
         cache.copy_state(job.restore_slot, job.state_slot)
     snapshot_slot = dict(job.snapshots)
     mtp = cache.has_mtp_kv and model.mtp is not None
     logits = hidden = None
     n = len(job.tokens)
+    table = job.pages
     for chunk in prefill_chunks(job.start, n, chunk_size, sorted(snapshot_slot)):
-        seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, job.pages, job.state_slot)
+        if open_pages is not None:
+            table = open_pages.prepare(cache, job.pages, chunk.start, chunk.end, prefill=True)
+        seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, table, job.state_slot)
         batch = ForwardBatch.build([seq], cache.page_size, cache.device)
         if chunk_starts is not None:
             chunk_starts(chunk.end, chunk.end == n)
         if mtp:
             logits, hidden = model(batch, cache, return_hidden=True)
-            _mtp_pairs(model, cache, job, chunk.start, job.tokens[chunk.start + 1:chunk.end + 1],
-                       hidden)
+            _mtp_pairs(model, cache, table, chunk.start,
+                       job.tokens[chunk.start + 1:chunk.end + 1], hidden)
         else:
             logits = model(batch, cache)
         if chunk.snapshot:
@@ -72,17 +90,19 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
         between_chunks()
     result = sample(logits, [SequenceSamplingState(job.params, job.tokens)])
     if mtp:  # the prompt's last pair needs the first token
-        _mtp_pairs(model, cache, job, n - 1, (result.token_ids[0],), hidden[-1:])
+        _mtp_pairs(model, cache, table, n - 1, (result.token_ids[0],), hidden[-1:])
+    if open_pages is not None:  # the prefix cache takes the prompt's whole pages next
+        open_pages.flush(cache, job.pages, n)
     return result
 
 
-def _mtp_pairs(model: CausalLM, cache: PagedKVCache, job: PrefillJob, start: int,
-               next_tokens, hidden) -> None:
+def _mtp_pairs(model: CausalLM, cache: PagedKVCache, table, start: int, next_tokens,
+               hidden) -> None:
     """The MTP layer's KV for pairs (h_p, token p+1), p = start.. (speculative
     decoding with the MTP drafter expects it for every position before the
     decode's first)."""
     if not next_tokens:
         return
-    seq = SequenceInput(tuple(next_tokens), start, job.pages)
+    seq = SequenceInput(tuple(next_tokens), start, tuple(table))
     model.mtp_forward(ForwardBatch.build([seq], cache.page_size, cache.device),
                       hidden[:len(next_tokens)], cache)

@@ -40,7 +40,7 @@ def job_from_pb(r: pb.PrefillRequest) -> PrefillJob:
         request_id=r.request_id, tokens=tuple(r.tokens), start=r.start, pages=tuple(r.pages),
         state_slot=r.state_slot, restore_slot=r.restore_slot,
         snapshots=tuple((s.tokens, s.slot) for s in r.snapshots),
-        params=sampling_from_pb(r.sampling))
+        params=sampling_from_pb(r.sampling), open_pages=tuple(r.open_pages))
 
 
 def transfer_from_pb(t: pb.KVTransfer) -> TransferSpec:
@@ -84,6 +84,12 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         def run():
             out = None
             try:
+                open_pages = job.open_pages_in(self.store.cache)
+                if spec is not None and open_pages is not None:
+                    raise InvalidRequestError(
+                        f"KV format {self.store.cache.kv_format.name} keeps open pages in "
+                        "staging, which KV transfers do not carry: serve it in the shared "
+                        "topology")
                 if spec is not None:
                     out = OutgoingTransfer(spec, self.link, job.pages, self.store.cache.page_size,
                                            len(job.tokens),
@@ -94,11 +100,13 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                     # layer by layer: each KV write's finished pages leave at once
                     self.store.cache.kv_written = out.layer_written if out else None
                     result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
-                                         between_chunks, out.chunk_starts if out else None)
+                                         between_chunks, out.chunk_starts if out else None,
+                                         open_pages)
+                    held = open_pages.held if open_pages is not None else []
                     if out is None:
-                        return result, 0, 0
+                        return result, 0, 0, held
                     pages = out.finish(job.state_slot)
-                    return result, pages, self.link.bytes_sent - sent_before
+                    return result, pages, self.link.bytes_sent - sent_before, held
             finally:
                 self.store.cache.kv_written = None
                 if out is not None:
@@ -114,7 +122,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
 
         loop = asyncio.get_running_loop()
         try:
-            result, pages, sent = await loop.run_in_executor(self.gpu, run)
+            result, pages, sent, held = await loop.run_in_executor(self.gpu, run)
         except InvalidRequestError as e:
             await abort_with(context, e)
         except TransferError as e:
@@ -124,7 +132,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         return pb.PrefillResponse(first=generated_token_pb(result.token_ids[0], result.logprobs[0],
                                                            result.top_logprobs[0]),
                                   prefilled_tokens=len(job.tokens) - job.start,
-                                  transferred_pages=pages, transferred_bytes=sent)
+                                  transferred_pages=pages, transferred_bytes=sent,
+                                  open_held=held)
 
     def _transfer_spec(self, request) -> TransferSpec | None:
         if not request.HasField("transfer"):

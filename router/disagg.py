@@ -105,6 +105,11 @@ class DisaggRouter(Router):
         if len(signatures) != 1:
             raise ValueError("the stores lay out their pages differently: every store of a "
                              "disaggregated service needs the same model, KV format and page size")
+        if self.open_pages:
+            # a transfer moves real pages and GDN state, not a sequence's staging pages
+            raise ValueError(f"KV format {decodes[0].store.info.kv_format.name} keeps open pages "
+                             "in staging, which KV transfers do not carry: run it in the shared "
+                             "topology (tandem serve) or pick int8 / rk4 here")
         self.prefills, self.decodes = prefills, decodes
         self.method = method
         self.transfer_timeout_s = transfer_timeout_s

@@ -99,6 +99,10 @@ class Plan:
     boundary_slot: int = -1
     spare_slots: list[int] = field(default_factory=list)  # speculative verify on hybrid models
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (tokens, slot)
+    # a KV format that quantizes whole pages (rk4p): the staging pages for the
+    # sequence's open pages, and which logical page each holds after prefill
+    open_pages: list[int] = field(default_factory=list)
+    open_held: list[int] = field(default_factory=list)
 
 
 class Router(pb_grpc.GenerationServiceServicer):
@@ -116,6 +120,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         self.hybrid = info.config.is_hybrid
         self.speculative = info.speculative
         self.spare_slots = info.spare_slots_per_sequence
+        self.sink_pages = info.sink_pages_per_sequence
+        self.open_pages = info.open_pages_per_sequence
         self.max_context = min(info.config.max_position_embeddings, info.num_pages * info.page_size)
         self.running: dict[str, Running] = {}
 
@@ -185,6 +191,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         yield _chunk(req.request_id, first, text.push(first.token_id), self.tokenizer,
                      with_logprobs)
         finish, boundary = self._finish_of_first(req, first.token_id, text, stop_ids)
+        final = None  # tokens whose KV is final in the pages, as decode reports it
         await self._before_decode(req, plan, handle, held, context)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
@@ -197,6 +204,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                         handle.busy_in = None
                         finish = _FINISH[event.finished.reason]
                         boundary = event.finished.boundary_tokens
+                        final = event.finished.final_tokens
                         break
                     if event.tokens.drafted:
                         self.metrics.spec_decode(event.tokens.drafted, event.tokens.accepted)
@@ -228,7 +236,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         tail = text.finish()
         if tail:
             yield pb.GenerateResponse(request_id=req.request_id, chunk=pb.Chunk(text=tail))
-        await self._cache_output(req, plan, held, output, boundary, handle.decode_store)
+        await self._cache_output(req, plan, held, output, boundary, handle.decode_store, final)
         self.metrics.request_finished(_FINISH_NAME[finish], len(req.prompt), len(output), plan.cached,
                                       time.perf_counter() - started)
         usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(output),
@@ -269,15 +277,21 @@ class Router(pb_grpc.GenerationServiceServicer):
         points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
                                   self.config.snapshot_every) if self.hybrid else [])
         slots = 2 + self.spare_slots + len(points) if self.hybrid else 0
+        # sink pages the match does not cover are staging pages of the request's own
+        sinks = max(0, min(self.sink_pages, total_pages) - len(match.pages))
         try:
             grant = await asyncio.to_thread(self.store.allocate,
-                                            total_pages - len(match.pages), slots)
+                                            total_pages - len(match.pages) - sinks, slots,
+                                            sinks + self.open_pages)
         except StoreCapacityError as e:
             raise StoreCapacityError(e.code, f"no KV capacity for a {len(prompt)}-token prompt plus "
                                              f"{req.params.max_new_tokens} new tokens now: {e}") from None
         held.pages.extend(grant.pages)
+        held.pages.extend(grant.staging)
         held.slots.extend(grant.slots)
-        plan = Plan(cached=match.num_tokens, pages=list(match.pages) + list(grant.pages))
+        plan = Plan(cached=match.num_tokens,
+                    pages=[*match.pages, *grant.staging[:sinks], *grant.pages],
+                    open_pages=list(grant.staging[sinks:]))
         if self.hybrid:
             plan.state_slot, plan.boundary_slot = grant.slots[0], grant.slots[1]
             plan.restore_slot = match.snapshot_slot if match.num_tokens else -1
@@ -292,7 +306,8 @@ class Router(pb_grpc.GenerationServiceServicer):
             request_id=req.request_id, tokens=req.prompt, start=plan.cached, pages=plan.pages,
             state_slot=plan.state_slot, restore_slot=plan.restore_slot,
             snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
-            sampling=sampling), timeout=context.time_remaining())
+            sampling=sampling, open_pages=plan.open_pages), timeout=context.time_remaining())
+        plan.open_held = list(reply.open_held)
         return reply.first
 
     async def _cache_prompt(self, req: GenerationRequest, plan: Plan, held: Held,
@@ -316,14 +331,20 @@ class Router(pb_grpc.GenerationServiceServicer):
                 held.nodes.append(result.node_id)
 
     async def _cache_output(self, req: GenerationRequest, plan: Plan, held: Held, output: list[int],
-                            boundary: int, store: StoreClient | None = None) -> None:
+                            boundary: int, store: StoreClient | None = None,
+                            final: int | None = None) -> None:
         """Insert prompt + output up to the last page boundary whose state (and
-        KV) exists, so the next turn of a conversation starts from it."""
+        KV) exists and is final (`final`: as the decode reported it), so the
+        next turn of a conversation starts from it."""
         tokens = list(req.prompt) + output
+        # the last sampled token never ran: its KV does not exist
+        final = len(tokens) - 1 if final is None else min(final, len(tokens) - 1)
         if self.hybrid:
             end, slot = boundary, plan.boundary_slot
-        else:  # the last sampled token never ran: its KV does not exist
-            end, slot = (len(tokens) - 1) // self.page_size * self.page_size, None
+        else:
+            end, slot = final // self.page_size * self.page_size, None
+        if end > final:  # a failed decode step left the pages unfinished
+            return
         if end <= max(plan.cached, len(req.prompt) // self.page_size * self.page_size):
             return
         n = end // self.page_size
@@ -408,7 +429,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         return wpb.DecodeRequest(request_id=req.request_id, prompt=req.prompt, first_token=first,
                                  sampling=sampling, pages=plan.pages,
                                  state_slot=plan.state_slot, boundary_slot=plan.boundary_slot,
-                                 spare_slots=plan.spare_slots)
+                                 spare_slots=plan.spare_slots, open_pages=plan.open_pages,
+                                 open_held=plan.open_held)
 
 
 def _describe(spec) -> str:

@@ -180,8 +180,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port")
     p.add_argument("--kv-format", default="int8",
-                   help="KV cache format: int8 (default), rk4 (4.5 bits; misses its quality goal for now), bf16")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+                   help="KV cache format: int8 (default), rk4p (4.5 bits, whole-page 4-bit with "
+                        "bf16 sinks and newest pages), rk4 (4.5 bits per token), bf16")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default 16; 32 for rk4p)")
     p.add_argument("--max-context-tokens", type=int, default=65536)
     p.add_argument("--live-slots", type=int, default=16, help="sequences that can run at once")
     p.add_argument("--snapshot-slots", type=int, default=64,
@@ -294,13 +296,14 @@ def _socket_paths(socket_dir: str, names) -> dict:
 def _kvstore_argv(args, socket: str, device: str) -> list[str]:
     kvstore = [sys.executable, "-m", "kvstore.server", "--model", args.model or _EMBEDDED_MODEL,
                "--socket", socket, "--kv-format", args.kv_format,
-               "--page-size", str(args.page_size),
                "--max-context-tokens", str(args.max_context_tokens),
                "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
                "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device,
                # the store lays out the drafter's memory; the workers and the router
                # read the setting from it
                "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
+    if args.page_size is not None:  # else the store picks the format's own
+        kvstore += ["--page-size", str(args.page_size)]
     if getattr(args, "weights", "auto") != "auto":
         kvstore += ["--weights", args.weights]
     if getattr(args, "embeddings", "auto") != "auto":
@@ -466,11 +469,12 @@ def _add_plan(sub) -> None:
     p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
                         "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
                         "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
-    p.add_argument("--kv-format", default="int8", help="int8 (default), rk4 or bf16")
+    p.add_argument("--kv-format", default="int8", help="int8 (default), rk4p, rk4 or bf16")
     p.add_argument("--context", type=int, default=65536,
                    help="tokens the KV page pool holds (tandem serve --max-context-tokens)")
     _add_speculative_flags(p)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default 16; 32 for rk4p)")
     p.add_argument("--live-slots", type=int, default=1, help="sequences running at once")
     p.add_argument("--snapshot-slots", type=int, default=8, help="GDN prefix-cache snapshots")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.errors import TandemError
-from kvstore.allocator import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
+from kvstore.allocator import OutOfCapacity, OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
 
 
 def snapshot(a):
@@ -108,3 +108,21 @@ def test_slot_allocator_same_contract():
         s.free([0])
     assert s.allocate(2) == [0, 2]
     assert not issubclass(OutOfSlots, OutOfPages) and issubclass(OutOfSlots, TandemError)
+
+
+def test_staging_pages_continue_the_page_ids_and_free_with_them():
+    a = PageAllocator(4, staging_pages=3)
+    assert a.num_ids == 7 and a.num_total == 4 and a.staging.num_total == 3
+    assert a.allocate(2) == [0, 1] and a.staging.allocate(2) == [4, 5]
+    assert a.is_staging(4) and not a.is_staging(3) and not a.is_free(5) and a.is_free(6)
+    assert a.num_free == 2 and a.staging.num_free == 1  # the counts stay per kind
+    before = snapshot(a), a.staging.num_free
+    with pytest.raises(ValueError, match="already free"):
+        a.free([0, 4, 6])  # 6 is a free staging page: nothing is freed
+    with pytest.raises(ValueError, match="out of range"):
+        a.free([1, 7])
+    assert (snapshot(a), a.staging.num_free) == before
+    a.free([5, 0, 4])
+    assert a.num_free == 3 and a.staging.num_free == 3
+    with pytest.raises(OutOfCapacity):
+        a.staging.allocate(4)

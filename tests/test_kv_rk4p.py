@@ -242,3 +242,29 @@ def test_two_exact_recent_pages_follow_the_first_scored_query():
     table = open_pages.prepare(rec, pages, 1054, 1058, prefill=False)
     assert rec.sealed[2:] == [(1, 130)] and staged(table) == [0, 31, 32, 33]
     assert open_pages.sealed_pages(1054) == 31  # pages 0..30 final (0 in staging)
+
+
+def test_store_placed_sinks_flush_and_resume_across_processes():
+    """The KV store's way: the sink page is a staging id in the page table
+    (shared through the prefix cache), OpenPages stages only the open pages;
+    flush makes every whole committed page final in its real page while the
+    forward keeps reading it in bf16, and the decode resumes from `held`."""
+    fmt = make_format("rk4p")
+    rec = _Recorder()
+    pages = [1000 + 7, 11, 12, 13, 14, 15]  # page 0: staging page 7, the sink
+    prefill = OpenPages.for_format(fmt, (4, 5, 6), 1000, PAGE)
+    # a 100-token prompt: page 1 goes straight to its real page; 2 and 3 are the
+    # newest as seen from query 99 and are staged
+    table = prefill.prepare(rec, pages, 0, 100, prefill=True)
+    assert table == (1007, 11, 1004, 1005, 14, 15) and rec.sealed == []
+    prefill.flush(rec, pages, 100)  # page 2 is whole and committed; 3 is not
+    assert rec.sealed == [(4, 12)] and prefill.held == [2, 3, -1]
+    decode = OpenPages.resumed(fmt, (4, 5, 6), 1000, PAGE, prefill.held, committed=100)
+    assert decode.flushed == {2} and decode.table(pages) == table
+    # decode at page 4: page 2 leaves the newest two and is unstaged without a
+    # second write (its real page may be the prefix cache's by now); at page 5
+    # page 3 is sealed
+    table = decode.prepare(rec, pages, 128, 129, prefill=False)
+    assert rec.sealed == [(4, 12)] and table == (1007, 11, 12, 1005, 1004, 15)
+    table = decode.prepare(rec, pages, 160, 161, prefill=False)
+    assert rec.sealed == [(4, 12), (5, 13)] and table[0] == 1007

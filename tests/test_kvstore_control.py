@@ -151,3 +151,39 @@ def test_evicted_node_ids_fail_with_a_precondition():
     c.allocate(s.id, 2, 0)  # evicts the unlocked prefix
     with pytest.raises(FailedPrecondition, match="evicted"):
         c.lock(s.id, [ins.node_id])
+
+
+def test_staging_pages_are_held_cached_and_shared_like_pages():
+    """rk4p: a request takes its sink page and open pages from the staging
+    pool; the sink goes to the cache with the prompt's pages, is shared by
+    the next prompt with the same first page, and the pool refills by
+    evicting cached sinks (with their subtrees) when short."""
+    c = StoreControl(8, 0, PAGE, False, vocab_size=1000, namespace_prefix="m|rk4p",
+                     staging_pages=4)
+    a = c.open_session("router")
+    got = c.allocate(a.id, 2, 0, 3)
+    assert got.pages == (0, 1) and got.staging == (8, 9, 10)
+    sink, open_pages = got.staging[0], got.staging[1:]
+    ins = c.insert(a.id, "", list(range(12)), [sink, *got.pages], None, lock=False)
+    assert ins.pages == (8, 0, 1) and a.pages == set(open_pages)
+    c.release(a.id, open_pages, [])
+    assert c.stats().free_staging == 3 and c.stats().total_staging == 4
+    m = c.match(a.id, "", list(range(4)) + [900] * 5, lock=True)
+    assert m.pages == (sink,)  # another prompt, same first page: the same bf16 sink
+    with pytest.raises(ResourceExhausted, match=r"4 staging pages \(3 free\)"):
+        c.allocate(a.id, 0, 0, 4)  # the cached sink is locked
+    _conserved_staging(c)
+    c.unlock(a.id, [m.node_id])
+    assert c.allocate(a.id, 0, 0, 4).staging == (8, 9, 10, 11)  # the cached sink was evicted
+    assert c.stats().cached_pages == 0 and c.match(a.id, "", list(range(12)), False).num_tokens == 0
+    _conserved_staging(c)
+    plain = _control()
+    with pytest.raises(InvalidArgument, match="no staging pages"):
+        plain.allocate(plain.open_session().id, 1, 0, 1)
+
+
+def _conserved_staging(c: StoreControl) -> None:
+    s = c.stats()
+    assert s.free_pages + s.free_staging + s.held_pages + s.cached_pages == \
+        s.total_pages + s.total_staging
+    c.cache.check_invariants()

@@ -12,11 +12,15 @@ from engine.loader import load_model
 from kvstore.arena import ALIGNMENT, Arena, ArenaMapError, Layout, SHM_DIR
 from kvstore.memory import (KVFormatSpec, cache_on_arenas, config_from_json, config_to_json,
                             create_arenas, kv_layout, model_on_arena, open_arenas)
-from kvstore.plan import GiB, CapacityPlan, OverBudgetError, parse_bytes, weight_bytes_of
+from kvstore.plan import GiB, MiB, CapacityPlan, OverBudgetError, parse_bytes, weight_bytes_of
 
 
 def _qwen27b():
     return ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
+
+
+def _dense_config():
+    return ModelConfig.from_hf(shape_hf_config("tiny-llama"))
 
 
 def _plan(config, weight_bytes, budget="24GiB", **kw):
@@ -82,10 +86,22 @@ def test_plan_validates_on_creation():
         _plan(config, 1, kv_format=KVFormatSpec("fp3"))
     with pytest.raises(ValueError, match="block"):
         _plan(config, 1, kv_format=KVFormatSpec("rk4", {"block": 48}))
-    # rk4p needs staging pages the store does not lay out yet: refused, not half-served
-    # (4 bf16 pages of 32 tokens x 4 KV heads x 256 x K and V, 16 layers = 8 MiB each)
-    with pytest.raises(ValueError, match=r"4 bf16 pages x 16 layers = 8.00 MiB per live"):
-        _plan(config, 1, kv_format=KVFormatSpec("rk4p"), page_size=32)
+    with pytest.raises(ValueError, match="staging pages: live_slots"):
+        _plan(_dense_config(), 1, kv_format=KVFormatSpec("rk4p"), page_size=32, live_slots=0)
+
+
+def test_rk4p_plans_its_staging_pages():
+    """Each live sequence holds 1 sink + 2 newest + 1 spill bf16 pages, and the
+    cache may keep one sink page per live sequence more: 8 x 5 = 40 pages of
+    32 tokens x 4 KV heads x 256 x (K, V) x 2 bytes x 16 layers = 2 MiB each."""
+    plan = _plan(_qwen27b(), 1, kv_format=KVFormatSpec("rk4p"), page_size=32)
+    assert plan.num_staging_pages == 40 and plan.cache_shape.staging_pages == 40
+    assert plan.line("kv staging pages").bytes == 40 * 2 * MiB
+    assert "8 live x (4 + 1 cached sink)" in plan.line("kv staging pages").detail
+    # 4.5 bits per element: 262,144 tokens x 4 x 256 x 2 x 16 layers x 4.5 / 8
+    assert plan.line("kv pages").bytes == pytest.approx(262_144 * 4 * 256 * 2 * 16 * 4.5 / 8,
+                                                        rel=1e-3)
+    assert _plan(_qwen27b(), 1).line("kv staging pages").bytes == 0  # rk4: per token
 
 
 def test_layout_aligns_and_round_trips():

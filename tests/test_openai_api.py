@@ -33,9 +33,7 @@ WEATHER = {"type": "function", "function": {
 def service(tmp_path_factory):
     svc = Service(tmp_path_factory.mktemp("openai"), http=True, api_key=KEY)
     yield svc
-    svc.channel.close()
-    svc.stop()
-    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+    svc.close()
 
 
 @pytest.fixture(scope="module")

@@ -572,3 +572,27 @@ TestDenseCacheMachine = CacheMachine.TestCase
 TestDenseCacheMachine.settings = MACHINE_SETTINGS
 TestHybridCacheMachine = HybridCacheMachine.TestCase
 TestHybridCacheMachine.settings = MACHINE_SETTINGS
+
+
+def test_staging_sink_pages_come_free_with_their_whole_subtree():
+    """rk4p caches a prefix's first page as a bf16 staging page (ids >= the
+    pool's size). evict() counts real pages; evict_staging() removes the least
+    recently used unlocked subtree holding a staging page, and never a locked one."""
+    pages = PageAllocator(16, staging_pages=2)
+    cache = RadixCache(PS, pages, None, hybrid=False)
+    sink_a, sink_b = pages.staging.allocate(2)
+    cache.insert(NS, seq(12), [sink_a, *pages.allocate(2)])
+    shared = cache.match(NS, seq(9)).pages  # sink_a and the second page
+    cache.insert(NS, seq(8) + seq(4, 500), [*shared, *pages.allocate(1)])
+    cache.insert(NS, seq(8, 100), [sink_b, *pages.allocate(1)])
+    m = cache.match(NS, seq(13))  # a's branch is now the most recent: b goes first
+    assert cache.evict_staging(1) == 1
+    assert pages.staging.num_free == 1 and pages.is_free(sink_b) and not pages.is_free(sink_a)
+    assert cache.match(NS, seq(9, 100)).num_tokens == 0 and pages.num_free == 16 - 3
+    cache.lock(m.node)
+    assert cache.evict_staging(1) == 0  # locked: its sink stays
+    assert cache.evict(2) == 1  # the one unlocked leaf (the 500.. branch), real pages only
+    cache.unlock(m.node)
+    assert cache.evict_staging(1) == 1 and pages.staging.num_free == 2
+    assert cache.stats().cached_pages == 0 and pages.num_free == 16
+    cache.check_invariants()

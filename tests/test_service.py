@@ -94,14 +94,18 @@ class Service:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
+    def close(self):
+        """Stop it and check it stopped cleanly (exit status 0)."""
+        self.channel.close()
+        self.stop()
+        assert self.proc.returncode == 0, "".join(self.stderr[-30:])
+
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     svc = Service(tmp_path_factory.mktemp("svc"))
     yield svc
-    svc.channel.close()
-    svc.stop()
-    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+    svc.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,7 @@ PAGE = 16
 def service(tmp_path_factory):
     svc = Service(tmp_path_factory.mktemp("hybrid"), model="tiny-qwen3.5")
     yield svc
-    svc.channel.close()
-    svc.stop()
-    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+    svc.close()
 
 
 def test_agent_turns_restore_snapshots_and_match_offline(service):

@@ -34,27 +34,21 @@ def _serve(tmp_path_factory, name, model, method):
 def ngram_service(tmp_path_factory):
     svc = _serve(tmp_path_factory, "ngram", None, "ngram")
     yield svc
-    svc.channel.close()
-    svc.stop()
-    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+    svc.close()
 
 
 @pytest.fixture(scope="module")
 def mtp_service(tmp_path_factory):
     svc = _serve(tmp_path_factory, "mtp", "tiny-qwen3.5", "mtp")
     yield svc
-    svc.channel.close()
-    svc.stop()
-    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+    svc.close()
 
 
 @pytest.fixture(scope="module")
 def hybrid_ngram_service(tmp_path_factory):
     svc = _serve(tmp_path_factory, "hybrid-ngram", "tiny-qwen3.5", "ngram")
     yield svc
-    svc.channel.close()
-    svc.stop()
-    assert svc.proc.returncode == 0, "".join(svc.stderr[-30:])
+    svc.close()
 
 
 def _concurrently(stub, requests: list[dict]) -> list:

@@ -332,9 +332,13 @@ def test_serve_specs_builds_the_five_command_lines(monkeypatch):
     assert [s.restartable for s in specs] == [False, True, True, False, True]
     assert list(specs[0].argv) == [
         py, "-m", "kvstore.server", "--model", "embedded", "--socket", f"{d}/kvstore.sock",
-        "--kv-format", "int8", "--page-size", "16", "--max-context-tokens", "65536",
+        "--kv-format", "int8", "--max-context-tokens", "65536",
         "--live-slots", "16", "--snapshot-slots", "64", "--prefill-chunk-tokens", "512",
         "--device", "cpu", "--speculative", "none", "--draft-tokens", "3"]
+    # the store picks the format's page size unless one is given
+    paged = serve_specs(build_parser().parse_args(["serve", "--device", "cpu", "--page-size", "32"]),
+                        d)[0].argv
+    assert list(paged[-2:]) == ["--page-size", "32"]
     assert list(specs[1].argv) == [
         py, "-m", "prefill.server", "--store", f"{d}/kvstore.sock", "--socket",
         f"{d}/prefill.sock", "--chunk", "512", "--device", "cpu"]

@@ -32,10 +32,19 @@ So a sequence holds exact_first_pages + exact_recent_pages + 1 staging pages
 at most (the one more: a page that a prefill chunk starts inside of, or
 drafts that cross a page end; drafts are shorter than a page).
 Positions >= start are never read by the prefix cache, so a page only reaches
-it sealed (seal_committed(committed length) before inserting), or, for a sink
-page, as its final bf16 staging page.
-The real page a sequence holds for a sink page stays unwritten: one 4-bit page
-per sequence, the price of page tables that keep one id per logical page.
+it sealed, or, for a sink page, as its final bf16 staging page. flush()
+quantizes the staged pages whose tokens are all committed into their real
+pages without unstaging them (the sequence keeps reading them in bf16), so a
+prefix cache can take every whole committed page at once; a later seal of a
+flushed page only unstages it (its real page may be the cache's by then).
+
+Sink pages, two ways. The owner of the page table may put them there as
+staging ids (>= num_pages) itself: the KV store does, so that its prefix
+cache shares them between sequences; OpenPages then leaves them alone (a
+table entry that already names a staging page is never staged or sealed
+here), and its own staging pages serve the open pages only. Otherwise
+(offline engine, benches) OpenPages stages them in its own staging pages and
+the real page the sequence holds for a sink page stays unwritten.
 """
 from __future__ import annotations
 
@@ -53,7 +62,20 @@ def staging_per_sequence(kv_format) -> int:
     to spill into."""
     if not getattr(kv_format, "uses_staging", False):
         return 0
-    return kv_format.exact_first_pages + kv_format.exact_recent_pages + SPILL_PAGES
+    return sink_pages(kv_format) + open_staging_per_sequence(kv_format)
+
+
+def sink_pages(kv_format) -> int:
+    """Leading pages a sequence keeps in bf16 staging for its whole life."""
+    return kv_format.exact_first_pages if getattr(kv_format, "uses_staging", False) else 0
+
+
+def open_staging_per_sequence(kv_format) -> int:
+    """Staging pages for a sequence's open pages when its sink pages are in its
+    page table already (the KV store's way): its newest pages and one to spill into."""
+    if not getattr(kv_format, "uses_staging", False):
+        return 0
+    return kv_format.exact_recent_pages + SPILL_PAGES
 
 
 class Sealer(Protocol):
@@ -79,6 +101,8 @@ class OpenPages:
     exact_first_pages: int = 0
     exact_recent_pages: int = 1
     held: list[int] = field(default_factory=list)
+    # logical pages whose real page already holds their sealed content (flush)
+    flushed: set[int] = field(default_factory=set)
 
     @classmethod
     def for_format(cls, kv_format, staging: Sequence[int], num_pages: int,
@@ -87,6 +111,19 @@ class OpenPages:
         return cls(tuple(staging), num_pages, page_size,
                    exact_first_pages=kv_format.exact_first_pages,
                    exact_recent_pages=kv_format.exact_recent_pages)
+
+    @classmethod
+    def resumed(cls, kv_format, staging: Sequence[int], num_pages: int, page_size: int,
+                held: Sequence[int], committed: int) -> "OpenPages":
+        """The open pages another process left after flush(committed): the
+        prefill worker hands a sequence to the decode worker this way."""
+        if len(held) != len(staging):
+            raise ValueError(f"{len(staging)} staging pages but {len(held)} held entries")
+        open_pages = cls.for_format(kv_format, staging, num_pages, page_size)
+        open_pages.held = [int(h) for h in held]
+        open_pages.flushed = {h for h in open_pages.held
+                              if h >= 0 and (h + 1) * page_size <= committed}
+        return open_pages
 
     def __post_init__(self) -> None:
         if self.exact_recent_pages < 1 or self.exact_first_pages < 0:
@@ -118,7 +155,7 @@ class OpenPages:
         for logical in range(start // p, -(-end // p)):
             whole = prefill and logical * p >= start and (logical + 1) * p <= end \
                 and not self._kept_exact(logical, query)
-            if whole or logical in self.held:
+            if whole or logical in self.held or self._in_table_staging(pages, logical):
                 continue
             self._stage(logical)
         return self.table(pages)
@@ -133,10 +170,31 @@ class OpenPages:
         for i, logical in enumerate(self.held):
             if 0 <= logical and (logical + 1) * self.page_size <= committed \
                     and not self._kept_exact(logical, query):
-                src.append(self.staging[i])
-                dst.append(pages[logical])
+                if logical not in self.flushed:
+                    src.append(self.staging[i])
+                    dst.append(pages[logical])
+                self.flushed.discard(logical)
                 self.held[i] = -1
         sealer.seal(src, dst)
+
+    def flush(self, sealer: Sealer, pages: Sequence[int], committed: int) -> None:
+        """Quantize every staged page whose tokens all lie below `committed`
+        (sinks excepted) into its real page, keeping it staged: afterwards the
+        real pages of the first committed // page_size pages are final, which
+        is what a prefix cache may take."""
+        src, dst = [], []
+        for i, logical in enumerate(self.held):
+            if 0 <= logical and (logical + 1) * self.page_size <= committed \
+                    and logical >= self.exact_first_pages and logical not in self.flushed:
+                src.append(self.staging[i])
+                dst.append(pages[logical])
+                self.flushed.add(logical)
+        sealer.seal(src, dst)
+
+    def _in_table_staging(self, pages: Sequence[int], logical: int) -> bool:
+        """The page table names a staging page here already (a sink page the
+        table's owner placed, and may share with other sequences)."""
+        return logical < len(pages) and pages[logical] >= self.num_pages
 
     def _kept_exact(self, logical: int, query: int) -> bool:
         """A sink page, or among the exact_recent_pages newest as seen from query."""
@@ -145,8 +203,9 @@ class OpenPages:
 
     def sealed_pages(self, committed: int) -> int:
         """How many leading pages hold their final content after
-        seal_committed(committed): what a prefix cache may take (sink pages
-        among them are final in their bf16 staging page, not the real one)."""
+        seal_committed(committed) (flush(committed): all committed // page_size):
+        what a prefix cache may take (sink pages among them are final in their
+        bf16 staging page, not the real one)."""
         return max(0, committed // self.page_size - self.exact_recent_pages + 1)
 
     def _stage(self, logical: int) -> None:

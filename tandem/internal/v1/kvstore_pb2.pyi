@@ -19,7 +19,7 @@ class AttachEvent(_message.Message):
     def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative", "host_weights")
+    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative", "host_weights", "num_staging_pages")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class Attached(_message.Message):
     STORE_PID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     HOST_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGING_PAGES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: ModelInfo
     kv_format: KVFormatInfo
@@ -44,7 +45,8 @@ class Attached(_message.Message):
     store_pid: int
     speculative: SpeculativeInfo
     host_weights: ArenaInfo
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ..., host_weights: _Optional[_Union[ArenaInfo, _Mapping]] = ...) -> None: ...
+    num_staging_pages: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ..., host_weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., num_staging_pages: _Optional[int] = ...) -> None: ...
 
 class SpeculativeInfo(_message.Message):
     __slots__ = ("method", "draft_tokens", "mtp_kv_layers")
@@ -165,22 +167,26 @@ class MatchReply(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., snapshot_slot: _Optional[int] = ..., node_id: _Optional[int] = ..., locked: _Optional[bool] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("session_id", "num_pages", "num_slots")
+    __slots__ = ("session_id", "num_pages", "num_slots", "num_staging")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STAGING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_pages: int
     num_slots: int
-    def __init__(self, session_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_slots: _Optional[int] = ...) -> None: ...
+    num_staging: int
+    def __init__(self, session_id: _Optional[str] = ..., num_pages: _Optional[int] = ..., num_slots: _Optional[int] = ..., num_staging: _Optional[int] = ...) -> None: ...
 
 class AllocateReply(_message.Message):
-    __slots__ = ("pages", "slots")
+    __slots__ = ("pages", "slots", "staging")
     PAGES_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    staging: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., staging: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
     __slots__ = ("session_id", "cache_salt", "tokens", "pages", "snapshot_slot", "lock")
@@ -259,7 +265,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("total_pages", "free_pages", "total_slots", "free_slots", "cached_pages", "evictable_pages", "locked_pages", "snapshots", "sessions", "held_pages", "held_slots", "cache_queries", "cache_hits", "queried_tokens", "hit_tokens")
+    __slots__ = ("total_pages", "free_pages", "total_slots", "free_slots", "cached_pages", "evictable_pages", "locked_pages", "snapshots", "sessions", "held_pages", "held_slots", "cache_queries", "cache_hits", "queried_tokens", "hit_tokens", "total_staging", "free_staging")
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +281,8 @@ class StatsReply(_message.Message):
     CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STAGING_FIELD_NUMBER: _ClassVar[int]
+    FREE_STAGING_FIELD_NUMBER: _ClassVar[int]
     total_pages: int
     free_pages: int
     total_slots: int
@@ -290,4 +298,6 @@ class StatsReply(_message.Message):
     cache_hits: int
     queried_tokens: int
     hit_tokens: int
-    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., locked_pages: _Optional[int] = ..., snapshots: _Optional[int] = ..., sessions: _Optional[int] = ..., held_pages: _Optional[int] = ..., held_slots: _Optional[int] = ..., cache_queries: _Optional[int] = ..., cache_hits: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+    total_staging: int
+    free_staging: int
+    def __init__(self, total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_pages: _Optional[int] = ..., evictable_pages: _Optional[int] = ..., locked_pages: _Optional[int] = ..., snapshots: _Optional[int] = ..., sessions: _Optional[int] = ..., held_pages: _Optional[int] = ..., held_slots: _Optional[int] = ..., cache_queries: _Optional[int] = ..., cache_hits: _Optional[int] = ..., queried_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., total_staging: _Optional[int] = ..., free_staging: _Optional[int] = ...) -> None: ...

@@ -85,7 +85,7 @@ class AbortWorkReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling", "transfer")
+    __slots__ = ("request_id", "tokens", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling", "transfer", "open_pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class PrefillRequest(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    OPEN_PAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     start: int
@@ -104,7 +105,8 @@ class PrefillRequest(_message.Message):
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotPoint]
     sampling: Sampling
     transfer: KVTransfer
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., restore_slot: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotPoint, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ...) -> None: ...
+    open_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., restore_slot: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotPoint, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., open_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
     __slots__ = ("transfer_id", "decode_worker", "first_page", "dest_pages", "dest_state_slot", "snapshot_slot", "dest_snapshot_slot")
@@ -125,16 +127,18 @@ class KVTransfer(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., decode_worker: _Optional[int] = ..., first_page: _Optional[int] = ..., dest_pages: _Optional[_Iterable[int]] = ..., dest_state_slot: _Optional[int] = ..., snapshot_slot: _Optional[int] = ..., dest_snapshot_slot: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first", "prefilled_tokens", "transferred_pages", "transferred_bytes")
+    __slots__ = ("first", "prefilled_tokens", "transferred_pages", "transferred_bytes", "open_held")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRED_PAGES_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_HELD_FIELD_NUMBER: _ClassVar[int]
     first: GeneratedToken
     prefilled_tokens: int
     transferred_pages: int
     transferred_bytes: int
-    def __init__(self, first: _Optional[_Union[GeneratedToken, _Mapping]] = ..., prefilled_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ...) -> None: ...
+    open_held: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first: _Optional[_Union[GeneratedToken, _Mapping]] = ..., prefilled_tokens: _Optional[int] = ..., transferred_pages: _Optional[int] = ..., transferred_bytes: _Optional[int] = ..., open_held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReceiveRequest(_message.Message):
     __slots__ = ("request_id", "transfer_id", "prefill_worker", "dest_pages", "dest_state_slot", "dest_snapshot_slot")
@@ -175,7 +179,7 @@ class ReceiveDone(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "lease", "prompt", "first_token", "sampling", "pages", "state_slot", "boundary_slot", "spare_slots")
+    __slots__ = ("request_id", "lease", "prompt", "first_token", "sampling", "pages", "state_slot", "boundary_slot", "spare_slots", "open_pages", "open_held")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +189,8 @@ class DecodeRequest(_message.Message):
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_SLOT_FIELD_NUMBER: _ClassVar[int]
     SPARE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_PAGES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_HELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease: str
     prompt: _containers.RepeatedScalarFieldContainer[int]
@@ -194,7 +200,9 @@ class DecodeRequest(_message.Message):
     state_slot: int
     boundary_slot: int
     spare_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., lease: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., boundary_slot: _Optional[int] = ..., spare_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    open_pages: _containers.RepeatedScalarFieldContainer[int]
+    open_held: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., lease: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., boundary_slot: _Optional[int] = ..., spare_slots: _Optional[_Iterable[int]] = ..., open_pages: _Optional[_Iterable[int]] = ..., open_held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
     __slots__ = ("tokens", "drafted", "accepted")
@@ -207,16 +215,18 @@ class DecodeTokens(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[_Union[GeneratedToken, _Mapping]]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
-    __slots__ = ("reason", "detail", "pages", "boundary_tokens")
+    __slots__ = ("reason", "detail", "pages", "boundary_tokens", "final_tokens")
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     reason: DecodeFinish
     detail: str
     pages: _containers.RepeatedScalarFieldContainer[int]
     boundary_tokens: int
-    def __init__(self, reason: _Optional[_Union[DecodeFinish, str]] = ..., detail: _Optional[str] = ..., pages: _Optional[_Iterable[int]] = ..., boundary_tokens: _Optional[int] = ...) -> None: ...
+    final_tokens: int
+    def __init__(self, reason: _Optional[_Union[DecodeFinish, str]] = ..., detail: _Optional[str] = ..., pages: _Optional[_Iterable[int]] = ..., boundary_tokens: _Optional[int] = ..., final_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("tokens", "finished")
