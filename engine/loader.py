@@ -251,18 +251,20 @@ class PlanInputs(NamedTuple):
 def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> PlanInputs:
     """The plan's inputs without reading any weight: shapes and HF directories
     from their config, GGUF files from their metadata and tensor table."""
-    from kvstore.plan import weight_bytes_of
+    from kvstore.plan import weight_bytes_by_prefix
 
     device = torch.device(device)
     dtype = default_dtype(device)
     spec = spec or EMBEDDED
     check_weights(spec, weights)
-    table = "model.embed_tokens."
+
+    def counted(config: ModelConfig, recipe: str, label: str) -> PlanInputs:
+        total, table = weight_bytes_by_prefix(config, dtype, recipe, ("", "model.embed_tokens."))
+        return PlanInputs(config, total, label, table)
+
     if spec in shape_names():
         recipe = "bf16" if weights == AUTO else weights
-        config = ModelConfig.from_hf(shape_hf_config(spec))
-        return PlanInputs(config, weight_bytes_of(config, dtype, recipe), recipe,
-                          weight_bytes_of(config, dtype, recipe, table))
+        return counted(ModelConfig.from_hf(shape_hf_config(spec)), recipe, recipe)
     packed = keeps_quantized(weights, device)
     label = "as stored (packed)" if packed else f"dequantized to {str(dtype).removeprefix('torch.')}"
     path = Path(spec).expanduser()
@@ -274,8 +276,7 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
         hf = read_hf_config(path)
         config = ModelConfig.from_hf(hf)
         recipe = "gptq-int4" if packed and hf.get("quantization_config") else "bf16"
-        return PlanInputs(config, weight_bytes_of(config, dtype, recipe), label,
-                          weight_bytes_of(config, dtype, recipe, table))
+        return counted(config, recipe, label)
     from engine.weights.gguf import gguf_plan_inputs
     hf, nbytes, embedding = gguf_plan_inputs(path, packed, dtype)
     return PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding)

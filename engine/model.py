@@ -109,15 +109,22 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-                rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def project(self, x: torch.Tensor):
+        """(q [T, heads, D], gate [T, heads, D] or None, k, v [T, kv_heads, D]),
+        before the q/k norms and RoPE."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, -1)
         gate = None
         if self.output_gate:  # per head: [query | gate]
-            q, gate = q.split(self.head_dim, dim=-1)  # gate: [T, heads, head_dim]
+            q, gate = q.split(self.head_dim, dim=-1)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        return q, gate, k, v
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
+                rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, gate, k, v = self.project(x)
         pre_rope = cache.layer_format(self.layer).k_pre_rope
         if use_fused(x):
             q, k, k_stored = self._norm_rope_fused(q, k, rotary, cos_sin, pre_rope)

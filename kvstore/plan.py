@@ -354,12 +354,18 @@ def weight_bytes_of(config: ModelConfig, dtype: torch.dtype, weights: str = "bf1
     """Bytes of the model's parameters under a weight recipe (engine/quant/
     recipes.py; "bf16" = everything dense in `dtype`), counted on the meta
     device; only those whose names start with `prefix`, if given."""
+    return weight_bytes_by_prefix(config, dtype, weights, (prefix,))[0]
+
+
+def weight_bytes_by_prefix(config: ModelConfig, dtype: torch.dtype, weights: str,
+                           prefixes: tuple[str, ...]) -> list[int]:
+    """weight_bytes_of for several prefixes over one meta model."""
     from engine.model import CausalLM
     from engine.quant.recipes import recipe_weight_bytes
 
     with torch.device("meta"):
         model = CausalLM(config)
-    return recipe_weight_bytes(model, weights, dtype, prefix)
+    return [recipe_weight_bytes(model, weights, dtype, prefix) for prefix in prefixes]
 
 
 _UNITS = {"": 1, "b": 1,

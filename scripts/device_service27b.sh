@@ -3,10 +3,12 @@
 # rk4 KV), each against a real `tandem serve`: the agent loop (an 80K-token
 # first turn, then 19 turns of ~1K new tokens, growing past 100K: reuse ratio
 # and TTFT per turn) and interference (decode ITL idle and during a 32K
-# prefill, prefill throughput alone and shared). ~6 minutes.
+# prefill, prefill throughput alone and shared). KV=rk4p (or int8) picks the
+# KV format (the goals name the 4-bit one; rk4p is the one that meets
+# its quality goals in fp32). ~6 minutes.
 set -uo pipefail
 source scripts/device_env.sh
-M=(--model qwen3.5-27b --device cuda --kv-format rk4 --gpu-memory-budget 130GiB)
+M=(--model qwen3.5-27b --device cuda --kv-format "${KV:-rk4}" --gpu-memory-budget 130GiB)
 echo "== agent loop"
 timeout 300 python -m bench.agent_loop "${M[@]}" --max-context-tokens 131072 --prefill-chunk 4096 \
   --turns 20 --first-turn-tokens 80000 --new-tokens 1024 --output-tokens 32 \

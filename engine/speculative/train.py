@@ -146,14 +146,7 @@ def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary) -> torch.
     """A full-attention DecoderLayer over one sequence without a cache (training)."""
     attn = layer.self_attn
     t = x.shape[0]
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(t, attn.num_heads, -1)
-    gate = None
-    if attn.output_gate:
-        q, gate = q.split(attn.head_dim, dim=-1)
-        gate = gate.reshape(t, -1)
-    k = attn.k_proj(h).view(t, attn.num_kv_heads, attn.head_dim)
-    v = attn.v_proj(h).view(t, attn.num_kv_heads, attn.head_dim)
+    q, gate, k, v = attn.project(layer.input_layernorm(x))
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
@@ -161,7 +154,7 @@ def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary) -> torch.
                                          is_causal=True, scale=attn.head_dim ** -0.5,
                                          enable_gqa=True).transpose(0, 1).reshape(t, -1)
     if gate is not None:
-        out = out * torch.sigmoid(gate)
+        out = out * torch.sigmoid(gate.reshape(t, -1))
     x = x + attn.o_proj(out)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
