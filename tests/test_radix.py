@@ -372,10 +372,11 @@ class CacheMachine(RuleBasedStateMachine):
     its last position (and its snapshot slot), kept prefix-closed."""
 
     HYBRID = False
+    STAGING = 0  # > 0: a request's first page is a staging page (rk4p's sink)
 
     def __init__(self):
         super().__init__()
-        self.pages = PageAllocator(NUM_PAGES)
+        self.pages = PageAllocator(NUM_PAGES, self.STAGING)
         self.slots = SlotAllocator(NUM_SLOTS)
         self.cache = RadixCache(PS, self.pages, self.slots if self.HYBRID else None, self.HYBRID)
         self.model_pages: dict[tuple, int] = {}
@@ -430,7 +431,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.lock(m.node)
         reuse = [] if fresh else list(m.pages)  # fresh: raced a concurrent prefill
         n = len(tokens) // PS
-        own = self.evict_for(n - len(reuse), self.pages, self.cache.evict)
+        own = []
+        if self.STAGING and not reuse and n > 0:  # its own sink page
+            own = self.evict_for(1, self.pages.staging, self.cache.evict_staging)
+            if own is None:
+                self.cache.unlock(m.node)
+                return
+        more = self.evict_for(n - len(reuse) - len(own), self.pages, self.cache.evict)
+        if more is None and own:
+            self.pages.free(own)
+        own = None if more is None else own + more
         slot = None
         if own is not None and self.HYBRID and snapshot and n > 0:
             got = self.evict_for(1, self.slots, self.cache.evict_snapshots)
@@ -489,11 +499,24 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 8))
     def evict(self, k):
         locked = self.locked_keys()
-        evictable = [key for key in self.model_pages if key not in locked]
+        evictable = [key for key in self.model_pages if key not in locked
+                     and not self.pages.is_staging(self.model_pages[key])]  # counts real pages
         free_before = self.pages.num_free
         freed = self.cache.evict(k)
         assert freed == self.pages.num_free - free_before
         assert freed >= k if len(evictable) >= k else freed == len(evictable)
+        assert not any(self.pages.is_free(self.model_pages[key]) for key in locked)
+        self.prune_model()
+
+    @precondition(lambda self: self.STAGING)
+    @rule(k=st.integers(0, 3))
+    def evict_staging(self, k):
+        locked = self.locked_keys()
+        sinks = [key for key in self.model_pages if key not in locked
+                 and self.pages.is_staging(self.model_pages[key])]
+        free_before = self.pages.staging.num_free
+        freed = self.cache.evict_staging(k)
+        assert freed == self.pages.staging.num_free - free_before == min(k, len(sinks))
         assert not any(self.pages.is_free(self.model_pages[key]) for key in locked)
         self.prune_model()
 
@@ -525,12 +548,15 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def no_page_lost_or_shared(self):
         tree = self.cache.referenced_pages()
-        free = {p for p in range(NUM_PAGES) if self.pages.is_free(p)}
+        free = {p for p in range(self.pages.num_ids) if self.pages.is_free(p)}
         caller = [p for r in self.inflight for p in r["pages"] if p not in tree]
         assert not tree & free
         assert not set(caller) & free and not set(caller) & tree and len(caller) == len(set(caller))
-        assert len(tree) + len(free) + len(caller) == NUM_PAGES
+        assert len(tree) + len(free) + len(caller) == self.pages.num_ids
         assert tree == set(self.model_pages.values())
+        # a staging page only ever sits at a prefix's first page
+        assert all(self.pages.is_staging(p) == (len(key[1]) == PS)
+                   for key, p in self.model_pages.items()) or not self.STAGING
 
     @invariant()
     def no_slot_lost_or_shared(self):
@@ -561,10 +587,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.reset()
         self.cache.check_invariants()
         assert self.pages.num_free == NUM_PAGES and self.slots.num_free == NUM_SLOTS
+        assert self.pages.staging.num_free == self.STAGING
 
 
 class HybridCacheMachine(CacheMachine):
     HYBRID = True
+
+
+class SinkCacheMachine(CacheMachine):
+    """rk4p's arrangement: every prefix's first page is a staging page, shared
+    by the prefixes that start alike and freed only with its whole subtree."""
+
+    HYBRID = True
+    STAGING = 3
 
 
 MACHINE_SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None)
@@ -572,6 +607,8 @@ TestDenseCacheMachine = CacheMachine.TestCase
 TestDenseCacheMachine.settings = MACHINE_SETTINGS
 TestHybridCacheMachine = HybridCacheMachine.TestCase
 TestHybridCacheMachine.settings = MACHINE_SETTINGS
+TestSinkCacheMachine = SinkCacheMachine.TestCase
+TestSinkCacheMachine.settings = MACHINE_SETTINGS
 
 
 def test_staging_sink_pages_come_free_with_their_whole_subtree():
