@@ -324,6 +324,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (default: the device's, fp32 on the CPU, bf16 on a "
+                        "GPU); bfloat16 on the CPU reproduces what a GPU computes")
     p.add_argument("--formats", nargs="+", default=["bf16", "int8", "rk4"],
                    help="KV formats as name[:key=value,...]; bf16 is the reference "
                         "(e.g. rk4:block=16,scale_format=e8m0,rotate=false)")
@@ -361,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.loader import load_model
 
-    loaded = load_model(args.model, device=args.device, progress=False)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    loaded = load_model(args.model, device=args.device, progress=False, dtype=dtype)
     if max(args.context) > loaded.config.max_position_embeddings:
         p.error(f"--context {max(args.context)} is over the model's "
                 f"{loaded.config.max_position_embeddings} positions")
@@ -404,6 +408,7 @@ def evaluate_length(loaded, args, formats: dict, tokens: list[int]) -> list[dict
 def print_report(loaded, args, results: list[dict]) -> None:
     ref_ppls = {r["context"]: r["reference_perplexity"] for r in results}
     title = (f"KV quality vs bf16 KV, teacher-forced ({Path(loaded.source).name}, {args.device}, "
+             f"{str(loaded.dtype).removeprefix('torch.')} compute, "
              f"chunk {args.chunk})\nreference ppl: "
              + ", ".join(f"{c}: {ppl:.3f}" for c, ppl in ref_ppls.items())
              + f"; rk4 goals: mean KL <= {GOAL_MEAN_KL}, top-1 >= {GOAL_TOP1_PCT:g}%, "
