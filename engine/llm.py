@@ -30,7 +30,7 @@ class EngineConfig:
     """Capacity of the offline engine; validated on creation."""
 
     max_batch: int = 8
-    page_size: int = 16
+    page_size: int | None = None  # None: the format's (16; 32 for rk4p)
     max_context: int = 4096  # capped at the model's own context length
     prefill_chunk: int = 512
     kv_format: str = "bf16"  # "bf16" stores the compute dtype as is; or "int8", "rk4"
@@ -38,6 +38,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if self.page_size is None:
+            from engine.kv.formats import default_page_size
+            object.__setattr__(self, "page_size", default_page_size(self.kv_format))
         for name in ("max_batch", "page_size", "max_context", "prefill_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")

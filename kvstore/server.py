@@ -34,7 +34,7 @@ import torch
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.config import ModelConfig, shape_names
-from engine.kv.formats import FORMATS
+from engine.kv.formats import FORMATS, default_page_size
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
 from engine.speculative import SpeculativeConfig
 from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
@@ -92,14 +92,6 @@ class ServerOptions:
         # sockaddr_un.sun_path is 108 bytes including the NUL.
         if len(os.fsencode(self.socket)) > 107:
             raise ValueError(f"--socket path is {len(self.socket)} bytes; unix sockets allow 107")
-
-
-def default_page_size(kv_format: str) -> int:
-    """16 tokens, but 32 for a format that quantizes whole pages (rk4p): its
-    per-page K scales cost 24 / page_size bits per element, within the
-    4.5-bit budget only from 32 tokens on."""
-    fmt = FORMATS.get(kv_format)
-    return 32 if getattr(fmt, "uses_staging", False) else 16
 
 
 # ---------------------------------------------------------------- start-up

@@ -268,3 +268,18 @@ def test_store_placed_sinks_flush_and_resume_across_processes():
     assert rec.sealed == [(4, 12)] and table == (1007, 11, 12, 1005, 1004, 15)
     table = decode.prepare(rec, pages, 160, 161, prefill=False)
     assert rec.sealed == [(4, 12), (5, 13)] and table[0] == 1007
+
+
+def test_page_size_defaults_to_what_the_format_fits():
+    """rk4p's per-page K scales fit the 4.5-bit budget from 32 tokens on: the
+    offline engine and the store default to 32 for it and 16 otherwise, and
+    an explicit 16 is refused with the reason."""
+    from engine.llm import EngineConfig
+    from kvstore.server import ServerOptions
+
+    assert EngineConfig(kv_format="rk4p").page_size == 32
+    assert EngineConfig(kv_format="int8").page_size == 16
+    assert ServerOptions(socket="/tmp/x.sock", kv_format="rk4p").page_size == 32
+    assert ServerOptions(socket="/tmp/x.sock").page_size == 16
+    with pytest.raises(ValueError, match="over the 4.5-bit budget"):
+        EngineConfig(kv_format="rk4p", page_size=16)

@@ -791,6 +791,13 @@ FORMATS: dict[str, type[KVFormat]] = {
 }
 
 
+def default_page_size(name: str) -> int:
+    """16 tokens, but 32 for a format that quantizes whole pages (rk4p): its
+    per-page K scales cost 24 / page_size bits per element, within the
+    4.5-bit budget only from 32 tokens on."""
+    return 32 if getattr(FORMATS.get(name), "uses_staging", False) else 16
+
+
 def make_format(name: str, **options) -> KVFormat:
     """Build a KV format by name with its options (see each class)."""
     if name not in FORMATS:
