@@ -108,9 +108,9 @@ def test_rk4p_bits_and_budget():
         PagedRk4Format(page_size=16)
     with pytest.raises(ValueError, match="32-token pages"):
         fmt.allocate(4, 16, 2, 64, "cpu")
-    # sink page + two newest + one to spill into
-    assert (fmt.exact_first_pages, fmt.exact_recent_pages) == (1, 2)
-    assert staging_per_sequence(fmt) == 4
+    # sink page + three newest + one to spill into
+    assert (fmt.exact_first_pages, fmt.exact_recent_pages) == (1, 3)
+    assert staging_per_sequence(fmt) == 5
     assert staging_per_sequence(make_format("rk4p", exact_first_pages=0,
                                             exact_recent_pages=1)) == 2
     assert staging_per_sequence(make_format("int8")) == 0
@@ -217,12 +217,12 @@ def test_exact_first_pages_stay_staged_and_are_never_sealed():
 
 
 def test_two_exact_recent_pages_follow_the_first_scored_query():
-    """rk4p's default: the sink page and the two newest pages (as seen from the
-    first query whose logits count) are bf16; staging never needs more than
-    sink + 2 + 1."""
+    """With a sink page and two newest pages (the first rk4p v3 default; now
+    three): the newest pages as seen from the first query whose logits count
+    are bf16; staging never needs more than sink + 2 + 1."""
     rec = _Recorder()
     pages = list(range(100, 140))
-    fmt = make_format("rk4p")
+    fmt = make_format("rk4p", exact_recent_pages=2)
     open_pages = OpenPages.for_format(fmt, range(staging_per_sequence(fmt)), 1000, PAGE)
     staged = lambda table: sorted(i for i, t in enumerate(table) if t >= 1000)  # noqa: E731
     # prefill [0, 500): its last query (499, page 15) reads pages 14, 15 exact;
@@ -249,7 +249,7 @@ def test_store_placed_sinks_flush_and_resume_across_processes():
     (shared through the prefix cache), OpenPages stages only the open pages;
     flush makes every whole committed page final in its real page while the
     forward keeps reading it in bf16, and the decode resumes from `held`."""
-    fmt = make_format("rk4p")
+    fmt = make_format("rk4p", exact_recent_pages=2)
     rec = _Recorder()
     pages = [1000 + 7, 11, 12, 13, 14, 15]  # page 0: staging page 7, the sink
     prefill = OpenPages.for_format(fmt, (4, 5, 6), 1000, PAGE)

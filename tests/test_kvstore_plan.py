@@ -91,13 +91,13 @@ def test_plan_validates_on_creation():
 
 
 def test_rk4p_plans_its_staging_pages():
-    """Each live sequence holds 1 sink + 2 newest + 1 spill bf16 pages, and the
-    cache may keep one sink page per live sequence more: 8 x 5 = 40 pages of
+    """Each live sequence holds 1 sink + 3 newest + 1 spill bf16 pages, and the
+    cache may keep one sink page per live sequence more: 8 x 6 = 48 pages of
     32 tokens x 4 KV heads x 256 x (K, V) x 2 bytes x 16 layers = 2 MiB each."""
     plan = _plan(_qwen27b(), 1, kv_format=KVFormatSpec("rk4p"), page_size=32)
-    assert plan.num_staging_pages == 40 and plan.cache_shape.staging_pages == 40
-    assert plan.line("kv staging pages").bytes == 40 * 2 * MiB
-    assert "8 live x (4 + 1 cached sink)" in plan.line("kv staging pages").detail
+    assert plan.num_staging_pages == 48 and plan.cache_shape.staging_pages == 48
+    assert plan.line("kv staging pages").bytes == 48 * 2 * MiB
+    assert "8 live x (5 + 1 cached sink)" in plan.line("kv staging pages").detail
     # 4.5 bits per element: 262,144 tokens x 4 x 256 x 2 x 16 layers x 4.5 / 8
     assert plan.line("kv pages").bytes == pytest.approx(262_144 * 4 * 256 * 2 * 16 * 4.5 / 8,
                                                         rel=1e-3)

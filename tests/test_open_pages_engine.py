@@ -15,12 +15,12 @@ from engine.speculative import SpeculativeConfig
 from tests.test_speculative import _oracle_drafter
 
 PAGE = 32
-PARAMS = SamplingParams(temperature=0, max_new_tokens=36, ignore_eos=True)
-# rk4p keeps page 0 (sinks) and the two newest pages in staging. 67 tokens
-# (+36): prefill stages pages 0, 1 and 2; decode crosses into page 3 (drafts
-# too) and seals page 1 at 96; 70 (+36): page 0 staged, page 1 whole but
-# among the newest for the prompt's last token (staged), page 2 staged; page 1
-# is sealed at 96
+PARAMS = SamplingParams(temperature=0, max_new_tokens=68, ignore_eos=True)
+# rk4p keeps page 0 (sinks) and the three newest pages in staging. 67 tokens
+# (+68): prefill stages pages 0, 1 and 2; decode crosses into pages 3 and 4
+# (drafts too) and seals page 1 at 128; 70 (+68): page 0 staged, page 1
+# whole but among the newest for the prompt's last token (staged), page 2
+# staged; page 1 is sealed at 128
 PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8] * 6 + [1, 2, 3, 4, 5, 6, 7], list(range(40, 110))]
 
 

@@ -9,7 +9,11 @@ import time
 
 import grpc
 import pytest
+import torch
 
+from engine.batch import ForwardBatch, SequenceInput
+from engine.cache import CacheShape, PagedKVCache
+from engine.kv import make_format
 from engine.llm import EngineConfig, OfflineEngine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
@@ -46,7 +50,7 @@ def test_greedy_matches_the_offline_engine_and_again_from_the_cache(service, off
         assert [r[2].usage.cached_tokens for r in runs] == [0, (len(ids) - 1) // PAGE * PAGE]
         assert runs[1][0] == expected
     stats = service.store_stats()
-    assert stats.held_pages == 0 and stats.total_staging == 12 * 5
+    assert stats.held_pages == 0 and stats.total_staging == 12 * (5 + 1)
 
 
 def test_prompts_that_share_their_first_page_share_one_sink(service):
@@ -86,28 +90,45 @@ def test_a_prefill_without_its_open_pages_is_invalid_argument(service):
                 request_id="bad", tokens=[1, 2, 3], start=0, pages=[0], state_slot=-1,
                 sampling=wpb.Sampling(top_p=1.0, repetition_penalty=1.0)), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs 3 open (staging) page ids" in err.value.details()
+    assert "needs 4 open (staging) page ids" in err.value.details()
 
 
-def test_hybrid_agent_turns_with_mtp_match_the_offline_engine(tmp_path):
+def _bf16_kv_margins(loaded, prompt, ids):
+    """How far below the best logit each of `ids` was, from one forward over
+    prompt + ids with exact (fp32) KV: 0 where the token was the argmax."""
+    tokens = list(prompt) + list(ids)
+    cache = PagedKVCache(loaded.config, CacheShape(-(-len(tokens) // PAGE), PAGE, 1), "cpu",
+                         make_format("bf16", dtype=torch.float32))
+    seq = SequenceInput(tuple(tokens), 0, tuple(range(cache.shape.num_pages)), 0)
+    with torch.inference_mode():
+        logits = loaded.model(ForwardBatch.build([seq], PAGE, "cpu"), cache, all_logits=True)
+    logits = logits[len(prompt) - 1:len(tokens) - 1]
+    return logits.max(-1).values - logits[torch.arange(len(ids)), torch.tensor(ids)]
+
+
+def test_hybrid_agent_turns_with_mtp_follow_exact_kv(tmp_path):
     """Tiny Qwen3.5 (GDN snapshots) with MTP drafts: each turn resends the
-    conversation; the cached part (sink and sealed pages) and the new part
-    together give exactly the offline engine's full recomputation."""
+    conversation and restores the cached part (sink and sealed pages, GDN
+    snapshot). The first turn equals the offline engine's rk4p output; a
+    later turn reads its newest cached pages in 4-bit where a fresh prefill
+    would still read them in bf16 (docs/ARCHITECTURE.md), so it is checked
+    against exact KV instead: every token is the exact-KV argmax or within
+    0.05 of it (a near-tie; a wrong page or state misses by whole units)."""
     svc = Service(tmp_path, model="tiny-qwen3.5",
                   extra=("--kv-format", "rk4p", "--speculative", "mtp", "--draft-tokens", "3"))
     try:
-        offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE),
-                                EngineConfig(max_batch=1, kv_format="rk4p", page_size=PAGE))
+        loaded = load_model("tiny-qwen3.5", device=DEVICE)
+        offline = OfflineEngine(loaded, EngineConfig(max_batch=1, kv_format="rk4p"))
         prompt = [(7 * i + 3) % 250 for i in range(70)]
         cached, restorable = [], [0]
         for turn in range(3):
             ids, _, complete = _generate(svc.stub, token_ids=pb.TokenIds(ids=prompt),
                                          sampling=pb.SamplingParameters(temperature=0.0),
                                          max_new_tokens=40, ignore_eos=True, cache_salt="agent")
-            expected = offline.generate_ids(prompt, SamplingParams(temperature=0.0,
-                                                                   max_new_tokens=40,
-                                                                   ignore_eos=True))
-            assert ids == expected, f"turn {turn}"
+            if turn == 0:
+                assert ids == offline.generate_ids(prompt, SamplingParams(
+                    temperature=0.0, max_new_tokens=40, ignore_eos=True))
+            assert float(_bf16_kv_margins(loaded, prompt, ids).max()) < 0.05, f"turn {turn}"
             cached.append(complete.usage.cached_tokens)
             # the next turn restores the last page boundary this one's state passed
             restorable.append((len(prompt) + len(ids) - 1) // PAGE * PAGE)
