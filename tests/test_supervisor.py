@@ -41,7 +41,11 @@ if mode == "crash" or (mode.startswith("crash-if:") and os.path.exists(mode[9:])
         print(f"{name} says line {i}", file=sys.stderr)
     sys.exit(3)
 stop = threading.Event()
-signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else lambda *a: stop.set())
+# set from another thread, as the supervisor does: the handler runs on the main
+# thread, which may hold the event's lock inside stop.wait(), and setting it
+# there deadlocks now and then (an orphan that never exits, seen under load)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else
+              lambda *a: threading.Thread(target=stop.set, daemon=True).start())
 if mode == "hang":
     stop.wait()
     sys.exit(0)
