@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from engine.gdn import causal_conv1d, recurrent_gated_delta_rule
+from engine.kv.kernels import _load_dense, _store_dense
 
 MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
 
@@ -47,29 +48,6 @@ def fits(max_new_tokens: int) -> bool:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@triton.jit
-def _load_f32(ptr, offsets, mask, BF16: tl.constexpr):
-    """fp32 values; bf16 tensors arrive as their int16 bits (the interpreter
-    cannot load bf16) and widen exactly."""
-    if BF16:
-        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        return (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_f32(ptr, offsets, values, mask, BF16: tl.constexpr):
-    """Store fp32 values in the tensor's dtype; bf16 rounded to nearest even on
-    the bits (as torch rounds; the interpreter's own cast truncates)."""
-    if BF16:
-        bits = values.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        tl.store(ptr + offsets, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
-    else:
-        tl.store(ptr + offsets, values.to(ptr.dtype.element_ty), mask=mask)
 
 
 def _as_kernel(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -108,24 +86,24 @@ def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_str
     token = cols - (KERNEL - 1)
     in_window = (cols < KERNEL - 1) & warm & live
     in_tokens = (token >= 0) & (token < n)
-    win = _load_f32(windows_ptr, slot * w_stride_slot + c[:, None] * w_stride_c + cols[None, :],
+    win = _load_dense(windows_ptr, slot * w_stride_slot + c[:, None] * w_stride_c + cols[None, :],
                     c_ok[:, None] & in_window[None, :], WIN_BF16)
-    new = _load_f32(mixed_ptr, (lo + token[None, :]).to(tl.int64) * mixed_stride + c[:, None],
+    new = _load_dense(mixed_ptr, (lo + token[None, :]).to(tl.int64) * mixed_stride + c[:, None],
                     c_ok[:, None] & in_tokens[None, :], X_BF16)
     hist = win + new
     for t in tl.static_range(MAX_T):
         if (t < n) & live:
             # y_t = sum_j w[c, j] * hist[c, t + j]: the weights laid along the tile
             tap = cols - t
-            w = _load_f32(weight_ptr, c[:, None] * KERNEL + tap[None, :],
+            w = _load_dense(weight_ptr, c[:, None] * KERNEL + tap[None, :],
                           c_ok[:, None] & ((tap >= 0) & (tap < KERNEL))[None, :], W_BF16)
             y = tl.sum(hist * w, axis=1)
             y = y / (1.0 + tl.exp(-y))  # SiLU
-            _store_f32(out_ptr, (lo + t).to(tl.int64) * channels + c, y, c_ok, X_BF16)
+            _store_dense(out_ptr, (lo + t).to(tl.int64) * channels + c, y, c_ok, X_BF16)
             dst = tl.load(write_slots_ptr + lo + t)
             if dst >= 0:  # the window after token t: history columns t+1 .. t+K-1
                 keep = (cols > t) & (cols < t + KERNEL)
-                _store_f32(windows_ptr, dst.to(tl.int64) * w_stride_slot
+                _store_dense(windows_ptr, dst.to(tl.int64) * w_stride_slot
                            + c[:, None] * w_stride_c + (cols - t - 1)[None, :],
                            hist, c_ok[:, None] & keep[None, :], WIN_BF16)
 
@@ -216,26 +194,26 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
                     mask=tile_ok & warm & live, other=0.0)
     # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
     one = head < HV  # a true mask for the scalar loads
-    neg_rate = -tl.exp(_load_f32(a_log_ptr, head, one, A_LOG_BF16))
-    dt_bias = _load_f32(dt_bias_ptr, head, one, DT_BF16)
+    neg_rate = -tl.exp(_load_dense(a_log_ptr, head, one, A_LOG_BF16))
+    dt_bias = _load_dense(dt_bias_ptr, head, one, DT_BF16)
     for t in tl.static_range(MAX_T):
         if (t < n) & live:
             row = (lo + t).to(tl.int64)
-            q = _load_f32(q_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
-            k = _load_f32(k_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
-            v = _load_f32(v_ptr, row * row_stride + head * DV + dv, dv_ok, X_BF16)
+            q = _load_dense(q_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
+            k = _load_dense(k_ptr, row * row_stride + kh * DK + dk, dk_ok, X_BF16)
+            v = _load_dense(v_ptr, row * row_stride + head * DV + dv, dv_ok, X_BF16)
             q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-            a = _load_f32(a_ptr, row * gate_stride + head, one, G_BF16) + dt_bias
+            a = _load_dense(a_ptr, row * gate_stride + head, one, G_BF16) + dt_bias
             softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-            b = _load_f32(b_ptr, row * gate_stride + head, one, G_BF16)
+            b = _load_dense(b_ptr, row * gate_stride + head, one, G_BF16)
             beta = 1.0 / (1.0 + tl.exp(-b))
             state = state * tl.exp(neg_rate * softplus)
             predicted = tl.sum(state * k[:, None], axis=0)
             delta = (v - predicted) * beta
             state = state + k[:, None] * delta[None, :]
             o = tl.sum(state * q[:, None], axis=0)
-            _store_f32(out_ptr, row * HV * DV + head * DV + dv, o, dv_ok, X_BF16)
+            _store_dense(out_ptr, row * HV * DV + head * DV + dv, o, dv_ok, X_BF16)
             dst = tl.load(write_slots_ptr + row)
             if dst >= 0:
                 tl.store(states_ptr + dst.to(tl.int64) * state_size + head_base + tile, state,

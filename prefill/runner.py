@@ -44,11 +44,6 @@ class PrefillJob:
         if any(not 0 <= t < vocab_size for t in self.tokens):
             raise InvalidRequestError(f"a token id is outside the vocabulary [0, {vocab_size})")
 
-    def open_pages_in(self, cache: PagedKVCache) -> OpenPages | None:
-        """The job's open pages over `cache`'s staging pages (None for a
-        per-token format), or InvalidRequestError naming what is wrong."""
-        return cache.open_pages_for(self.open_pages, self.pages)
-
 
 @torch.inference_mode()
 def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_size: int,
@@ -59,9 +54,9 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     yields the GPU there and checks for cancellation); `chunk_starts(end,
     last)` before each chunk's forward (a transfer listening on the cache's
     writes then knows which pages each layer's write makes final).
-    `open_pages` (job.open_pages_in(cache), for a format that quantizes whole
-    pages) is left as the decode must resume it: every whole prompt page is
-    final in job.pages, the newest still staged."""
+    `open_pages` (cache.open_pages_for(job.open_pages, job.pages), for a
+    format that quantizes whole pages) is left as the decode must resume it:
+    every whole prompt page is final in job.pages, the newest still staged."""
     job.check(cache.page_size, model.config.vocab_size)
     if cache.kv_format.uses_staging and open_pages is None:
         raise InvalidRequestError(f"KV format {cache.kv_format.name} needs the job's open pages")

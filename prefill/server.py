@@ -84,7 +84,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         def run():
             out = None
             try:
-                open_pages = job.open_pages_in(self.store.cache)
+                open_pages = self.store.cache.open_pages_for(job.open_pages, job.pages)
                 if spec is not None and open_pages is not None:
                     raise InvalidRequestError(
                         f"KV format {self.store.cache.kv_format.name} keeps open pages in "

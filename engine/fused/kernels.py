@@ -193,11 +193,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
         return reference.rms_norm(x, weight, eps, zero_centered)
     rows = _rows(x)
     out = _empty(rows.shape, _norm_dtype(x, weight, zero_centered), x.device)
-    block, warps = _row_block(n)
-    _rms_norm_kernel[(rows.shape[0],)](
-        rows, rows, weight, rows, out, n, rows.stride(0), rows.stride(0), rows.stride(0),
-        out.stride(0), eps, HAS_RESIDUAL=False, ZERO_CENTERED=zero_centered,
-        BLOCK=block, num_warps=warps)
+    _launch_rms_norm(rows, None, weight, None, out, eps, zero_centered)
     return out.view(x.shape)
 
 
@@ -210,12 +206,21 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: fl
     xr, hr = _rows(x), _rows(h)
     total = _empty(xr.shape, x.dtype, x.device)
     out = _empty(xr.shape, _norm_dtype(x, weight, zero_centered), x.device)
-    block, warps = _row_block(n)
-    _rms_norm_kernel[(xr.shape[0],)](
-        xr, hr, weight, total, out, n, xr.stride(0), hr.stride(0), total.stride(0),
-        out.stride(0), eps, HAS_RESIDUAL=True, ZERO_CENTERED=zero_centered,
-        BLOCK=block, num_warps=warps)
+    _launch_rms_norm(xr, hr, weight, total, out, eps, zero_centered)
     return total.view(x.shape), out.view(x.shape)
+
+
+def _launch_rms_norm(rows, residual, weight, total, out, eps, zero_centered) -> None:
+    """One program per row; with `residual`, total = rows + residual is
+    written too and normed (without, the kernel never touches those args)."""
+    has_residual = residual is not None
+    residual = residual if has_residual else rows
+    total = total if has_residual else rows
+    block, warps = _row_block(rows.shape[-1])
+    _rms_norm_kernel[(rows.shape[0],)](
+        rows, residual, weight, total, out, rows.shape[-1], rows.stride(0),
+        residual.stride(0), total.stride(0), out.stride(0), eps, HAS_RESIDUAL=has_residual,
+        ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=warps)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float

@@ -38,24 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv.kernels import _e8m0_scale, _k_step_decode, _store_dense
+from engine.kv.kernels import _e8m0_scale, _k_step_decode, _load_dense, _store_dense
 
 # KV layouts the kernel knows (constexpr KIND).
 DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
 # constexpr: compiled kernels may only read globals that are constexpr
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: no inf - inf
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_dense(ptr, offsets, mask, BF16_BITS: tl.constexpr):
-    """fp32 values of a dense tensor; bf16 arrives as int16 bits and is widened
-    exactly (the interpreter cannot load bf16 itself)."""
-    if BF16_BITS:
-        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        return (bits << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -119,6 +119,17 @@ def _e8m0_search_exponent(x_even, x_odd, amax):
 
 
 @triton.jit
+def _load_dense(ptr, offsets, mask, BF16_BITS: tl.constexpr):
+    """fp32 values of a dense tensor; bf16 arrives as int16 bits and is widened
+    exactly (the interpreter cannot load bf16 itself)."""
+    if BF16_BITS:
+        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _store_dense(ptr, offsets, values, mask, BF16_BITS: tl.constexpr):
     """Store fp32 values in the output's dtype. bf16 is rounded here, to
     nearest even on the bits, and stored as int16: the interpreter's own
