@@ -113,6 +113,7 @@ def _run_train_mtp(args) -> int:
     from engine.loader import load_model
     from engine.speculative.heads import SHIPPED, save_head
     from engine.speculative.train import TrainConfig, train_head
+    from engine.weights.merge import merge_groups, unmerged_state
 
     try:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
@@ -136,7 +137,9 @@ def _run_train_mtp(args) -> int:
         else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
         else source.with_name(source.stem + ".mtp.safetensors"))
     head, stats = train_head(loaded, cfg)
-    tensors = {f"mtp.{name}": t for name, t in head.state_dict().items()}
+    # under checkpoint names (q_proj, gate_proj, ...), as a Qwen3.5 file carries its head
+    tensors = unmerged_state({f"mtp.{name}": t for name, t in head.state_dict().items()},
+                             merge_groups(head, prefix="mtp."))
     save_head(out, loaded.config, tensors,
               {"base_model": source.name, "train_steps": str(stats["steps"]),
                "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
