@@ -111,9 +111,8 @@ def _run_train_mtp(args) -> int:
     import torch
 
     from engine.loader import load_model
-    from engine.speculative.heads import SHIPPED, save_head
+    from engine.speculative.heads import SHIPPED, head_state, save_head
     from engine.speculative.train import TrainConfig, train_head
-    from engine.weights.merge import merge_groups, unmerged_state
 
     try:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
@@ -137,10 +136,7 @@ def _run_train_mtp(args) -> int:
         else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
         else source.with_name(source.stem + ".mtp.safetensors"))
     head, stats = train_head(loaded, cfg)
-    # under checkpoint names (q_proj, gate_proj, ...), as a Qwen3.5 file carries its head
-    tensors = unmerged_state({f"mtp.{name}": t for name, t in head.state_dict().items()},
-                             merge_groups(head, prefix="mtp."))
-    save_head(out, loaded.config, tensors,
+    save_head(out, loaded.config, head_state(head),
               {"base_model": source.name, "train_steps": str(stats["steps"]),
                "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
                "held_out_expected_length": f"{stats['expected_length']:.3f}"})
