@@ -194,3 +194,32 @@ def test_a_trained_head_is_written_under_checkpoint_names(tmp_path):
     for name, t in head.state_dict().items():
         expected = t.to(torch.bfloat16).float()  # head files are bf16
         assert torch.equal(model.mtp.state_dict()[name], expected), name
+
+
+def _weight_launches(model) -> int:
+    """Matmuls over weights one decode step of the target (no MTP) runs: each
+    Linear, each part of a split projection, the output head."""
+    skip = ("mtp.", "model.embed_tokens")
+    return sum(1 for name, m in model.named_modules()
+               if isinstance(m, (torch.nn.Linear, QuantLinear)) and not name.startswith(skip)) \
+        + (model.lm_head is None)  # a tied head is F.linear on the token table
+
+
+def test_27b_decode_step_makes_one_weight_launch_per_merged_group():
+    """64 layers x (2 mixer + 2 MLP) + the head = 257 launches (497 with the
+    matrices apart); bench.quant's shape list counts the same."""
+    from bench.quant import MERGED_FROM, model_shapes
+    from engine.quant.recipes import swap_in_meta
+
+    config = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    swap_in_meta(model, "int4", torch.bfloat16)
+    groups = [g for g in merge_groups(model) if not g.name.startswith("mtp.")]
+    launches = _weight_launches(model)
+    assert launches == 4 * config.num_layers + 1 == 257
+    assert launches + sum(len(g.parts) - 1 for g in groups) == 497
+    shapes = model_shapes()
+    assert sum(per_step for *_, per_step in shapes) == launches
+    names = {name for name, *_ in shapes}
+    assert all(part in names for parts in MERGED_FROM.values() for part, _ in parts)
