@@ -40,6 +40,18 @@ def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
     return now() - t0
 
 
+def profile_prefill(loaded, args, tokens: int) -> dict:
+    """Where one prefill's GPU time goes (bench.profile_step's kinds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile_step import kernel_times, summarize
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        seconds = prefill_seconds(loaded, args.kv_format, tokens, args.chunk)
+    title = f"one {tokens}-token prefill in chunks of {args.chunk}, {seconds:.2f} s profiled"
+    return summarize(kernel_times(prof), 1, title, 25)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tandem bench prefill", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M GGUF")
@@ -49,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-format", default="int8")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per length (after one warm-up)")
     p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: one more prefill of the longest prompt under torch.profiler, "
+                        "its kernels summed by kind")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
@@ -68,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"tokens": tokens, "chunk": args.chunk, "seconds": seconds,
                         "tok_s": tokens / seconds, "tflops": flops / seconds / 1e12,
                         "mfu_pct": mfu})
+    profile = profile_prefill(loaded, args, max(args.tokens)) if args.profile else None
     write_json(args.json, {"env": environment(), "model": loaded.source, "args": vars(args),
-                           "peak_tflops": peak / 1e12, "results": results})
+                           "peak_tflops": peak / 1e12, "results": results, "profile": profile})
     print(f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured matmul'},"
           f" {loaded.dtype}); {args.kv_format} KV")
     print_table(f"prefill ({loaded.source}, {args.device})",

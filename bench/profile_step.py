@@ -42,6 +42,18 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def kernel_times(prof) -> dict[str, list[float]]:
+    """{kernel name: [calls, total device us]} of a finished torch.profiler run."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = kernels[event.name]
+        entry[0] += 1
+        entry[1] += event.device_time
+    return kernels
+
+
 def profile_steps(loaded, kv_format: str, batch: int, context: int, warmup: int, active: int,
                   cuda_graphs: bool | None):
     """(per-kernel {name: [calls, total_us]} over the active steps, active step times)."""
@@ -51,14 +63,27 @@ def profile_steps(loaded, kv_format: str, batch: int, context: int, warmup: int,
     with profile(activities=[ProfilerActivity.CUDA], schedule=sched) as prof:
         times = decode_steps(loaded, kv_format, batch, context, warmup + active,
                              cuda_graphs=cuda_graphs, after_step=prof.step)
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        entry = kernels[event.name]
-        entry[0] += 1
-        entry[1] += event.device_time
-    return kernels, times[warmup:]
+    return kernel_times(prof), times[warmup:]
+
+
+def summarize(kernels: dict[str, list[float]], per: int, title: str, top: int) -> dict:
+    """Prints the kernels (per `per` runs) and their sums by kind; returns both for JSON."""
+    per_kernel = sorted(((name, calls / per, us / per) for name, (calls, us) in kernels.items()),
+                        key=lambda r: -r[2])
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for name, calls, us in per_kernel:
+        by_kind[kind_of(name)][0] += calls
+        by_kind[kind_of(name)][1] += us
+    kernel_us = sum(us for _, _, us in per_kernel)
+    print_table(f"kernels ({title})", ["kernel", "calls", "us", "share %"],
+                [[name[:90], calls, us, 100 * us / kernel_us]
+                 for name, calls, us in per_kernel[:top]])
+    print_table("by kind", ["kind", "calls", "us", "share %"],
+                [[k, c, us, 100 * us / kernel_us]
+                 for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])])
+    return {"kernel_us": kernel_us, "launches": sum(calls for _, calls, _ in per_kernel),
+            "kernels": [{"name": n, "calls": c, "us": u} for n, c, u in per_kernel],
+            "by_kind": {k: {"calls": c, "us": u} for k, (c, u) in by_kind.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,30 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     graphs = False if args.no_cuda_graphs else None
     kernels, times = profile_steps(loaded, args.kv_format, args.batch, args.context,
                                    args.warmup, args.steps, graphs)
-    steps = args.steps
-    per_kernel = sorted(((name, calls / steps, us / steps) for name, (calls, us) in kernels.items()),
-                        key=lambda r: -r[2])
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for name, calls, us in per_kernel:
-        by_kind[kind_of(name)][0] += calls
-        by_kind[kind_of(name)][1] += us
-    kernel_us = sum(us for _, _, us in per_kernel)
     step_ms = median(times) * 1e3
     title = (f"{args.model} {args.weights} weights, {args.kv_format} KV, batch {args.batch}, "
-             f"context {args.context}, graphs {'off' if graphs is False else 'on'}")
-    print_table(f"kernels per step ({title})", ["kernel", "calls", "us", "share %"],
-                [[name[:90], calls, us, 100 * us / kernel_us]
-                 for name, calls, us in per_kernel[:args.top]])
-    print_table("by kind", ["kind", "calls", "us", "share %"],
-                [[k, c, us, 100 * us / kernel_us]
-                 for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])])
-    launches = sum(calls for _, calls, _ in per_kernel)
-    print(f"step {step_ms:.2f} ms (median of {steps} profiled, profiler on); kernels "
+             f"context {args.context}, graphs {'off' if graphs is False else 'on'}, per step")
+    summary = summarize(kernels, args.steps, title, args.top)
+    kernel_us, launches = summary["kernel_us"], summary["launches"]
+    print(f"step {step_ms:.2f} ms (median of {args.steps} profiled, profiler on); kernels "
           f"{kernel_us / 1e3:.2f} ms in {launches:.0f} launches; gaps {step_ms - kernel_us / 1e3:.2f} ms")
-    write_json(args.json, {"args": vars(args), "step_ms": step_ms, "kernel_us": kernel_us,
-                           "launches": launches,
-                           "kernels": [{"name": n, "calls": c, "us": u} for n, c, u in per_kernel],
-                           "by_kind": {k: {"calls": c, "us": u} for k, (c, u) in by_kind.items()}})
+    write_json(args.json, {"args": vars(args), "step_ms": step_ms, **summary})
     return 0
 
 

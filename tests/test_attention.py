@@ -126,6 +126,27 @@ def test_prefill_over_cached_prefix_matches_reference(name, options):
     torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("name, options", FORMATS[1:4], ids=FORMAT_IDS[1:4])
+def test_prefill_with_bf16_dot_operands_matches_reference(name, options):
+    """Tiles.dot_bf16 (the prefill's fast dots): K, P and V rounded to bf16
+    before the dots, fp32 softmax; within bf16 tolerance of the reference."""
+    from engine.kv.attention import Tiles
+
+    fmt = make_format(name, **options)
+    seqs = [(0, 21), (35, 12), (18, 1)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=3, head_dim=32,
+                                  page_size=16, q_dtype=torch.bfloat16, seed=31)
+    scale = q.shape[-1] ** -0.5
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, scale)
+    tiles = Tiles(rows=16, block_n=16, dot_bf16=True) if DEVICE == "cpu" else \
+        Tiles(rows=64, block_n=32, num_warps=4, dot_bf16=True)
+    actual = paged_attention_triton(fmt, buffers, q, meta, scale, tiles=tiles)
+    assert actual.dtype == torch.bfloat16 and not actual.isnan().any()
+    # P and V each rounded to 8 bits of mantissa, on top of the bf16 output
+    torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+    assert (actual.float() - expected).abs().mean() < 4e-3
+
+
 def test_kernel_writes_every_output_row_and_reads_only_its_pages():
     fmt = make_format("int8")
     seqs = [(9, 1), (30, 1)]

@@ -113,6 +113,7 @@ class Tiles:
     block_n: int
     num_warps: int | None = None
     num_stages: int | None = None  # None: Triton's default
+    dot_bf16: bool = False  # the two dots take bf16 operands (bf16 queries only)
 
 
 def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
@@ -165,8 +166,10 @@ def _programs_wanted(device: torch.device) -> int:
 
 def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                            meta: AttentionMetadata, softmax_scale: float,
-                           num_splits: int | None = None, rotary=None) -> torch.Tensor:
-    """The kernel path; same contract as paged_attention_reference."""
+                           num_splits: int | None = None, rotary=None,
+                           tiles: Tiles | None = None) -> torch.Tensor:
+    """The kernel path; same contract as paged_attention_reference. `tiles`
+    replaces tiles_for's choice."""
     from engine.kv import attention_kernels as K
 
     kind_args = _kind_args(fmt, buffers, rotary)
@@ -180,7 +183,7 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     rotated = rotated or isinstance(fmt, PagedRk4Format)
     out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
     group = q.shape[1] // kv_heads
-    tiles = tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda, fmt)
+    tiles = tiles or tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda, fmt)
     if num_splits is None:
         num_splits = meta.num_splits
     if num_splits is None:
@@ -189,7 +192,8 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                       if meta.is_decode else 1)
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
-             tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages)
+             tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages,
+             tiles.dot_bf16 and q.dtype == torch.bfloat16)
     if rotated:
         return fmt.unrotate_output(out).to(q.dtype)
     return out

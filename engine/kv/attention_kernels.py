@@ -137,13 +137,29 @@ def _rope_keys(k, k_partner, keys, cols, inv_freq_ptr, ROTARY_DIM: tl.constexpr)
 
 
 @triton.jit
+def _dot_operand(x, DOT_BF16: tl.constexpr):
+    """x as a dot operand: bf16 (DOT_BF16 == 1), or rounded to bf16 and kept
+    fp32 (== 2: the interpreter, whose bf16 dot is wrong, gets the same
+    numbers), or as is."""
+    if DOT_BF16 == 1:
+        return x.to(tl.bfloat16)
+    elif DOT_BF16 == 2:
+        return x.to(tl.bfloat16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                  k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                  k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
                  KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-                 ROTARY_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One online-softmax step over keys [start, start + BLOCK_N) (< hi)."""
+                 ROTARY_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N) (< hi).
+    DOT_BF16: q (already rounded), K, P and V enter the two dots as bf16,
+    which runs them at twice tf32's rate with half the shared memory; the
+    accumulators and the softmax stay fp32."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
     page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -162,7 +178,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
     else:
         k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
                      KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
-    s = tl.dot(q, tl.trans(k))
+    s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
     visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -175,7 +191,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
     else:
         v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
                      KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
+    acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, DOT_BF16), _dot_operand(v, DOT_BF16))
     return m_new, l_i, acc
 
 
@@ -191,7 +207,7 @@ def _paged_attention_kernel(
         ROTARY_DIM: tl.constexpr,
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FOR_LOOP: tl.constexpr):
+        FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr):
     row_block = tl.program_id(0)
     seq = tl.program_id(1) // KV_HEADS
     kv_head = tl.program_id(1) % KV_HEADS
@@ -212,6 +228,7 @@ def _paged_attention_kernel(
     q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
     q_mask = row_ok[:, None] & col_ok[None, :]
     q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], q_mask, Q_BF16) * qk_scale
+    q = _dot_operand(q, DOT_BF16)
 
     # Keys this row block needs (causal), then this split's share of them,
     # whole BLOCK_Ns so that splits never share a tile.
@@ -232,7 +249,8 @@ def _paged_attention_kernel(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                 k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N,
+                DOT_BF16)
     else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
         start = lo
         while start < hi:
@@ -240,7 +258,8 @@ def _paged_attention_kernel(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                 k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N,
+                DOT_BF16)
             start += BLOCK_N
 
     has_keys = l_i > 0.0
@@ -291,7 +310,7 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
            page_table: torch.Tensor, page_size: int, kv_heads: int, max_new_tokens: int,
            softmax_scale: float, out: torch.Tensor, num_splits: int,
            rows: int, block_n: int, num_warps: int | None = None,
-           num_stages: int | None = None) -> torch.Tensor:
+           num_stages: int | None = None, dot_bf16: bool = False) -> torch.Tensor:
     """Runs the attention kernel (and the split combine when num_splits > 1).
 
     kind_args: (KIND, k_codes, k_scales, v_codes, v_scales, SCALE_BLOCK, E8M0), and for
@@ -328,7 +347,8 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         PAGE_SIZE=page_size, KIND=kind, SCALE_BLOCK=scale_block, E8M0=e8m0,
         ROTARY_DIM=rotary_dim,
         Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        FOR_LOOP=not _interpreting(), **extra)
+        FOR_LOOP=not _interpreting(),
+        DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0, **extra)
     if num_splits > 1:
         _combine_splits_kernel[(tokens * q_heads,)](
             part_out, part_lse, out_arg, tokens * q_heads, D=head_dim, D_PAD=d_pad,

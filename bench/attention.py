@@ -1,0 +1,163 @@
+"""The prefill attention kernel alone: one chunk of new queries over a long
+paged context, per tile configuration, against torch's own SDPA.
+
+Prefill MFU at 32K (issue 6) is set by this kernel: causal attention is ~11%
+of the 27B's FLOPs at 32K and ~50% at 128K. The bench lays out one
+full-attention layer of the given shape in a KV format, writes random K/V for
+`--context` tokens, and times the last `--new` tokens attending causally
+(exactly what the last prefill chunk does), for each (rows, block_n, warps,
+stages, bf16 dots) candidate. FLOPs count 4 * head_dim * q_heads per visible
+(query, key) pair. torch's scaled_dot_product_attention on the same K/V as
+contiguous bf16 (lower-right causal) is printed beside it as the bar a
+dedicated flash kernel sets. CUDA only.
+
+    python -m bench.attention --context 32768 --new 4096 --kv-format int8 bf16
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from bench.common import print_table, write_json
+from bench.limits import sync
+
+# (rows, block_n, num_warps, num_stages, dot_bf16); the first is today's default
+CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, None, True),
+              (128, 32, 8, None, True), (128, 64, 8, None, True), (128, 64, 8, 2, True),
+              (64, 64, 4, 3, True), (128, 32, 4, None, True), (64, 128, 8, 2, True))
+
+
+def visible_pairs(context: int, new: int) -> int:
+    """(query, key) pairs of the last `new` queries attending causally."""
+    return new * (context - new) + new * (new + 1) // 2
+
+
+def layout(kv_format: str, context: int, new: int, model: str, device: torch.device):
+    """(fmt, buffers, q, meta, rotary, dense k, dense v) for one attention layer."""
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.config import ModelConfig
+    from engine.kv import make_format
+    from engine.kv.attention import AttentionMetadata
+    from engine.config import shape_hf_config
+
+    config = ModelConfig.from_hf(shape_hf_config(model))
+    page_size = 32 if kv_format == "rk4p" else 16
+    pages = -(-context // page_size)
+    options = {"dtype": torch.bfloat16} if kv_format == "bf16" else {}
+    fmt = make_format(kv_format, **options)
+    shape = CacheShape(pages, page_size, 1, staging_pages=8 if fmt.uses_staging else 0)
+    cache = PagedKVCache(config, shape, device, fmt)
+    layer = config.attention_layers[0]
+    gen = torch.Generator(device=device).manual_seed(0)
+    kv_heads, d = config.num_kv_heads, config.head_dim
+    k = torch.randn(context, kv_heads, d, generator=gen, device=device, dtype=torch.bfloat16)
+    v = torch.randn(context, kv_heads, d, generator=gen, device=device, dtype=torch.bfloat16)
+    q = torch.randn(new, config.num_heads, d, generator=gen, device=device, dtype=torch.bfloat16)
+    table = torch.arange(pages, dtype=torch.int32)
+    for lo in range(0, context, 4096):  # bounded temporaries while writing
+        hi = min(context, lo + 4096)
+        cache.write_kv(layer, torch.arange(lo, hi, device=device), k[lo:hi], v[lo:hi])
+    meta = AttentionMetadata.build([0, new], [context], [table], device)
+    index = cache._attn_index[layer]
+    return fmt, cache.kv[index], q, meta, cache.rotary, k, v
+
+
+def time_ms(fn, repeats: int) -> float:
+    fn()
+    sync(torch.device("cuda"))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def kernel_call(fmt, buffers, q, meta, rotary, candidate):
+    from engine.kv import attention_kernels as K
+    from engine.kv.attention import _kind_args
+    from engine.kv.formats import PagedRk4Format
+
+    rows, block_n, warps, stages, dot_bf16 = candidate
+    if isinstance(fmt, PagedRk4Format) and stages is None:
+        stages = 1  # its default: two stages overflow shared memory at head_dim 256
+    args = _kind_args(fmt, buffers, rotary)
+    out = torch.empty(q.shape, dtype=torch.float32 if isinstance(fmt, PagedRk4Format)
+                      else q.dtype, device=q.device)
+    page_size = next(iter(buffers.values())).shape[1]
+    kv_heads = next(iter(buffers.values())).shape[2]
+
+    def call():
+        K.launch(args, q, meta.q_offsets, meta.kv_lens, meta.page_table, page_size, kv_heads,
+                 meta.max_new_tokens, q.shape[-1] ** -0.5, out, 1, rows, block_n, warps,
+                 stages, dot_bf16)
+    return call, out
+
+
+def sdpa_call(q, k, v):
+    from torch.nn.attention.bias import causal_lower_right
+    import torch.nn.functional as F
+
+    qt = q.transpose(0, 1)[None]          # [1, Hq, new, D]
+    kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    mask = causal_lower_right(qt.shape[-2], kt.shape[-2])
+
+    def call():
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    return call
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3.5-27b")
+    p.add_argument("--context", type=int, nargs="+", default=[32768])
+    p.add_argument("--new", type=int, default=4096, help="new query tokens (the chunk)")
+    p.add_argument("--kv-format", nargs="+", default=["int8", "bf16"])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("bench.attention needs a CUDA device")
+    device = torch.device("cuda")
+    rows, results = [], []
+    for context in args.context:
+        for name in args.kv_format:
+            fmt, buffers, q, meta, rotary, k, v = layout(name, context, args.new, args.model,
+                                                         device)
+            flops = 4 * q.shape[-1] * q.shape[1] * visible_pairs(context, args.new)
+            reference = None
+            for candidate in CANDIDATES:
+                try:
+                    call, out = kernel_call(fmt, buffers, q, meta, rotary, candidate)
+                    ms = time_ms(call, args.repeats)
+                    if reference is None:
+                        reference = out.float().clone()
+                    err = (out.float() - reference).abs().max().item()
+                except Exception as e:  # a tile that does not fit: reported, not fatal
+                    rows.append([context, name, str(candidate), "failed", str(e)[:60], ""])
+                    continue
+                tflops = flops / ms / 1e9
+                rows.append([context, name, str(candidate), ms, tflops, err])
+                results.append({"context": context, "format": name, "tiles": candidate,
+                                "ms": ms, "tflops": tflops, "max_diff_vs_default": err})
+            del buffers
+            torch.cuda.empty_cache()
+        try:
+            ms = time_ms(sdpa_call(q, k, v), args.repeats)
+            rows.append([context, "sdpa bf16", "torch", ms, flops / ms / 1e9, ""])
+            results.append({"context": context, "format": "sdpa", "ms": ms,
+                            "tflops": flops / ms / 1e9})
+        except Exception as e:
+            rows.append([context, "sdpa bf16", "torch", "failed", str(e)[:60], ""])
+    print_table(f"prefill attention, {args.new} new tokens ({args.model})",
+                ["context", "kv", "rows, block_n, warps, stages, bf16", "ms", "TFLOP/s",
+                 "max diff"], rows)
+    write_json(args.json, {"args": vars(args), "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
