@@ -15,6 +15,11 @@ directly in the packed layout (a 27B shape never exists in bf16).
 
 Sizes are QuantTensor's: Q4_K packs to 4.625 bits per weight here (llama.cpp
 stores 4.5: we unpack the 6-bit group scales into bytes), Q6_K to 8.75.
+
+A recipe chooses per checkpoint matrix (q_proj, v_proj, gate_proj, ...), as
+a file would store it; the model's merged projections are then laid out as
+the loader lays out a checkpoint (engine/weights/merge.py): one module where
+the parts' formats agree, runs of equal format side by side where not.
 """
 from __future__ import annotations
 
