@@ -14,9 +14,11 @@ launches one weight GEMV where it launched two to four: MLP `gate_up_proj`
 too) and GDN `in_proj` (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a). Each
 module names its merged projections and their checkpoint parts in
 `merged_parts`; the loader joins a checkpoint's tensors by it
-(engine/weights/merge.py), and the outputs are split back into views here. The forward takes a ForwardBatch of sequences of different
-lengths and positions and reads/writes KV pages and GDN state slots in a
-PagedKVCache; on the CPU everything is plain PyTorch.
+(engine/weights/merge.py), and the outputs are split back into views here.
+
+The forward takes a ForwardBatch of sequences of different lengths and
+positions and reads/writes KV pages and GDN state slots in a PagedKVCache;
+on the CPU everything is plain PyTorch.
 
 On CUDA the small per-layer ops (norms, the residual adds, SiLU * up, q/k
 norm + rotary, the output gate) run as fused Triton kernels (engine/fused;
