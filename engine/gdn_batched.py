@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
+from engine.gdn import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,12 +101,12 @@ def decode_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
 
 def prefill_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: list[int],
                  fresh: list[bool], offsets: list[int], weight: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(mixed)
-    for i, slot in enumerate(slots):
-        lo, hi = offsets[i], offsets[i + 1]
-        window = torch.zeros_like(windows[slot]) if fresh[i] else windows[slot]
-        out[lo:hi], windows[slot] = causal_conv1d(mixed[lo:hi], window, weight)
-    return out
+    """The prefill batch's conv + SiLU: one Triton launch (gdn_kernels.conv_chunk),
+    or its per-sequence PyTorch reference with TANDEM_FUSED_GDN=0."""
+    from engine import gdn_kernels  # triton: imported only where it runs
+
+    run = gdn_kernels.conv_chunk if fused_enabled() else gdn_kernels.conv_chunk_reference
+    return run(mixed, windows, weight, offsets, slots, fresh)
 
 
 def _initial_states(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor):
