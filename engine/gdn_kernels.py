@@ -38,6 +38,7 @@ import triton.language as tl
 
 from engine.gdn import causal_conv1d, recurrent_gated_delta_rule
 from engine.kv.kernels import _load_dense, _store_dense
+from engine.kv.kernels import as_kernel_dense as _as_kernel
 
 MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
 
@@ -45,16 +46,6 @@ MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5
 def fits(max_new_tokens: int) -> bool:
     """Whether a batch whose longest sequence runs `max_new_tokens` can use them."""
     return 1 <= max_new_tokens <= MAX_TOKENS
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _as_kernel(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A tensor as the kernels take it: bf16 as its int16 bits."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16), True
-    return t, False
 
 
 # ---------------------------------------------------------------- conv step
