@@ -26,7 +26,9 @@ from bench.limits import sync
 # (rows, block_n, num_warps, num_stages, dot_bf16); the first is today's default
 CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, None, True),
               (128, 32, 8, None, True), (128, 64, 8, None, True), (128, 64, 8, 2, True),
-              (64, 64, 4, 3, True), (128, 32, 4, None, True), (64, 128, 8, 2, True))
+              (64, 64, 4, 3, True), (128, 32, 4, None, True), (64, 128, 8, 2, True),
+              (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 4, 2, True),
+              (64, 64, 8, 2, True))
 
 
 def visible_pairs(context: int, new: int) -> int:

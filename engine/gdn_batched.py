@@ -11,10 +11,11 @@ What runs where (GatedDeltaNet.forward in engine/model.py picks):
   switches them off (A/B on the GPU) and the two items below run instead.
 - CUDA decode steps without the fused steps: `decode_conv` and
   `gated_delta_rule_decode` below (the PyTorch recurrence of engine/gdn.py on
-  gathered slots, or fla-core's fused recurrent kernel with TANDEM_FLA=1).
+  gathered slots).
 - CUDA prefill (longer chunks): `prefill_conv` and `gated_delta_rule_prefill`
-  (the chunked PyTorch form per sequence, or fla's chunked kernel with
-  cu_seqlens under TANDEM_FLA=1). Without the fused steps, verify batches
+  (fla-core's chunked kernel over cu_seqlens where fla is installed, the
+  `gpu` extra; else, or with TANDEM_FLA=0, the chunked PyTorch form per
+  sequence). Without the fused steps, verify batches
   (position slots) take the model's per-sequence loop.
 - CPU: never here; the model keeps the per-sequence reference loop.
 """
@@ -27,20 +28,20 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
+from engine.gdn import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
 
 @functools.lru_cache(maxsize=1)
 def fla_available() -> bool:
-    """fla-core is importable and switched on with TANDEM_FLA=1.
-
-    Opt-in because on the H200 (2026-12-01, fla-core 0.6.0) our fla calls did
-    not yet agree with the PyTorch reference: tests/test_gdn_batched.py saw 2%
-    of outputs off by up to 0.09, and a ragged prefill with cu_seqlens failed
-    with "Pointer argument cannot be accessed from Triton (cpu tensor?)".
-    Until that test passes on the GPU, the batched PyTorch recurrence runs.
+    """fla-core is importable and not switched off (TANDEM_FLA=0): its chunked
+    rule runs the CUDA prefill. On the H200 (2026-12-01, fla-core 0.6.0) it
+    agrees with our chunked form at the 27B's head layout
+    (tests/test_gdn_fla.py) and took the 27B's prefill from 26% to 52% MFU at
+    32K (BENCHMARKS.md). Decode and verify run our fused kernels
+    (engine/gdn_kernels.py), and the unfused decode path stays PyTorch: fla's
+    fused recurrent form has not passed our tests on the GPU.
     """
-    if os.environ.get("TANDEM_FLA", "") in ("", "0"):
+    if os.environ.get("TANDEM_FLA", "1") in ("", "0"):
         return False
     return importlib.util.find_spec("fla") is not None
 
@@ -100,12 +101,12 @@ def decode_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
 
 def prefill_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: list[int],
                  fresh: list[bool], offsets: list[int], weight: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(mixed)
-    for i, slot in enumerate(slots):
-        lo, hi = offsets[i], offsets[i + 1]
-        window = torch.zeros_like(windows[slot]) if fresh[i] else windows[slot]
-        out[lo:hi], windows[slot] = causal_conv1d(mixed[lo:hi], window, weight)
-    return out
+    """The prefill batch's conv + SiLU: one Triton launch (gdn_kernels.conv_chunk),
+    or its per-sequence PyTorch reference with TANDEM_FUSED_GDN=0."""
+    from engine import gdn_kernels  # triton: imported only where it runs
+
+    run = gdn_kernels.conv_chunk if fused_enabled() else gdn_kernels.conv_chunk_reference
+    return run(mixed, windows, weight, offsets, slots, fresh)
 
 
 def _initial_states(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor):
@@ -117,18 +118,8 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, fresh):
     """One token per sequence. q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv];
     states [slots, Hv, Dk, Dv] fp32 updated in place at `slots`. Returns o [B, Hv, Dv]."""
     initial = _initial_states(states, slots, fresh)
-    if fla_available():
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-        # By keyword: in fla-core 0.6.0 gk and gv come before beta, and a
-        # positional call silently misreads the arguments.
-        o, final = fused_recurrent_gated_delta_rule(
-            q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(),
-            beta=beta[:, None], scale=q.shape[-1] ** -0.5, initial_state=initial,
-            output_final_state=True, use_qk_l2norm_in_kernel=True)
-    else:
-        o, final = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
-                                              beta[:, None], initial)
+    o, final = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
+                                          beta[:, None], initial)
     states.index_copy_(0, slots, final.float())
     return o[:, 0]
 

