@@ -94,7 +94,11 @@ def _time_graph(calls, replays: int = 5) -> float:
 def model_shapes() -> list[tuple[str, object, int, int, int]]:
     """(name, format, N, K, uses per decode step) of the 27B's quantized
     matmuls (the int4 recipe: Q4_K everywhere; down also as Q6_K, which
-    q4_k_m gives some layers)."""
+    q4_k_m gives some layers). The model runs the merged projections
+    (gate_up, gdn in_proj, attn qkv); their checkpoint parts are timed too,
+    at 0 uses per step, so each merged launch can be set against the
+    launches it replaced (`merged_vs_parts`). Merged shapes are not in
+    engine/quant/gemv.py's TUNED yet: they run the heuristic's config."""
     from engine.config import ModelConfig, shape_hf_config
     from engine.quant.recipes import Q4_K, Q6_K
 
@@ -105,14 +109,43 @@ def model_shapes() -> list[tuple[str, object, int, int, int]]:
         cfg, "layer_types", None) else layers // 4
     gdn = layers - attn
     v = cfg.linear_num_v_heads * cfg.linear_v_head_dim
-    return [("gate/up", Q4_K, i, h, 2 * layers), ("down", Q4_K, h, i, layers),
-            ("down", Q6_K, h, i, 0), ("gdn qkv", Q4_K, cfg.linear_conv_dim, h, gdn),
-            ("gdn z", Q4_K, v, h, gdn), ("gdn a/b", Q4_K, cfg.linear_num_v_heads, h, 2 * gdn),
+    q_out, kv_out = 2 * cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return [("gate_up", Q4_K, 2 * i, h, layers), ("down", Q4_K, h, i, layers),
+            ("down", Q6_K, h, i, 0),
+            ("gdn in_proj", Q4_K, cfg.linear_conv_dim + v + 2 * cfg.linear_num_v_heads, h, gdn),
             ("gdn out", Q4_K, h, v, gdn),
-            ("attn q+gate", Q4_K, 2 * cfg.num_heads * cfg.head_dim, h, attn),
-            ("attn k/v", Q4_K, cfg.num_kv_heads * cfg.head_dim, h, 2 * attn),
+            ("attn qkv", Q4_K, q_out + 2 * kv_out, h, attn),
             ("attn o", Q4_K, h, cfg.num_heads * cfg.head_dim, attn),
-            ("lm_head", Q4_K, cfg.vocab_size, h, 1)]
+            ("lm_head", Q4_K, cfg.vocab_size, h, 1),
+            # the checkpoint parts the merged launches replaced
+            ("gate/up", Q4_K, i, h, 0), ("gdn qkv", Q4_K, cfg.linear_conv_dim, h, 0),
+            ("gdn z", Q4_K, v, h, 0), ("gdn a/b", Q4_K, cfg.linear_num_v_heads, h, 0),
+            ("attn q+gate", Q4_K, q_out, h, 0), ("attn k/v", Q4_K, kv_out, h, 0)]
+
+
+# merged matrix -> (part, how many of that part it replaces)
+MERGED_FROM = {"gate_up": (("gate/up", 2),),
+               "gdn in_proj": (("gdn qkv", 1), ("gdn z", 1), ("gdn a/b", 2)),
+               "attn qkv": (("attn q+gate", 1), ("attn k/v", 2))}
+
+
+def merged_vs_parts(rows: list[dict]) -> list[dict]:
+    """Per merged matrix and batch: its one launch against the launches of
+    its parts (their tuned configs), per layer and per 27B decode step."""
+    by = {(r["matrix"], r["format"], r["rows"]): r for r in rows}
+    out = []
+    for name, parts in MERGED_FROM.items():
+        for batch in sorted({r["rows"] for r in rows}):
+            merged = by.get((name, "Q4_K", batch))
+            split = [(by.get((part, "Q4_K", batch)), count) for part, count in parts]
+            if merged is None or any(r is None for r, _ in split):
+                continue
+            parts_us = sum(r["us"] * count for r, count in split)
+            out.append({"matrix": name, "rows": batch, "merged_us": merged["us"],
+                        "parts_us": parts_us, "launches_replaced": sum(c for _, c in parts),
+                        "merged_roofline": merged["roofline"],
+                        "saved_ms_per_step": (parts_us - merged["us"]) * merged["per_step"] / 1e3})
+    return out
 
 
 def _random_quant(fmt, n: int, k: int, device):
@@ -302,11 +335,19 @@ def main(argv: list[str] | None = None) -> int:
                 ["matrix", "format", "N", "K", "rows", "us", "floor_us", "roofline"],
                 [[r["matrix"], r["format"], r["N"], r["K"], r["rows"], f"{r['us']:.1f}",
                   f"{r['floor_us']:.1f}", f"{r['roofline']:.2f}"] for r in rows])
+    merges = merged_vs_parts(rows)
+    print_table("merged projections (heuristic config) vs the launches they replaced (tuned)",
+                ["matrix", "rows", "merged us", "parts us", "launches", "of floor",
+                 "saved ms/step"],
+                [[r["matrix"], r["rows"], f"{r['merged_us']:.1f}", f"{r['parts_us']:.1f}",
+                  r["launches_replaced"], f"{100 * r['merged_roofline']:.0f}%",
+                  f"{r['saved_ms_per_step']:.2f}"] for r in merges])
     for rr in sorted({r["rows"] for r in rows}):
         sel = [r for r in rows if r["rows"] == rr]
         print(f"27B decode step, GEMVs only, rows={rr}: "
               f"{sum(r['per_step'] * r['us'] for r in sel) / 1e3:.2f} ms (floor "
-              f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms)")
+              f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms, "
+              f"{sum(r['per_step'] for r in sel)} launches)")
     swept = sweep(args.rows, device, bandwidth) if args.sweep else None
     if swept:
         print_sweep(swept)
@@ -316,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                     [[f"{v:.2f}" for v in decode.values()]])
     if args.json:
         write_json(args.json, {"environment": environment(), "bandwidth_GBps": bandwidth / 1e9,
-                               "gemv": rows, "sweep": swept, "decode_27b": decode})
+                               "gemv": rows, "merged_vs_parts": merges, "sweep": swept,
+                               "decode_27b": decode})
     return 0
 
 

@@ -160,10 +160,18 @@ def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
                 source: str, host_prefixes: tuple[str, ...] = ()) -> CausalLM:
     """A CausalLM whose parameters are exactly `tensors` (checked by name and
-    shape). Packed entries (`{module}.qweight`, ...) put a quantized module in
-    place of that nn.Linear / nn.Embedding; they keep their dtypes. Tensors
-    under `host_prefixes` stay where they are (host memory: the token table,
-    see CausalLM.embeds_on_host); everything else moves to `device`."""
+    shape). A checkpoint's per-matrix tensors (q_proj, k_proj, ...) are first
+    joined into the model's merged projections (engine/weights/merge.py; this
+    consumes them from `tensors`, so the caller's dict ends up holding the
+    merged ones); tensors already merged pass through. Packed entries
+    (`{module}.qweight`, ...) put a quantized module in place of that
+    nn.Linear / nn.Embedding; they keep their dtypes; a merged projection
+    whose parts' formats differ becomes a SplitLinear of its `parts.{j}`.
+    Tensors under `host_prefixes` stay where they are (host memory: the
+    token table, see CausalLM.embeds_on_host); everything else moves to
+    `device`."""
+    from engine.weights.merge import merge_checkpoint, merge_groups
+
     def place(name: str) -> torch.device | str:
         return "cpu" if host_prefixes and name.startswith(host_prefixes) else device
 
@@ -172,6 +180,9 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, d
         config = replace(config, mtp_num_layers=0)
     with torch.device("meta"):
         model = CausalLM(config)
+    groups = merge_groups(model)
+    merge_checkpoint(tensors, groups, dtype, source)
+    _swap_split(model, groups, tensors, source)
     tensors, packed_names = _swap_packed(model, tensors, place, dtype, source)
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     check_tensors(expected, tensors, source)
@@ -180,6 +191,21 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, d
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     return model
+
+
+def _swap_split(model: CausalLM, groups, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """A SplitLinear (meta parts) wherever `tensors` keep a merged projection
+    as `parts.{j}`."""
+    from engine.quant.linear import split_in
+    from engine.weights.merge import split_rows
+
+    for group in groups:
+        rows = split_rows(tensors, group.name)
+        if rows:
+            try:
+                split_in(model, group.name, rows)
+            except ValueError as e:
+                raise ModelLoadError(f"{source}: {e}") from e
 
 
 def _swap_packed(model: CausalLM, tensors: dict[str, torch.Tensor], place, dtype, source: str

@@ -6,10 +6,19 @@
   layers with zero-centred norms and partial rotary, plus the MTP head's
   weights (kept for speculative decoding).
 
-Module and parameter names are Hugging Face's, so a checkpoint's state dict
-loads as is. The forward takes a ForwardBatch of sequences of different
-lengths and positions and reads/writes KV pages and GDN state slots in a
-PagedKVCache; on the CPU everything is plain PyTorch.
+Module and parameter names are Hugging Face's, except that the projections
+reading the same input are merged into one matrix (as vLLM's
+QKVParallelLinear / MergedColumnParallelLinear do), so a decode step
+launches one weight GEMV where it launched two to four: MLP `gate_up_proj`
+(gate_proj, up_proj), attention `qkv_proj` (q_proj, k_proj, v_proj, biases
+too) and GDN `in_proj` (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a). Each
+module names its merged projections and their checkpoint parts in
+`merged_parts`; the loader joins a checkpoint's tensors by it
+(engine/weights/merge.py), and the outputs are split back into views here.
+
+The forward takes a ForwardBatch of sequences of different lengths and
+positions and reads/writes KV pages and GDN state slots in a PagedKVCache;
+on the CPU everything is plain PyTorch.
 
 On CUDA the small per-layer ops (norms, the residual adds, SiLU * up, q/k
 norm + rotary, the output gate) run as fused Triton kernels (engine/fused;
@@ -73,16 +82,20 @@ class GatedRMSNorm(nn.Module):
         return reference.gated_rms_norm(x, gate, self.weight, self.eps)
 
 
+MergedParts = dict[str, tuple[tuple[str, int], ...]]
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
+        self.merged_parts: MergedParts = {"gate_up_proj": (("gate_proj", i), ("up_proj", i))}
+        self.gate_up_proj = nn.Linear(h, 2 * i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self._intermediate = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up_proj(x).split(self._intermediate, dim=-1)
         act = fused_kernels().silu_mul(gate, up) if use_fused(x) else reference.silu_mul(gate, up)
         return self.down_proj(act)
 
@@ -98,10 +111,11 @@ class Attention(nn.Module):
         self.output_gate = config.attn_output_gate
         q_out = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
         kv_out = self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_out, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_out, bias=bias)
+        self.merged_parts: MergedParts = {
+            "qkv_proj": (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))}
+        self.qkv_proj = nn.Linear(config.hidden_size, q_out + 2 * kv_out,
+                                  bias=config.attention_bias)
+        self._qkv_split = (q_out, kv_out, kv_out)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, config.zero_centered_norm)
@@ -113,12 +127,14 @@ class Attention(nn.Module):
         """(q [T, heads, D], gate [T, heads, D] or None, k, v [T, kv_heads, D]),
         before the q/k norms and RoPE."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, -1)
+        # views of one [T, q + k + v] output: every row keeps unit stride
+        q, k, v = self.qkv_proj(x).split(self._qkv_split, dim=-1)
+        q = q.view(tokens, self.num_heads, -1)
         gate = None
         if self.output_gate:  # per head: [query | gate]
             q, gate = q.split(self.head_dim, dim=-1)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         return q, gate, k, v
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
@@ -168,10 +184,11 @@ class GatedDeltaNet(nn.Module):
         key_total = self.num_k_heads * self.k_dim
         value_total = self.num_v_heads * self.v_dim
         conv_dim = config.linear_conv_dim
-        self.in_proj_qkv = nn.Linear(config.hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(config.hidden_size, value_total, bias=False)
-        self.in_proj_b = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(config.hidden_size, self.num_v_heads, bias=False)
+        parts = (("in_proj_qkv", conv_dim), ("in_proj_z", value_total),
+                 ("in_proj_b", self.num_v_heads), ("in_proj_a", self.num_v_heads))
+        self.merged_parts: MergedParts = {"in_proj": parts}
+        self.in_proj = nn.Linear(config.hidden_size, sum(rows for _, rows in parts), bias=False)
+        self._in_split = tuple(rows for _, rows in parts)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, config.linear_conv_kernel, groups=conv_dim,
                                 bias=False, padding=config.linear_conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
@@ -182,9 +199,9 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         tokens = x.shape[0]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(tokens, self.num_v_heads, self.v_dim)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        # views of one [T, qkv + z + b + a] output (row stride the whole width)
+        mixed, z, b, a = self.in_proj(x).split(self._in_split, dim=-1)
+        z = z.view(tokens, self.num_v_heads, self.v_dim)
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
         if gdn_batched.use_fused_path(x, batch):

@@ -111,7 +111,7 @@ def _run_train_mtp(args) -> int:
     import torch
 
     from engine.loader import load_model
-    from engine.speculative.heads import SHIPPED, save_head
+    from engine.speculative.heads import SHIPPED, head_state, save_head
     from engine.speculative.train import TrainConfig, train_head
 
     try:
@@ -136,8 +136,7 @@ def _run_train_mtp(args) -> int:
         else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
         else source.with_name(source.stem + ".mtp.safetensors"))
     head, stats = train_head(loaded, cfg)
-    tensors = {f"mtp.{name}": t for name, t in head.state_dict().items()}
-    save_head(out, loaded.config, tensors,
+    save_head(out, loaded.config, head_state(head),
               {"base_model": source.name, "train_steps": str(stats["steps"]),
                "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
                "held_out_expected_length": f"{stats['expected_length']:.3f}"})

@@ -98,10 +98,28 @@ def test_gated_rms_norm(dtype, head_dim):
     _check(kernels.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
 
 
+def test_gated_rms_norm_of_a_strided_gate():
+    """GDN's z: [T, heads, head_dim] heads out of the wider merged in_proj row."""
+    x = _randn(3, 4, 32, dtype=torch.bfloat16, seed=31)
+    row = _randn(3, 4 * 32 + 40, dtype=torch.bfloat16, seed=32, scale=2.0)
+    z = row[:, 24:24 + 4 * 32].view(3, 4, 32)
+    w = _randn(32, dtype=torch.bfloat16, seed=33, scale=0.3) + 1
+    assert not z.is_contiguous()
+    _check(kernels.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     g = _randn(3, 1377, dtype=dtype, seed=8, scale=3.0)  # numel not a multiple of the block
     u = _randn(3, 1377, dtype=dtype, seed=9)
+    _check(kernels.silu_mul(g, u), reference.silu_mul(g, u))
+
+
+def test_silu_mul_of_the_gate_up_halves():
+    """The MLP's merged gate_up_proj output, split into row-strided views."""
+    gate_up = _randn(3, 2 * 1100, dtype=torch.bfloat16, seed=34, scale=3.0)
+    g, u = gate_up.split(1100, dim=-1)
+    assert not g.is_contiguous()
     _check(kernels.silu_mul(g, u), reference.silu_mul(g, u))
 
 

@@ -83,7 +83,9 @@ def test_conv_step_matches_reference(counts, verify, dtype):
     gen = torch.Generator().manual_seed(sum(counts) + verify)
     channels, kernel = 72, 4  # two channel blocks of 64, the second partial
     tokens = sum(counts)
-    mixed = torch.randn(tokens, channels, generator=gen).to(dtype).to(DEVICE)
+    # a strided view, as GDN's merged in_proj output gives it
+    rows = torch.randn(tokens, channels + 24, generator=gen).to(dtype).to(DEVICE)
+    mixed = rows[:, 8:8 + channels]
     weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype).to(DEVICE)
     windows = _poisoned_slots((channels, kernel - 1), dtype, IN_SLOTS[1], gen)
     offsets, positions, in_slots, writes = _layout(counts, STARTS, IN_SLOTS, verify)
@@ -114,7 +116,10 @@ def test_conv_chunk_matches_reference(dtype):
     offsets = [0]
     for n in counts:
         offsets.append(offsets[-1] + n)
-    mixed = torch.randn(offsets[-1], channels, generator=gen).to(dtype).to(DEVICE)
+    # the qkv columns of GDN's merged in_proj output: rows strided by its whole width
+    rows = torch.randn(offsets[-1], channels + 40, generator=gen).to(dtype).to(DEVICE)
+    mixed = rows[:, :channels]
+    assert not mixed.is_contiguous()
     weight = (torch.randn(channels, kernel, generator=gen) * 0.5).to(dtype).to(DEVICE)
     windows = _poisoned_slots((channels, kernel - 1), dtype, 1, gen)  # slot 1: NaN, fresh
     ref_windows = windows.clone().cpu()

@@ -219,9 +219,11 @@ def _to_gguf(family: str, name: str, w: torch.Tensor, layers: int) -> tuple[str,
 
 
 def write_tiny_gguf(path: Path, family: str, *, layers: int = 2, mtp: int = 0, tied: bool = True,
-                    edit=None) -> dict[str, torch.Tensor]:
+                    edit=None, types=None) -> dict[str, torch.Tensor]:
     """Write a tiny model of `family` and return its HF tensors. `edit(dict)`
-    may change the GGUF-named tensors before they are written."""
+    may change the GGUF-named tensors before they are written; `types(name)`
+    may name a ggml type (e.g. "Q8_0") a tensor is quantized to by the gguf
+    package (None: F32)."""
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen35"}[family]
     hf = _hf_tensors(family, layers, mtp, tied)
     out = dict(_to_gguf(family, n, w, layers) for n, w in hf.items())
@@ -259,7 +261,13 @@ def write_tiny_gguf(path: Path, family: str, *, layers: int = 2, mtp: int = 0, t
     w.add_token_merges([])
     w.add_eos_token_id(len(VOCAB_TOKENS) - 1)
     for name, tensor in out.items():
-        w.add_tensor(name, tensor.numpy().astype(np.float32))
+        data = tensor.numpy().astype(np.float32)
+        kind = types(name) if types else None
+        if kind is None:
+            w.add_tensor(name, data)
+        else:
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

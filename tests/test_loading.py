@@ -123,14 +123,19 @@ def test_qwen35_mtp_weights_are_loaded_and_kept(tiny_hf_dir, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["mtp_num_hidden_layers"] = 1
     (d / "config.json").write_text(json.dumps(cfg))
-    with torch.device("meta"):
-        shapes = {n: p.shape for n, p in CausalLM(ModelConfig.from_hf(cfg)).named_parameters()
-                  if n.startswith("mtp.")}
+    from engine.weights.merge import merge_groups, unmerged_state
+
     gen = torch.Generator().manual_seed(0)
-    mtp = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    model = CausalLM(ModelConfig.from_hf(cfg))
+    groups = merge_groups(model)
+    # under the checkpoint's names (q_proj, k_proj, ..., not the merged qkv_proj)
+    mtp = {n: t.contiguous() for n, t in unmerged_state(
+        {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()
+         if n.startswith("mtp.")}, groups).items()}
     assert "mtp.fc.weight" in mtp and "mtp.layers.0.self_attn.q_proj.weight" in mtp
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in mtp)
     _edit_weights(d, lambda t: t.update(mtp))
     loaded = load_model(str(d), progress=False)
-    state = loaded.model.state_dict()
+    state = unmerged_state(loaded.model.state_dict(), groups)
     for name, tensor in mtp.items():
         assert torch.equal(state[name], tensor), name

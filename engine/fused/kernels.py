@@ -73,15 +73,18 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_strid
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, eps, ROUND: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """One head row (contiguous rows of N): round(w * round(x̂)) * SiLU(g) in fp32."""
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, H, g_stride_t, g_stride_h, eps,
+                           ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    """One head row (x: contiguous rows of N; g: head h of token t at
+    t * g_stride_t + h * g_stride_h, H heads): round(w * round(x̂)) * SiLU(g)
+    in fp32."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     DT: tl.constexpr = x_ptr.dtype.element_ty
     xf = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
+    g_row = (row // H) * g_stride_t + (row % H) * g_stride_h
+    g = tl.load(g_ptr + g_row + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = w * _rounded(xf * rstd, DT)
@@ -92,15 +95,17 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, eps, ROUND: tl.const
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.constexpr):
+    """Row program_id(0), columns block program_id(1); g and u rows may be
+    strided (the two halves of one [T, 2n] gate_up output), out is contiguous."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     DT: tl.constexpr = g_ptr.dtype.element_ty
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * g_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * u_stride + offs, mask=mask, other=0.0).to(tl.float32)
     a = _rounded(g / (1.0 + tl.exp(-g)), DT)
-    tl.store(out_ptr + offs, (a * u).to(DT), mask=mask)
+    tl.store(out_ptr + row * n + offs, (a * u).to(DT), mask=mask)
 
 
 @triton.jit
@@ -229,11 +234,15 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     n = x.shape[-1]
     if n > MAX_ROW or x.numel() == 0 or x.shape != gate.shape:
         return reference.gated_rms_norm(x, gate, weight, eps)
-    xr, gr = x.reshape(-1, n).contiguous(), gate.reshape(-1, n).contiguous()
+    xr = x.reshape(-1, n).contiguous()
+    # the gate may be a strided view ([T, heads, n] out of GDN's merged in_proj)
+    gr = gate.reshape(-1, gate.shape[-2] if gate.dim() > 2 else 1, n)
+    if gr.stride(-1) != 1:
+        gr = gr.contiguous()
     out = _empty(xr.shape, x.dtype, x.device)
     block, warps = _row_block(n)
     _gated_rms_norm_kernel[(xr.shape[0],)](
-        xr, gr, weight, out, n, eps,
+        xr, gr, weight, out, n, gr.shape[1], gr.stride(0), gr.stride(1), eps,
         ROUND=torch.promote_types(weight.dtype, x.dtype) == x.dtype, BLOCK=block,
         num_warps=warps)
     return out.view(x.shape)
@@ -243,12 +252,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """reference.silu_mul in one launch (same shapes and dtypes)."""
     if gate.shape != up.shape or gate.dtype != up.dtype or gate.numel() == 0:
         return reference.silu_mul(gate, up)
-    g, u = gate.contiguous(), up.contiguous()
+    g, u = _rows(gate), _rows(up)  # views of gate_up's halves: row-strided, no copy
+    n = g.shape[1]
     out = _empty(g.shape, g.dtype, g.device)
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(g.numel(), block),)](g, u, out, g.numel(), BLOCK=block,
-                                                        num_warps=4)
-    return out
+    _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
+                                                          BLOCK=block, num_warps=4)
+    return out.view(gate.shape)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

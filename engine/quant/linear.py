@@ -11,8 +11,16 @@ F.linear runs the quantized matmul; any other use of it dequantizes.
 Their state-dict entries are the QuantTensor's (`{prefix}.qweight`, `.qd`,
 `.qsc`, `.qdmin`, `.qm`) plus a Linear's bias: the shared weights arena lays
 them out like any other tensors.
+
+SplitLinear stands in for a merged projection (engine/model.py
+`merged_parts`) whose checkpoint parts have different packed formats (a
+Q4_K_M file gives v_proj more bits than q_proj and k_proj in some layers):
+it holds runs of equal format as `parts.0`, `parts.1`, ... and is called
+like the merged nn.Linear.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -133,7 +141,46 @@ _METADATA = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tenso
              torch.Tensor.__repr__}
 
 
+class SplitLinear(nn.Module):
+    """A merged projection kept as parts (`parts.{j}`: nn.Linear or
+    QuantLinear, in output order) because their formats differ; the output
+    is the parts' outputs side by side, as the merged matrix would give."""
+
+    def __init__(self, in_features: int, rows: Sequence[int], bias: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None
+                 ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, sum(rows)
+        self.parts = nn.ModuleList(nn.Linear(in_features, r, bias=bias, device=device,
+                                             dtype=dtype) for r in rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features} in {len(self.parts)} parts"
+
+
 # ------------------------------------------------------------------- the swap
+
+
+def split_in(model: nn.Module, name: str, rows: Sequence[int]) -> SplitLinear:
+    """Replace the nn.Linear `name` by a SplitLinear of nn.Linear parts with
+    `rows` outputs each, on the old module's device and dtype (meta while
+    loading: nothing is allocated)."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child, None)
+    if not isinstance(old, nn.Linear):
+        raise ValueError(f"{name} is a {type(old).__name__}, not a Linear: it cannot be split")
+    if sum(rows) != old.out_features:
+        raise ValueError(f"{name}: parts of {list(rows)} rows do not make its "
+                         f"{old.out_features} outputs")
+    new = SplitLinear(old.in_features, rows, old.bias is not None, old.weight.device,
+                      old.weight.dtype)
+    setattr(parent, child, new)
+    return new
+
 
 
 def swap_in(model: nn.Module, quantized: dict[str, QuantTensor], compute_dtype: torch.dtype,

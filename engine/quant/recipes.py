@@ -15,6 +15,11 @@ directly in the packed layout (a 27B shape never exists in bf16).
 
 Sizes are QuantTensor's: Q4_K packs to 4.625 bits per weight here (llama.cpp
 stores 4.5: we unpack the 6-bit group scales into bytes), Q6_K to 8.75.
+
+A recipe chooses per checkpoint matrix (q_proj, v_proj, gate_proj, ...), as
+a file would store it; the model's merged projections are then laid out as
+the loader lays out a checkpoint (engine/weights/merge.py): one module where
+the parts' formats agree, runs of equal format side by side where not.
 """
 from __future__ import annotations
 
@@ -133,51 +138,114 @@ def _shape_of(module: nn.Module) -> tuple[int, int]:
     return module.out_features, module.in_features
 
 
-def plan_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat]:
-    """Module name -> format for every Linear/Embedding the recipe quantizes
-    (a module whose row length no group divides stays dense)."""
+def _matrices(model: nn.Module):
+    """(checkpoint name, module name, module, (N, K)) of every Linear/Embedding as a
+    checkpoint stores it: a merged projection's parts by their own names
+    (recipes choose per checkpoint matrix, e.g. v_proj apart from q_proj)."""
     from engine.quant.linear import quantizable_modules
+    from engine.weights.merge import merge_groups
 
+    groups = {g.name: g for g in merge_groups(model)}
+    for name, module in quantizable_modules(model).items():
+        group = groups.get(name)
+        if group is None:
+            yield name, name, module, _shape_of(module)
+            continue
+        for part, rows in zip(group.parts, group.rows):
+            yield part, name, module, (rows, group.in_features)
+
+
+def part_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat | None]:
+    """Checkpoint matrix name -> the recipe's format (None: dense; so is a
+    matrix whose row length no group of its format divides)."""
     check_recipe(recipe)
     choose = RECIPES[recipe]
-    if choose is None:
-        return {}
     layers = getattr(getattr(model, "config", None), "num_layers", 0)
     out = {}
-    for name, module in quantizable_modules(model).items():
-        fmt = choose(name, module, layers)
-        if fmt is not None and fmt.fits(_shape_of(module)[1]):
-            out[name] = fmt
+    for name, _, module, (_, k) in _matrices(model):
+        fmt = None if choose is None else choose(name, module, layers)
+        out[name] = fmt if fmt is not None and fmt.fits(k) else None
     return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a recipe lays a model out, in the loader's terms: the packed
+    format of each module (merged projections under their merged name, or
+    `{name}.parts.{j}` where the parts' formats differ) and the output rows
+    of each split projection's parts."""
+    formats: dict[str, QuantFormat]
+    splits: dict[str, tuple[int, ...]]
+
+
+def plan_layout(model: nn.Module, recipe: str) -> Layout:
+    """The recipe's layout of `model` (a meta model is fine), merged as
+    engine/weights/merge.py merges a checkpoint: neighbouring parts of one
+    format join, a group of one format is one module."""
+    from engine.quant.linear import quantizable_modules
+    from engine.weights.merge import merge_groups, runs, split_name
+
+    chosen = part_formats(model, recipe)
+    formats, splits = {}, {}
+    grouped = set()
+    for group in merge_groups(model):
+        grouped.update(group.parts)
+        fmts = [chosen[p] for p in group.parts]
+        spans = runs(fmts)
+        if len(spans) > 1:
+            splits[group.name] = tuple(sum(group.rows[i] for i in span) for span in spans)
+        for j, span in enumerate(spans):
+            fmt = fmts[span[0]]
+            if fmt is not None:
+                formats[group.name if len(spans) == 1 else split_name(group.name, j)] = fmt
+    for name in quantizable_modules(model):
+        if name not in grouped and chosen.get(name) is not None:
+            formats[name] = chosen[name]
+    return Layout(formats, splits)
+
+
+def plan_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat]:
+    """Module name -> format for every Linear/Embedding the recipe quantizes,
+    as plan_layout names them."""
+    return plan_layout(model, recipe).formats
 
 
 def recipe_weight_bytes(model: nn.Module, recipe: str, dense_dtype: torch.dtype,
                         prefix: str = "") -> int:
     """Bytes of `model`'s weights (a meta model is fine) under `recipe`; only
-    the parameters whose names start with `prefix`, if given."""
-    formats = plan_formats(model, recipe)
+    the parameters whose names start with `prefix`, if given. Counted per
+    checkpoint matrix: merging concatenates, so the sum is the same."""
+    chosen = part_formats(model, recipe)
+    matrices: dict[str, list] = {}  # module name -> (format, shape) of its matrices
+    for name, module_name, _, shape in _matrices(model):
+        matrices.setdefault(module_name, []).append((chosen[name], shape))
     total = 0
     for name, t in model.state_dict().items():
         if not name.startswith(prefix):
             continue
         owner = name.rpartition(".")[0]
-        if owner in formats and name.endswith(".weight"):
-            total += formats[owner].nbytes(*t.shape)
+        if owner in matrices and name.endswith(".weight"):
+            total += sum(dense_dtype.itemsize * n * k if fmt is None else fmt.nbytes(n, k)
+                         for fmt, (n, k) in matrices[owner])
         else:
             total += t.numel() * dense_dtype.itemsize
     return total
 
 
 def swap_in_meta(model: nn.Module, recipe: str, compute_dtype: torch.dtype) -> dict[str, QuantFormat]:
-    """Replace the recipe's modules of a meta-device model by quantized ones
-    holding meta tensors; `to_empty` then allocates them like any buffer."""
-    from engine.quant.linear import swap_in
+    """Lay a meta-device model out as the recipe says: SplitLinear where a
+    merged projection's formats differ, quantized modules holding meta
+    tensors for every packed matrix; `to_empty` then allocates them like
+    any buffer. Returns the formats by module name."""
+    from engine.quant.linear import split_in, swap_in
 
-    formats = plan_formats(model, recipe)
+    layout = plan_layout(model, recipe)
+    for name, rows in layout.splits.items():
+        split_in(model, name, rows)
     modules = dict(model.named_modules())
-    metas = {name: fmt.meta(*_shape_of(modules[name])) for name, fmt in formats.items()}
+    metas = {name: fmt.meta(*_shape_of(modules[name])) for name, fmt in layout.formats.items()}
     swap_in(model, metas, compute_dtype)
-    return formats
+    return layout.formats
 
 
 @torch.no_grad()

@@ -1,7 +1,9 @@
 """MTP head files for models that ship no MTP weights (`tandem train-mtp`).
 
-A head file is a safetensors file holding exactly the `mtp.*` tensors of the
-model's state dict (Qwen3.5's structure: fc, pre_fc_norm_embedding,
+A head file is a safetensors file holding exactly the `mtp.*` tensors of a
+checkpoint, per matrix (q_proj, k_proj, gate_proj, ...; the loader merges
+them as it merges any checkpoint; a file under the merged names loads too)
+(Qwen3.5's structure: fc, pre_fc_norm_embedding,
 pre_fc_norm_hidden, one decoder layer of the base model's type, norm; the
 lm_head is the base model's), stored in bf16, with metadata naming the base
 shape so a head never loads onto a model it was not trained for.
@@ -42,6 +44,16 @@ def head_path_for(source: str | Path) -> Path | None:
 def _signature(config: ModelConfig) -> dict[str, str]:
     return {"format": FORMAT, "arch": config.arch, "vocab_size": str(config.vocab_size),
             "hidden_size": str(config.hidden_size), "num_layers": str(config.num_layers)}
+
+
+def head_state(head: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An MTPHead's tensors as a head file holds them: `mtp.`-prefixed, under
+    checkpoint names (q_proj, k_proj, gate_proj, ...: the model's merged
+    projections cut back into their parts), as Qwen3.5 files carry their head."""
+    from engine.weights.merge import merge_groups, unmerged_state
+
+    return unmerged_state({f"mtp.{name}": t for name, t in head.state_dict().items()},
+                          merge_groups(head, prefix="mtp."))
 
 
 def save_head(path: str | Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
