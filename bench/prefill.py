@@ -22,19 +22,28 @@ def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
     from engine.cache import CacheShape, PagedKVCache
     from engine.chunking import prefill_chunks
     from engine.kv import make_format
+    from engine.kv.open_pages import OpenPages, staging_per_sequence
 
     options = {"dtype": loaded.dtype} if kv_format_name == "bf16" else {}
+    kv_format = make_format(kv_format_name, **options)
+    page_size = getattr(kv_format, "page_size", page_size)  # rk4p: its own page size
+    staging = staging_per_sequence(kv_format)
     pages = -(-tokens // page_size)
-    cache = PagedKVCache(loaded.config, CacheShape(pages, page_size, 1), loaded.device,
-                         make_format(kv_format_name, **options))
+    cache = PagedKVCache(loaded.config, CacheShape(pages, page_size, 1, staging_pages=staging),
+                         loaded.device, kv_format)
     table = tuple(range(pages))
+    # rk4p: the sink page and the newest pages stay staged, as the prefill worker keeps them
+    open_pages = OpenPages.for_format(kv_format, range(staging), pages, page_size) \
+        if staging else None
     prompt = [(7 * i + 3) % loaded.config.vocab_size for i in range(tokens)]
     sync(loaded.device)
     t0 = now()
     with torch.inference_mode():
         for c in prefill_chunks(0, tokens, chunk, []):
+            step_table = table if open_pages is None else \
+                open_pages.prepare(cache, table, c.start, c.end, prefill=True)
             batch = ForwardBatch.build([SequenceInput(tuple(prompt[c.start:c.end]), c.start,
-                                                      table, 0)], page_size, loaded.device)
+                                                      step_table, 0)], page_size, loaded.device)
             logits = loaded.model(batch, cache)
         logits.argmax(-1).tolist()
     return now() - t0

@@ -47,10 +47,11 @@ def test_hybrid_step_bytes_count_gdn_state():
         p.numel() * 4 for p in loaded.model.parameters()) - mtp - table
 
 
-def test_prefill_bench_flops(tmp_path):
+@pytest.mark.parametrize("kv_format", ["int8", "rk4p"])  # rk4p: staged sink and newest pages
+def test_prefill_bench_flops(tmp_path, kv_format):
     out = tmp_path / "prefill.json"
     assert prefill.main(["--model", "tiny-llama", "--tokens", "48", "--chunk", "16",
-                         "--repeats", "1", "--json", str(out)]) == 0
+                         "--kv-format", kv_format, "--repeats", "1", "--json", str(out)]) == 0
     r = json.loads(out.read_text())["results"][0]
     loaded = load_model("tiny-llama", progress=False)
     c = loaded.config
