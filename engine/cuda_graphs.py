@@ -40,10 +40,9 @@ from engine.kv.attention import AttentionMetadata, tiles_for
 from engine.model import CausalLM
 
 # Every batch size has its own graph (they share one memory pool), so no batch
-# is padded by default: on the H200 (2026-12-01) replays of a padded bucket
-# disagreed with the eager step (tests/test_cuda_graphs.py, 3 sequences in a
-# bucket of 4) while exact buckets matched; the padding path stays for custom
-# buckets until that is understood (BENCHMARKS.md).
+# is padded by default. Padded buckets (custom ones) replay correctly in bf16
+# on the H200 (2026-12-01, 23:32 UTC); the disagreement first blamed on
+# padding was the fp32 replay question of BENCHMARKS.md, exact buckets too.
 DEFAULT_BUCKETS = tuple(range(1, 33))
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
 
