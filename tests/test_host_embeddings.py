@@ -66,3 +66,17 @@ def test_a_tied_table_cannot_go_to_the_host(tmp_path, capsys):
     assert "ties its token table" in capsys.readouterr().err
     assert tandem_main(["plan", "--embeddings", "auto", "--gpu-memory-budget", "24GiB"]) == 0
     assert "token table" not in capsys.readouterr().out
+
+
+def test_cli_offers_exactly_the_stores_embedding_places():
+    """tandem/cli.py spells the choices out to keep its imports light; they
+    must stay the store's own list."""
+    import argparse
+
+    from kvstore.memory import EMBEDDING_PLACES
+    from tandem.cli import _add_embeddings_flag
+
+    parser = argparse.ArgumentParser()
+    _add_embeddings_flag(parser)
+    action = next(a for a in parser._actions if a.dest == "embeddings")
+    assert tuple(action.choices) == EMBEDDING_PLACES and action.default in EMBEDDING_PLACES
