@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
+from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
 from engine.streams import worker_stream
@@ -237,6 +238,9 @@ async def _main(args) -> None:
     share_cpu_with_the_other_worker()
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
+    # a process-wide setting, so the process's main makes it: every service
+    # process's CUDA context is planned with the trimmed stack (kvstore/plan.py)
+    trim_stack_reservation(store.device)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
     spec = store.info.speculative  # the store laid out its memory (MTP KV, spare slots)
     scheduler = DecodeScheduler(store.model, store.cache, ReservedPagesOnly(), max_batch=args.max_batch,

@@ -30,7 +30,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.cache import CacheShape, PagedKVCache
 from engine.kv.open_pages import open_staging_per_sequence, sink_pages
 from engine.config import ModelConfig
-from engine.cuda_context import trim_stack_reservation
 from engine.errors import TandemError
 from engine.model import CausalLM
 from engine.speculative import SpeculativeConfig
@@ -201,12 +200,16 @@ class StoreClient:
     def _map_memory(self) -> None:
         info = self.info
         self.arenas = open_arenas(info.arenas, info.store_pid)
-        trim_stack_reservation(self.arenas.weights.buffer.device)
         self.model = model_on_arena(info.config, self.arenas, info.dtype, info.model_id)
         self.cache = cache_on_arenas(info.config, info.cache_shape, info.kv_format.build(),
                                      self.arenas)
 
     # ----------------------------------------------------------- control
+
+    @property
+    def device(self) -> torch.device:
+        """Where the mapped weights (and so this worker's compute) live."""
+        return self.arenas.weights.buffer.device
 
     def match(self, tokens: Sequence[int], cache_salt: str = "", lock: bool = False) -> MatchResult:
         r = self._call(self._stub.Match, pb.MatchRequest(

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.streams import worker_stream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
@@ -157,6 +158,9 @@ async def _main(args) -> None:
     share_cpu_with_the_other_worker()
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS)
+    # a process-wide setting, so the process's main makes it: every service
+    # process's CUDA context is planned with the trimmed stack (kvstore/plan.py)
+    trim_stack_reservation(store.device)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
     link, ready, close_link = _transfer_link(args, store)
     service = PrefillService(store, args.chunk, link)
