@@ -169,9 +169,15 @@ def _time_gemv(x, copies, config=None, calls: int = 16) -> float:
     return _time_graph(fns)
 
 
-def gemv_rows(rows_list, device, bandwidth: float) -> list[dict]:
+def selected_shapes(only: list[str] | None) -> list[tuple[str, object, int, int, int]]:
+    """model_shapes(), or those whose matrix name is in `only`."""
+    shapes = model_shapes()
+    return shapes if not only else [s for s in shapes if s[0] in only]
+
+
+def gemv_rows(rows_list, device, bandwidth: float, only: list[str] | None = None) -> list[dict]:
     out = []
-    for name, fmt, n, k, per_step in model_shapes():
+    for name, fmt, n, k, per_step in selected_shapes(only):
         copies = _copies(fmt, n, k, device)
         qt = copies[0]
         for rows in rows_list:
@@ -185,7 +191,7 @@ def gemv_rows(rows_list, device, bandwidth: float) -> list[dict]:
     return out
 
 
-def sweep(rows_list, device, bandwidth: float) -> list[dict]:
+def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None) -> list[dict]:
     """Every candidate config (x split-K 1/2/4/8) on every shape; the best
     block config is then retried with 1, 3 and 4 stages."""
     from dataclasses import replace
@@ -195,7 +201,7 @@ def sweep(rows_list, device, bandwidth: float) -> list[dict]:
 
     sms = _sm_count(device)
     results = []
-    for name, fmt, n, k, per_step in model_shapes():
+    for name, fmt, n, k, per_step in selected_shapes(only):
         copies = _copies(fmt, n, k, device)
         qt = copies[0]
         for rows in rows_list:
@@ -319,8 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=16, help="0 skips the 27B decode")
     p.add_argument("--sweep", action="store_true",
                    help="time every candidate GEMV config per shape and print the best")
+    p.add_argument("--only", nargs="+", default=None, metavar="MATRIX",
+                   help="time only these matrices (names as printed, e.g. gate_up 'attn qkv')")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    known = {s[0] for s in model_shapes()}
+    if args.only and not set(args.only) <= known:
+        print(f"--only takes matrix names among {sorted(known)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench.quant needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -330,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     bandwidth = _copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
-    rows = gemv_rows(args.rows, device, bandwidth)
+    rows = gemv_rows(args.rows, device, bandwidth, args.only)
     print_table("W4A16/W8A16 GEMV, Qwen3.5-27B shapes (picked configs)",
                 ["matrix", "format", "N", "K", "rows", "us", "floor_us", "roofline"],
                 [[r["matrix"], r["format"], r["N"], r["K"], r["rows"], f"{r['us']:.1f}",
@@ -342,13 +354,13 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["matrix"], r["rows"], f"{r['merged_us']:.1f}", f"{r['parts_us']:.1f}",
                   r["launches_replaced"], f"{100 * r['merged_roofline']:.0f}%",
                   f"{r['saved_ms_per_step']:.2f}"] for r in merges])
-    for rr in sorted({r["rows"] for r in rows}):
+    for rr in sorted({r["rows"] for r in rows}) if not args.only else ():  # a whole step only
         sel = [r for r in rows if r["rows"] == rr]
         print(f"27B decode step, GEMVs only, rows={rr}: "
               f"{sum(r['per_step'] * r['us'] for r in sel) / 1e3:.2f} ms (floor "
               f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms, "
               f"{sum(r['per_step'] for r in sel)} launches)")
-    swept = sweep(args.rows, device, bandwidth) if args.sweep else None
+    swept = sweep(args.rows, device, bandwidth, args.only) if args.sweep else None
     if swept:
         print_sweep(swept)
     decode = decode_27b(args.decode_steps, device) if args.decode_steps else None

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What the next device session should run first (~9 min; carry .whl), in
+# order of what the open issues need:
+#  1. the prefill attention tiles for rk4 and rk4p pages (the 32K prefill with
+#     rk4 KV ran at 21% MFU against int8's 57%, 2026-12-01) and the prefill
+#     itself with rk4 / rk4p;
+#  2. the 27B decode step at 128K (issue 6's >= 75% of roofline) with int8
+#     and rk4p KV;
+#  3. the GEMV sweep on the merged shapes (gate_up, attn qkv, gdn in_proj), to
+#     fill engine/quant/gemv.py's TUNED for them.
+# Then, in a second call: KV=int8 and KV=rk4p bash scripts/device_service27b.sh
+# (agent loop and interference through the service, never run on the 27B).
+set -uo pipefail
+source scripts/device_env.sh
+M=qwen3.5-27b
+STEP_TAIL=40 step attention 150 python3 -m bench.attention --context 32768 --new 4096 \
+  --kv-format rk4 rk4p --json "$OUT/attention.json"
+for kv in rk4 rk4p; do
+  STEP_TAIL=6 step prefill_$kv 100 python3 -m bench.prefill --model $M --device cuda \
+    --kv-format $kv --tokens 4096 32768 --chunk 4096 --repeats 1 --json "$OUT/prefill_$kv.json"
+done
+for kv in int8 rk4p; do
+  STEP_TAIL=6 step decode128k_$kv 90 python3 -m bench.decode --model $M --device cuda \
+    --kv-format $kv --batch 1 --context 131072 --steps 16 --json "$OUT/decode128k_$kv.json"
+done
+STEP_TAIL=30 step sweep 180 python3 -m bench.quant --rows 1 4 --sweep --decode-steps 0 \
+  --only gate_up "gdn in_proj" "attn qkv" --json "$OUT/sweep.json"
