@@ -27,7 +27,7 @@ def _compile(config, bits: int, rows: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.quant.gemv import _gemv_dot_kernel, _gemv_kernel
+    from engine.quant.gemv import _gemv_dot_kernel, _gemv_kernel, _gemv_x8_kernel
 
     signature = dict(x_ptr="*bf16", qw_ptr="*i32", d_ptr="*fp16", sc_ptr="*i8",
                      dmin_ptr="*fp16", m_ptr="*i8", out_ptr="*bf16", bias_ptr="*bf16",
@@ -36,7 +36,12 @@ def _compile(config, bits: int, rows: int):
     group = 32 if bits == 4 else 16  # Q4_K, Q6_K
     constants = dict(BITS=bits, G=group, S=256, ASYM=bits == 4, HAS_BIAS=False,
                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=True)
-    if config.tensor_cores:
+    if config.int8_x:
+        kernel = _gemv_x8_kernel
+        for name in ("M", "stride_xm", "stride_om"):
+            del signature[name]
+        del constants["BITS"]
+    elif config.tensor_cores:
         kernel = _gemv_dot_kernel
         constants.update(IEEE=False)
     else:
@@ -105,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[4])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     args = p.parse_args(argv)
-    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES
+    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES
 
     table = []
     for bits in args.bits:
         for rows in args.rows:
-            for config in CANDIDATES + (DOT_CANDIDATES if rows > 1 else ()):
+            extra = DOT_CANDIDATES if rows > 1 else X8_CANDIDATES if bits == 4 else ()
+            for config in CANDIDATES + extra:
                 try:
                     table.append(describe(config, bits, rows))
                 except Exception as exc:  # report and go on: one config must not hide the rest

@@ -191,13 +191,16 @@ def gemv_rows(rows_list, device, bandwidth: float, only: list[str] | None = None
     return out
 
 
-def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None) -> list[dict]:
+def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
+          int8_x: bool = False) -> list[dict]:
     """Every candidate config (x split-K 1/2/4/8) on every shape; the best
-    block config is then retried with 1, 3 and 4 stages."""
+    block config is then retried with 1, 3 and 4 stages. int8_x: the
+    int8-activation configs too, where they apply (their numerics differ:
+    bench.int8_activations)."""
     from dataclasses import replace
 
-    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, _sm_count, pick_config,
-                                   rows_bucket)
+    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES, _sm_count,
+                                   pick_config, rows_bucket, takes_int8_x)
 
     sms = _sm_count(device)
     results = []
@@ -222,6 +225,8 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None) ->
             picked_s = timed[picked.key()][0] if picked.key() in timed else float("nan")
             # rows > 1: the CUDA-core loop pays per row, so only its middle sizes
             block_configs = CANDIDATES if rows == 1 else CANDIDATES[1:4] + DOT_CANDIDATES
+            if int8_x and takes_int8_x(qt, rows):
+                block_configs = block_configs + X8_CANDIDATES
             for cfg in block_configs:
                 for split in (1, 2, 4, 8):
                     if -(-n // cfg.block_n) * split > 64 * sms:
@@ -325,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=16, help="0 skips the 27B decode")
     p.add_argument("--sweep", action="store_true",
                    help="time every candidate GEMV config per shape and print the best")
+    p.add_argument("--int8-x", action="store_true",
+                   help="sweep the int8-activation (DP4A) configs too, for one row of 4-bit "
+                        "codes in groups of 32")
     p.add_argument("--only", nargs="+", default=None, metavar="MATRIX",
                    help="time only these matrices (names as printed, e.g. gate_up 'attn qkv')")
     p.add_argument("--json", default=None)
@@ -360,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(r['per_step'] * r['us'] for r in sel) / 1e3:.2f} ms (floor "
               f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms, "
               f"{sum(r['per_step'] for r in sel)} launches)")
-    swept = sweep(args.rows, device, bandwidth, args.only) if args.sweep else None
+    swept = sweep(args.rows, device, bandwidth, args.only, args.int8_x) if args.sweep else None
     if swept:
         print_sweep(swept)
     decode = decode_27b(args.decode_steps, device) if args.decode_steps else None

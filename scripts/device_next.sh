@@ -1,27 +1,18 @@
 #!/usr/bin/env bash
-# What the next device session should run first (~9 min; carry .whl), in
-# order of what the open issues need:
-#  1. the prefill attention tiles for rk4 and rk4p pages (the 32K prefill with
-#     rk4 KV ran at 21% MFU against int8's 57%, 2026-12-01) and the prefill
-#     itself with rk4 / rk4p;
-#  2. the 27B decode step at 128K (issue 6's >= 75% of roofline) with int8
-#     and rk4p KV;
-#  3. the GEMV sweep on the merged shapes (gate_up, attn qkv, gdn in_proj), to
-#     fill engine/quant/gemv.py's TUNED for them.
-# Then, in a second call: KV=int8 and KV=rk4p bash scripts/device_service27b.sh
-# (agent loop and interference through the service, never run on the 27B).
+# The next device session's first call (~8 min; carry .whl): the 4-bit GEMV,
+# issue 7's main lever. The int8-activation (DP4A) kernel's compiled tests;
+# the sweep of the merged and the largest shapes with the DP4A configs beside
+# the float ones (paste its TUNED lines into engine/quant/gemv.py; a DP4A
+# line changes numerics, measured on the CPU by bench.int8_activations: at
+# the level of bf16-vs-fp32 compute); the int4 decode step with and without
+# TANDEM_GEMV_INT8_X=1. Second call: scripts/device_next2.sh.
 set -uo pipefail
 source scripts/device_env.sh
-M=qwen3.5-27b
-STEP_TAIL=40 step attention 150 python3 -m bench.attention --context 32768 --new 4096 \
-  --kv-format rk4 rk4p --json "$OUT/attention.json"
-for kv in rk4 rk4p; do
-  STEP_TAIL=6 step prefill_$kv 100 python3 -m bench.prefill --model $M --device cuda \
-    --kv-format $kv --tokens 4096 32768 --chunk 4096 --repeats 1 --json "$OUT/prefill_$kv.json"
+step pytest_x8 90 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \
+  -k "int8_activ"
+STEP_TAIL=40 step sweep 240 python3 -m bench.quant --rows 1 4 --sweep --int8-x --decode-steps 0 \
+  --only gate_up down "gdn in_proj" "gdn out" "attn qkv" --json "$OUT/sweep.json"
+for x8 in 0 1; do
+  STEP_TAIL=4 step int4_step_x8_$x8 90 env TANDEM_GEMV_INT8_X=$x8 python3 -m bench.quant \
+    --rows 1 --only lm_head --decode-steps 16 --json "$OUT/int4_step_x8_$x8.json"
 done
-for kv in int8 rk4p; do
-  STEP_TAIL=6 step decode128k_$kv 90 python3 -m bench.decode --model $M --device cuda \
-    --kv-format $kv --batch 1 --context 131072 --steps 16 --json "$OUT/decode128k_$kv.json"
-done
-STEP_TAIL=30 step sweep 180 python3 -m bench.quant --rows 1 4 --sweep --decode-steps 0 \
-  --only gate_up "gdn in_proj" "attn qkv" --json "$OUT/sweep.json"

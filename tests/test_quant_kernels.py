@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K, TUNED,  # noqa: E402
-                               GemvConfig, check_gemv_layout, pick_config)
+                               GemvConfig, check_gemv_layout, gemv_x8_reference, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -61,6 +61,76 @@ def test_gemv_matches_reference(fmt, rows):
     out = torch.full((rows, qt.out_features), float("nan"), device=DEVICE)
     y = gemv(x, qt, out=out)
     assert y.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(y, _expected(x, qt), **_tolerance(torch.float32))
+
+
+# 4-bit formats with groups of 32, the int8-activation kernel's reach: Q4_K, Q4_1-like
+# (superblock = group, with a minimum), symmetric 4-bit
+X8_FORMATS = [(4, 32, 256, True), (4, 32, 32, True), (4, 32, 32, False)]
+
+
+def _activation_with_outliers(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g)
+    x[0, 3] = 40.0  # one group's scale set by an outlier, as real activations have
+    x[0, 64:96] = 0.0  # an all-zero group: scale 0, codes 0, no division by zero
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", X8_FORMATS, ids=["q4_k", "q4_1", "sym4"])
+@pytest.mark.parametrize("config", [GemvConfig(16, 256, 1, int8_x=True),
+                                    GemvConfig(8, 128, 3, int8_x=True)],
+                         ids=["even", "split3"])
+def test_int8_activation_gemv_matches_its_reference(fmt, config):
+    """The DP4A kernel (int8 activations per weight group) against its PyTorch
+    reference: N and K tails, split-K, bias, NaN-poisoned output."""
+    qt = random_quant(37, 768, *fmt, seed=11)
+    x = _activation_with_outliers(768, seed=12)
+    bias = torch.randn(37, device=DEVICE)
+    out = torch.full((1, 37), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, bias=bias, config=config)
+    expected = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE) + bias
+    assert not y.isnan().any()
+    scale = expected.abs().max()
+    torch.testing.assert_close(y / scale, expected / scale, rtol=0, atol=2e-6)
+
+
+def test_int8_activations_err_within_half_a_code_per_element():
+    """The reference's only error against the exact product: each activation
+    moves by at most half its group's step, so |err| <= sum over K of
+    |w| * step / 2 (a bound we derive, not the kernel's own output)."""
+    qt = random_quant(24, 512, 4, 32, 256, True, seed=5).to("cpu")
+    x = _activation_with_outliers(512, seed=6).cpu()
+    w = qt.dequantize(torch.float32)
+    exact = x @ w.t()
+    got = gemv_x8_reference(x, qt)
+    step = x.reshape(1, -1, 32).abs().amax(-1) / 127                     # [1, K/32]
+    bound = (w.abs().reshape(24, -1, 32).sum(-1) * step / 2).sum(-1)      # [24]
+    assert ((got - exact).abs()[0] <= bound * 1.001 + 1e-4).all()
+    assert (got - exact).abs().max() > 0  # it does quantize
+
+
+def test_int8_activation_switch_applies_to_picked_configs(monkeypatch):
+    """TANDEM_GEMV_INT8_X=1 (the A/B switch) turns the picked config's one-row
+    4-bit GEMVs into the DP4A kernel: its numbers, not the float kernel's."""
+    qt = random_quant(40, 512, 4, 32, 256, True, seed=9)
+    x = _activation_with_outliers(512, seed=10)
+    plain = gemv(x, qt)
+    monkeypatch.setenv("TANDEM_GEMV_INT8_X", "1")
+    switched = gemv(x, qt)
+    expected = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE)
+    scale = expected.abs().max()
+    torch.testing.assert_close(switched / scale, expected / scale, rtol=0, atol=2e-6)
+    assert (switched - plain).abs().max() > 1e-3 * scale  # the activations were quantized
+
+
+@pytest.mark.parametrize("fmt,rows", [((8, 16, 256, False), 1), ((4, 64, 64, True), 1),
+                                      ((4, 32, 256, True), 3)], ids=["q6_k", "gptq", "3rows"])
+def test_int8_activation_config_falls_back_outside_its_reach(fmt, rows):
+    """8-bit codes, groups other than 32 and several rows run the float kernel."""
+    qt = random_quant(24, 512, *fmt, seed=3)
+    x = torch.randn(rows, 512, device=DEVICE)
+    y = gemv(x, qt, config=GemvConfig(16, 256, 1, int8_x=True))
     torch.testing.assert_close(y, _expected(x, qt), **_tolerance(torch.float32))
 
 

@@ -399,6 +399,155 @@ def _gemv_dot_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, 
                       BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
 
 
+# ------------------------------------------------- int8 activations (dp4a)
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + sum over the four bytes of a (unsigned) times those of b (signed),
+    in int32: one DP4A on the GPU, byte by byte in the interpreter."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        total = c
+        for i in tl.static_range(4):
+            total += ((a >> (8 * i)) & 0xFF) * ((b << (24 - 8 * i)) >> 24)
+        return total
+
+
+@triton.jit
+def _pack_bytes(b0, b1, b2, b3):
+    """Four int32 values in -128..127 as the bytes of one int32, b0 lowest."""
+    return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | (b3 << 24)
+
+
+@triton.jit
+def _quantize_x(x_ptr, xoff, xmask, NG: tl.constexpr, WPG: tl.constexpr):
+    """The activation slice of a tile as int8 codes, one scale per weight
+    group: per word w (8 K-elements), the codes of its even elements packed
+    in one int32 and those of its odd elements in another (the order of the
+    word's low and high nibbles); per group the scale amax / 127 and the sum
+    of its codes. Codes are floor(x * 127 / amax + 0.5)."""
+    x0 = tl.load(x_ptr + xoff, mask=xmask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + xoff + 1, mask=xmask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + xoff + 2, mask=xmask, other=0.0).to(tl.float32)
+    x3 = tl.load(x_ptr + xoff + 3, mask=xmask, other=0.0).to(tl.float32)
+    x4 = tl.load(x_ptr + xoff + 4, mask=xmask, other=0.0).to(tl.float32)
+    x5 = tl.load(x_ptr + xoff + 5, mask=xmask, other=0.0).to(tl.float32)
+    x6 = tl.load(x_ptr + xoff + 6, mask=xmask, other=0.0).to(tl.float32)
+    x7 = tl.load(x_ptr + xoff + 7, mask=xmask, other=0.0).to(tl.float32)
+    word_max = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)),
+                                     tl.maximum(tl.abs(x2), tl.abs(x3))),
+                          tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)),
+                                     tl.maximum(tl.abs(x6), tl.abs(x7))))
+    amax = tl.max(tl.reshape(word_max, [NG, WPG]), axis=1)                    # [NG]
+    inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+    inv_w = tl.reshape(tl.broadcast_to(inv[:, None], [NG, WPG]), [NG * WPG])   # [BW]
+    q0 = tl.minimum(tl.maximum(tl.floor(x0 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q1 = tl.minimum(tl.maximum(tl.floor(x1 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q2 = tl.minimum(tl.maximum(tl.floor(x2 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q3 = tl.minimum(tl.maximum(tl.floor(x3 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q4 = tl.minimum(tl.maximum(tl.floor(x4 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q5 = tl.minimum(tl.maximum(tl.floor(x5 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q6 = tl.minimum(tl.maximum(tl.floor(x6 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q7 = tl.minimum(tl.maximum(tl.floor(x7 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    even = _pack_bytes(q0, q2, q4, q6)
+    odd = _pack_bytes(q1, q3, q5, q7)
+    word_sum = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
+    code_sum = tl.sum(tl.reshape(word_sum, [NG, WPG]), axis=1)               # [NG]
+    return even, odd, amax * (1.0 / 127.0), code_sum
+
+
+@triton.jit
+def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ASM: tl.constexpr):
+    """One activation row, 4-bit codes, int8 activations: per word, the low
+    nibbles (its even K-elements) and the high ones (odd) each meet their
+    activation codes in one DP4A, ~0.7 instructions per weight against the
+    float loop's ~4.5 (bench.gemv_sass), so the loop stops being issue
+    bound. Per group: s * sx * dot - b * sx * sum(codes) in fp32."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    WPG: tl.constexpr = G // 8
+    NG: tl.constexpr = BLOCK_K // G
+    BW: tl.constexpr = BLOCK_K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    n_safe = tl.minimum(offs_n, N - 1)
+    wi = tl.arange(0, BW)
+    w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
+    acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+    for tile in range(0, TILES):
+        tile_id = pid_k * TILES + tile
+        w_ids = tile_id * BW + wi
+        w_ok = w_ids < ROW_WORDS
+        words, d, sc, dmin, m = _tile_loads(
+            qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, True,
+            ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
+        even, odd, x_scale, code_sum = _quantize_x(x_ptr, w_ids * 8, w_ok, NG, WPG)
+        low = words & 0x0F0F0F0F
+        high = (words >> 4) & 0x0F0F0F0F
+        dot = _dp4a(high, odd[None, :], _dp4a(low, even[None, :], 0, ASM), ASM)   # [BN, BW]
+        group_dot = tl.sum(tl.reshape(dot, [BLOCK_N, NG, WPG]), axis=2)           # [BN, NG]
+        part = group_dot.to(tl.float32) * (d.to(tl.float32) * sc.to(tl.float32)) \
+            * x_scale[None, :]
+        if ASYM:
+            part -= dmin.to(tl.float32) * m.to(tl.float32) \
+                * (code_sum.to(tl.float32) * x_scale)[None, :]
+        acc += part
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid_k * stride_os + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_x8_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                    N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                    G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ASM: tl.constexpr):
+    _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM)
+
+
+@triton.jit
+def _gemv_x8_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
+                                bias_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS,
+                                TILES: tl.constexpr,
+                                G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """The same with a constant TILES (the interpreter's loops)."""
+    _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
+                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM)
+
+
+def quantize_activations_reference(x: torch.Tensor, group: int
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8-valued codes [M, K] as float, scales [M, K / group]):
+    what _quantize_x computes, one scale (amax / 127) per group."""
+    xg = x.float().reshape(x.shape[0], -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, 1.0), 0.0)
+    codes = torch.floor(xg * inv + 0.5).clamp(-127, 127)
+    return codes.reshape(x.shape), (amax * (1.0 / 127.0)).squeeze(-1)
+
+
+def gemv_x8_reference(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
+    """The int8-activation GEMV in PyTorch (fp32): x quantized per weight
+    group, then the exact weight dequantization against the codes."""
+    codes, scales = quantize_activations_reference(x, qt.group)
+    x_dq = (codes.reshape(x.shape[0], -1, qt.group) * scales[..., None]).reshape(x.shape)
+    return x_dq @ qt.dequantize(torch.float32).t()
+
+
 @triton.jit
 def _split_k_sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, stride_ps, stride_om,
                         SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
@@ -428,6 +577,7 @@ class GemvConfig:
     num_stages: int = 2
     tensor_cores: bool = False  # the tl.dot kernel (rows padded to 16): for rows >= 2
     prefetch: bool = False      # CUDA-core kernel: load tile i+1 before computing tile i
+    int8_x: bool = False        # one row, 4-bit codes, groups of 32: int8 activations, DP4A
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -438,7 +588,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig split_k and num_stages must be >= 1, got {self}")
 
     def key(self) -> str:
-        return (f"{'tc-' if self.tensor_cores else ''}n{self.block_n}-k{self.block_k}"
+        return (f"{'tc-' if self.tensor_cores else ''}{'x8-' if self.int8_x else ''}"
+                f"n{self.block_n}-k{self.block_k}"
                 f"-s{self.split_k}-w{self.num_warps}-p{self.num_stages}"
                 f"{'-pf' if self.prefetch else ''}")
 
@@ -451,6 +602,11 @@ CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
                                           (32, 1024, 4, False), (32, 1024, 8, False),
                                           (64, 1024, 8, False), (32, 512, 4, True),
                                           (16, 1024, 4, True), (32, 1024, 4, True)))
+# The int8-activation (DP4A) kernel's, timed for one row of 4-bit codes in
+# groups of 32; not picked by the heuristic until the H200 has timed them.
+X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True)
+                      for bn, bk, nw in ((16, 512, 4), (32, 512, 4), (32, 1024, 4),
+                                         (64, 1024, 8), (64, 512, 4)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -561,6 +717,20 @@ def check_gemv_layout(qt: QuantTensor) -> None:
                          f"of {qt.describe()} does not hold whole words")
 
 
+def int8_x_forced() -> bool:
+    """TANDEM_GEMV_INT8_X=1 runs every one-row 4-bit GEMV the kernel can take
+    with int8 activations (read per call; inside a CUDA graph, at capture):
+    the A/B switch until the H200 has timed it and TUNED names it."""
+    import os
+    return os.environ.get("TANDEM_GEMV_INT8_X", "0") not in ("", "0")
+
+
+def takes_int8_x(qt: QuantTensor, rows: int) -> bool:
+    """The int8-activation kernel's reach: one row, 4-bit codes in groups of
+    32 (Q4_K, Q4_0, Q4_1); elsewhere an int8_x config runs the float kernel."""
+    return rows == 1 and qt.bits == 4 and qt.group == 32
+
+
 def _words(qt: QuantTensor) -> torch.Tensor:
     q = qt.qweight
     if q.storage_offset() * q.element_size() % 4 or q.stride(0) % 4:
@@ -585,6 +755,8 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     x = x if x.stride(-1) == 1 else x.contiguous()
     if config is None:
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
+        if int8_x_forced() and takes_int8_x(qt, m_rows):
+            config = replace(config, int8_x=True, tensor_cores=False)
     if block_n or block_k or split_k:
         config = replace(config, block_n=block_n or config.block_n,
                          block_k=block_k or config.block_k, split_k=split_k or config.split_k)
@@ -609,15 +781,19 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     dmin = qt.dmin if qt.asymmetric else qt.d  # never read when symmetric
     m = qt.m if qt.asymmetric else qt.sc
     has_bias = bias is not None and split == 1
-    args = (x, _words(qt), qt.d, qt.sc, dmin, m, target, bias if has_bias else x,
-            m_rows, n_dim, x.stride(0), stride_os, target.stride(-2),
-            k_dim // codes_per_word, k_dim // qt.group, k_dim // qt.superblock, tiles_per_split)
+    pointers = (x, _words(qt), qt.d, qt.sc, dmin, m, target, bias if has_bias else x)
+    sizes = (k_dim // codes_per_word, k_dim // qt.group, k_dim // qt.superblock, tiles_per_split)
+    args = (*pointers, m_rows, n_dim, x.stride(0), stride_os, target.stride(-2), *sizes)
     grid = (triton.cdiv(n_dim, block_n), split)
     common = dict(BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
                   HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
                   ASM=not _interpreting(), num_warps=config.num_warps,
                   num_stages=config.num_stages)
-    if config.tensor_cores:
+    if config.int8_x and takes_int8_x(qt, m_rows):
+        kernel = _gemv_x8_kernel_interpreted if _interpreting() else _gemv_x8_kernel
+        kernel[grid](*pointers, n_dim, stride_os, *sizes,
+                     **{k: v for k, v in common.items() if k != "BITS"})
+    elif config.tensor_cores:
         kernel = _gemv_dot_kernel_interpreted if _interpreting() else _gemv_dot_kernel
         kernel[grid](*args, IEEE=x.dtype == torch.float32 or _interpreting(), **common)
     else:
