@@ -18,6 +18,9 @@ Why it is shaped this way (Hopper, batch-1 decode is purely bandwidth bound):
   * every row of the batch is multiplied against the same loaded tile;
   * the grid is cdiv(N, BLOCK_N) x SPLIT_K programs; split-K partial sums are
     fp32 and one small second kernel adds them, casts and adds the bias.
+A config with int8_x (one row, 4-bit codes in groups of 32; opt-in with
+TANDEM_GEMV_INT8_X=1 until the H200 has timed it) quantizes the activation
+to int8 per group instead and multiplies with DP4A (`_gemv_x8_program`).
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from TUNED
 (filled from `python -m bench.quant --sweep` on the H200) or a heuristic.
 """
