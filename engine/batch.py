@@ -84,6 +84,8 @@ class ForwardBatch:
     offsets: list[int] = field(default_factory=list)  # seq i's tokens are [offsets[i], offsets[i+1])
     _attention: AttentionMetadata | None = field(default=None, repr=False)
     _gdn: GdnSlots | None = field(default=None, repr=False)
+    _row_sequences: torch.Tensor | None = field(default=None, repr=False)
+    _fresh: torch.Tensor | None = field(default=None, repr=False)
     # [T, H] the new tokens' embeddings, when the model looked them up before
     # the forward (a table in host memory: CausalLM.embed); None: the forward does
     input_embeds: torch.Tensor | None = None
@@ -140,6 +142,23 @@ class ForwardBatch:
             self._gdn = GdnSlots(self.state_slots, torch.tensor(
                 writes, dtype=torch.long, device=self.input_ids.device))
         return self._gdn
+
+    @property
+    def row_sequences(self) -> torch.Tensor:
+        """[T] int32: the sequence each row belongs to; built once, shared by all layers."""
+        if self._row_sequences is None:
+            counts = torch.tensor([len(s.tokens) for s in self.seqs])
+            self._row_sequences = torch.repeat_interleave(
+                torch.arange(len(self.seqs), dtype=torch.int32), counts).to(self.input_ids.device)
+        return self._row_sequences
+
+    @property
+    def fresh(self) -> torch.Tensor:
+        """[B] bool: sequences whose first new token is at position 0 (no state yet)."""
+        if self._fresh is None:
+            self._fresh = torch.tensor([s.start == 0 for s in self.seqs],
+                                       device=self.input_ids.device)
+        return self._fresh
 
     @property
     def num_tokens(self) -> int:

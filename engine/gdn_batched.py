@@ -99,14 +99,21 @@ def decode_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,
     return F.silu(y).to(mixed.dtype)
 
 
-def prefill_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: list[int],
-                 fresh: list[bool], offsets: list[int], weight: torch.Tensor) -> torch.Tensor:
-    """The prefill batch's conv + SiLU: one Triton launch (gdn_kernels.conv_chunk),
-    or its per-sequence PyTorch reference with TANDEM_FUSED_GDN=0."""
+def prefill_conv(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
+                 batch) -> torch.Tensor:
+    """The prefill batch's conv + SiLU: one Triton launch (gdn_kernels.conv_chunk)
+    over the ForwardBatch's device indices, or its per-sequence PyTorch
+    reference with TANDEM_FUSED_GDN=0."""
     from engine import gdn_kernels  # triton: imported only where it runs
 
-    run = gdn_kernels.conv_chunk if fused_enabled() else gdn_kernels.conv_chunk_reference
-    return run(mixed, windows, weight, offsets, slots, fresh)
+    slots = [seq.state_slot for seq in batch.seqs]
+    fresh = [seq.start == 0 for seq in batch.seqs]
+    if not fused_enabled():
+        return gdn_kernels.conv_chunk_reference(mixed, windows, weight, batch.offsets, slots,
+                                                fresh)
+    return gdn_kernels.conv_chunk(mixed, windows, weight, batch.row_sequences,
+                                  batch.attention.q_offsets, batch.positions,
+                                  batch.state_slots, batch.offsets, slots, fresh)
 
 
 def _initial_states(states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor):

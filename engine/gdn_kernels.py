@@ -153,14 +153,15 @@ def conv_step_reference(mixed, windows, weight, offsets, positions, in_slots, wr
 
 @triton.jit
 def _conv_chunk_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_stride_c,
-                       weight_ptr, out_ptr, row_seq_ptr, offsets_ptr, slots_ptr, fresh_ptr,
+                       weight_ptr, out_ptr, row_seq_ptr, offsets_ptr, slots_ptr, positions_ptr,
                        tokens, channels,
                        KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                        X_BF16: tl.constexpr, WIN_BF16: tl.constexpr, W_BF16: tl.constexpr):
     """One (row block, channel block) of a prefill batch: every row is one
     token, tap j reads the input K-1-j rows before it, from its own
     sequence's rows or, before the sequence's first new token, from the
-    sequence's conv window (zeros when fresh). Nothing is written to the
+    sequence's conv window (zeros when fresh: its first new token at
+    position 0, as in the conv step). Nothing is written to the
     windows here (rows of one sequence span programs, and all must read the
     old window): conv_chunk updates them afterwards."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -170,7 +171,7 @@ def _conv_chunk_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_st
     seq = tl.load(row_seq_ptr + rows, mask=r_ok, other=0)
     lo = tl.load(offsets_ptr + seq, mask=r_ok, other=0)
     slot = tl.load(slots_ptr + seq, mask=r_ok, other=0).to(tl.int64)
-    warm = tl.load(fresh_ptr + seq, mask=r_ok, other=1) == 0
+    warm = tl.load(positions_ptr + lo, mask=r_ok, other=0) > 0
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
     for j in tl.static_range(KERNEL):
         p = rows - lo - (KERNEL - 1) + j   # the tap's position among the sequence's new tokens
@@ -189,32 +190,28 @@ def _conv_chunk_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_st
 
 
 def conv_chunk(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
-               offsets: list[int], slots: list[int], fresh: list[bool],
-               block_t: int = 64, block_c: int = 128) -> torch.Tensor:
+               row_seq: torch.Tensor, seq_offsets: torch.Tensor, positions: torch.Tensor,
+               seq_slots: torch.Tensor, offsets: list[int], slots: list[int],
+               fresh: list[bool], block_t: int = 64, block_c: int = 128) -> torch.Tensor:
     """The prefill's conv + SiLU: mixed [T, C], sequence i owning rows
     [offsets[i], offsets[i+1]) and reading the window of slots[i] (zeros
     where fresh[i]); windows [S, C, K-1] then hold each sequence's last K-1
     inputs. One launch for the batch, instead of a cat, a conv and a SiLU per
-    sequence. Returns [T, C] in mixed's dtype."""
+    sequence. The device indices are the batch's, built once for all layers:
+    row_seq [T] int32 (each row's sequence), seq_offsets [B+1] int32,
+    positions [T] long, seq_slots [B] long; the host lists say the same for
+    the window update. Returns [T, C] in mixed's dtype."""
     tokens, channels = mixed.shape
     kernel = weight.shape[-1]
     if mixed.stride(1) != 1 or windows.stride(2) != 1 or not weight.is_contiguous():
         raise ValueError("conv_chunk needs unit-stride channels and windows, "
                          "and a contiguous weight")
-    device = mixed.device
-    counts = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
-    row_seq = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32),
-                                      torch.tensor(counts)).to(device)
-    as_device = dict(device=device)
-    offsets_t = torch.tensor(offsets[:-1], dtype=torch.int32).to(**as_device)
-    slots_t = torch.tensor(slots, dtype=torch.int64).to(**as_device)
-    fresh_t = torch.tensor(fresh, dtype=torch.int32).to(**as_device)
-    out = torch.empty(tokens, channels, dtype=mixed.dtype, device=device)
+    out = torch.empty(tokens, channels, dtype=mixed.dtype, device=mixed.device)
     (x, x_bf16), (win, win_bf16), (w, w_bf16) = map(_as_kernel, (mixed, windows, weight))
     grid = (triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))
     _conv_chunk_kernel[grid](
         x, mixed.stride(0), win, windows.stride(0), windows.stride(1), w, _as_kernel(out)[0],
-        row_seq, offsets_t, slots_t, fresh_t, tokens, channels,
+        row_seq, seq_offsets, seq_slots, positions, tokens, channels,
         KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c,
         X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16)
     _keep_last_inputs(mixed, windows, offsets, slots, fresh)

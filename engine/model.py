@@ -265,10 +265,8 @@ class GatedDeltaNet(nn.Module):
             fresh = batch.positions == 0
             conv_out = gdn_batched.decode_conv(mixed, windows, slots, fresh, weight)
         else:
-            fresh_host = [seq.start == 0 for seq in batch.seqs]
-            fresh = torch.tensor(fresh_host, device=mixed.device)
-            conv_out = gdn_batched.prefill_conv(mixed, windows, [s.state_slot for s in batch.seqs],
-                                                fresh_host, batch.offsets, weight)
+            fresh = batch.fresh
+            conv_out = gdn_batched.prefill_conv(mixed, windows, weight, batch)
         q, k, v = conv_out.split(self._split, dim=-1)
         q = q.view(tokens, self.num_k_heads, self.k_dim)
         k = k.view(tokens, self.num_k_heads, self.k_dim)

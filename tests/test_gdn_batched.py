@@ -2,22 +2,29 @@
 fla-core on CUDA when installed) against the model's per-sequence reference
 loop. On the CPU the batched layout runs with the PyTorch recurrences; on a
 CUDA machine with fla-core the same test checks fla's kernels."""
-import pytest
-import torch
+import os
 
-from engine import gdn_batched
-from engine.batch import ForwardBatch, SequenceInput
-from engine.cache import CacheShape, PagedKVCache
-from engine.kv import make_format
-from engine.loader import load_model
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the prefill conv kernel, on CPU tensors
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine import gdn_batched  # noqa: E402
+from engine.batch import ForwardBatch, SequenceInput  # noqa: E402
+from engine.cache import CacheShape, PagedKVCache  # noqa: E402
+from engine.kv import make_format  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 
 
-def run_steps(loaded, batched: bool, monkeypatch):
+def run_steps(loaded, batched: bool, monkeypatch, prefill_conv_kernel: bool = False):
     monkeypatch.setattr(gdn_batched, "use_batched_path", lambda x: batched)
-    # the unfused batched path under test (the fused one: tests/test_gdn_kernels.py)
-    monkeypatch.setenv("TANDEM_FUSED_GDN", "0")
+    # the unfused batched path under test (the fused steps: tests/test_gdn_kernels.py);
+    # the prefill conv kernel (gdn_kernels.conv_chunk) reads the batch's indices
+    monkeypatch.setenv("TANDEM_FUSED_GDN", "1" if prefill_conv_kernel else "0")
+    monkeypatch.setattr(gdn_batched, "use_fused_path", lambda x, batch: False)
     ids = [[(7 * i + 3) % 512 for i in range(40)], [(5 * i + 1) % 512 for i in range(25)],
            [(3 * i + 2) % 512 for i in range(9)]]
     cache = PagedKVCache(loaded.config, CacheShape(24, 8, 4), DEVICE,
@@ -41,10 +48,11 @@ def run_steps(loaded, batched: bool, monkeypatch):
     return torch.cat(out).float(), [s.clone() for s in cache.recurrent]
 
 
-def test_batched_gdn_matches_per_sequence_reference(monkeypatch):
+@pytest.mark.parametrize("prefill_conv_kernel", [False, True], ids=["torch-conv", "conv-kernel"])
+def test_batched_gdn_matches_per_sequence_reference(monkeypatch, prefill_conv_kernel):
     loaded = load_model("tiny-qwen3.5", device=DEVICE, dtype=torch.float32, seed=6)
     ref_logits, ref_states = run_steps(loaded, False, monkeypatch)
-    logits, states = run_steps(loaded, True, monkeypatch)
+    logits, states = run_steps(loaded, True, monkeypatch, prefill_conv_kernel)
     # CUDA: fla's kernels and tf32 attention dots; the CPU fallback is the same math
     tol = dict(rtol=1e-2, atol=1e-2) if DEVICE == "cuda" \
         else dict(rtol=1e-4, atol=1e-4)

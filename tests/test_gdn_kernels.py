@@ -125,8 +125,14 @@ def test_conv_chunk_matches_reference(dtype):
     ref_windows = windows.clone().cpu()
     ref = gdn_kernels.conv_chunk_reference(mixed.cpu(), ref_windows, weight.cpu(), offsets,
                                            slots, fresh)
-    got = gdn_kernels.conv_chunk(mixed, windows, weight, offsets, slots, fresh,
-                                 block_t=16, block_c=64)
+    # the batch's device indices, as ForwardBatch builds them (starts: 5, 0, 9, 2)
+    starts = [5, 0, 9, 2]
+    row_seq = torch.repeat_interleave(torch.arange(4, dtype=torch.int32), torch.tensor(counts))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+    got = gdn_kernels.conv_chunk(
+        mixed, windows, weight, row_seq.to(DEVICE),
+        torch.tensor(offsets, dtype=torch.int32, device=DEVICE), positions.to(DEVICE),
+        torch.tensor(slots, device=DEVICE), offsets, slots, fresh, block_t=16, block_c=64)
     assert not got.isnan().any()
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.float().cpu(), ref.float().cpu(), **tol)
@@ -252,7 +258,7 @@ for t in (1, 4):
         assert compiled.asm["cubin"], kernel
 CHUNK = dict(mixed_ptr="*i16", mixed_stride="i32", windows_ptr="*fp32", w_stride_slot="i32",
              w_stride_c="i32", weight_ptr="*i16", out_ptr="*i16", row_seq_ptr="*i32",
-             offsets_ptr="*i32", slots_ptr="*i64", fresh_ptr="*i32", tokens="i32",
+             offsets_ptr="*i32", slots_ptr="*i64", positions_ptr="*i64", tokens="i32",
              channels="i32")
 consts = dict(KERNEL=4, BLOCK_T=64, BLOCK_C=128, X_BF16=True, WIN_BF16=False, W_BF16=True)
 compiled = triton.compile(ASTSource(fn=G._conv_chunk_kernel,
