@@ -46,19 +46,27 @@ def main(argv: list[str] | None = None) -> int:
     return run_against_service(parser().parse_args(argv), run)
 
 
+def chars_per_token(svc: Service) -> float:
+    """Characters per token of this model's tokenizer on the loop's text,
+    from a probe request (whose prefill also pays the server's first-use
+    compilation before turn 1 is timed). Models differ by 4x: the dummy
+    27B's byte-level tokenizer against a BPE one."""
+    text = user_text(0, min(4096, svc.max_context_tokens // 2))  # fits at a char a token
+    probe = svc.generate(messages=[("user", text)], max_new_tokens=1)
+    return max(1.0, len(text) / max(1, probe.prompt_tokens))
+
+
 def run(svc: Service, args) -> dict:
     """The loop against a running service; prints the table, returns the JSON."""
     turns, rows = [], []
     messages: list[tuple[str, str]] = []
-    chars_per_token = 4.0
+    per_token = chars_per_token(svc)
     reusable = 0
     first = args.first_turn_tokens or args.new_tokens
     for turn in range(1, args.turns + 1):
         tokens = first if turn == 1 else args.new_tokens
-        messages.append(("user", user_text(turn, int(tokens * chars_per_token))))
+        messages.append(("user", user_text(turn, int(tokens * per_token))))
         r = svc.generate(messages=messages, max_new_tokens=args.output_tokens)
-        if turn == 1:  # calibrate text length to the tokenizer
-            chars_per_token = max(1.0, len(messages[0][1]) / max(1, r.prompt_tokens))
         ratio = min(1.0, r.cached_tokens / reusable) if reusable else None
         turns.append({"turn": turn, "prompt_tokens": r.prompt_tokens,
                       "cached_tokens": r.cached_tokens, "reusable_tokens": reusable,

@@ -246,7 +246,7 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
                             "picked_us": picked_s * 1e6, "best": best.key(),
                             "best_config": [best.block_n, best.block_k, best.split_k,
                                             best.num_warps, best.num_stages,
-                                            best.tensor_cores, best.prefetch],
+                                            best.tensor_cores, best.prefetch, best.int8_x],
                             "best_us": best_s * 1e6, "best_roofline": floor / best_s,
                             "top5": [[c.key(), t * 1e6] for t, c in ranked[:5]],
                             "best_cuda_cores": [cuda_cores[0][1].key(), cuda_cores[0][0] * 1e6]
@@ -265,8 +265,9 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
 
 
 def _tuned_line(r: dict) -> str:
-    bn, bk, sk, nw, ns, tc, pf = r["best_config"]
-    flags = (", tensor_cores=True" if tc else "") + (", prefetch=True" if pf else "")
+    bn, bk, sk, nw, ns, tc, pf, x8 = r["best_config"]
+    flags = (", tensor_cores=True" if tc else "") + (", prefetch=True" if pf else "") + \
+        (", int8_x=True" if x8 else "")
     return (f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
             f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{flags}),"
             f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "

@@ -49,6 +49,7 @@ class Service:
                  max_context_tokens: int = 8192, prefill_chunk: int = 512,
                  gpu_memory_budget: str | None = None, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
+        self.max_context_tokens = max_context_tokens
         self.cmd = [sys.executable, "-m", "tandem.cli", "serve", "--device", device,
                     "--kv-format", kv_format, "--grpc-port", str(self.port),
                     "--metrics-port", str(free_port()), "--http-port", "0",

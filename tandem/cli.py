@@ -190,6 +190,12 @@ def _add_serve(sub) -> None:
     _add_embeddings_flag(p)
     p.add_argument("--max-batch", type=int, default=16, help="decode batch size")
     p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    p.add_argument("--prefill-sm-percent", type=int, default=None,
+                   help="under CUDA MPS (a running nvidia-cuda-mps-control -d): the share of "
+                        "the GPU's SMs the prefill worker may fill (its "
+                        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that decode steps find SMs "
+                        "free while a long prompt prefills; no effect without MPS "
+                        "(docs/ARCHITECTURE.md, sharing one GPU)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode steps eagerly instead of replaying CUDA graphs (GPU only)")
     p.add_argument("--gpu-memory-budget", default=None,
@@ -264,7 +270,8 @@ def serve_specs(args, socket_dir: str) -> list:
     # The kvstore loads the weights (minutes for a large GGUF); workers map them.
     specs = [
         ProcessSpec("kvstore", kvstore, f"unix://{sock['kvstore']}", False, start_timeout_s=900),
-        ProcessSpec("prefill", prefill, f"unix://{sock['prefill']}", True, start_timeout_s=300),
+        ProcessSpec("prefill", prefill, f"unix://{sock['prefill']}", True, start_timeout_s=300,
+                    env=_prefill_env(args)),
         ProcessSpec("decode", decode, f"unix://{sock['decode']}", True, start_timeout_s=300),
         ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
                     start_timeout_s=120),
@@ -272,10 +279,18 @@ def serve_specs(args, socket_dir: str) -> list:
     return specs + _gateway_specs(args)
 
 
+def _prefill_env(args) -> tuple[tuple[str, str], ...]:
+    share = getattr(args, "prefill_sm_percent", None)
+    return () if share is None else (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(share)),)
+
+
 def _check_serve_flags(args) -> None:
     if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
         raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
                           "and differ from --grpc-port")
+    share = getattr(args, "prefill_sm_percent", None)
+    if share is not None and not 1 <= share <= 100:
+        raise TandemError(f"--prefill-sm-percent must be in 1..100, got {share}")
     if not 1 <= args.draft_tokens <= _MAX_DRAFT_TOKENS:
         raise TandemError(f"--draft-tokens must be in 1..{_MAX_DRAFT_TOKENS}, got "
                           f"{args.draft_tokens}")

@@ -213,3 +213,60 @@ def test_model_forward_with_kernels_matches_reference_path(name):
             for step in steps])
     assert not logits[True].isnan().any()
     torch.testing.assert_close(logits[True], logits[False], **tolerance(torch.float32))
+
+
+def _poisoned_workspace(shape, device):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+
+def _run_dense_prefill(monkeypatch, fmt, buffers, q, meta, rotary=None):
+    """paged_attention's dispatch on a bf16 prefill chunk, with the workspace
+    NaN-poisoned and reads in one-page slices; returns (output, dense calls)."""
+    from engine.kv import attention
+
+    calls = []
+    dense = attention.dense_prefill_attention
+    monkeypatch.setattr(attention, "workspace", _poisoned_workspace)
+    monkeypatch.setattr(attention, "DENSE_READ_SLICE_TOKENS", 1)
+    monkeypatch.setattr(attention, "dense_prefill_attention",
+                        lambda *a, **kw: calls.append(1) or dense(*a, **kw))
+    scale = q.shape[-1] ** -0.5
+    out = paged_attention(fmt, buffers, q, meta, scale, use_triton=True, rotary=rotary)
+    return out, len(calls)
+
+
+@pytest.mark.parametrize("name, options", FORMATS[2:], ids=FORMAT_IDS[2:])
+def test_dense_prefill_chunks_match_reference(name, options, monkeypatch):
+    """Prefill chunks over quantized pages go through the bf16 workspace (the
+    padding between sequences left NaN) and the bf16-page kernel, within
+    bf16 tolerance of the reference; TANDEM_PREFILL_ATTENTION=paged keeps
+    the in-kernel dequantization."""
+    fmt = make_format(name, **options)
+    seqs = [(0, 21), (35, 20), (18, 1)]  # 21 new tokens > PREFILL_DOT_BF16_FROM
+    buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=3, head_dim=32,
+                                  page_size=16, q_dtype=torch.bfloat16, seed=41)
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, q.shape[-1] ** -0.5)
+    actual, dense_calls = _run_dense_prefill(monkeypatch, fmt, buffers, q, meta)
+    assert dense_calls == 1 and actual.dtype == torch.bfloat16 and not actual.isnan().any()
+    torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+    assert (actual.float() - expected).abs().mean() < 4e-3
+    monkeypatch.setenv("TANDEM_PREFILL_ATTENTION", "paged")
+    assert _run_dense_prefill(monkeypatch, fmt, buffers, q, meta)[1] == 0
+
+
+def test_dense_prefill_over_rk4p_pages_applies_rope_to_keys(monkeypatch):
+    """rk4p stores K before RoPE and keeps staging pages in bf16: the
+    workspace gets the keys rotated at their positions, slice by slice."""
+    from tests.test_attention_rk4p import build_case as build_rk4p_case
+    from tests.test_attention_rk4p import rotary_of
+
+    fmt, buffers, q, meta = build_rk4p_case([(40, 24), (70, 17)], q_heads=4, kv_heads=2,
+                                            head_dim=32, staged_pages=1, seed=5, sink=True)
+    q = q.to(torch.bfloat16)
+    rotary = rotary_of(32, 16)
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, 32 ** -0.5,
+                                         rotary=rotary)
+    actual, dense_calls = _run_dense_prefill(monkeypatch, fmt, buffers, q, meta, rotary)
+    assert dense_calls == 1 and not actual.isnan().any()
+    torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+    assert (actual.float() - expected).abs().mean() < 4e-3

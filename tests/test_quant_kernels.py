@@ -30,6 +30,13 @@ FORMATS = [(4, 32, 256, True), (8, 16, 256, False), (8, 32, 32, False), (4, 64, 
 FORMAT_IDS = ["q4_k", "q6_k", "q8_0", "gptq", "q5_k"]
 
 
+@pytest.fixture(autouse=True)
+def _float_activations_unless_a_test_asks(monkeypatch):
+    """The float kernels' tests compare at fp32 tolerance: unset, their one-row
+    4-bit GEMVs would pick the DP4A kernel, whose tests unset this."""
+    monkeypatch.setenv("TANDEM_GEMV_INT8_X", "0")
+
+
 def random_quant(n: int, k: int, bits: int, group: int, superblock: int, asym: bool,
                  seed: int = 0) -> QuantTensor:
     g = torch.Generator().manual_seed(seed)
@@ -110,18 +117,44 @@ def test_int8_activations_err_within_half_a_code_per_element():
     assert (got - exact).abs().max() > 0  # it does quantize
 
 
-def test_int8_activation_switch_applies_to_picked_configs(monkeypatch):
-    """TANDEM_GEMV_INT8_X=1 (the A/B switch) turns the picked config's one-row
-    4-bit GEMVs into the DP4A kernel: its numbers, not the float kernel's."""
+def test_picked_one_row_4bit_configs_take_int8_activations_and_the_switch_turns_them_off(
+        monkeypatch):
+    """Unset, a one-row 4-bit GEMV in groups of 32 runs the DP4A kernel (the
+    picked config, TUNED or heuristic); TANDEM_GEMV_INT8_X=0 gives the float
+    kernel's numbers, =1 forces DP4A onto a config that does not name it."""
     qt = random_quant(40, 512, 4, 32, 256, True, seed=9)
     x = _activation_with_outliers(512, seed=10)
-    plain = gemv(x, qt)
-    monkeypatch.setenv("TANDEM_GEMV_INT8_X", "1")
-    switched = gemv(x, qt)
     expected = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE)
     scale = expected.abs().max()
-    torch.testing.assert_close(switched / scale, expected / scale, rtol=0, atol=2e-6)
-    assert (switched - plain).abs().max() > 1e-3 * scale  # the activations were quantized
+    monkeypatch.delenv("TANDEM_GEMV_INT8_X", raising=False)
+    assert pick_config(4, 40, 512, 1, 32, 132).int8_x
+    picked = gemv(x, qt)
+    torch.testing.assert_close(picked / scale, expected / scale, rtol=0, atol=2e-6)
+    monkeypatch.setenv("TANDEM_GEMV_INT8_X", "0")
+    plain = gemv(x, qt)
+    torch.testing.assert_close(plain, _expected(x, qt), **_tolerance(torch.float32))
+    assert (picked - plain).abs().max() > 1e-3 * scale  # the activations were quantized
+    monkeypatch.setitem(TUNED, (4, 32, 40, 512, 1), GemvConfig(16, 256, 1))  # a float config
+    monkeypatch.setenv("TANDEM_GEMV_INT8_X", "1")
+    forced = gemv(x, qt)
+    torch.testing.assert_close(forced / scale, expected / scale, rtol=0, atol=2e-6)
+
+
+def test_heuristic_picks_dp4a_for_the_27b_one_row_shapes(monkeypatch):
+    """Untuned, the heuristic lands on the block shape the H200 sweep found
+    best for every merged 27B projection (TUNED's int8_x entries)."""
+    tuned = {key: cfg for key, cfg in TUNED.items() if cfg.int8_x}
+    assert len(tuned) >= 5
+    monkeypatch.setattr("engine.quant.gemv.TUNED", {})
+    for (bits, group, n, k, _), cfg in tuned.items():
+        picked = pick_config(bits, n, k, 1, group, 132)
+        assert picked.int8_x and (picked.block_n, picked.block_k) == (cfg.block_n, cfg.block_k)
+
+
+def test_heuristic_keeps_float_activations_outside_the_dp4a_reach():
+    assert not pick_config(8, 40, 512, 1, 16, 132).int8_x      # Q6_K
+    assert not pick_config(4, 40, 512, 1, 128, 132).int8_x     # GPTQ groups of 128
+    assert not pick_config(4, 40, 512, 4, 32, 132).int8_x      # several rows
 
 
 @pytest.mark.parametrize("fmt,rows", [((8, 16, 256, False), 1), ((4, 64, 64, True), 1),
@@ -194,8 +227,10 @@ def test_gemv_rejects_what_it_cannot_run():
 
 
 def test_pick_config_fills_the_gpu(monkeypatch):
-    # the heuristic, for shapes the sweep has not tuned
+    # the heuristic, for shapes the sweep has not tuned, with float activations
+    # (the DP4A block shape, 32 x 1024, trades fill for half the instructions)
     monkeypatch.setattr("engine.quant.gemv.TUNED", {})
+    monkeypatch.setattr("engine.quant.gemv.ROW1_X8_SHAPES", ())
     sms = 132
     for n, k in ((17408, 5120), (5120, 17408), (5120, 6144), (1024, 5120), (48, 5120)):
         for rows in (1, 4, 8):

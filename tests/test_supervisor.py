@@ -389,6 +389,20 @@ def test_serve_specs_http_gateway_flags(monkeypatch):
             serve_specs(args, "/tmp/t")
 
 
+def test_prefill_sm_percent_reaches_only_the_prefill_worker_as_its_mps_share():
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--prefill-sm-percent", "60"])
+    specs = {s.name: s for s in serve_specs(args, "/tmp/t")}
+    assert specs["prefill"].env == (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "60"),)
+    assert all("CUDA_MPS" not in str(s.env) for n, s in specs.items() if n != "prefill")
+    unset = serve_specs(build_parser().parse_args(["serve", "--device", "cpu"]), "/tmp/t")
+    assert unset[1].env == ()
+    from engine.errors import TandemError
+    for bad in ("0", "101"):
+        args = build_parser().parse_args(["serve", "--device", "cpu", "--prefill-sm-percent", bad])
+        with pytest.raises(TandemError, match="--prefill-sm-percent"):
+            serve_specs(args, "/tmp/t")
+
+
 def test_serve_specs_passes_the_flags_through():
     args = build_parser().parse_args([
         "serve", "--model", "tiny-qwen3.5", "--host", "0.0.0.0", "--grpc-port", "6000",

@@ -43,6 +43,9 @@ class AttentionMetadata:
     host_kv_lens: list[int]
     page_tables: list[torch.Tensor] = field(default_factory=list)
     num_splits: int | None = None
+    # the same sequences over a dense workspace (dense_prefill_attention),
+    # built by the first layer that needs it
+    _workspace: "AttentionMetadata | None" = field(default=None, repr=False)
 
     @classmethod
     def build(cls, offsets: list[int], kv_lens: list[int], page_tables: list[torch.Tensor],
@@ -66,6 +69,26 @@ class AttentionMetadata:
     @property
     def is_decode(self) -> bool:
         return self.max_new_tokens == 1
+
+    def workspace_bases(self, page_size: int) -> list[int]:
+        """Where each sequence's keys start in a dense workspace that holds
+        them back to back, each from a page boundary; the last entry is the
+        workspace's size in tokens."""
+        bases = [0]
+        for kv_len in self.host_kv_lens:
+            bases.append(bases[-1] + -(-kv_len // page_size) * page_size)
+        return bases
+
+    def over_workspace(self, page_size: int) -> "AttentionMetadata":
+        """These queries and lengths over the dense workspace (workspace_bases)."""
+        if self._workspace is None:
+            bases = self.workspace_bases(page_size)
+            device = self.kv_lens.device
+            tables = [torch.arange(lo // page_size, hi // page_size, device=device)
+                      for lo, hi in zip(bases, bases[1:])]
+            self._workspace = AttentionMetadata.build(self.host_offsets, self.host_kv_lens,
+                                                      tables, device)
+        return self._workspace
 
 
 # ----------------------------------------------------------------- reference
@@ -217,14 +240,81 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     return out
 
 
+# ------------------------------------------------------- dense prefill chunks
+
+# Keys dequantized per step of dense_prefill_attention: bounds the reads'
+# fp32 temporaries (rk4p: ~5 x 4 bytes per element) whatever the context.
+DENSE_READ_SLICE_TOKENS = 8192
+
+
+def dense_prefill_wanted(fmt: KVFormat, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """A prefill chunk in bf16 over quantized pages, unless
+    TANDEM_PREFILL_ATTENTION=paged asks for the in-kernel dequantization."""
+    import os
+    return (q.dtype == torch.bfloat16 and not isinstance(fmt, Bf16Format)
+            and meta.max_new_tokens > PREFILL_DOT_BF16_FROM
+            and os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") != "paged")
+
+
+def dequantize_into(fmt: KVFormat, buffers: dict[str, torch.Tensor], pages: torch.Tensor,
+                    kv_len: int, k_out: torch.Tensor, v_out: torch.Tensor, rotary=None,
+                    slice_tokens: int | None = None) -> None:
+    """A sequence's first kv_len keys and values, in the model's space (RoPE
+    applied to K), into k_out / v_out [kv_len, H, D], a few pages at a time."""
+    page_size = next(iter(buffers.values())).shape[1]
+    step = max(1, (slice_tokens or DENSE_READ_SLICE_TOKENS) // page_size) * page_size
+    for lo in range(0, kv_len, step):
+        hi = min(kv_len, lo + step)
+        # RoPE runs in fp32 like the reference's; other formats read bf16
+        dtype = torch.float32 if fmt.k_pre_rope else torch.bfloat16
+        k, v = fmt.read(buffers, pages[lo // page_size:], hi - lo, dtype)
+        if fmt.k_pre_rope:
+            k = rotary.apply(k, *rotary.cos_sin(torch.arange(lo, hi, device=k.device),
+                                                torch.float32))
+        k_out[lo:hi] = k
+        v_out[lo:hi] = v
+
+
+def workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """bf16 scratch for dense_prefill_attention (a test poisons it)."""
+    return torch.empty(shape, dtype=torch.bfloat16, device=device)
+
+
+def dense_prefill_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
+                            meta: AttentionMetadata, softmax_scale: float,
+                            rotary=None) -> torch.Tensor:
+    """Attention of a prefill chunk over quantized pages, through a bf16
+    workspace: every sequence's keys dequantized once per layer, then the
+    bf16-page kernel (bf16 dots at 128 x 64 tiles). Dequantizing inside the
+    attention kernel instead repeats it for every 128-row block of queries
+    and, at head_dim 256, spills registers: on the H200 (27B shape, 32K
+    tokens, 2026-12-02) rk4 prefill ran at 21% MFU and rk4p at 3.5% against
+    int8's 57%. The workspace is one layer's K and V at the batch's length,
+    the plan's "one layer's K and V dequantized" (kvstore/plan.py)."""
+    _check_rotary(fmt, rotary)
+    page_size, kv_heads = next(iter(buffers.values())).shape[1:3]
+    bases = meta.workspace_bases(page_size)
+    shape = (bases[-1] // page_size, page_size, kv_heads, q.shape[-1])
+    k_ws, v_ws = workspace(shape, q.device), workspace(shape, q.device)
+    k_flat, v_flat = k_ws.view(-1, *shape[2:]), v_ws.view(-1, *shape[2:])
+    for base, pages, kv_len in zip(bases, meta.page_tables, meta.host_kv_lens):
+        dequantize_into(fmt, buffers, pages, kv_len, k_flat[base:base + kv_len],
+                        v_flat[base:base + kv_len], rotary)
+    return paged_attention_triton(Bf16Format(), {"k": k_ws, "v": v_ws}, q,
+                                  meta.over_workspace(page_size), softmax_scale)
+
+
 def paged_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                     meta: AttentionMetadata, softmax_scale: float | None = None,
                     use_triton: bool | None = None, rotary=None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the pages: the Triton kernels on CUDA
-    tensors, the PyTorch reference elsewhere (use_triton forces either).
+    tensors (prefill chunks over quantized pages through a dense bf16
+    workspace), the PyTorch reference elsewhere (use_triton forces either).
     rotary: the model's Rotary, needed by formats that store K before RoPE."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     choice = fmt.use_triton if use_triton is None else use_triton
     if (q.is_cuda if choice is None else choice):
+        if dense_prefill_wanted(fmt, q, meta):
+            return dense_prefill_attention(fmt, buffers, q, meta, scale, rotary=rotary)
         return paged_attention_triton(fmt, buffers, q, meta, scale, rotary=rotary)
     return paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)

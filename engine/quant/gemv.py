@@ -18,9 +18,11 @@ Why it is shaped this way (Hopper, batch-1 decode is purely bandwidth bound):
   * every row of the batch is multiplied against the same loaded tile;
   * the grid is cdiv(N, BLOCK_N) x SPLIT_K programs; split-K partial sums are
     fp32 and one small second kernel adds them, casts and adds the bias.
-A config with int8_x (one row, 4-bit codes in groups of 32; opt-in with
-TANDEM_GEMV_INT8_X=1 until the H200 has timed it) quantizes the activation
-to int8 per group instead and multiplies with DP4A (`_gemv_x8_program`).
+A config with int8_x (one row, 4-bit codes in groups of 32) quantizes the
+activation to int8 per group instead and multiplies with DP4A
+(`_gemv_x8_program`): on the H200 it beat the float kernel on every one-row
+Q4_K shape of the 27B (1.3-2.2x, 2026-12-02), so TUNED and the heuristic pick
+it there; TANDEM_GEMV_INT8_X=0 turns it off (=1 forces it).
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from TUNED
 (filled from `python -m bench.quant --sweep` on the H200) or a heuristic.
 """
@@ -608,7 +610,7 @@ CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
                                           (64, 1024, 8, False), (32, 512, 4, True),
                                           (16, 1024, 4, True), (32, 1024, 4, True)))
 # The int8-activation (DP4A) kernel's, timed for one row of 4-bit codes in
-# groups of 32; not picked by the heuristic until the H200 has timed them.
+# groups of 32.
 X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True)
                       for bn, bk, nw in ((16, 512, 4), (32, 512, 4), (32, 1024, 4),
                                          (64, 1024, 8), (64, 512, 4)))
@@ -619,23 +621,32 @@ DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
 
 # Tuned configs by (bits, group, N, K, rows bucket): paste the sweep's "TUNED"
 # lines here. rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
-# The H200 sweep of 2026-12-01 (BENCHMARKS.md, "decode step profile"); gdn out
-# and attn o share a shape, the faster of the two is kept.
+# The merged projections (gate_up, gdn in_proj, attn qkv) and gdn out / attn o:
+# the H200 sweep of 2026-12-02 with the DP4A configs (BENCHMARKS.md, "int8
+# activations on the H200"). The rest: the sweep of 2026-12-01 ("decode step
+# profile"); the unmerged shapes stay for checkpoints whose formats differ
+# within a merge (SplitLinear).
 TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {
+    (4, 32, 34816, 5120, 1): GemvConfig(32, 1024, 1, 4, 1, int8_x=True),  # gate_up 37.0 us, 66%
+    (4, 32, 34816, 5120, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 97.2 us
+    (4, 32, 16480, 5120, 1): GemvConfig(32, 1024, 1, 4, 2, int8_x=True),  # gdn in_proj 16.7, 69%
+    (4, 32, 16480, 5120, 4): GemvConfig(128, 256, 2, 8, 2, tensor_cores=True),  # 47.3 us
+    (4, 32, 14336, 5120, 1): GemvConfig(32, 1024, 1, 4, 3, int8_x=True),  # attn qkv 15.5 us, 65%
+    (4, 32, 14336, 5120, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 43.0 us
+    (4, 32, 5120, 17408, 1): GemvConfig(32, 1024, 8, 4, 3, int8_x=True),  # down 21.6 us, 57%
+    (4, 32, 5120, 17408, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 66.3 us
+    (4, 32, 5120, 6144, 1): GemvConfig(32, 1024, 4, 4, 1, int8_x=True),  # gdn out / attn o 9.6 us
+    (4, 32, 5120, 6144, 4): GemvConfig(64, 256, 7, 4, 2, tensor_cores=True),  # 22.5 us
+    (8, 16, 5120, 17408, 1): GemvConfig(16, 512, 8, 4, 1),  # down Q6_K 33.1 us, 68%
+    (8, 16, 5120, 17408, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 66.5 us
     (4, 32, 17408, 5120, 1): GemvConfig(32, 1024, 8, 4, 3),  # gate/up 25.0 us, 49% of floor
     (4, 32, 17408, 5120, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 52.8 us
-    (4, 32, 5120, 17408, 1): GemvConfig(16, 1024, 2, 4, 1),  # down 29.9 us, 41%
-    (4, 32, 5120, 17408, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 65.7 us
-    (8, 16, 5120, 17408, 1): GemvConfig(16, 512, 8, 4, 2),  # down Q6_K 33.2 us, 68%
-    (8, 16, 5120, 17408, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 66.6 us
     (4, 32, 10240, 5120, 1): GemvConfig(16, 1024, 1, 4, 3),  # gdn qkv 16.5 us, 43%
     (4, 32, 10240, 5120, 4): GemvConfig(64, 256, 8, 4, 2, tensor_cores=True),  # 34.9 us
     (4, 32, 6144, 5120, 1): GemvConfig(16, 1024, 8, 4, 2, prefetch=True),  # gdn z 12.7 us
     (4, 32, 6144, 5120, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 22.3 us
     (4, 32, 48, 5120, 1): GemvConfig(16, 1024, 8, 4, 1, prefetch=True),  # gdn a/b 3.7 us
     (4, 32, 48, 5120, 4): GemvConfig(16, 1024, 8, 4, 2),  # 5.9 us
-    (4, 32, 5120, 6144, 1): GemvConfig(16, 1024, 2, 4, 3),  # attn o / gdn out 12.7 us, 34%
-    (4, 32, 5120, 6144, 4): GemvConfig(64, 256, 7, 4, 2, tensor_cores=True),  # 22.6 us
     (4, 32, 12288, 5120, 1): GemvConfig(32, 1024, 8, 4, 3),  # attn q+gate 19.4 us, 44%
     (4, 32, 12288, 5120, 4): GemvConfig(64, 256, 2, 4, 2, tensor_cores=True),  # 39.2 us
     (4, 32, 1024, 5120, 1): GemvConfig(16, 1024, 8, 4, 1, prefetch=True),  # attn k/v 4.9 us
@@ -650,6 +661,10 @@ TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {
 # programs spread over the SMs.
 ROW1_SHAPES = ((8, 512, 4, 8.8), (16, 512, 4, 6.6), (32, 512, 4, 5.1), (16, 1024, 4, 5.3),
                (32, 1024, 4, 4.5), (64, 1024, 8, 4.5))
+# The DP4A kernel's (one row, 4-bit, groups of 32): n32-k1024-w4 (2.1
+# instructions per weight; narrower blocks cost 5.7-10) was the best block
+# shape on all five merged 27B shapes of the H200 sweep of 2026-12-02.
+ROW1_X8_SHAPES = ((32, 1024, 4, 2.1),)
 
 
 def rows_bucket(rows: int) -> int:
@@ -675,7 +690,10 @@ def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> G
                           MAX_SPLIT_K)
         return GemvConfig(64, max(group, 256), split_k, 4, 2, tensor_cores=True)
     best = None
-    for block_n, block_k, warps, cost in ROW1_SHAPES:
+    shapes = [(*shape, False) for shape in ROW1_SHAPES]
+    if bits == 4 and group == 32:  # takes_int8_x's reach
+        shapes += [(*shape, True) for shape in ROW1_X8_SHAPES]
+    for block_n, block_k, warps, cost, int8_x in shapes:
         block_k = max(block_k, group)
         tiles = triton.cdiv(k, block_k)
         n_blocks = triton.cdiv(n, block_n)
@@ -691,7 +709,7 @@ def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> G
             uneven = per_split * split / tiles * (1.0 if tiles % split == 0 else 1.03)
             score = cost * imbalance * uneven * (1 + 0.02 * (split - 1))
             if best is None or score < best[0]:
-                best = (score, GemvConfig(block_n, block_k, split, warps, 2))
+                best = (score, GemvConfig(block_n, block_k, split, warps, 2, int8_x=int8_x))
     return best[1]
 
 
@@ -722,12 +740,14 @@ def check_gemv_layout(qt: QuantTensor) -> None:
                          f"of {qt.describe()} does not hold whole words")
 
 
-def int8_x_forced() -> bool:
-    """TANDEM_GEMV_INT8_X=1 runs every one-row 4-bit GEMV the kernel can take
-    with int8 activations (read per call; inside a CUDA graph, at capture):
-    the A/B switch until the H200 has timed it and TUNED names it."""
+def int8_x_override() -> bool | None:
+    """TANDEM_GEMV_INT8_X: 0 runs every GEMV with float activations, 1 every
+    one-row 4-bit GEMV the DP4A kernel can take with int8 ones; unset, the
+    picked config decides (read per call; inside a CUDA graph, at capture).
+    The A/B switch for the DP4A kernel's numerics (bench.int8_activations)."""
     import os
-    return os.environ.get("TANDEM_GEMV_INT8_X", "0") not in ("", "0")
+    value = os.environ.get("TANDEM_GEMV_INT8_X", "")
+    return None if value == "" else value != "0"
 
 
 def takes_int8_x(qt: QuantTensor, rows: int) -> bool:
@@ -760,8 +780,9 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     x = x if x.stride(-1) == 1 else x.contiguous()
     if config is None:
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
-        if int8_x_forced() and takes_int8_x(qt, m_rows):
-            config = replace(config, int8_x=True, tensor_cores=False)
+        override = int8_x_override()
+        if override is not None and takes_int8_x(qt, m_rows):
+            config = replace(config, int8_x=override, tensor_cores=False)
     if block_n or block_k or split_k:
         config = replace(config, block_n=block_n or config.block_n,
                          block_k=block_k or config.block_k, split_k=split_k or config.split_k)
