@@ -5,7 +5,8 @@ and the service must serve what it has seen from its prefix cache.
 Per turn: prompt tokens, tokens served from the cache, the reused ratio
 (cached over what the previous turn's prompt and answer made reusable; the
 resent answer is text, so it may tokenize differently from what was
-generated) and time to first token."""
+generated), time to first token, and where the router saw that time go (its
+tandem_ttft_phase_seconds: tokenize, reserve, prefill, cache)."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,10 @@ from bench.service import Service, add_service_arguments, run_against_service
 
 WORDS = ("the agent reads a file then calls a tool and writes the result into the log so that "
          "next turn sees every step of work done before with numbers like 42 and 1024 in it").split()
+
+
+# The router's time-to-first-token phases (tandem_ttft_phase_seconds)
+PHASES = ("tokenize", "reserve", "prefill", "cache")
 
 
 def user_text(turn: int, chars: int) -> str:
@@ -66,13 +71,17 @@ def run(svc: Service, args) -> dict:
     for turn in range(1, args.turns + 1):
         tokens = first if turn == 1 else args.new_tokens
         messages.append(("user", user_text(turn, int(tokens * per_token))))
+        before = svc.phase_seconds()
         r = svc.generate(messages=messages, max_new_tokens=args.output_tokens)
+        after = svc.phase_seconds()
+        phases = {name: after[name] - before.get(name, 0.0) for name in PHASES if name in after}
         ratio = min(1.0, r.cached_tokens / reusable) if reusable else None
         turns.append({"turn": turn, "prompt_tokens": r.prompt_tokens,
                       "cached_tokens": r.cached_tokens, "reusable_tokens": reusable,
-                      "reused_ratio": ratio, "ttft_s": r.ttft_s})
+                      "reused_ratio": ratio, "ttft_s": r.ttft_s, "phases_s": phases})
         rows.append([turn, r.prompt_tokens, r.cached_tokens, reusable,
-                     "-" if ratio is None else f"{100 * ratio:.1f}", r.ttft_s])
+                     "-" if ratio is None else f"{100 * ratio:.1f}", r.ttft_s,
+                     *(f"{1e3 * phases.get(name, float('nan')):.0f}" for name in PHASES)])
         reusable = r.prompt_tokens + len(r.token_ids)
         messages.append(("assistant", r.text))
     later = turns[1:]
@@ -81,7 +90,8 @@ def run(svc: Service, args) -> dict:
     payload = {"env": environment(), "args": vars(args), "turns": turns, "reused_ratio": overall}
     write_json(args.json, payload)
     print_table(f"agent loop ({args.model or 'embedded'}, {args.device}, {args.kv_format} KV)",
-                ["turn", "prompt", "cached", "reusable", "reused %", "TTFT s"], rows)
+                ["turn", "prompt", "cached", "reusable", "reused %", "TTFT s",
+                 *(f"{name} ms" for name in PHASES)], rows)
     if overall is not None:
         print(f"reused over turns 2..{args.turns}: {100 * overall:.1f}% of reusable tokens; "
               f"last TTFT {turns[-1]['ttft_s']:.3f} s at {turns[-1]['prompt_tokens']} tokens")

@@ -50,9 +50,10 @@ class Service:
                  gpu_memory_budget: str | None = None, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.max_context_tokens = max_context_tokens
+        self.metrics_port = free_port()
         self.cmd = [sys.executable, "-m", "tandem.cli", "serve", "--device", device,
                     "--kv-format", kv_format, "--grpc-port", str(self.port),
-                    "--metrics-port", str(free_port()), "--http-port", "0",
+                    "--metrics-port", str(self.metrics_port), "--http-port", "0",
                     "--max-context-tokens", str(max_context_tokens),
                     "--prefill-chunk", str(prefill_chunk), "--live-slots", "4",
                     "--snapshot-slots", "32", "--max-batch", "4",
@@ -95,6 +96,18 @@ class Service:
         finally:
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
+
+    def phase_seconds(self) -> dict[str, float]:
+        """The router's tandem_ttft_phase_seconds sums by phase, so far (diff two
+        readings for one request's phases)."""
+        import re
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=10) as reply:
+            text = reply.read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^tandem_ttft_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', text, re.M)}
 
     def pids(self) -> dict[int, str]:
         """The serve process and its children: pid -> process name."""

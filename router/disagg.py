@@ -133,6 +133,7 @@ class DisaggRouter(Router):
 
     async def _admit(self, req, handle: Running, held: Held, sampling, context):
         prompt = req.prompt
+        reserving = time.perf_counter()
         cached_p, cached_d = await self._probe(req)
         # pick and count in one step (no await between): concurrent requests see each other
         prefill = preference(self.prefills, cached_p, self.balance_slack)[0]
@@ -164,12 +165,9 @@ class DisaggRouter(Router):
         handle.busy_in = "transfer"
         if self.method == "dist":
             await self._register(req, route, transfer, context)
-        reply = await prefill.stub.Prefill(wpb.PrefillRequest(
-            request_id=req.request_id, tokens=prompt, start=prefill_plan.cached,
-            pages=prefill_plan.pages, state_slot=prefill_plan.state_slot,
-            restore_slot=prefill_plan.restore_slot,
-            snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in prefill_plan.snapshots],
-            sampling=sampling, transfer=transfer), timeout=context.time_remaining())
+        self.metrics.ttft_phase("reserve", time.perf_counter() - reserving)
+        with self._phase("prefill"):
+            reply = await self._prefill_on(prefill, req, prefill_plan, sampling, transfer, context)
         route.prefill_done = time.perf_counter()
         route.transferred_pages, route.transferred_bytes = (reply.transferred_pages,
                                                             reply.transferred_bytes)
@@ -179,6 +177,14 @@ class DisaggRouter(Router):
         # usage.cached_tokens: the prompt tokens the prefill did not compute
         plan.cached = prefill_plan.cached
         return plan, reply.first
+
+    @staticmethod
+    async def _prefill_on(prefill: Worker, req, plan: Plan, sampling, transfer, context):
+        return await prefill.stub.Prefill(wpb.PrefillRequest(
+            request_id=req.request_id, tokens=req.prompt, start=plan.cached,
+            pages=plan.pages, state_slot=plan.state_slot, restore_slot=plan.restore_slot,
+            snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
+            sampling=sampling, transfer=transfer), timeout=context.time_remaining())
 
     async def _probe(self, req) -> tuple[list[int], list[int]]:
         """Each store's cached prefix of the prompt (nothing locked)."""

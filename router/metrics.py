@@ -40,6 +40,12 @@ class RouterMetrics:
         self._ttft = Histogram("tandem_time_to_first_token_seconds",
                                "Time from request arrival to its first generated token",
                                buckets=TTFT_BUCKETS, registry=r)
+        self._ttft_phase = Histogram(
+            "tandem_ttft_phase_seconds",
+            "Where time to first token goes: tokenize (the prompt), reserve (prefix match, "
+            "pages, state slots), prefill (the prefill worker's call, first token included), "
+            "cache (handing the prompt's pages to the prefix cache)",
+            ["phase"], buckets=TTFT_BUCKETS, registry=r)
         self._inter_token = Histogram("tandem_inter_token_latency_seconds",
                                       "Time between consecutive generated tokens of a request",
                                       buckets=INTER_TOKEN_BUCKETS, registry=r)
@@ -95,6 +101,10 @@ class RouterMetrics:
     def first_token(self, seconds: float) -> None:
         """Time to first token of one request."""
         self._ttft.observe(seconds)
+
+    def ttft_phase(self, phase: str, seconds: float) -> None:
+        """One phase of a request's time to first token (tandem_ttft_phase_seconds)."""
+        self._ttft_phase.labels(phase=phase).observe(seconds)
 
     def token(self, seconds_since_previous: float) -> None:
         """One generated token after the first."""

@@ -17,6 +17,8 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import grpc
@@ -133,6 +135,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                                   self.model_config.vocab_size)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.metrics.ttft_phase("tokenize", time.perf_counter() - started)
         if req.request_id in self.running:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id {req.request_id!r} is already running; use a new id")
@@ -247,13 +250,23 @@ class Router(pb_grpc.GenerationServiceServicer):
     async def _admit(self, req: GenerationRequest, handle: Running, held: Held,
                      sampling: wpb.Sampling, context):
         """Reserve, prefill and cache the prompt: (plan, first token)."""
-        plan = await self._reserve(req, held)
+        with self._phase("reserve"):
+            plan = await self._reserve(req, held)
         self.metrics.cache_query(len(req.prompt), plan.cached)
         handle.busy_in = "prefill"
-        first = await self._run_prefill(req, plan, sampling, context)
+        with self._phase("prefill"):
+            first = await self._run_prefill(req, plan, sampling, context)
         handle.busy_in = None
-        await self._cache_prompt(req, plan, held)
+        with self._phase("cache"):
+            await self._cache_prompt(req, plan, held)
         return plan, first
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Times one phase of the time to first token (tandem_ttft_phase_seconds)."""
+        started = time.perf_counter()
+        yield
+        self.metrics.ttft_phase(name, time.perf_counter() - started)
 
     async def _before_decode(self, req, plan, handle: Running, held: Held, context) -> None:
         """After the first token went out: nothing to wait for on one store."""
