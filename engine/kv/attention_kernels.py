@@ -168,12 +168,11 @@ def _mul_rn(a, b, COMPILED: tl.constexpr):
 
 @triton.jit
 def _sin_cos(x):
-    """sin(x), cos(x) of fp32 x >= 0 to about 1e-7 for x < 1.6e6: Cody-Waite
-    reduction by pi/2 (n * part exact, so r is x - n pi/2 to an ulp), then
-    Taylor polynomials on |r| <= pi/4 (+ the rounding of n; the last terms
-    are below 2e-9 there) and the quadrant's swap and signs. libdevice's
-    sinf/cosf would reduce |x| > ~1e5 the slow (Payne-Hanek) way, and the
-    reduction is shared by both."""
+    """sin(x), cos(x) of fp32 x to about 1e-7 for |x| < 1.6e6: one Cody-Waite
+    reduction by pi/2 for both (n * part exact, so r is x - n pi/2 to an ulp),
+    Taylor polynomials on |r| <~ pi/4 (the first terms left out are below
+    2e-9 there), then the quadrant's swap and signs. libdevice's sinf/cosf
+    would each reduce |x| > ~1e5 the slow (Payne-Hanek) way."""
     n = tl.floor(x * _TWO_OVER_PI + 0.5)
     r = x - n * _HALF_PI_1
     r = r - n * _HALF_PI_2
@@ -246,12 +245,15 @@ def _attend_tile(q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok
     page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + keys % PAGE_SIZE
     if KIND == 4:
-        # the rotary channels load as zeros here: their roped values enter
-        # through q1 . A + q2 . B, on tiles a quarter of the width (27B)
-        k = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
-                         first_staged, kv_head, cols, key_ok, col_ok & (cols >= ROTARY_DIM),
-                         KV_HEADS, D, PAGE_SIZE)
-        s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
+        if ROTARY_DIM < D:
+            # the rotary channels load as zeros here: their roped values
+            # enter through q1 . A + q2 . B, on [BLOCK_N, half] tiles
+            k = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
+                             first_staged, kv_head, cols, key_ok,
+                             col_ok & (cols >= ROTARY_DIM), KV_HEADS, D, PAGE_SIZE)
+            s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
+        else:  # full rotary: no other channels
+            s = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
         if ROTARY_DIM > 0:
             a, b = _roped_halves(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
                                  first_staged, kv_head, keys, key_ok, inv_freq_ptr, KV_HEADS,
