@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{kv_format} {step} stages={s}: {type(exc).__name__}: {exc}"[:400],
                           file=sys.stderr)
     print_table("Paged attention sm_90 build, 27B attention shape (static)",
-                ["format", "step", "tile (rows x keys/warps)", "stages", "regs", "stack", "local", "STL/LDL", "smem",
-                 "loop instr", "top loop opcodes"], table)
+                ["format", "step", "tile (rows x keys/warps)", "stages", "regs", "stack",
+                 "local", "STL/LDL", "smem", "loop instr", "top loop opcodes"], table)
     return 0
 
 
