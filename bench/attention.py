@@ -85,7 +85,7 @@ def kernel_call(fmt, buffers, q, meta, rotary, candidate):
 
     rows, block_n, warps, stages, dot_bf16 = candidate
     if isinstance(fmt, PagedRk4Format) and stages is None:
-        stages = 1  # its default: two stages overflow shared memory at head_dim 256
+        stages = 1  # its default (tiles_for says why)
     args = _kind_args(fmt, buffers, rotary)
     out = torch.empty(q.shape, dtype=torch.float32 if isinstance(fmt, PagedRk4Format)
                       else q.dtype, device=q.device)

@@ -116,3 +116,122 @@ def test_rope_after_dequant_equals_attention_over_roped_keys():
     torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="rotary"):
         paged_attention_reference(fmt, buffers, q, meta, 0.125)
+
+
+# ------------------------------------------- the rotary-halves path (27B shape)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from engine.kv import attention_kernels as K  # noqa: E402
+from engine.kv.attention import Tiles  # noqa: E402
+
+
+@triton.jit
+def _sin_cos_probe(pos_ptr, freq_ptr, sin_ptr, cos_ptr, n,
+                   HALF: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """The kernel's RoPE angle (fp32 position * inv_freq) and its sin/cos."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < n
+    pos = tl.load(pos_ptr + rows, mask=ok, other=0).to(tl.float32)
+    j = tl.arange(0, HALF)
+    freq = tl.load(freq_ptr + j)
+    shape: tl.constexpr = [BLOCK, HALF]
+    angle = K._mul_rn(tl.broadcast_to(pos[:, None], shape), tl.broadcast_to(freq[None, :], shape),
+                      COMPILED)
+    sin, cos = K._sin_cos(angle)
+    at = rows[:, None] * HALF + j[None, :]
+    tl.store(sin_ptr + at, sin, mask=ok[:, None])
+    tl.store(cos_ptr + at, cos, mask=ok[:, None])
+
+
+@pytest.mark.parametrize("theta", [1e7, 1e4])
+def test_rope_sin_cos_match_torch_up_to_a_million_positions(theta):
+    """The kernel's range-reduced sin/cos against torch's (rotary.cos_sin, the
+    reference) of the same fp32 angles: every position up to 262,144 (the 27B's
+    context; angles to 2.6e5 rad at inv_freq 1) and samples up to 2**20, with
+    the 27B's inverse frequencies (rotary_dim 64, theta 1e7) and a classic theta."""
+    rotary = Rotary(SimpleNamespace(rotary_dim=64, rope_theta=theta, rope_scaling=None))
+    g = torch.Generator().manual_seed(0)
+    pos = torch.cat([torch.arange(262_145), torch.randint(262_145, 1 << 20, (20_000,),
+                                                          generator=g),
+                     torch.arange((1 << 20) - 64, 1 << 20)]).to(torch.int32).to(DEVICE)
+    inv_freq = rotary.inv_freq_on(DEVICE)
+    half = inv_freq.numel()
+    sin = torch.full((pos.numel(), half), float("nan"), device=DEVICE)
+    cos = torch.full_like(sin, float("nan"))
+    block = 4096
+    _sin_cos_probe[(triton.cdiv(pos.numel(), block),)](
+        pos, inv_freq, sin, cos, pos.numel(), HALF=half, BLOCK=block, COMPILED=not INTERPRET)
+    expected_cos, expected_sin = rotary.cos_sin(pos, torch.float32)
+    # a few fp32 ulps of values <= 1 (torch's own sin/cos are within ~1 ulp)
+    torch.testing.assert_close(sin, expected_sin[:, :half], rtol=0, atol=4e-7)
+    torch.testing.assert_close(cos, expected_cos[:, :half], rtol=0, atol=4e-7)
+
+
+def test_half_pi_parts_are_short_and_sum_to_half_pi():
+    """n * part stays exact in fp32 for quadrants n < 2**20 (4-bit parts), the
+    last part is fp32, and together they carry pi/2 to ~1e-15."""
+    import math
+
+    *short, last = K._HALF_PI
+    for part in short:
+        mantissa = part / 2.0 ** (math.floor(math.log2(abs(part))) - 3)
+        assert mantissa == int(mantissa)  # at most 4 significant bits
+    assert torch.tensor(last, dtype=torch.float32).item() == last
+    assert abs(sum(K._HALF_PI) - math.pi / 2) < 1e-14
+    assert [K.rope_pad(r) for r in (0, 8, 32, 48, 64, 128)] == [16, 16, 16, 32, 32, 64]
+
+
+def _run_case(seqs, q_heads, kv_heads, head_dim, rotary_dim, staged, splits, seed, sink=False,
+              tiles=None, q_dtype=torch.float32):
+    fmt, buffers, q, meta = build_case(seqs, q_heads, kv_heads, head_dim, staged, seed=seed,
+                                       sink=sink)
+    q = q.to(q_dtype)
+    rotary = rotary_of(head_dim, rotary_dim)
+    scale = head_dim ** -0.5
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, scale, rotary=rotary)
+    actual = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=splits,
+                                    rotary=rotary, tiles=tiles)
+    assert not actual.isnan().any()
+    return actual.float(), expected
+
+
+@pytest.mark.parametrize("seqs,splits", [([(70, 1), (33, 1)], 2),  # decode
+                                         ([(40, 5), (61, 9)], 1),  # speculative verify
+                                         ([(0, 45)], 1)])  # a prefill chunk
+def test_27b_shape_matches_reference(seqs, splits):
+    """head_dim 256 with RoPE on the first 64 (the 27B: half = 32, the rotary
+    dots' inner width), GQA group 6, staged pages and the sink."""
+    actual, expected = _run_case(seqs, 12, 2, 256, 64, staged=1, splits=splits, seed=11,
+                                 sink=True)
+    torch.testing.assert_close(actual, expected, **tolerance())
+
+
+def test_27b_shape_decode_over_thousands_of_positions():
+    """One sequence of 1,000 cached keys: the angles wrap the circle ~160
+    times at the highest frequency (larger angles: the sin/cos test above)."""
+    actual, expected = _run_case([(1000, 1)], 6, 1, 256, 64, staged=2, splits=4, seed=12,
+                                 sink=True)
+    torch.testing.assert_close(actual, expected, **tolerance())
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(32, 8), (64, 48), (128, 128)])
+def test_padded_rotary_halves_match_reference(head_dim, rotary_dim):
+    """Halves narrower than tl.dot's 16 (tiny-qwen3.5: 8 of 32 rotate, half 4)
+    or not a power of two (48: half 24) run zero-padded to ROPE_PAD; full
+    rotary leaves no other channels."""
+    actual, expected = _run_case([(50, 1), (20, 3)], 4, 2, head_dim, rotary_dim, staged=1,
+                                 splits=2, seed=head_dim + rotary_dim)
+    torch.testing.assert_close(actual, expected, **tolerance())
+
+
+def test_prefill_with_bf16_dot_operands_keeps_bf16_semantics():
+    """Tiles.dot_bf16 (prefill chunks): the rotary halves enter their dots as
+    bf16 too; within bf16 tolerance of the reference."""
+    tiles = Tiles(rows=16, block_n=16, dot_bf16=True) if DEVICE == "cpu" else \
+        Tiles(rows=64, block_n=32, num_warps=4, dot_bf16=True)
+    actual, expected = _run_case([(32, 40), (0, 17)], 12, 2, 256, 64, staged=1, splits=1,
+                                 seed=13, tiles=tiles, q_dtype=torch.bfloat16)
+    torch.testing.assert_close(actual, expected, rtol=4e-2, atol=4e-2)
+    assert (actual - expected).abs().mean() < 4e-3

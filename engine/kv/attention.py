@@ -154,7 +154,12 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
         return Tiles(rows=16, block_n=16)
     # rk4p at head_dim 256 (the 27B) asked for 248 KB of shared memory at
     # Triton's default stages, over the H200's 227 KB (2026-12-01): its K tiles
-    # are dequantized and rotated in registers, so one stage loses little
+    # are dequantized and rotated in registers, so one stage loses little.
+    # Since RoPE touches only the rotary channels (bench.attention_sass,
+    # static sm_90 build) the decode tile fits at 2 stages (123 KB) and 3
+    # (191 KB), verify at 2 (183 KB); but at 255 registers one stage's 55 KB
+    # lets two programs share an SM, which a 131K-context batch-1 decode's
+    # 256 programs need to run in one wave: stay at 1 until the H200 times 2
     rk4p_wide = isinstance(fmt, PagedRk4Format) and head_dim > 128
     stages = 1 if rk4p_wide else None
     block_n = 64 if head_dim <= 128 else 32

@@ -18,9 +18,13 @@ rotated V is out @ R), so the kernel sees the stored space only.
 
 rk4p pages hold K before RoPE (per-channel codes per page) and rotated V;
 page ids >= num_pages name bf16 staging pages (open pages). The kernel
-applies RoPE to each dequantized K tile from the key positions (partial
-rotary: the first ROTARY_DIM channels), loading each K tile twice, at its
-channels and at their rotate-half partners. The caller un-rotates the output.
+applies RoPE from the key positions to the rotary channels only (partial
+rotary: the first ROTARY_DIM; the 27B rotates 64 of 256): the scores are
+q . k over the other channels (K loaded once, its rotary channels masked to
+zero) plus q1 . A + q2 . B over [BLOCK_N, half] tiles of the roped halves
+(`_roped_halves`), whose cos/sin come from an explicit range reduction
+(`_sin_cos`) because libdevice's sinf/cosf take a slow path at the angles a
+long context reaches. The caller un-rotates the output.
 
 Softmax runs in base 2: the query is scaled by softmax_scale * log2(e) once,
 and exp2/log2 replace exp/log. Row and key masks never produce NaN: a row
@@ -46,6 +50,33 @@ DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
 # constexpr: compiled kernels may only read globals that are constexpr
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running max: no inf - inf
 LOG2E = 1.4426950408889634
+
+
+def _short_parts(value: float, bits: int, parts: int) -> tuple[float, ...]:
+    """value as a sum of fp32 numbers: parts - 1 of `bits` significant bits
+    each, then the remainder rounded to fp32 (Cody-Waite). n * part is exact
+    in fp32 for n < 2**(24 - bits), with or without FMA contraction, which
+    keeps the interpreter (separately rounded) and the GPU (fused) equal."""
+    out, rest = [], value
+    for _ in range(parts - 1):
+        ulp = 2.0 ** (math.floor(math.log2(abs(rest))) - bits + 1)
+        out.append(round(rest / ulp) * ulp)
+        rest -= out[-1]
+    out.append(float(torch.tensor(rest, dtype=torch.float32)))
+    return tuple(out)
+
+
+# RoPE angle reduction by pi/2: quadrants n < 2**20 stay exact, i.e. angles
+# up to 2**20 * pi/2 ~ 1.6e6 rad (positions up to 1.6M at inv_freq 1).
+_HALF_PI = _short_parts(math.pi / 2, bits=4, parts=5)
+_HALF_PI_1, _HALF_PI_2, _HALF_PI_3, _HALF_PI_4, _HALF_PI_5 = (tl.constexpr(c) for c in _HALF_PI)
+_TWO_OVER_PI = tl.constexpr(2.0 / math.pi)
+
+
+def rope_pad(rotary_dim: int) -> int:
+    """Width of the rotary half tiles: half the rotary dims, a power of two
+    and at least tl.dot's 16 (zero columns pad the tiny test heads)."""
+    return max(16, triton.next_power_of_2(max(1, rotary_dim // 2)))
 
 
 @triton.jit
@@ -124,17 +155,63 @@ def _load_rk4p_v(codes_ptr, scales_ptr, open_ptr, slot, first_staged, kv_head, c
 
 
 @triton.jit
-def _rope_keys(k, k_partner, keys, cols, inv_freq_ptr, ROTARY_DIM: tl.constexpr):
-    """RoPE (rotate-half layout, engine/rotary.py) on the first ROTARY_DIM
-    channels of K rows at positions `keys`; k_partner holds channel c + half
-    for c < half and c - half above."""
+def _mul_rn(a, b, COMPILED: tl.constexpr):
+    """a * b rounded to fp32 as its own operation: the GPU build may not fuse
+    it into a later add (ptxas keeps mul.rn apart), so the RoPE angle is the
+    fp32 product that torch (rotary.cos_sin) takes the cos/sin of."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _sin_cos(x):
+    """sin(x), cos(x) of fp32 x to about 1e-7 for |x| < 1.6e6: one Cody-Waite
+    reduction by pi/2 for both (n * part exact, so r is x - n pi/2 to an ulp),
+    Taylor polynomials on |r| <~ pi/4 (the first terms left out are below
+    2e-9 there), then the quadrant's swap and signs. libdevice's sinf/cosf
+    would each reduce |x| > ~1e5 the slow (Payne-Hanek) way."""
+    n = tl.floor(x * _TWO_OVER_PI + 0.5)
+    r = x - n * _HALF_PI_1
+    r = r - n * _HALF_PI_2
+    r = r - n * _HALF_PI_3
+    r = r - n * _HALF_PI_4
+    r = r - n * _HALF_PI_5
+    r2 = r * r
+    s = r + r * r2 * (-1.0 / 6 + r2 * (1.0 / 120 + r2 * (-1.0 / 5040 + r2 * (1.0 / 362880))))
+    c = 1.0 + r2 * (-0.5 + r2 * (1.0 / 24 + r2 * (-1.0 / 720 + r2 * (
+        1.0 / 40320 + r2 * (-1.0 / 3628800)))))
+    quadrant = n.to(tl.int32)
+    odd = (quadrant & 1) != 0
+    sin = tl.where(odd, c, s)
+    cos = tl.where(odd, s, c)
+    sin = tl.where((quadrant & 2) != 0, -sin, sin)
+    cos = tl.where(((quadrant + 1) & 2) != 0, -cos, cos)
+    return sin, cos
+
+
+@triton.jit
+def _roped_halves(k_codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head,
+                  keys, key_ok, inv_freq_ptr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
+                  COMPILED: tl.constexpr):
+    """RoPE'd rotary halves A = k1 c - k2 s, B = k2 c + k1 s, [BLOCK_N, ROPE_PAD]
+    fp32 (rotate-half layout, engine/rotary.py: k1, k2 are channels [0, half)
+    and [half, ROTARY_DIM)); pad columns are zero."""
     half: tl.constexpr = ROTARY_DIM // 2
-    rotated = cols < ROTARY_DIM
-    freq = tl.load(inv_freq_ptr + cols % half, mask=rotated, other=0.0)
-    angle = keys.to(tl.float32)[:, None] * freq[None, :]
-    sign = tl.where(cols < half, -1.0, 1.0)
-    out = k * tl.cos(angle) + sign[None, :] * k_partner * tl.sin(angle)
-    return tl.where(rotated[None, :], out, k)
+    j = tl.arange(0, ROPE_PAD)
+    j_ok = j < half
+    k1 = _load_rk4p_k(k_codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head,
+                      j, key_ok, j_ok, KV_HEADS, D, PAGE_SIZE)
+    k2 = _load_rk4p_k(k_codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head,
+                      j + half, key_ok, j_ok, KV_HEADS, D, PAGE_SIZE)
+    freq = tl.load(inv_freq_ptr + j, mask=j_ok, other=0.0)
+    angle = _mul_rn(tl.broadcast_to(keys.to(tl.float32)[:, None], k1.shape),
+                    tl.broadcast_to(freq[None, :], k1.shape), COMPILED)
+    sin, cos = _sin_cos(angle)
+    return k1 * cos - k2 * sin, k2 * cos + k1 * sin
 
 
 @triton.jit
@@ -151,35 +228,42 @@ def _dot_operand(x, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+def _attend_tile(q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                  k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                  k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
                  KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-                 ROTARY_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr):
+                 ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_BF16: tl.constexpr, COMPILED: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) (< hi).
-    DOT_BF16: q (already rounded), K, P and V enter the two dots as bf16,
+    DOT_BF16: q (already rounded), K, P and V enter the dots as bf16,
     which runs them at twice tf32's rate with half the shared memory; the
-    accumulators and the softmax stay fp32."""
+    accumulators and the softmax stay fp32. q1, q2: rk4p's rotary halves of
+    q, [ROWS, ROPE_PAD] (unused by the other kinds)."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
     page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
     slot = page * PAGE_SIZE + keys % PAGE_SIZE
     if KIND == 4:
-        k = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
-                         first_staged, kv_head, cols, key_ok, col_ok, KV_HEADS, D, PAGE_SIZE)
+        if ROTARY_DIM < D:
+            # the rotary channels load as zeros here: their roped values
+            # enter through q1 . A + q2 . B, on [BLOCK_N, half] tiles
+            k = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
+                             first_staged, kv_head, cols, key_ok,
+                             col_ok & (cols >= ROTARY_DIM), KV_HEADS, D, PAGE_SIZE)
+            s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
+        else:  # full rotary: no other channels
+            s = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
         if ROTARY_DIM > 0:
-            half: tl.constexpr = ROTARY_DIM // 2
-            partner = tl.where(cols < half, cols + half, cols - half)
-            partner = tl.where(cols < ROTARY_DIM, partner, cols)
-            k_partner = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
-                                     first_staged, kv_head, partner, key_ok, col_ok, KV_HEADS,
-                                     D, PAGE_SIZE)
-            k = _rope_keys(k, k_partner, keys, cols, inv_freq_ptr, ROTARY_DIM)
+            a, b = _roped_halves(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
+                                 first_staged, kv_head, keys, key_ok, inv_freq_ptr, KV_HEADS,
+                                 D, PAGE_SIZE, ROTARY_DIM, ROPE_PAD, COMPILED)
+            s = tl.dot(q1, tl.trans(_dot_operand(a, DOT_BF16)), s)
+            s = tl.dot(q2, tl.trans(_dot_operand(b, DOT_BF16)), s)
     else:
         k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
                      KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
-    s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
+        s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
     visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -205,7 +289,7 @@ def _paged_attention_kernel(
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-        ROTARY_DIM: tl.constexpr,
+        ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr):
@@ -230,6 +314,17 @@ def _paged_attention_kernel(
     q_mask = row_ok[:, None] & col_ok[None, :]
     q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], q_mask, Q_BF16) * qk_scale
     q = _dot_operand(q, DOT_BF16)
+    if KIND == 4 and ROTARY_DIM > 0:
+        half: tl.constexpr = ROTARY_DIM // 2
+        j = tl.arange(0, ROPE_PAD)
+        half_mask = row_ok[:, None] & (j < half)[None, :]
+        q_at = q_rows[:, None] * D + j[None, :]
+        q1 = _dot_operand(_load_dense(q_ptr, q_at, half_mask, Q_BF16) * qk_scale, DOT_BF16)
+        q2 = _dot_operand(_load_dense(q_ptr, q_at + half, half_mask, Q_BF16) * qk_scale,
+                          DOT_BF16)
+    else:
+        q1 = q
+        q2 = q
 
     # Keys this row block needs (causal), then this split's share of them,
     # whole BLOCK_Ns so that splits never share a tile.
@@ -244,23 +339,24 @@ def _paged_attention_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     table = page_table_ptr + seq.to(tl.int64) * page_table_stride
+    # FOR_LOOP also tells _attend_tile it is compiled (it may use inline PTX)
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                 k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N,
-                DOT_BF16)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, ROPE_PAD,
+                BLOCK_N, DOT_BF16, FOR_LOOP)
     else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_tile(
-                q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                 k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, BLOCK_N,
-                DOT_BF16)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, ROPE_PAD,
+                BLOCK_N, DOT_BF16, FOR_LOOP)
             start += BLOCK_N
 
     has_keys = l_i > 0.0
@@ -339,7 +435,7 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         out_arg, part_out, part_lse, softmax_scale * LOG2E,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, D=head_dim, D_PAD=d_pad,
         PAGE_SIZE=page_size, KIND=kind, SCALE_BLOCK=scale_block, E8M0=e8m0,
-        ROTARY_DIM=rotary_dim,
+        ROTARY_DIM=rotary_dim, ROPE_PAD=rope_pad(rotary_dim),
         Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         FOR_LOOP=not _interpreting(),
         DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0, **extra)

@@ -1,0 +1,134 @@
+"""Static facts of the paged attention kernel's sm_90 build, no GPU needed:
+registers per thread, stack bytes (spills and local arrays), shared memory,
+and the machine instructions of the key loop (per key tile), for the 27B's
+attention shape (head_dim 256, rotary_dim 64, 4 KV heads, GQA group 6) over
+int8 and rk4p pages, with the tiles tiles_for picks for a decode step, a
+speculative verify (5 new tokens) or a bf16 prefill chunk, at the stage
+counts asked for.
+
+    python -m bench.attention_sass [--kv-format int8 rk4p] [--step decode verify]
+                                   [--stages 1 2 default]
+
+Compiles with Triton for GPUTarget("cuda", 90) and reads the cubin with the
+cuobjdump that ships in Triton's wheel (the approach of bench.gemv_sass)."""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from bench.common import print_table
+from bench.gemv_sass import _cuobjdump, _loop_ops
+
+# The 27B's attention layer (Qwen3.5-27B: partial rotary 0.25).
+HEAD_DIM, ROTARY_DIM, KV_HEADS, GROUP, PAGE = 256, 64, 4, 6, 32
+
+_POINTER_TYPES = dict(
+    q_ptr="*i16", q_offsets_ptr="*i32", kv_lens_ptr="*i32", page_table_ptr="*i32",
+    k_codes_ptr="*u8", v_codes_ptr="*u8", k_open_ptr="*i16", v_open_ptr="*i16",
+    inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32")
+
+
+def _signature(kernel, kind: int, out_bf16: bool) -> dict:
+    """Types of the kernel's runtime arguments, whatever constexprs it has."""
+    from engine.kv import attention_kernels as K
+
+    types = dict(_POINTER_TYPES,
+                 k_scales_ptr="*fp16", v_scales_ptr="*fp16",
+                 k_step_ptr="*u8", out_ptr="*i16" if out_bf16 else "*fp32",
+                 page_table_stride="i32", first_staged="i32", qk_scale="fp32")
+    if kind == K.INT8:
+        types.update(k_scales_ptr="*fp16", v_scales_ptr="*fp16", k_codes_ptr="*i8",
+                     v_codes_ptr="*i8")
+    names = [p.name for p in kernel.params]
+    return {n: types.get(n, "constexpr") for n in names}
+
+
+# new tokens per sequence for each step kind (tiles_for's new_tokens)
+STEPS = {"decode": 1, "verify": 5, "prefill": 4096}
+
+
+def _compile(kv_format: str, stages: int | None, tiles, splits: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kv import attention_kernels as K
+    from engine.kv.formats import make_format
+
+    kernel = K._paged_attention_kernel
+    rk4p = kv_format == "rk4p"
+    kind = K.RK4P if rk4p else K.INT8
+    scale_block = make_format("rk4p").v_block_for(HEAD_DIM) if rk4p else 1
+    rotary_dim = ROTARY_DIM if rk4p else 0
+    constants = dict(
+        Q_HEADS=KV_HEADS * GROUP, KV_HEADS=KV_HEADS, GROUP=GROUP, D=HEAD_DIM, D_PAD=HEAD_DIM,
+        PAGE_SIZE=PAGE if rk4p else 16, KIND=kind, SCALE_BLOCK=scale_block, E8M0=False,
+        ROTARY_DIM=rotary_dim, Q_BF16=True, OUT_BF16=not rk4p, ROWS=tiles.rows,
+        BLOCK_N=tiles.block_n, NUM_SPLITS=splits, FOR_LOOP=True,
+        DOT_BF16=1 if tiles.dot_bf16 else 0)
+    params = {p.name for p in kernel.params}
+    if "ROPE_PAD" in params:
+        constants["ROPE_PAD"] = K.rope_pad(rotary_dim)
+    signature = _signature(kernel, kind, not rk4p)
+    signature.update({k: "constexpr" for k in constants})
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if signature[n].startswith("*") or n == "first_staged"}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    options = dict(num_warps=tiles.num_warps or 4)
+    if stages is not None:
+        options["num_stages"] = stages
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def describe(kv_format: str, step: str, stages: int | None) -> list:
+    import torch
+
+    from engine.kv.attention import tiles_for
+    from engine.kv.formats import make_format
+
+    new = STEPS[step]
+    tiles = tiles_for(HEAD_DIM, GROUP, decode=new == 1, on_gpu=True, fmt=make_format(kv_format),
+                      q_dtype=torch.bfloat16, new_tokens=new)
+    # decode at 131K context, batch 1: splits_for's 64 key splits
+    compiled = _compile(kv_format, stages, tiles, 64 if new == 1 else 1)
+    usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    regs, stack, _, local = (int(v) for v in m.groups()) if m else (0, 0, 0, 0)
+    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
+    ops = _loop_ops(sass)
+    spills = len(re.findall(r"\bSTL\b", sass)), len(re.findall(r"\bLDL\b", sass))
+    top = " ".join(f"{k}:{v}" for k, v in ops.most_common(8))
+    tile = f"{tiles.rows}x{tiles.block_n}/{tiles.num_warps}w" + (" bf16" if tiles.dot_bf16 else "")
+    return [kv_format, step, tile, "default" if stages is None else stages,
+            regs, stack, local, f"{spills[0]}/{spills[1]}", compiled.metadata.shared,
+            sum(ops.values()), top]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.attention_sass",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--kv-format", nargs="+", default=["int8", "rk4p"])
+    p.add_argument("--step", nargs="+", default=["decode"], choices=list(STEPS))
+    p.add_argument("--stages", nargs="+", default=["1", "2", "default"],
+                   help="num_stages values ('default': Triton's)")
+    args = p.parse_args(argv)
+    table = []
+    for kv_format in args.kv_format:
+        for step in args.step:
+            for s in args.stages:
+                stages = None if s == "default" else int(s)
+                try:
+                    table.append(describe(kv_format, step, stages))
+                except Exception as exc:  # report and go on: one config must not hide the rest
+                    print(f"{kv_format} {step} stages={s}: {type(exc).__name__}: {exc}"[:400],
+                          file=sys.stderr)
+    print_table("Paged attention sm_90 build, 27B attention shape (static)",
+                ["format", "step", "tile (rows x keys/warps)", "stages", "regs", "stack",
+                 "local", "STL/LDL", "smem", "loop instr", "top loop opcodes"], table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
