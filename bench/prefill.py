@@ -1,7 +1,9 @@
 """Prefill throughput and model FLOP utilisation.
 
 Each prompt length runs as the prefill worker runs it: one sequence in
-bounded chunks of `--chunk` tokens into paged KV (and GDN state). MFU is the
+bounded chunks of `--chunk` tokens into paged KV (and GDN state); with
+`--cached-tokens N` the timed tokens follow N already in the cache (an agent
+turn: new text after a cached conversation). MFU is the
 model FLOPs of the prompt (matmuls, causal attention, GDN; bench/limits.py)
 over the time, against the measured matmul rate of this device in the
 compute dtype (`--peak-tflops` to use a spec-sheet figure instead)."""
@@ -17,7 +19,9 @@ from bench.limits import matmul_flops, prefill_flops, sync
 
 
 def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
-                    page_size: int = 16) -> float:
+                    page_size: int = 16, cached: int = 0) -> float:
+    """Seconds to prefill `tokens` new tokens after `cached` ones (those
+    prefilled first, untimed)."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.chunking import prefill_chunks
@@ -28,24 +32,31 @@ def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
     kv_format = make_format(kv_format_name, **options)
     page_size = getattr(kv_format, "page_size", page_size)  # rk4p: its own page size
     staging = staging_per_sequence(kv_format)
-    pages = -(-tokens // page_size)
+    total = cached + tokens
+    pages = -(-total // page_size)
     cache = PagedKVCache(loaded.config, CacheShape(pages, page_size, 1, staging_pages=staging),
                          loaded.device, kv_format)
     table = tuple(range(pages))
     # rk4p: the sink page and the newest pages stay staged, as the prefill worker keeps them
     open_pages = OpenPages.for_format(kv_format, range(staging), pages, page_size) \
         if staging else None
-    prompt = [(7 * i + 3) % loaded.config.vocab_size for i in range(tokens)]
-    sync(loaded.device)
-    t0 = now()
-    with torch.inference_mode():
-        for c in prefill_chunks(0, tokens, chunk, []):
+    prompt = [(7 * i + 3) % loaded.config.vocab_size for i in range(total)]
+
+    def run(start: int, end: int) -> None:
+        for c in prefill_chunks(start, end, chunk, []):
             step_table = table if open_pages is None else \
                 open_pages.prepare(cache, table, c.start, c.end, prefill=True)
             batch = ForwardBatch.build([SequenceInput(tuple(prompt[c.start:c.end]), c.start,
                                                       step_table, 0)], page_size, loaded.device)
             logits = loaded.model(batch, cache)
         logits.argmax(-1).tolist()
+
+    with torch.inference_mode():
+        if cached:
+            run(0, cached)
+        sync(loaded.device)
+        t0 = now()
+        run(cached, total)
     return now() - t0
 
 
@@ -56,8 +67,10 @@ def profile_prefill(loaded, args, tokens: int) -> dict:
     from bench.profile_step import kernel_times, summarize
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        seconds = prefill_seconds(loaded, args.kv_format, tokens, args.chunk)
-    title = f"one {tokens}-token prefill in chunks of {args.chunk}, {seconds:.2f} s profiled"
+        seconds = prefill_seconds(loaded, args.kv_format, tokens, args.chunk,
+                                  cached=args.cached_tokens)
+    title = (f"one {tokens}-token prefill after {args.cached_tokens} cached, in chunks of "
+             f"{args.chunk}, {seconds:.2f} s profiled (the cached part included)")
     return summarize(kernel_times(prof), 1, title, 25)
 
 
@@ -68,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[256])
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
     p.add_argument("--kv-format", default="int8")
+    p.add_argument("--cached-tokens", type=int, default=0,
+                   help="tokens already in the cache before each timed prompt")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per length (after one warm-up)")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--profile", action="store_true",
@@ -81,15 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model, device=args.device, progress=False)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else matmul_flops(loaded.device,
                                                                          loaded.dtype)
-    prefill_seconds(loaded, args.kv_format, min(args.tokens), args.chunk)  # warm-up
+    cached = args.cached_tokens
+    if cached < 0:
+        p.error(f"--cached-tokens must be >= 0, got {cached}")
+    prefill_seconds(loaded, args.kv_format, min(args.tokens), args.chunk,
+                    cached=min(cached, args.chunk))  # warm-up
     rows, results = [], []
     for tokens in args.tokens:
-        seconds = median([prefill_seconds(loaded, args.kv_format, tokens, args.chunk)
-                          for _ in range(args.repeats)])
-        flops = prefill_flops(loaded.model, loaded.config, tokens)
+        seconds = median([prefill_seconds(loaded, args.kv_format, tokens, args.chunk,
+                                          cached=cached) for _ in range(args.repeats)])
+        flops = prefill_flops(loaded.model, loaded.config, tokens, start=cached)
         mfu = 100 * flops / seconds / peak
-        rows.append([tokens, args.chunk, seconds, tokens / seconds, flops / seconds / 1e12, mfu])
-        results.append({"tokens": tokens, "chunk": args.chunk, "seconds": seconds,
+        rows.append([cached, tokens, args.chunk, seconds, tokens / seconds,
+                     flops / seconds / 1e12, mfu])
+        results.append({"cached": cached, "tokens": tokens, "chunk": args.chunk,
+                        "seconds": seconds,
                         "tok_s": tokens / seconds, "tflops": flops / seconds / 1e12,
                         "mfu_pct": mfu})
     profile = profile_prefill(loaded, args, max(args.tokens)) if args.profile else None
@@ -98,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured matmul'},"
           f" {loaded.dtype}); {args.kv_format} KV")
     print_table(f"prefill ({loaded.source}, {args.device})",
-                ["tokens", "chunk", "seconds", "tok/s", "TFLOP/s", "MFU %"], rows)
+                ["cached", "tokens", "chunk", "seconds", "tok/s", "TFLOP/s", "MFU %"], rows)
     return 0
 
 

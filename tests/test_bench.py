@@ -62,6 +62,24 @@ def test_prefill_bench_flops(tmp_path, kv_format):
     assert r["tok_s"] > 0 and r["mfu_pct"] > 0
 
 
+@pytest.mark.parametrize("model,kv_format", [("tiny-llama", "int8"), ("tiny-qwen3.5", "rk4p")])
+def test_prefill_bench_after_a_cached_prefix(tmp_path, model, kv_format):
+    """--cached-tokens: the timed tokens attend to the cached ones too (an agent
+    turn), and the FLOPs count those keys; hybrid GDN state and rk4p's staged
+    pages carry over from the untimed part."""
+    out = tmp_path / "prefill.json"
+    assert prefill.main(["--model", model, "--tokens", "24", "--cached-tokens", "40",
+                         "--chunk", "16", "--kv-format", kv_format, "--repeats", "1",
+                         "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    loaded = load_model(model, progress=False)
+    assert r["cached"] == 40 and r["tokens"] == 24
+    assert r["tflops"] * 1e12 * r["seconds"] == pytest.approx(
+        limits.prefill_flops(loaded.model, loaded.config, 24, start=40))
+    assert limits.prefill_flops(loaded.model, loaded.config, 24, start=40) > \
+        limits.prefill_flops(loaded.model, loaded.config, 24)
+
+
 def test_service_benches_on_one_service(tmp_path):
     with Service("tiny-llama", "cpu", "int8", max_context_tokens=1024, prefill_chunk=32) as svc:
         loop = agent_loop.run(svc, agent_loop.parser().parse_args(
