@@ -21,7 +21,7 @@ from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
-from engine.streams import worker_stream
+from engine.streams import WorkerStream
 from kvstore.client import StoreClient, wait_for_store
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
@@ -84,7 +84,7 @@ class StepLoop:
 
     @torch.inference_mode()
     def _run(self) -> None:
-        with worker_stream(self.scheduler.cache.device, high_priority=True):
+        with WorkerStream(self.scheduler.cache.device, high_priority=True).active():
             self._loop()
 
     def _loop(self) -> None:

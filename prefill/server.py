@@ -17,7 +17,7 @@ import grpc
 
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
-from engine.streams import worker_stream, yield_to_decode
+from engine.streams import WorkerStream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
 from tandem.internal.v1 import workers_pb2 as pb
@@ -66,6 +66,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self.chunk = chunk
         self.link = link  # disaggregated topology: how pages reach decode stores
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
+        self.stream = WorkerStream(store.cache.device, high_priority=False)
         self.work: dict[str, _Work] = {}
 
     async def Prefill(self, request, context):
@@ -96,7 +97,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                            len(job.tokens),
                                            len(self.store.info.config.attention_layers))
                 between_chunks()  # it may have been cancelled while queued
-                with worker_stream(self.store.cache.device, high_priority=False):
+                with self.stream.active():
                     sent_before = self.link.bytes_sent if out else 0
                     # layer by layer: each KV write's finished pages leave at once
                     self.store.cache.kv_written = out.layer_written if out else None

@@ -51,3 +51,30 @@ def test_cuda_engine_matches_cpu_engine_greedy():
             got[e.index].append(e.token_id)
         results.append(got)
     assert results[0] == results[1]
+
+
+def test_worker_stream_reuses_the_memory_its_earlier_work_freed():
+    """One WorkerStream per worker: the caching allocator serves a request's
+    tensors from what the previous request on that stream freed (a new
+    stream per request would reserve fresh memory every time)."""
+    from engine.streams import WorkerStream
+
+    def one_request(stream: WorkerStream) -> None:
+        with stream.active():
+            x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            x.fill_(1)
+            del x
+
+    stream = WorkerStream("cuda", high_priority=False)
+    one_request(stream)
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    for _ in range(3):
+        one_request(stream)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved
+    # the premise: what one stream freed, a new stream does not get
+    for _ in range(2):
+        one_request(WorkerStream("cuda", high_priority=False))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() >= reserved + 2 * (64 << 20)
