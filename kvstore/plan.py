@@ -73,7 +73,9 @@ class CapacityPlan:
                               + 2 conv_dim) x activation_bytes     the widest layer's live tensors
       + prefill_chunk_tokens x 24 x gdn_v_heads x gdn_head_dim x 4  the GDN chunk's fp32 work
       + 2 x context x kv_heads x head_dim x activation_bytes      one layer's K and V dequantized
-                                                                  (not with paged_attention_kernel)
+        (the PyTorch path; with paged_attention_kernel, prefill over quantized pages
+        dequantizes at most DENSE_PREFILL_MAX_TOKENS, and a read slice's fp32
+        temporaries, DENSE_READ_SLICE_TOKENS x kv_heads x head_dim x 24 bytes)
       + live_slots x vocab x 4                                    fp32 logits of a decode batch
     where context = min(max_context_tokens, max_position_embeddings).
     Allocator slack: 256 MiB + 10% of the activation reserve (and of the
@@ -105,8 +107,9 @@ class CapacityPlan:
     mtp_kv_layers: int = 0
     cuda_graphs: bool = False
     cuda_processes: int = 0
-    # attention reads the pages in place (the Triton kernels on CUDA), so no
-    # layer's K and V are ever dequantized whole; False: the PyTorch path does
+    # attention reads the pages in place (the Triton kernels on CUDA): a layer's
+    # K and V are dequantized whole only for prefill, up to a bound
+    # (engine/kv/attention.py); False: the PyTorch path always does
     paged_attention_kernel: bool = False
     weight_format: str = "as stored"
     host_weight_bytes: int = 0
@@ -309,14 +312,25 @@ class CapacityPlan:
         sizes.append(self.live_slots)
         return 64 * MiB + sum(self._decode_activations(s) for s in sizes)
 
+    def _dequantized_kv_bytes(self, context: int, kv_width: int) -> int:
+        """One layer's K and V dequantized whole (the PyTorch path), or on the
+        GPU the prefill's bf16 workspace (up to DENSE_PREFILL_MAX_TOKENS) and
+        one read slice's fp32 temporaries (~6 x 4 bytes per element, rk4p)."""
+        if not self.paged_attention_kernel:
+            return 2 * context * kv_width * self.activation_bytes
+        if self.kv_format.name == "bf16":  # pages are read as they are
+            return 0
+        from engine.kv.attention import DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS
+        workspace = 2 * min(context, DENSE_PREFILL_MAX_TOKENS) * kv_width * self.activation_bytes
+        return workspace + min(context, DENSE_READ_SLICE_TOKENS) * kv_width * 24
+
     def _activation_reserve(self) -> int:
         cfg = self.config
         kv_width = cfg.num_kv_heads * cfg.head_dim
         context = min(self.max_context_tokens, cfg.max_position_embeddings)
         chunk = self.prefill_chunk_tokens * (self._per_token_width() * self.activation_bytes
                                              + self._gdn_prefill_bytes_per_token())
-        dense_kv = 0 if self.paged_attention_kernel else \
-            2 * context * kv_width * self.activation_bytes
+        dense_kv = self._dequantized_kv_bytes(context, kv_width)
         logits = max(self.live_slots, 1) * cfg.vocab_size * 4
         return chunk + dense_kv + logits
 

@@ -190,3 +190,23 @@ def test_each_gpu_process_costs_a_cuda_context():
     assert gpu.line("cuda contexts").bytes == 3 * CUDA_CONTEXT_BYTES >= 3 * 526 * 2**20
     assert gpu.total_bytes - cpu.total_bytes == 3 * CUDA_CONTEXT_BYTES
     assert "3 processes" in gpu.table()
+
+
+def test_gpu_prefill_workspace_is_planned_for_quantized_pages_only():
+    """On the GPU a prefill dequantizes one layer's K/V into a bf16 workspace of
+    at most DENSE_PREFILL_MAX_TOKENS (plus one read slice's temporaries) for
+    quantized pages and none for bf16 pages; the CPU path the whole context."""
+    from engine.kv.attention import DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS
+
+    config = _qwen27b()
+    kv_width = config.num_kv_heads * config.head_dim
+
+    def reserve(**kw) -> int:
+        return _plan(config, 13 * 10**9, budget="200GiB", **kw).line("activation reserve").bytes
+
+    gpu_rk4 = reserve(paged_attention_kernel=True)
+    gpu_bf16 = reserve(paged_attention_kernel=True, kv_format=KVFormatSpec("bf16"))
+    cpu_rk4 = reserve()
+    assert gpu_rk4 - gpu_bf16 == (2 * DENSE_PREFILL_MAX_TOKENS * kv_width * 2
+                                  + DENSE_READ_SLICE_TOKENS * kv_width * 24)
+    assert cpu_rk4 - gpu_bf16 == 2 * 262_144 * kv_width * 2

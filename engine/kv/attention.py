@@ -249,16 +249,26 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
 
 # Keys dequantized per step of dense_prefill_attention: bounds the reads'
 # fp32 temporaries (rk4p: ~5 x 4 bytes per element) whatever the context.
-DENSE_READ_SLICE_TOKENS = 8192
+DENSE_READ_SLICE_TOKENS = 4096
+# The workspace's bound in tokens (K and V of one layer, bf16; 256 MiB on the
+# 27B): a prefill batch whose keys reach further keeps the in-kernel
+# dequantization, so a 262K context fits a 24 GiB plan. kvstore/plan.py
+# reserves this much.
+DENSE_PREFILL_MAX_TOKENS = 65536
 
 
-def dense_prefill_wanted(fmt: KVFormat, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """A prefill chunk in bf16 over quantized pages, unless
-    TANDEM_PREFILL_ATTENTION=paged asks for the in-kernel dequantization."""
+def dense_prefill_wanted(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
+                         meta: AttentionMetadata) -> bool:
+    """A prefill chunk in bf16 over quantized pages whose keys fit the
+    workspace, unless TANDEM_PREFILL_ATTENTION=paged asks for the in-kernel
+    dequantization."""
     import os
-    return (q.dtype == torch.bfloat16 and not isinstance(fmt, Bf16Format)
-            and meta.max_new_tokens > PREFILL_DOT_BF16_FROM
-            and os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") != "paged")
+    if (q.dtype != torch.bfloat16 or isinstance(fmt, Bf16Format)
+            or meta.max_new_tokens <= PREFILL_DOT_BF16_FROM
+            or os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") == "paged"):
+        return False
+    page_size = next(iter(buffers.values())).shape[1]
+    return meta.workspace_bases(page_size)[-1] <= DENSE_PREFILL_MAX_TOKENS
 
 
 def dequantize_into(fmt: KVFormat, buffers: dict[str, torch.Tensor], pages: torch.Tensor,
@@ -295,7 +305,8 @@ def dense_prefill_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: 
     and, at head_dim 256, spills registers: on the H200 (27B shape, 32K
     tokens, 2026-12-02) rk4 prefill ran at 21% MFU and rk4p at 3.5% against
     int8's 57%. The workspace is one layer's K and V at the batch's length,
-    the plan's "one layer's K and V dequantized" (kvstore/plan.py)."""
+    the plan's "one layer's K and V dequantized" (kvstore/plan.py), up to
+    DENSE_PREFILL_MAX_TOKENS."""
     _check_rotary(fmt, rotary)
     page_size, kv_heads = next(iter(buffers.values())).shape[1:3]
     bases = meta.workspace_bases(page_size)
@@ -319,7 +330,7 @@ def paged_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Te
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     choice = fmt.use_triton if use_triton is None else use_triton
     if (q.is_cuda if choice is None else choice):
-        if dense_prefill_wanted(fmt, q, meta):
+        if dense_prefill_wanted(fmt, buffers, q, meta):
             return dense_prefill_attention(fmt, buffers, q, meta, scale, rotary=rotary)
         return paged_attention_triton(fmt, buffers, q, meta, scale, rotary=rotary)
     return paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)
