@@ -53,9 +53,11 @@ def test_batched_gdn_matches_per_sequence_reference(monkeypatch, prefill_conv_ke
     loaded = load_model("tiny-qwen3.5", device=DEVICE, dtype=torch.float32, seed=6)
     ref_logits, ref_states = run_steps(loaded, False, monkeypatch)
     logits, states = run_steps(loaded, True, monkeypatch, prefill_conv_kernel)
-    # CUDA: fla's kernels and tf32 attention dots; the CPU fallback is the same math
+    # CUDA: fla's kernels and tf32 attention dots; the CPU fallback is the same
+    # math in another summation order (the conv kernel's: 1.6e-4 on one
+    # 2-core VM, under 1e-4 on another); a wrong window or offset is off by O(0.1)
     tol = dict(rtol=1e-2, atol=1e-2) if DEVICE == "cuda" \
-        else dict(rtol=1e-4, atol=1e-4)
+        else dict(rtol=1e-4, atol=5e-4)
     torch.testing.assert_close(logits, ref_logits, **tol)
     for s, r in zip(states, ref_states):
         torch.testing.assert_close(s[[0, 1, 3]], r[[0, 1, 3]], **tol)

@@ -59,7 +59,8 @@ def _same_model(merged: LoadedModel, unmerged, prompt):
     width (a wrong row is off by O(1)), and the same greedy continuation."""
     a, b = (_logits(m, merged.config, prompt) for m in (merged.model, unmerged))
     assert torch.isfinite(a).all()
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # (2.8e-5 seen on one CPU, where BLAS picked other kernels for the widths)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     twin = LoadedModel(merged.config, unmerged, merged.tokenizer, "per-matrix", merged.device,
                        merged.dtype)
     assert _greedy(merged, prompt) == _greedy(twin, prompt)
