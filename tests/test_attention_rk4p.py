@@ -254,9 +254,7 @@ def test_decode_per_page_and_per_key_tiles_match_reference(page, block_n, splits
     the page size (tiles start at multiples of BLOCK_N, so each lies on one
     page) and per key otherwise; both over real and staged pages, the sink
     among them, and splits whose boundaries fall inside a page."""
-    if DEVICE != "cpu":
-        pytest.skip("interpreter tiles (rows 16); the GPU picks its own")
-    tiles = Tiles(rows=16, block_n=block_n)
+    tiles = Tiles(rows=16, block_n=block_n, num_warps=4, num_stages=1)
     actual, expected = _run_case([(200, 1), (130, 1), (31, 1)], 12, 2, 256, 64, staged=1,
                                  splits=splits, seed=page + block_n, sink=True, tiles=tiles,
                                  page=page)
@@ -266,10 +264,8 @@ def test_decode_per_page_and_per_key_tiles_match_reference(page, block_n, splits
 def test_prefill_with_tiles_across_pages_matches_reference():
     """Prefill rows over 48-token pages with 32-key tiles (per-key page
     lookups), the partial rotary of a 64-dim head."""
-    if DEVICE != "cpu":
-        pytest.skip("interpreter tiles (rows 16); the GPU picks its own")
     actual, expected = _run_case([(100, 40), (0, 17)], 6, 2, 64, 16, staged=1, splits=1, seed=21,
-                                 sink=True, tiles=Tiles(rows=16, block_n=32), page=48)
+                                 sink=True, tiles=Tiles(rows=16, block_n=32, num_warps=4), page=48)
     torch.testing.assert_close(actual, expected, **tolerance())
 
 
