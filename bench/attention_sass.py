@@ -1,6 +1,7 @@
 """Static facts of the paged attention kernel's sm_90 build, no GPU needed:
 registers per thread, stack bytes (spills and local arrays), shared memory,
-and the machine instructions of the key loop (per key tile), for the 27B's
+and the machine instructions of the key loop (per key tile: all of them,
+and those on its longest path, which a tile over a real page runs), for the 27B's
 attention shape (head_dim 256, rotary_dim 64, 4 KV heads, GQA group 6) over
 int8 and rk4p pages, with the tiles tiles_for picks for a decode step, a
 speculative verify (5 new tokens) or a bf16 prefill chunk, at the stage
@@ -40,12 +41,53 @@ def _signature(kernel, kind: int, out_bf16: bool) -> dict:
     if kind == K.INT8:
         types.update(k_scales_ptr="*fp16", v_scales_ptr="*fp16", k_codes_ptr="*i8",
                      v_codes_ptr="*i8")
+    elif kind == K.RK4P:
+        # rk4p reads channel pairs (attention._kind_args): k_min as int32,
+        # k_step as int16, the bf16 staging pages as int32
+        types.update(k_scales_ptr="*i32", k_step_ptr="*i16", k_open_ptr="*i32",
+                     v_open_ptr="*i32")
     names = [p.name for p in kernel.params]
     return {n: types.get(n, "constexpr") for n in names}
 
 
 # new tokens per sequence for each step kind (tiles_for's new_tokens)
 STEPS = {"decode": 1, "verify": 5, "prefill": 4096}
+
+
+def _loop_path(sass: str) -> int:
+    """Instructions on the longest path through the key loop (the longest
+    backward branch's body, as _loop_ops), forward branches taken or not:
+    rk4p's loop branches on whether a tile's page is staged, and the real
+    page's side, the longer one, is what nearly every tile runs."""
+    ins = []  # (address, instruction)
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    at = {address: i for i, (address, _) in enumerate(ins)}
+    loop = None
+    for i, (address, text) in enumerate(ins):
+        m = re.search(r"BRA 0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < address:
+            start = at[int(m.group(1), 16)]
+            if loop is None or i - start > loop[1] - loop[0]:
+                loop = (start, i)
+    if loop is None:
+        return 0
+    start, end = loop
+    longest = [0] * (end - start + 2)  # from instruction start + k to the back branch
+    longest[end - start] = 1
+    for i in range(end - 1, start - 1, -1):
+        text = ins[i][1]
+        m = re.search(r"BRA 0x([0-9a-f]+)", text)
+        target = at.get(int(m.group(1), 16)) if m else None
+        if target is not None and i < target <= end:  # a forward branch inside the loop
+            taken = longest[target - start]
+            longest[i - start] = 1 + (max(taken, longest[i + 1 - start])
+                                      if text.startswith("@") else taken)
+        else:
+            longest[i - start] = 1 + longest[i + 1 - start]
+    return longest[0]
 
 
 def _compile(kv_format: str, stages: int | None, tiles, splits: int):
@@ -103,7 +145,7 @@ def describe(kv_format: str, step: str, stages: int | None) -> list:
     tile = f"{tiles.rows}x{tiles.block_n}/{tiles.num_warps}w" + (" bf16" if tiles.dot_bf16 else "")
     return [kv_format, step, tile, "default" if stages is None else stages,
             regs, stack, local, f"{spills[0]}/{spills[1]}", compiled.metadata.shared,
-            sum(ops.values()), top]
+            sum(ops.values()), _loop_path(sass), top]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr)
     print_table("Paged attention sm_90 build, 27B attention shape (static)",
                 ["format", "step", "tile (rows x keys/warps)", "stages", "regs", "stack",
-                 "local", "STL/LDL", "smem", "loop instr", "top loop opcodes"], table)
+                 "local", "STL/LDL", "smem", "loop instr", "longest path", "top loop opcodes"],
+                table)
     return 0
 
 

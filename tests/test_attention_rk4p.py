@@ -30,26 +30,28 @@ def rotary_of(head_dim: int, rotary_dim: int) -> Rotary:
     return Rotary(SimpleNamespace(rotary_dim=rotary_dim, rope_theta=10000.0, rope_scaling=None))
 
 
-def build_case(seqs, q_heads, kv_heads, head_dim, staged_pages, seed, sink=False):
+def build_case(seqs, q_heads, kv_heads, head_dim, staged_pages, seed, sink=False, page=PAGE):
     """seqs [(cached, new)]: each sequence's last `staged_pages` pages (of those
     its keys reach) live in staging, and with `sink` its first page too (rk4p's
     exact first page), the rest in real pages; every other real and staging
     page holds unrelated data, so a wrong lookup reads garbage."""
-    fmt = make_format("rk4p")
+    fmt = make_format("rk4p", page_size=page)
     g = torch.Generator().manual_seed(seed)
-    need = [-(-(c + n) // PAGE) for c, n in seqs]
+    need = [-(-(c + n) // page) for c, n in seqs]
     num_pages, num_staging = sum(need) + 2, (staged_pages + sink) * len(seqs) + 1
-    buffers = fmt.allocate(num_pages, PAGE, kv_heads, head_dim, DEVICE)
-    buffers.update(fmt.allocate_staging(num_staging, PAGE, kv_heads, head_dim, DEVICE))
+    buffers = fmt.allocate(num_pages, page, kv_heads, head_dim, DEVICE)
+    buffers.update(fmt.allocate_staging(num_staging, page, kv_heads, head_dim, DEVICE))
     offsets_k = torch.linspace(-8, 8, head_dim)
+    # channels of unlike spreads: their steps differ, even next to each other
+    spread_k = 0.25 + 4 * torch.rand(head_dim, generator=g)
 
     def fill(slots):
-        k = torch.randn(slots.numel(), kv_heads, head_dim, generator=g) * 2 + offsets_k
+        k = torch.randn(slots.numel(), kv_heads, head_dim, generator=g) * spread_k + offsets_k
         v = torch.randn(slots.numel(), kv_heads, head_dim, generator=g)
         fmt.write(buffers, slots.to(DEVICE), k.to(DEVICE), v.to(DEVICE), use_triton=False)
 
-    fill(torch.arange(num_pages * PAGE))  # every real page, whole
-    fill(num_pages * PAGE + torch.arange(num_staging * PAGE))  # every staging page
+    fill(torch.arange(num_pages * page))  # every real page, whole
+    fill(num_pages * page + torch.arange(num_staging * page))  # every staging page
     order = torch.randperm(num_pages, generator=g)
     tables, used, staging_used = [], 0, 0
     for pages in need:
@@ -180,13 +182,14 @@ def test_half_pi_parts_are_short_and_sum_to_half_pi():
         assert mantissa == int(mantissa)  # at most 4 significant bits
     assert torch.tensor(last, dtype=torch.float32).item() == last
     assert abs(sum(K._HALF_PI) - math.pi / 2) < 1e-14
-    assert [K.rope_pad(r) for r in (0, 8, 32, 48, 64, 128)] == [16, 16, 16, 32, 32, 64]
+    # rotary tiles: the channel pairs of one half (rotary_dim / 4), padded
+    assert [K.rope_pad(r) for r in (0, 8, 48, 64, 128, 256)] == [16, 16, 16, 16, 32, 64]
 
 
 def _run_case(seqs, q_heads, kv_heads, head_dim, rotary_dim, staged, splits, seed, sink=False,
-              tiles=None, q_dtype=torch.float32):
+              tiles=None, q_dtype=torch.float32, page=PAGE):
     fmt, buffers, q, meta = build_case(seqs, q_heads, kv_heads, head_dim, staged, seed=seed,
-                                       sink=sink)
+                                       sink=sink, page=page)
     q = q.to(q_dtype)
     rotary = rotary_of(head_dim, rotary_dim)
     scale = head_dim ** -0.5
@@ -235,3 +238,40 @@ def test_prefill_with_bf16_dot_operands_keeps_bf16_semantics():
                                  seed=13, tiles=tiles, q_dtype=torch.bfloat16)
     torch.testing.assert_close(actual, expected, rtol=4e-2, atol=4e-2)
     assert (actual - expected).abs().mean() < 4e-3
+
+
+# ------------------------------------------- per-page tiles and per-key tiles
+
+@pytest.mark.parametrize("page,block_n,splits", [
+    (32, 16, 2),  # tiles on one page; (200, 1)'s second split starts mid-page (key 112)
+    (32, 16, 3),
+    (32, 64, 2),  # a tile spans two pages (the staged sink and a real one): per key
+    (48, 16, 2),  # 48-token pages: 16 divides them, one page a tile
+    (48, 32, 2),  # 32 does not: tiles [32, 64), [64, 96), ... straddle pages, per key
+])
+def test_decode_per_page_and_per_key_tiles_match_reference(page, block_n, splits):
+    """The kernel loads a tile's page, K min and step once when BLOCK_N divides
+    the page size (tiles start at multiples of BLOCK_N, so each lies on one
+    page) and per key otherwise; both over real and staged pages, the sink
+    among them, and splits whose boundaries fall inside a page."""
+    tiles = Tiles(rows=16, block_n=block_n, num_warps=4, num_stages=1)
+    actual, expected = _run_case([(200, 1), (130, 1), (31, 1)], 12, 2, 256, 64, staged=1,
+                                 splits=splits, seed=page + block_n, sink=True, tiles=tiles,
+                                 page=page)
+    torch.testing.assert_close(actual, expected, **tolerance())
+
+
+def test_prefill_with_tiles_across_pages_matches_reference():
+    """Prefill rows over 48-token pages with 32-key tiles (per-key page
+    lookups), the partial rotary of a 64-dim head."""
+    actual, expected = _run_case([(100, 40), (0, 17)], 6, 2, 64, 16, staged=1, splits=1, seed=21,
+                                 sink=True, tiles=Tiles(rows=16, block_n=32, num_warps=4), page=48)
+    torch.testing.assert_close(actual, expected, **tolerance())
+
+
+def test_rotary_dim_not_a_multiple_of_four_is_refused():
+    """Channel c and its rotate-half partner c + half must share parity for the
+    even/odd tiles: a rotary_dim of 2 mod 4 is refused with a clear error."""
+    fmt, buffers, q, meta = build_case([(40, 1)], 2, 2, 64, 1, seed=5)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        paged_attention_triton(fmt, buffers, q, meta, 0.125, rotary=rotary_of(64, 18))

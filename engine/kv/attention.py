@@ -155,11 +155,13 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
     # rk4p at head_dim 256 (the 27B) asked for 248 KB of shared memory at
     # Triton's default stages, over the H200's 227 KB (2026-12-01): its K tiles
     # are dequantized and rotated in registers, so one stage loses little.
-    # Since RoPE touches only the rotary channels (bench.attention_sass,
-    # static sm_90 build) the decode tile fits at 2 stages (123 KB) and 3
-    # (191 KB), verify at 2 (183 KB); but at 255 registers one stage's 55 KB
-    # lets two programs share an SM, which a 131K-context batch-1 decode's
-    # 256 programs need to run in one wave: stay at 1 until the H200 times 2
+    # Since rk4p's key tiles branch once on whether their page is staged
+    # (bench.attention_sass, static sm_90 build; BENCHMARKS.md, "rk4p
+    # attention on even and odd channel tiles"), Triton no longer pipelines
+    # the loads: 2 and 3 stages take the same 55 KB (verify 115 KB) and add
+    # loop instructions (decode 1834 -> 1857, 1869). One stage; at 216
+    # registers and 55 KB two programs share an SM, as a 131K-context
+    # batch-1 decode's 256 programs need to run in one wave.
     rk4p_wide = isinstance(fmt, PagedRk4Format) and head_dim > 128
     stages = 1 if rk4p_wide else None
     block_n = 64 if head_dim <= 128 else 32
@@ -183,10 +185,17 @@ def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> 
         _check_rotary(fmt, rotary)
         num_pages, page_size = buffers["k_codes"].shape[:2]
         inv_freq = rotary.inv_freq_on(buffers["k_codes"].device)
-        return (K.RK4P, buffers["k_codes"], buffers["k_min"], buffers["v_codes"],
-                buffers["v_scales"], fmt.v_block_for(buffers["k_min"].shape[-1]), False,
-                buffers["k_step"],
-                buffers["k_open"].view(torch.int16), buffers["v_open"].view(torch.int16),
+        if rotary.rotary_dim % 4:
+            raise ValueError(f"rk4p attention pairs each rotary channel c with c + half on "
+                             f"even/odd channel tiles: rotary_dim must be a multiple of 4, got "
+                             f"{rotary.rotary_dim}")
+        # the kernel reads channel pairs: k_min as int32 (two fp16), k_step as
+        # int16 (two e5m3 codes), the bf16 staging pages as int32 (two bf16)
+        return (K.RK4P, buffers["k_codes"], buffers["k_min"].view(torch.int32),
+                buffers["v_codes"], buffers["v_scales"],
+                fmt.v_block_for(buffers["k_min"].shape[-1]), False,
+                buffers["k_step"].view(torch.int16),
+                buffers["k_open"].view(torch.int32), buffers["v_open"].view(torch.int32),
                 inv_freq, num_pages * page_size, rotary.rotary_dim)
     if isinstance(fmt, Bf16Format):
         k, v = buffers["k"], buffers["v"]

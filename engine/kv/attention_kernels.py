@@ -17,14 +17,20 @@ query and un-rotates the output (q.k == (q R).(k R), and attention over
 rotated V is out @ R), so the kernel sees the stored space only.
 
 rk4p pages hold K before RoPE (per-channel codes per page) and rotated V;
-page ids >= num_pages name bf16 staging pages (open pages). The kernel
+page ids >= num_pages name bf16 staging pages (open pages). A K or V byte
+holds a channel pair (2p, 2p + 1), so the rk4p program (`_rk4p_program`)
+keeps even and odd channels apart: q, K, V and the output are pairs of
+[.., D / 2] tiles, the bytes load contiguously and each nibble is a tile
+(`_load_rk4p_pairs`). When BLOCK_N divides the page size a key tile lies on
+one page: its page id, whether it is staged (a branch, not a select per
+key) and K's per-channel min and step are read once per tile. The kernel
 applies RoPE from the key positions to the rotary channels only (partial
 rotary: the first ROTARY_DIM; the 27B rotates 64 of 256): the scores are
-q . k over the other channels (K loaded once, its rotary channels masked to
-zero) plus q1 . A + q2 . B over [BLOCK_N, half] tiles of the roped halves
-(`_roped_halves`), whose cos/sin come from an explicit range reduction
-(`_sin_cos`) because libdevice's sinf/cosf take a slow path at the angles a
-long context reaches. The caller un-rotates the output.
+q . k over the other channels (K's rotary pairs load as zeros) plus
+q1 . A + q2 . B over [BLOCK_N, ROTARY_DIM / 4] even and odd tiles of the
+roped halves (`_roped_pairs`), whose cos/sin come from an explicit range
+reduction (`_sin_cos`) because libdevice's sinf/cosf take a slow path at the
+angles a long context reaches. The caller un-rotates the output.
 
 Softmax runs in base 2: the query is scaled by softmax_scale * log2(e) once,
 and exp2/log2 replace exp/log. Row and key masks never produce NaN: a row
@@ -74,9 +80,10 @@ _TWO_OVER_PI = tl.constexpr(2.0 / math.pi)
 
 
 def rope_pad(rotary_dim: int) -> int:
-    """Width of the rotary half tiles: half the rotary dims, a power of two
-    and at least tl.dot's 16 (zero columns pad the tiny test heads)."""
-    return max(16, triton.next_power_of_2(max(1, rotary_dim // 2)))
+    """Width of rk4p's rotary tiles: the channel pairs of one rotary half
+    (rotary_dim / 4), a power of two and at least tl.dot's 16 (zero columns
+    pad the smaller heads)."""
+    return max(16, triton.next_power_of_2(max(1, rotary_dim // 4)))
 
 
 @triton.jit
@@ -111,47 +118,148 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
 
 
 @triton.jit
-def _load_bf16_rows(ptr, row, cols, mask, D: tl.constexpr):
-    return _load_dense(ptr, row[:, None] * D + cols[None, :], mask, True)
+def _nibble_values(packed, offset: tl.constexpr, COMPILED: tl.constexpr):
+    """(low nibble minus `offset`, 16 * high nibble) of uint8 bytes, as exact
+    fp32 without int-to-float conversions (I2F runs at 1/8 of FADD's rate,
+    engine/quant/gemv.py): the float with bits 0x4B0000bb is 2**23 + b, one
+    PRMT per byte straight from the loaded words (Triton hands the asm four
+    bytes a register, element i in byte i); masking its high nibble leaves
+    2**23 + low, and the difference of the two is 16 * high."""
+    if COMPILED:
+        byte_bits = tl.inline_asm_elementwise(
+            "{ .reg .b32 m; mov.b32 m, 0x4B000000; prmt.b32 $0, $4, m, 0x7440; "
+            "prmt.b32 $1, $4, m, 0x7441; prmt.b32 $2, $4, m, 0x7442; "
+            "prmt.b32 $3, $4, m, 0x7443; }",
+            "=r,=r,=r,=r,r", [packed], dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        byte_bits = packed.to(tl.int32) | 0x4B000000
+    byte = byte_bits.to(tl.float32, bitcast=True)
+    low = (byte_bits & 0x4B00000F).to(tl.float32, bitcast=True)
+    return low - (8388608.0 + offset), byte - low
 
 
 @triton.jit
-def _load_rk4p_k(codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head, cols,
-                 key_ok, col_ok, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr):
-    """rk4p K [BLOCK_N, D_PAD] before RoPE: a real page's codes with its
-    per-channel min and e5m3 step, or a staging page's bf16 (formats.py)."""
-    staged = slot >= first_staged
-    real_mask = (key_ok & ~staged)[:, None] & col_ok[None, :]
-    open_mask = (key_ok & staged)[:, None] & col_ok[None, :]
+def _fp16_bits_value(bits):
+    """fp32 value of the fp16 whose bits are the low 16 of int32 `bits`."""
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_page_params(min_ptr, step_ptr, page, kv_head, pairs, mask, KV_HEADS: tl.constexpr,
+                   D: tl.constexpr, ONE_PAGE: tl.constexpr):
+    """fp32 (min even, min odd, step even, step odd) of rk4p K's channel
+    pairs (2p, 2p + 1), p in `pairs`, on their page: min_ptr reads k_min as
+    int32 words (two fp16s) and step_ptr k_step as int16 (two e5m3 codes), so
+    one load serves both channels. ONE_PAGE: page is a scalar, the tile's one
+    page, and the values come as [1, PAIRS] (one load per tile, not per key);
+    else per key, [BLOCK_N, PAIRS]."""
+    if ONE_PAGE:
+        at = ((page * KV_HEADS + kv_head) * (D // 2) + pairs)[None, :]
+    else:
+        at = (page * KV_HEADS + kv_head)[:, None] * (D // 2) + pairs[None, :]
+    words = tl.load(min_ptr + at, mask=mask, other=0)
+    codes = tl.load(step_ptr + at, mask=mask, other=0).to(tl.int32)
+    return (_fp16_bits_value(words), _fp16_bits_value(words >> 16),
+            _k_step_decode(codes & 0xFF), _k_step_decode((codes >> 8) & 0xFF))
+
+
+@triton.jit
+def _k_real_pairs(codes_ptr, min_ptr, step_ptr, page, row, kv_head, pairs, mask, page_mask,
+                  KV_HEADS: tl.constexpr, D: tl.constexpr, ONE_PAGE: tl.constexpr,
+                  COMPILED: tl.constexpr):
+    """Dequantized rk4p K rows `row` at channel pairs: (even, odd). Byte p of
+    a row holds channel 2p in its low nibble and 2p + 1 in its high one
+    (formats.py), so the byte loads are contiguous and each nibble is a tile
+    of its own. page_mask: the min and step loads' mask (_k_page_params)."""
+    lo_even, lo_odd, step_even, step_odd = _k_page_params(min_ptr, step_ptr, page, kv_head,
+                                                          pairs, page_mask, KV_HEADS, D,
+                                                          ONE_PAGE)
+    packed = tl.load(codes_ptr + row[:, None] * (D // 2) + pairs[None, :], mask=mask, other=0)
+    low, high16 = _nibble_values(packed, 0, COMPILED)
+    return lo_even + low * step_even, lo_odd + high16 * (step_odd * 0.0625)
+
+
+@triton.jit
+def _per_block(x, HALF_BLOCK: tl.constexpr):
+    """[BLOCK_N, blocks] values broadcast to each block's HALF_BLOCK channel
+    pairs: [BLOCK_N, blocks * HALF_BLOCK]."""
+    rows: tl.constexpr = x.shape[0]
+    blocks: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [rows, blocks, HALF_BLOCK]),
+                      [rows, blocks * HALF_BLOCK])
+
+
+@triton.jit
+def _v_real_pairs(codes_ptr, scales_ptr, row, key_ok, D: tl.constexpr, D_PAD: tl.constexpr,
+                  SCALE_BLOCK: tl.constexpr, COMPILED: tl.constexpr):
+    """Dequantized rk4p V rows `row` at channel pairs [0, D_PAD / 2): (even,
+    odd), per-token codes (nibble - 8) with one fp16 scale per SCALE_BLOCK
+    channels, loaded once per (token, block) and broadcast; every product
+    and sum here is exact (4-bit codes times fp16 scales)."""
+    HALF_BLOCK: tl.constexpr = SCALE_BLOCK // 2
+    pairs = tl.arange(0, D_PAD // 2)
+    mask = key_ok[:, None] & (pairs < D // 2)[None, :]
+    packed = tl.load(codes_ptr + row[:, None] * (D // 2) + pairs[None, :], mask=mask, other=0)
+    block = tl.arange(0, D_PAD // SCALE_BLOCK)
+    scale = tl.load(scales_ptr + row[:, None] * (D // SCALE_BLOCK) + block[None, :],
+                    mask=key_ok[:, None] & (block < D // SCALE_BLOCK)[None, :],
+                    other=0.0).to(tl.float32)
+    low, high16 = _nibble_values(packed, 8, COMPILED)
+    # odd: (16 high) * scale / 16 - 8 scale, one FFMA
+    return (low * _per_block(scale, HALF_BLOCK),
+            high16 * _per_block(scale * 0.0625, HALF_BLOCK)
+            + _per_block(scale * -8.0, HALF_BLOCK))
+
+
+@triton.jit
+def _staged_pairs(open_ptr, open_row, pairs, mask, D: tl.constexpr):
+    """bf16 staging rows at channel pairs: (even, odd), exactly. open_ptr
+    reads the staging pages as int32 words, each a channel pair, the even
+    channel in the low half (little-endian)."""
+    words = tl.load(open_ptr + open_row[:, None] * (D // 2) + pairs[None, :], mask=mask, other=0)
+    return (words << 16).to(tl.float32, bitcast=True), \
+        ((words >> 16) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_rk4p_pairs(codes_ptr, scales_ptr, step_ptr, open_ptr, page, slot, staged,
+                     first_staged, kv_head, pairs, key_ok, pairs_ok, KV_HEADS: tl.constexpr,
+                     D: tl.constexpr, D_PAD: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                     IS_K: tl.constexpr, ONE_PAGE: tl.constexpr, COMPILED: tl.constexpr):
+    """rk4p K before RoPE (IS_K: scales_ptr, step_ptr are k_min, k_step) at
+    channel pairs p (2p, 2p + 1), or V, rotated (scales_ptr: v_scales), at
+    all pairs [0, D_PAD / 2): (even, odd) fp32 [BLOCK_N, PAIRS], from a real
+    page or a staging page's bf16. ONE_PAGE: page and staged are the tile's,
+    scalars, so the tile takes one branch (staged pages are a few per
+    sequence); else per key, both loads masked and selected."""
     row = slot * KV_HEADS + kv_head
-    packed = tl.load(codes_ptr + row[:, None] * (D // 2) + cols[None, :] // 2, mask=real_mask,
-                     other=0).to(tl.int32)
-    nibble = (packed >> ((cols[None, :] % 2) * 4)) & 0xF
-    page_row = (slot // PAGE_SIZE) * KV_HEADS + kv_head
-    lo = tl.load(min_ptr + page_row[:, None] * D + cols[None, :], mask=real_mask,
-                 other=0.0).to(tl.float32)
-    step = _k_step_decode(tl.load(step_ptr + page_row[:, None] * D + cols[None, :],
-                                  mask=real_mask, other=0))
-    real = lo + nibble.to(tl.float32) * step
-    open_row = tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head
-    exact = _load_bf16_rows(open_ptr, open_row, cols, open_mask, D)
-    return tl.where(staged[:, None], exact, real)
-
-
-@triton.jit
-def _load_rk4p_v(codes_ptr, scales_ptr, open_ptr, slot, first_staged, kv_head, cols, key_ok,
-                 col_ok, KV_HEADS: tl.constexpr, D: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """rk4p V (rotated) [BLOCK_N, D_PAD]: per-token codes with fp16 block scales,
-    or a staging page's bf16."""
-    staged = slot >= first_staged
-    real_ok = key_ok & ~staged
-    real = _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, real_ok, col_ok,
-                    KV_HEADS, D, 3, SCALE_BLOCK, False)
-    open_mask = (key_ok & staged)[:, None] & col_ok[None, :]
-    open_row = tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head
-    exact = _load_bf16_rows(open_ptr, open_row, cols, open_mask, D)
-    return tl.where(staged[:, None], exact, real)
+    if ONE_PAGE:
+        mask = key_ok[:, None] & pairs_ok[None, :]
+        if staged:
+            even, odd = _staged_pairs(open_ptr, (slot - first_staged) * KV_HEADS + kv_head,
+                                      pairs, mask, D)
+        else:
+            if IS_K:
+                even, odd = _k_real_pairs(codes_ptr, scales_ptr, step_ptr, page, row, kv_head,
+                                          pairs, mask, pairs_ok[None, :], KV_HEADS, D,
+                                          ONE_PAGE, COMPILED)
+            else:
+                even, odd = _v_real_pairs(codes_ptr, scales_ptr, row, key_ok, D, D_PAD,
+                                          SCALE_BLOCK, COMPILED)
+    else:
+        real_mask = (key_ok & ~staged)[:, None] & pairs_ok[None, :]
+        if IS_K:
+            even, odd = _k_real_pairs(codes_ptr, scales_ptr, step_ptr, page, row, kv_head, pairs,
+                                      real_mask, real_mask, KV_HEADS, D, ONE_PAGE, COMPILED)
+        else:
+            even, odd = _v_real_pairs(codes_ptr, scales_ptr, row, key_ok & ~staged, D, D_PAD,
+                                      SCALE_BLOCK, COMPILED)
+        exact_even, exact_odd = _staged_pairs(
+            open_ptr, tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head, pairs,
+            (key_ok & staged)[:, None] & pairs_ok[None, :], D)
+        even = tl.where(staged[:, None], exact_even, even)
+        odd = tl.where(staged[:, None], exact_odd, odd)
+    return even, odd
 
 
 @triton.jit
@@ -193,25 +301,34 @@ def _sin_cos(x):
 
 
 @triton.jit
-def _roped_halves(k_codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head,
-                  keys, key_ok, inv_freq_ptr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  PAGE_SIZE: tl.constexpr, ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
-                  COMPILED: tl.constexpr):
-    """RoPE'd rotary halves A = k1 c - k2 s, B = k2 c + k1 s, [BLOCK_N, ROPE_PAD]
-    fp32 (rotate-half layout, engine/rotary.py: k1, k2 are channels [0, half)
-    and [half, ROTARY_DIM)); pad columns are zero."""
-    half: tl.constexpr = ROTARY_DIM // 2
-    j = tl.arange(0, ROPE_PAD)
-    j_ok = j < half
-    k1 = _load_rk4p_k(k_codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head,
-                      j, key_ok, j_ok, KV_HEADS, D, PAGE_SIZE)
-    k2 = _load_rk4p_k(k_codes_ptr, min_ptr, step_ptr, open_ptr, slot, first_staged, kv_head,
-                      j + half, key_ok, j_ok, KV_HEADS, D, PAGE_SIZE)
-    freq = tl.load(inv_freq_ptr + j, mask=j_ok, other=0.0)
-    angle = _mul_rn(tl.broadcast_to(keys.to(tl.float32)[:, None], k1.shape),
-                    tl.broadcast_to(freq[None, :], k1.shape), COMPILED)
-    sin, cos = _sin_cos(angle)
-    return k1 * cos - k2 * sin, k2 * cos + k1 * sin
+def _roped_pairs(k_codes_ptr, min_ptr, step_ptr, open_ptr, page, slot, staged, first_staged,
+                 kv_head, keys, key_ok, inv_freq_ptr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                 ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr, ONE_PAGE: tl.constexpr,
+                 COMPILED: tl.constexpr):
+    """RoPE'd rotary halves A = k1 c - k2 s, B = k2 c + k1 s (rotate-half
+    layout, engine/rotary.py: k1, k2 are channels [0, half) and [half,
+    ROTARY_DIM)), each as its even and odd channels: (A even, A odd, B even,
+    B odd), fp32 [BLOCK_N, ROPE_PAD]; pad columns are zero. Channel c and its
+    partner c + half have the same parity (half is even), so k1's pairs
+    [0, half / 2) meet k2's [half / 2, half) column for column."""
+    quarter: tl.constexpr = ROTARY_DIM // 4  # channel pairs per half
+    i = tl.arange(0, ROPE_PAD)
+    i_ok = i < quarter
+    k1_even, k1_odd = _load_rk4p_pairs(k_codes_ptr, min_ptr, step_ptr, open_ptr, page, slot,
+                                       staged, first_staged, kv_head, i, key_ok, i_ok, KV_HEADS,
+                                       D, 0, 0, True, ONE_PAGE, COMPILED)
+    k2_even, k2_odd = _load_rk4p_pairs(k_codes_ptr, min_ptr, step_ptr, open_ptr, page, slot,
+                                       staged, first_staged, kv_head, i + quarter, key_ok, i_ok,
+                                       KV_HEADS, D, 0, 0, True, ONE_PAGE, COMPILED)
+    position = tl.broadcast_to(keys.to(tl.float32)[:, None], k1_even.shape)
+    freq_even = tl.load(inv_freq_ptr + 2 * i, mask=i_ok, other=0.0)
+    freq_odd = tl.load(inv_freq_ptr + 2 * i + 1, mask=i_ok, other=0.0)
+    sin_e, cos_e = _sin_cos(_mul_rn(position, tl.broadcast_to(freq_even[None, :], position.shape),
+                                    COMPILED))
+    sin_o, cos_o = _sin_cos(_mul_rn(position, tl.broadcast_to(freq_odd[None, :], position.shape),
+                                    COMPILED))
+    return (k1_even * cos_e - k2_even * sin_e, k1_odd * cos_o - k2_odd * sin_o,
+            k2_even * cos_e + k1_even * sin_e, k2_odd * cos_o + k1_odd * sin_o)
 
 
 @triton.jit
@@ -228,56 +345,203 @@ def _dot_operand(x, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
-                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                 k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                 KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                 KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-                 ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_BF16: tl.constexpr, COMPILED: tl.constexpr):
-    """One online-softmax step over keys [start, start + BLOCK_N) (< hi).
-    DOT_BF16: q (already rounded), K, P and V enter the dots as bf16,
-    which runs them at twice tf32's rate with half the shared memory; the
-    accumulators and the softmax stay fp32. q1, q2: rk4p's rotary halves of
-    q, [ROWS, ROPE_PAD] (unused by the other kinds)."""
-    keys = start + tl.arange(0, BLOCK_N)
-    key_ok = keys < hi
-    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    slot = page * PAGE_SIZE + keys % PAGE_SIZE
-    if KIND == 4:
-        if ROTARY_DIM < D:
-            # the rotary channels load as zeros here: their roped values
-            # enter through q1 . A + q2 . B, on [BLOCK_N, half] tiles
-            k = _load_rk4p_k(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
-                             first_staged, kv_head, cols, key_ok,
-                             col_ok & (cols >= ROTARY_DIM), KV_HEADS, D, PAGE_SIZE)
-            s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
-        else:  # full rotary: no other channels
-            s = tl.zeros([q.shape[0], BLOCK_N], tl.float32)
-        if ROTARY_DIM > 0:
-            a, b = _roped_halves(k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr, slot,
-                                 first_staged, kv_head, keys, key_ok, inv_freq_ptr, KV_HEADS,
-                                 D, PAGE_SIZE, ROTARY_DIM, ROPE_PAD, COMPILED)
-            s = tl.dot(q1, tl.trans(_dot_operand(a, DOT_BF16)), s)
-            s = tl.dot(q2, tl.trans(_dot_operand(b, DOT_BF16)), s)
-    else:
-        k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
-                     KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
-        s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
+def _online_softmax(s, keys, key_ok, q_pos, m_i, l_i):
+    """Masks scores s [ROWS, BLOCK_N] to the keys each row sees and folds them
+    into the running max and sum: (m_new, alpha (the rescale of what came
+    before), p, l_new). _attend_tile keeps the same steps inline, so that
+    the other kinds' build stays byte for byte what it was."""
     visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KIND == 4:
-        v = _load_rk4p_v(v_codes_ptr, v_scales_ptr, v_open_ptr, slot, first_staged, kv_head,
-                         cols, key_ok, col_ok, KV_HEADS, D, SCALE_BLOCK)
-    else:
-        v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
-                     KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+    return m_new, alpha, p, l_i
+
+
+@triton.jit
+def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                 KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                 KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr):
+    """One online-softmax step over keys [start, start + BLOCK_N) (< hi).
+    DOT_BF16: q (already rounded), K, P and V enter the dots as bf16,
+    which runs them at twice tf32's rate with half the shared memory; the
+    accumulators and the softmax stay fp32."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < hi
+    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + keys % PAGE_SIZE
+    k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+    s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
+    visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
+                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
     acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, DOT_BF16), _dot_operand(v, DOT_BF16))
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_rk4p_tile(q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_i, l_i,
+                      acc_even, acc_odd, start, hi, table, pairs, pairs_ok, kv_head,
+                      k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
+                      v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                      KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                      PAGE_SIZE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                      ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                      DOT_BF16: tl.constexpr, COMPILED: tl.constexpr):
+    """_attend_tile over rk4p pages, on even and odd channels: the scores are
+    q_even . k_even + q_odd . k_odd over the channels RoPE leaves alone (K's
+    rotary pairs load as zeros) plus the roped halves' four dots (q1, q2: the
+    rotary halves of q, each split likewise, [ROWS, ROPE_PAD]); V's even and
+    odd channels accumulate apart (acc_even, acc_odd [ROWS, D_PAD / 2])."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < hi
+    # Tiles start at multiples of BLOCK_N (the kernel's key split), so when
+    # BLOCK_N divides the page size a tile lies on one page: its page id,
+    # whether it is staged and K's min and step are loaded once per tile.
+    ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    if ONE_PAGE:
+        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + keys % PAGE_SIZE
+    staged = page * PAGE_SIZE >= first_staged
+    if ROTARY_DIM < D:
+        main_ok = pairs_ok & (pairs >= ROTARY_DIM // 2)  # the rotary pairs enter below
+        k_even, k_odd = _load_rk4p_pairs(k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr, page,
+                                         slot, staged, first_staged, kv_head, pairs, key_ok,
+                                         main_ok, KV_HEADS, D, 0, 0, True, ONE_PAGE,
+                                         COMPILED)
+        s = tl.dot(q_even, tl.trans(_dot_operand(k_even, DOT_BF16)))
+        s = tl.dot(q_odd, tl.trans(_dot_operand(k_odd, DOT_BF16)), s)
+    else:  # full rotary: no other channels
+        s = tl.zeros([q_even.shape[0], BLOCK_N], tl.float32)
+    if ROTARY_DIM > 0:
+        a_even, a_odd, b_even, b_odd = _roped_pairs(
+            k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr, page, slot, staged, first_staged,
+            kv_head, keys, key_ok, inv_freq_ptr, KV_HEADS, D, ROTARY_DIM, ROPE_PAD, ONE_PAGE,
+            COMPILED)
+        s = tl.dot(q1_even, tl.trans(_dot_operand(a_even, DOT_BF16)), s)
+        s = tl.dot(q1_odd, tl.trans(_dot_operand(a_odd, DOT_BF16)), s)
+        s = tl.dot(q2_even, tl.trans(_dot_operand(b_even, DOT_BF16)), s)
+        s = tl.dot(q2_odd, tl.trans(_dot_operand(b_odd, DOT_BF16)), s)
+    m_new, alpha, p, l_i = _online_softmax(s, keys, key_ok, q_pos, m_i, l_i)
+    v_even, v_odd = _load_rk4p_pairs(v_codes_ptr, v_scales_ptr, v_scales_ptr, v_open_ptr, page,
+                                     slot, staged, first_staged, kv_head, pairs, key_ok, pairs_ok,
+                                     KV_HEADS, D, D_PAD, SCALE_BLOCK, False, ONE_PAGE, COMPILED)
+    p = _dot_operand(p, DOT_BF16)
+    acc_even = acc_even * alpha[:, None] + tl.dot(p, _dot_operand(v_even, DOT_BF16))
+    acc_odd = acc_odd * alpha[:, None] + tl.dot(p, _dot_operand(v_odd, DOT_BF16))
+    return m_new, l_i, acc_even, acc_odd
+
+
+@triton.jit
+def _load_q(q_ptr, q_rows, cols, mask, qk_scale, D: tl.constexpr, Q_BF16: tl.constexpr,
+            DOT_BF16: tl.constexpr):
+    """Query channels `cols` of rows q_rows, scaled and as a dot operand."""
+    q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], mask, Q_BF16) * qk_scale
+    return _dot_operand(q, DOT_BF16)
+
+
+@triton.jit
+def _split_keys(n_new, kv_len, first_row, split, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of this program: those its row block needs (causal), then
+    this split's share of them, whole BLOCK_Ns so that splits never share a
+    tile. lo is a multiple of BLOCK_N, so every tile starts at one (rk4p's
+    per-page tiles rely on it). The other kinds' path computes the same
+    inline: kept as it was, their build stays byte for byte the same."""
+    last_token = tl.minimum(n_new - 1, (first_row + ROWS - 1) // GROUP)
+    key_end = tl.minimum(kv_len, kv_len - n_new + last_token + 1)
+    key_end = tl.where(first_row < n_new * GROUP, key_end, 0)
+    split_len = tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, key_end)
+    return lo, hi
+
+
+@triton.jit
+def _store_out(o, q_rows, split, cols, mask, out_ptr, part_out_ptr, D: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Output channels `cols` of rows q_rows: the output, or this split's part."""
+    if NUM_SPLITS == 1:
+        _store_dense(out_ptr, q_rows[:, None] * D + cols[None, :], o, mask, OUT_BF16)
+    else:
+        part = q_rows * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o, mask=mask)
+
+
+@triton.jit
+def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row, split,
+                  table, kv_head, qk_scale, k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
+                  v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                  out_ptr, part_out_ptr, part_lse_ptr,
+                  Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                  D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                  SCALE_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
+                  Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr, ROWS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FOR_LOOP: tl.constexpr,
+                  DOT_BF16: tl.constexpr):
+    """The kernel's program over rk4p pages, with even and odd channels apart
+    (a K or V byte holds a channel pair): q, K, V and the output each as two
+    [.., D_PAD / 2] tiles, the rotary halves of q and K likewise."""
+    tl.static_assert(ROTARY_DIM % 4 == 0, "rk4p attention pairs channels c, c + half: "
+                                          "rotary_dim must be a multiple of 4")
+    pairs = tl.arange(0, D_PAD // 2)
+    pairs_ok = pairs < D // 2
+    q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
+    q_mask = row_ok[:, None] & pairs_ok[None, :]
+    q_even = _load_q(q_ptr, q_rows, 2 * pairs, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    q_odd = _load_q(q_ptr, q_rows, 2 * pairs + 1, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    half: tl.constexpr = ROTARY_DIM // 2
+    i = tl.arange(0, ROPE_PAD)
+    half_mask = row_ok[:, None] & (i < ROTARY_DIM // 4)[None, :]
+    q1_even = _load_q(q_ptr, q_rows, 2 * i, half_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    q1_odd = _load_q(q_ptr, q_rows, 2 * i + 1, half_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    q2_even = _load_q(q_ptr, q_rows, half + 2 * i, half_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    q2_odd = _load_q(q_ptr, q_rows, half + 2 * i + 1, half_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    lo, hi = _split_keys(n_new, kv_len, first_row, split, ROWS, GROUP, NUM_SPLITS, BLOCK_N)
+    m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc_even = tl.zeros([ROWS, D_PAD // 2], tl.float32)
+    acc_odd = tl.zeros([ROWS, D_PAD // 2], tl.float32)
+    if FOR_LOOP:  # as in the kernel
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc_even, acc_odd = _attend_rk4p_tile(
+                q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_i, l_i,
+                acc_even, acc_odd, start, hi, table, pairs, pairs_ok, kv_head,
+                k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
+                v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                KV_HEADS, D, D_PAD, PAGE_SIZE, SCALE_BLOCK, ROTARY_DIM, ROPE_PAD, BLOCK_N,
+                DOT_BF16, FOR_LOOP)
+    else:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc_even, acc_odd = _attend_rk4p_tile(
+                q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_i, l_i,
+                acc_even, acc_odd, start, hi, table, pairs, pairs_ok, kv_head,
+                k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
+                v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                KV_HEADS, D, D_PAD, PAGE_SIZE, SCALE_BLOCK, ROTARY_DIM, ROPE_PAD, BLOCK_N,
+                DOT_BF16, FOR_LOOP)
+            start += BLOCK_N
+    has_keys = l_i > 0.0
+    norm = tl.where(has_keys, l_i, 1.0)
+    _store_out(acc_even / norm[:, None], q_rows, split, 2 * pairs, q_mask, out_ptr, part_out_ptr,
+               D, NUM_SPLITS, OUT_BF16)
+    _store_out(acc_odd / norm[:, None], q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
+               part_out_ptr, D, NUM_SPLITS, OUT_BF16)
+    if NUM_SPLITS > 1:  # the log2-sum-exp per row for the combine (-inf: no keys)
+        lse = tl.where(has_keys, m_i + tl.math.log2(norm), float("-inf"))
+        tl.store(part_lse_ptr + q_rows * NUM_SPLITS + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -307,6 +571,15 @@ def _paged_attention_kernel(
     token = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     q_pos = kv_len - n_new + token  # each query sees keys [0, q_pos]
+    if KIND == 4:
+        _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row, split,
+                      page_table_ptr + seq.to(tl.int64) * page_table_stride, kv_head, qk_scale,
+                      k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr,
+                      v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
+                      out_ptr, part_out_ptr, part_lse_ptr, Q_HEADS, KV_HEADS, GROUP, D, D_PAD,
+                      PAGE_SIZE, SCALE_BLOCK, ROTARY_DIM, ROPE_PAD, Q_BF16, OUT_BF16, ROWS,
+                      BLOCK_N, NUM_SPLITS, FOR_LOOP, DOT_BF16)
+        return
 
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
@@ -314,20 +587,9 @@ def _paged_attention_kernel(
     q_mask = row_ok[:, None] & col_ok[None, :]
     q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], q_mask, Q_BF16) * qk_scale
     q = _dot_operand(q, DOT_BF16)
-    if KIND == 4 and ROTARY_DIM > 0:
-        half: tl.constexpr = ROTARY_DIM // 2
-        j = tl.arange(0, ROPE_PAD)
-        half_mask = row_ok[:, None] & (j < half)[None, :]
-        q_at = q_rows[:, None] * D + j[None, :]
-        q1 = _dot_operand(_load_dense(q_ptr, q_at, half_mask, Q_BF16) * qk_scale, DOT_BF16)
-        q2 = _dot_operand(_load_dense(q_ptr, q_at + half, half_mask, Q_BF16) * qk_scale,
-                          DOT_BF16)
-    else:
-        q1 = q
-        q2 = q
 
     # Keys this row block needs (causal), then this split's share of them,
-    # whole BLOCK_Ns so that splits never share a tile.
+    # whole BLOCK_Ns so that splits never share a tile (_split_keys).
     last_token = tl.minimum(n_new - 1, (first_row + ROWS - 1) // GROUP)
     key_end = tl.minimum(kv_len, kv_len - n_new + last_token + 1)
     key_end = tl.where(first_row < n_new * GROUP, key_end, 0)
@@ -339,24 +601,19 @@ def _paged_attention_kernel(
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     table = page_table_ptr + seq.to(tl.int64) * page_table_stride
-    # FOR_LOOP also tells _attend_tile it is compiled (it may use inline PTX)
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, ROPE_PAD,
-                BLOCK_N, DOT_BF16, FOR_LOOP)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16)
     else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_tile(
-                q, q1, q2, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
+                q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, ROTARY_DIM, ROPE_PAD,
-                BLOCK_N, DOT_BF16, FOR_LOOP)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16)
             start += BLOCK_N
 
     has_keys = l_i > 0.0
