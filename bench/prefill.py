@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                         "its kernels summed by kind")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.cached_tokens < 0:
+        p.error(f"--cached-tokens must be >= 0, got {args.cached_tokens}")
 
     from engine.loader import load_model
 
@@ -97,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else matmul_flops(loaded.device,
                                                                          loaded.dtype)
     cached = args.cached_tokens
-    if cached < 0:
-        p.error(f"--cached-tokens must be >= 0, got {cached}")
     prefill_seconds(loaded, args.kv_format, min(args.tokens), args.chunk,
                     cached=min(cached, args.chunk))  # warm-up
     rows, results = [], []

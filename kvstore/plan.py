@@ -17,6 +17,7 @@ import torch
 from engine.cache import CacheShape
 from engine.config import ModelConfig
 from engine.errors import TandemError
+from engine.kv.attention import DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS
 from engine.kv.open_pages import sink_pages, staging_per_sequence
 from kvstore.arena import HEADER_BYTES
 from kvstore.memory import KVFormatSpec, kv_layout, state_layout
@@ -320,7 +321,6 @@ class CapacityPlan:
             return 2 * context * kv_width * self.activation_bytes
         if self.kv_format.name == "bf16":  # pages are read as they are
             return 0
-        from engine.kv.attention import DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS
         workspace = 2 * min(context, DENSE_PREFILL_MAX_TOKENS) * kv_width * self.activation_bytes
         return workspace + min(context, DENSE_READ_SLICE_TOKENS) * kv_width * 24
 

@@ -287,10 +287,10 @@ def dequantize_into(fmt: KVFormat, buffers: dict[str, torch.Tensor], pages: torc
     applied to K), into k_out / v_out [kv_len, H, D], a few pages at a time."""
     page_size = next(iter(buffers.values())).shape[1]
     step = max(1, (slice_tokens or DENSE_READ_SLICE_TOKENS) // page_size) * page_size
+    # RoPE runs in fp32 like the reference's; other formats read bf16
+    dtype = torch.float32 if fmt.k_pre_rope else torch.bfloat16
     for lo in range(0, kv_len, step):
         hi = min(kv_len, lo + step)
-        # RoPE runs in fp32 like the reference's; other formats read bf16
-        dtype = torch.float32 if fmt.k_pre_rope else torch.bfloat16
         k, v = fmt.read(buffers, pages[lo // page_size:], hi - lo, dtype)
         if fmt.k_pre_rope:
             k = rotary.apply(k, *rotary.cos_sin(torch.arange(lo, hi, device=k.device),

@@ -428,6 +428,12 @@ def _pack_bytes(b0, b1, b2, b3):
 
 
 @triton.jit
+def _int8_code(x, inv_scale):
+    """floor(x / scale + 0.5) clamped to the symmetric int8 range, as int32."""
+    return tl.minimum(tl.maximum(tl.floor(x * inv_scale + 0.5), -127.0), 127.0).to(tl.int32)
+
+
+@triton.jit
 def _quantize_x(x_ptr, xoff, xmask, NG: tl.constexpr, WPG: tl.constexpr):
     """The activation slice of a tile as int8 codes, one scale per weight
     group: per word w (8 K-elements), the codes of its even elements packed
@@ -449,14 +455,14 @@ def _quantize_x(x_ptr, xoff, xmask, NG: tl.constexpr, WPG: tl.constexpr):
     amax = tl.max(tl.reshape(word_max, [NG, WPG]), axis=1)                    # [NG]
     inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
     inv_w = tl.reshape(tl.broadcast_to(inv[:, None], [NG, WPG]), [NG * WPG])   # [BW]
-    q0 = tl.minimum(tl.maximum(tl.floor(x0 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q1 = tl.minimum(tl.maximum(tl.floor(x1 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q2 = tl.minimum(tl.maximum(tl.floor(x2 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q3 = tl.minimum(tl.maximum(tl.floor(x3 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q4 = tl.minimum(tl.maximum(tl.floor(x4 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q5 = tl.minimum(tl.maximum(tl.floor(x5 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q6 = tl.minimum(tl.maximum(tl.floor(x6 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
-    q7 = tl.minimum(tl.maximum(tl.floor(x7 * inv_w + 0.5), -127.0), 127.0).to(tl.int32)
+    q0 = _int8_code(x0, inv_w)
+    q1 = _int8_code(x1, inv_w)
+    q2 = _int8_code(x2, inv_w)
+    q3 = _int8_code(x3, inv_w)
+    q4 = _int8_code(x4, inv_w)
+    q5 = _int8_code(x5, inv_w)
+    q6 = _int8_code(x6, inv_w)
+    q7 = _int8_code(x7, inv_w)
     even = _pack_bytes(q0, q2, q4, q6)
     odd = _pack_bytes(q1, q3, q5, q7)
     word_sum = q0 + q1 + q2 + q3 + q4 + q5 + q6 + q7
