@@ -78,7 +78,7 @@ def time_ms(fn, repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def kernel_call(fmt, buffers, q, meta, rotary, candidate):
+def kernel_call(fmt, buffers, q, meta, rotary, candidate, splits: int = 1):
     from engine.kv import attention_kernels as K
     from engine.kv.attention import _kind_args
     from engine.kv.formats import PagedRk4Format
@@ -94,7 +94,7 @@ def kernel_call(fmt, buffers, q, meta, rotary, candidate):
 
     def call():
         K.launch(args, q, meta.q_offsets, meta.kv_lens, meta.page_table, page_size, kv_heads,
-                 meta.max_new_tokens, q.shape[-1] ** -0.5, out, 1, rows, block_n, warps,
+                 meta.max_new_tokens, q.shape[-1] ** -0.5, out, splits, rows, block_n, warps,
                  stages, dot_bf16)
     return call, out
 
@@ -119,11 +119,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=4096, help="new query tokens (the chunk)")
     p.add_argument("--kv-format", nargs="+", default=["int8", "bf16"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--candidates", type=int, nargs="+", default=None,
+                   help="indices into CANDIDATES (default: all)")
+    p.add_argument("--splits", type=int, nargs="+", default=[1],
+                   help="key splits per candidate: a short chunk over a long context "
+                        "has few row blocks to fill the GPU with")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.candidates and not all(0 <= i < len(CANDIDATES) for i in args.candidates):
+        p.error(f"--candidates are indices in [0, {len(CANDIDATES)})")
+    if not all(1 <= s <= 64 for s in args.splits):
+        p.error("--splits must be in [1, 64]")
     if not torch.cuda.is_available():
         p.error("bench.attention needs a CUDA device")
     device = torch.device("cuda")
+    chosen = [CANDIDATES[i] for i in args.candidates] if args.candidates else CANDIDATES
+    candidates = [(c, s) for c in chosen for s in args.splits]
     rows, results = [], []
     for context in args.context:
         for name in args.kv_format:
@@ -131,20 +142,22 @@ def main(argv: list[str] | None = None) -> int:
                                                          device)
             flops = 4 * q.shape[-1] * q.shape[1] * visible_pairs(context, args.new)
             reference = None
-            for candidate in CANDIDATES:
+            for candidate, splits in candidates:
+                label = str(candidate) + (f" x{splits} splits" if splits > 1 else "")
                 try:
-                    call, out = kernel_call(fmt, buffers, q, meta, rotary, candidate)
+                    call, out = kernel_call(fmt, buffers, q, meta, rotary, candidate, splits)
                     ms = time_ms(call, args.repeats)
                     if reference is None:
                         reference = out.float().clone()
                     err = (out.float() - reference).abs().max().item()
                 except Exception as e:  # a tile that does not fit: reported, not fatal
-                    rows.append([context, name, str(candidate), "failed", str(e)[:60], ""])
+                    rows.append([context, name, label, "failed", str(e)[:60], ""])
                     continue
                 tflops = flops / ms / 1e9
-                rows.append([context, name, str(candidate), ms, tflops, err])
+                rows.append([context, name, label, ms, tflops, err])
                 results.append({"context": context, "format": name, "tiles": candidate,
-                                "ms": ms, "tflops": tflops, "max_diff_vs_default": err})
+                                "splits": splits, "ms": ms, "tflops": tflops,
+                                "max_diff_vs_default": err})
             del buffers
             torch.cuda.empty_cache()
         try:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
+from engine.compiles import CompileWatch, describe
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
@@ -52,8 +53,9 @@ class _Subscriber:
 class StepLoop:
     """Owns the scheduler; every other thread talks to it through `commands`."""
 
-    def __init__(self, scheduler: DecodeScheduler) -> None:
+    def __init__(self, scheduler: DecodeScheduler, compiles: CompileWatch | None = None) -> None:
         self.scheduler = scheduler
+        self.compiles = compiles  # None: nobody watches (off CUDA nothing compiles)
         self.commands: queue.Queue = queue.Queue()
         self.subscribers: dict[str, _Subscriber] = {}
         self.stopping = threading.Event()
@@ -101,9 +103,16 @@ class StepLoop:
                     seq.finish_detail = f"decode step failed: {e}"
                     self._publish_finished(seq)
                 continue
+            self._report_compiles(len(outs))
             self._publish_tokens(outs)
             for seq in finished:
                 self._publish_finished(seq)
+
+    def _report_compiles(self, batch: int) -> None:
+        """Logs a step that waited for Triton compiles (see engine/compiles.py)."""
+        compiles = self.compiles.take() if self.compiles is not None else []
+        if compiles:
+            log(PROCESS, f"a decode step ({batch} sequences) waited for {describe(compiles)}")
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -248,7 +257,7 @@ async def _main(args) -> None:
                                 speculative=spec)
     if spec.enabled:
         log(PROCESS, f"speculative decoding: {spec.method}, {spec.num_draft_tokens} draft tokens")
-    steps = StepLoop(scheduler)
+    steps = StepLoop(scheduler, CompileWatch().install() if store.device.type == "cuda" else None)
     steps.start()
     inbox, ready, close_inbox = _transfer_inbox(args, store)
 

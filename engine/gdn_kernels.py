@@ -48,6 +48,15 @@ def fits(max_new_tokens: int) -> bool:
     return 1 <= max_new_tokens <= MAX_TOKENS
 
 
+def _bucket(max_tokens: int) -> int:
+    """The kernels' MAX_T (a constexpr: one compile per value): 1 for decode,
+    else MAX_TOKENS, since each token is guarded by its sequence's own count.
+    A prefill's tail after its snapshot page runs 1..page_size tokens, and
+    with MAX_T = its length every new length compiled both kernels anew
+    (1-5 s of an agent turn on the H200, 2026-12-02)."""
+    return 1 if max_tokens == 1 else MAX_TOKENS
+
+
 # ---------------------------------------------------------------- conv step
 
 
@@ -121,7 +130,8 @@ def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
     _conv_step_kernel[grid](
         x, mixed.stride(0), win, windows.stride(0), windows.stride(1), w, _as_kernel(out)[0],
         offsets, positions, in_slots, write_slots, channels,
-        KERNEL=kernel, MAX_T=max_tokens, HIST=triton.next_power_of_2(kernel - 1 + max_tokens),
+        KERNEL=kernel, MAX_T=_bucket(max_tokens),
+        HIST=triton.next_power_of_2(kernel - 1 + _bucket(max_tokens)),
         BLOCK_C=block_c, X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16)
     return out
 
@@ -151,7 +161,7 @@ def conv_step_reference(mixed, windows, weight, offsets, positions, in_slots, wr
 # ------------------------------------------------------------- conv chunk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("tokens",))
 def _conv_chunk_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_stride_c,
                        weight_ptr, out_ptr, row_seq_ptr, offsets_ptr, slots_ptr, positions_ptr,
                        tokens, channels,
@@ -341,7 +351,7 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         q_, k_, v_, row_stride, a_, b_, a.stride(0), a_log_, dt_bias_, states,
         _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5,
         HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
-        BLOCK_V=block_v, MAX_T=max_tokens, X_BF16=x_bf16, G_BF16=g_bf16,
+        BLOCK_V=block_v, MAX_T=_bucket(max_tokens), X_BF16=x_bf16, G_BF16=g_bf16,
         A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16)
     return out
 

@@ -24,8 +24,9 @@ class WorkerStream:
     caching allocator reuses a freed block only for the stream it was
     allocated on, so a fresh stream per request would find none of the
     memory earlier requests freed, allocate everything anew and, once the
-    card fills, flush every cached block (2026-12-02: the 27B's agent turns
-    took 0.6-4.3 s in the prefill worker, with a new stream per request)."""
+    card fills, flush every cached block. (It was first blamed for the 27B
+    agent turns' 1.5-5 s spikes in the prefill worker; those were Triton
+    compiles, see engine/compiles.py.)"""
 
     def __init__(self, device: torch.device | str, high_priority: bool) -> None:
         device = torch.device(device)

@@ -17,7 +17,7 @@ import torch
 from engine.cache import CacheShape
 from engine.config import ModelConfig
 from engine.errors import TandemError
-from engine.kv.attention import DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS
+from engine.kv.attention import DENSE_READ_SLICE_TOKENS, dense_prefill_max_tokens
 from engine.kv.open_pages import sink_pages, staging_per_sequence
 from kvstore.arena import HEADER_BYTES
 from kvstore.memory import KVFormatSpec, kv_layout, state_layout
@@ -315,13 +315,13 @@ class CapacityPlan:
 
     def _dequantized_kv_bytes(self, context: int, kv_width: int) -> int:
         """One layer's K and V dequantized whole (the PyTorch path), or on the
-        GPU the prefill's bf16 workspace (up to DENSE_PREFILL_MAX_TOKENS) and
+        GPU the prefill's bf16 workspace (up to dense_prefill_max_tokens()) and
         one read slice's fp32 temporaries (~6 x 4 bytes per element, rk4p)."""
         if not self.paged_attention_kernel:
             return 2 * context * kv_width * self.activation_bytes
         if self.kv_format.name == "bf16":  # pages are read as they are
             return 0
-        workspace = 2 * min(context, DENSE_PREFILL_MAX_TOKENS) * kv_width * self.activation_bytes
+        workspace = 2 * min(context, dense_prefill_max_tokens()) * kv_width * self.activation_bytes
         return workspace + min(context, DENSE_READ_SLICE_TOKENS) * kv_width * 24
 
     def _activation_reserve(self) -> int:

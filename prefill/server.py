@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from engine.compiles import CompileWatch, describe
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.streams import WorkerStream, yield_to_decode
@@ -61,8 +63,10 @@ class _Work:
 
 
 class PrefillService(pb_grpc.PrefillServiceServicer):
-    def __init__(self, store: StoreClient, chunk: int, link: Link | None = None) -> None:
+    def __init__(self, store: StoreClient, chunk: int, link: Link | None = None,
+                 compiles: CompileWatch | None = None) -> None:
         self.store = store
+        self.compiles = compiles  # None: nobody watches (off CUDA nothing compiles)
         self.chunk = chunk
         self.link = link  # disaggregated topology: how pages reach decode stores
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
@@ -101,9 +105,11 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                     sent_before = self.link.bytes_sent if out else 0
                     # layer by layer: each KV write's finished pages leave at once
                     self.store.cache.kv_written = out.layer_written if out else None
+                    started = time.perf_counter()
                     result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
                                          between_chunks, out.chunk_starts if out else None,
                                          open_pages)
+                    self._report_compiles(job, time.perf_counter() - started)
                     held = open_pages.held if open_pages is not None else []
                     if out is None:
                         return result, 0, 0, held
@@ -137,6 +143,13 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                   transferred_pages=pages, transferred_bytes=sent,
                                   open_held=held)
 
+    def _report_compiles(self, job: PrefillJob, seconds: float) -> None:
+        """Logs a request that waited for Triton compiles (see engine/compiles.py)."""
+        compiles = self.compiles.take() if self.compiles is not None else []
+        if compiles:
+            log(PROCESS, f"request {job.request_id} ({len(job.tokens) - job.start} new tokens "
+                         f"after {job.start}, {seconds:.2f} s) waited for {describe(compiles)}")
+
     def _transfer_spec(self, request) -> TransferSpec | None:
         if not request.HasField("transfer"):
             return None
@@ -164,7 +177,8 @@ async def _main(args) -> None:
     trim_stack_reservation(store.device)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
     link, ready, close_link = _transfer_link(args, store)
-    service = PrefillService(store, args.chunk, link)
+    compiles = CompileWatch().install() if store.device.type == "cuda" else None
+    service = PrefillService(store, args.chunk, link, compiles)
 
     async def on_stop() -> None:
         service.gpu.shutdown(wait=False, cancel_futures=True)

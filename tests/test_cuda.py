@@ -78,3 +78,40 @@ def test_worker_stream_reuses_the_memory_its_earlier_work_freed():
         one_request(WorkerStream("cuda", high_priority=False))
     torch.cuda.synchronize()
     assert torch.cuda.memory_reserved() >= reserved + 2 * (64 << 20)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "rk4"])
+def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format):
+    """Once prefills have run, prefills of other lengths after other cached
+    prefixes reuse their compiled kernels: the sizes that change per request
+    are not Triton specializations (engine/compiles.py; on the H200 an agent
+    turn that met a new variant waited 1-5 s for it). Each job is cut as the
+    router cuts it: a snapshot at the last page boundary before its end, so
+    a tail of 1..16 tokens runs on its own (the GDN step kernels)."""
+    from engine.chunking import snapshot_points
+    from engine.compiles import CompileWatch
+    from prefill.runner import PrefillJob, run_prefill
+
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.bfloat16, seed=5)
+    cache = PagedKVCache(loaded.config, CacheShape(320, 16, 4), "cuda", make_format(kv_format))
+    watch = CompileWatch().install()
+    tokens = tuple((7 * i + 3) % 512 for i in range(5000))
+    pages = tuple(range(300))
+    # past 64 key tiles (4096 tokens at the tiny model's 64-key tiles) a
+    # short batch's key splits stay at 64: below, each power of two of them
+    # is a variant of its own, compiled once
+
+    def prefill(start: int, end: int) -> None:
+        snapshots = tuple((p, 1) for p in snapshot_points(start, end, 16))
+        run_prefill(loaded.model, cache, PrefillJob("r", tokens[:end], start, pages, 0,
+                                                    snapshots=snapshots), 64)
+
+    # the warm-up's last chunks: 64, 32, 8; 64, 8, 11; 64, 5, 1 tokens
+    for start, end in [(0, 4200), (4200, 4283), (4283, 4353)]:
+        prefill(start, end)
+    assert watch.take(), "the watch saw no compile during the warm-up"
+    # then 47, 2; 46, 1; 63, 1, 10; 64, 21, 2; 30, 1
+    for start, end in [(4353, 4402), (4402, 4449), (4449, 4523), (4523, 4610), (4610, 4641)]:
+        prefill(start, end)
+        compiled = watch.take()
+        assert not compiled, f"{end - start} new tokens after {start} compiled {compiled}"

@@ -31,7 +31,7 @@ class AttentionMetadata:
     max_new_tokens, max_kv_len: host bounds that size the kernel's grid;
     host_offsets, host_kv_lens, page_tables: the same on the host, for the
     reference path (page_tables: one unpadded long tensor per sequence).
-    num_splits: fixed key splits for decode (CUDA graphs); None picks per call.
+    num_splits: fixed key splits (CUDA graphs); None picks per call.
     """
 
     q_offsets: torch.Tensor
@@ -241,10 +241,16 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                                meta.max_new_tokens)
     if num_splits is None:
         num_splits = meta.num_splits
+    if num_splits is None and meta.max_new_tokens > PREFILL_DOT_BF16_FROM:
+        num_splits = 1  # a prefill chunk's row blocks fill the GPU
     if num_splits is None:
-        num_splits = (K.splits_for(len(meta.host_kv_lens), kv_heads, meta.max_kv_len,
-                                   tiles.block_n, _programs_wanted(q.device))
-                      if meta.is_decode else 1)
+        # Decode, verify and a prefill's few-token tail (cut at its snapshot
+        # page) split the keys: on one program per KV head such a tail walked
+        # a 100K context alone. Past 64 key tiles the split count stays 64,
+        # so long contexts compile no new NUM_SPLITS variants.
+        row_blocks = -(-max(meta.max_new_tokens, 1) * group // tiles.rows)
+        num_splits = K.splits_for(len(meta.host_kv_lens) * row_blocks, kv_heads,
+                                  meta.max_kv_len, tiles.block_n, _programs_wanted(q.device))
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
              tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages,
@@ -262,8 +268,19 @@ DENSE_READ_SLICE_TOKENS = 4096
 # The workspace's bound in tokens (K and V of one layer, bf16; 256 MiB on the
 # 27B): a prefill batch whose keys reach further keeps the in-kernel
 # dequantization, so a 262K context fits a 24 GiB plan. kvstore/plan.py
-# reserves this much.
+# reserves this much. TANDEM_PREFILL_WORKSPACE_TOKENS moves it (a card with
+# room: long-context prefills stay on the dense path), for the plan too.
 DENSE_PREFILL_MAX_TOKENS = 65536
+
+
+def dense_prefill_max_tokens() -> int:
+    import os
+    raw = os.environ.get("TANDEM_PREFILL_WORKSPACE_TOKENS", "")
+    if not raw:
+        return DENSE_PREFILL_MAX_TOKENS
+    if not raw.isdigit():
+        raise ValueError(f"TANDEM_PREFILL_WORKSPACE_TOKENS must be a token count, got {raw!r}")
+    return int(raw)
 
 
 def dense_prefill_wanted(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
@@ -277,7 +294,7 @@ def dense_prefill_wanted(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: tor
             or os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") == "paged"):
         return False
     page_size = next(iter(buffers.values())).shape[1]
-    return meta.workspace_bases(page_size)[-1] <= DENSE_PREFILL_MAX_TOKENS
+    return meta.workspace_bases(page_size)[-1] <= dense_prefill_max_tokens()
 
 
 def dequantize_into(fmt: KVFormat, buffers: dict[str, torch.Tensor], pages: torch.Tensor,
@@ -315,7 +332,7 @@ def dense_prefill_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: 
     tokens, 2026-12-02) rk4 prefill ran at 21% MFU and rk4p at 3.5% against
     int8's 57%. The workspace is one layer's K and V at the batch's length,
     the plan's "one layer's K and V dequantized" (kvstore/plan.py), up to
-    DENSE_PREFILL_MAX_TOKENS."""
+    dense_prefill_max_tokens()."""
     _check_rotary(fmt, rotary)
     page_size, kv_heads = next(iter(buffers.values())).shape[1:3]
     bases = meta.workspace_bases(page_size)

@@ -544,7 +544,7 @@ def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_
         tl.store(part_lse_ptr + q_rows * NUM_SPLITS + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("page_table_stride", "first_staged"))
 def _paged_attention_kernel(
         q_ptr, q_offsets_ptr, kv_lens_ptr, page_table_ptr, page_table_stride,
         k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
@@ -628,7 +628,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, n_rows,
                            D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr):
@@ -706,8 +706,9 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
 
 def splits_for(batch: int, kv_heads: int, max_kv_len: int, block_n: int,
                programs_wanted: int) -> int:
-    """Key splits for a decode batch: enough programs to fill the GPU, never
-    more splits than key tiles, a power of two (few distinct compilations)."""
+    """Key splits for `batch` row blocks (a decode batch: one per sequence):
+    enough programs to fill the GPU, never more splits than key tiles, a
+    power of two (few distinct compilations)."""
     tiles = max(1, math.ceil(max_kv_len / block_n))
     splits = max(1, math.ceil(programs_wanted / max(1, batch * kv_heads)))
     splits = 1 << (min(splits, tiles, 64) - 1).bit_length()

@@ -159,7 +159,7 @@ def _page_slot(page_table_ptr, token, PAGE_SIZE: tl.constexpr, mask):
 # ---------------------------------------------------------------------- int8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _int8_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
                        H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                        ROWS: tl.constexpr):
@@ -178,7 +178,7 @@ def _int8_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
     tl.store(scales_ptr + dst, scale.to(tl.float16), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _int8_read_kernel(codes_ptr, scales_ptr, page_table_ptr, out_ptr, n_rows,
                       H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                       PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, BF16_BITS: tl.constexpr):
@@ -248,7 +248,7 @@ def int8_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tenso
 # ----------------------------------------------------------------------- rk4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows", "slot_limit"))
 def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
                       ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
                       E8M0: tl.constexpr, ROWS: tl.constexpr):
@@ -284,7 +284,7 @@ def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limi
     tl.store(scales_ptr + dst, stored_scale, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows",))
 def _rk4_read_kernel(codes_ptr, scales_ptr, page_table_ptr, out_ptr, n_rows,
                      ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
                      PAGE_SIZE: tl.constexpr, E8M0: tl.constexpr, ROWS: tl.constexpr,
@@ -354,7 +354,7 @@ def rk4_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor
 # ---------------------------------------------------------------------- rk4p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_rows", "first_staged_slot"))
 def _staging_write_kernel(x_ptr, slots_ptr, open_ptr, n_rows, first_staged_slot,
                           H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                           ROWS: tl.constexpr):
@@ -371,7 +371,7 @@ def _staging_write_kernel(x_ptr, slots_ptr, open_ptr, n_rows, first_staged_slot,
     _store_dense(open_ptr, dst[:, None] * D + cols[None, :], x, mask, True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("n_tokens", "first_staged_slot"))
 def _k_page_kernel(x_ptr, slots_ptr, codes_ptr, min_ptr, step_ptr, n_tokens, first_staged_slot,
                    H: tl.constexpr, D: tl.constexpr, HALF_PAD: tl.constexpr,
                    PAGE_SIZE: tl.constexpr):

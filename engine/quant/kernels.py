@@ -75,7 +75,7 @@ def _dequant_tile(q, scale, minimum, NG: tl.constexpr, W: tl.constexpr, BLOCK_N:
     return tl.reshape(w, [ROWS, BLOCK_N])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def _gemm_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
                  M, N, K, stride_xm, stride_om,
                  BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
