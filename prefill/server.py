@@ -22,6 +22,7 @@ from engine.errors import InvalidRequestError, TandemError
 from engine.streams import WorkerStream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
+from prefill.warmup import warm_up
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
 from tandem.serving import (TRANSFER_SERVICE, abort_with, log, run_server, serve,
@@ -179,6 +180,8 @@ async def _main(args) -> None:
     link, ready, close_link = _transfer_link(args, store)
     compiles = CompileWatch().install() if store.device.type == "cuda" else None
     service = PrefillService(store, args.chunk, link, compiles)
+    if compiles is not None:
+        _warm_up(service, compiles)
 
     async def on_stop() -> None:
         service.gpu.shutdown(wait=False, cancel_futures=True)
@@ -188,6 +191,19 @@ async def _main(args) -> None:
     await serve(PROCESS, args.socket, lambda s: pb_grpc.add_PrefillServiceServicer_to_server(service, s),
                 ("tandem.internal.v1.PrefillService",), on_stop,
                 deferred={TRANSFER_SERVICE: ready} if link is not None else None)
+
+
+def _warm_up(service: PrefillService, compiles: CompileWatch) -> None:
+    """Compiles what a request's prefill runs before serving (prefill/warmup.py);
+    a failure costs only the warm-up, the first requests then compile."""
+    try:
+        with service.stream.active():
+            seconds = warm_up(service.store, service.chunk)
+    except (TandemError, RuntimeError) as e:
+        log(PROCESS, f"warm-up failed, requests will compile what they need: {e!r}")
+        return
+    done = compiles.take()
+    log(PROCESS, f"warmed up in {seconds:.1f} s ({len(done)} kernels compiled or loaded)")
 
 
 def _transfer_link(args, store: StoreClient):

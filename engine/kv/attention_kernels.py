@@ -704,6 +704,11 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     return out
 
 
+# Key splits at most: a long context's short batches (decode, verify, a
+# prefill's tail) all take this many, one compiled variant.
+MAX_SPLITS = 64
+
+
 def splits_for(batch: int, kv_heads: int, max_kv_len: int, block_n: int,
                programs_wanted: int) -> int:
     """Key splits for `batch` row blocks (a decode batch: one per sequence):
@@ -711,5 +716,5 @@ def splits_for(batch: int, kv_heads: int, max_kv_len: int, block_n: int,
     power of two (few distinct compilations)."""
     tiles = max(1, math.ceil(max_kv_len / block_n))
     splits = max(1, math.ceil(programs_wanted / max(1, batch * kv_heads)))
-    splits = 1 << (min(splits, tiles, 64) - 1).bit_length()
-    return min(splits, 64)
+    splits = 1 << (min(splits, tiles, MAX_SPLITS) - 1).bit_length()
+    return min(splits, MAX_SPLITS)

@@ -1,0 +1,67 @@
+"""The prefill worker's warm-up (prefill/warmup.py) against a real store
+process: it runs the chunk kinds a request's prefill runs on pages and slots
+it takes from the store, and gives every one back, also when it fails."""
+from __future__ import annotations
+
+import pytest
+
+from kvstore.client import StoreClient
+from prefill import warmup
+from tests.test_kvstore_process import StoreProcess, _conserved
+
+PAGE = 32  # rk4p's default page
+
+
+@pytest.fixture(scope="module", params=["int8", "rk4p"])
+def store(request, tmp_path_factory):
+    proc = StoreProcess(tmp_path_factory.mktemp(f"warmup-{request.param}"),
+                        "--model", "tiny-qwen3.5", "--kv-format", request.param,
+                        "--page-size", str(PAGE), "--max-context-tokens", "1024",
+                        "--live-slots", "2", "--snapshot-slots", "2").wait_serving()
+    yield proc
+    assert proc.terminate() == 0
+
+
+def _held(stats) -> tuple[int, int, int]:
+    return stats.free_pages, stats.free_slots, stats.held_pages
+
+
+def test_the_warm_up_runs_every_chunk_kind_and_gives_everything_back(store, monkeypatch):
+    ran = []
+    real = warmup.run_prefill
+
+    def recording(model, cache, job, chunk, **kwargs):
+        ran.append((job.start, len(job.tokens), job.restore_slot, job.snapshots))
+        return real(model, cache, job, chunk, **kwargs)
+
+    monkeypatch.setattr(warmup, "run_prefill", recording)
+    with StoreClient.connect(store.socket, "warm-up") as client:
+        before = client.stats()
+        length = warmup.warm_up_length(client)
+        # the pool holds 1024 tokens' pages: half of it, less two pages
+        assert length == (client.info.num_pages // 2 - 2) * PAGE
+        assert warmup.warm_up(client, chunk=64) > 0
+        after = client.stats()
+    _conserved(after)
+    assert _held(after) == _held(before)
+    (start1, end1, restore1, snaps1), (start2, end2, restore2, snaps2) = ran
+    # job 1: chunks, then a one-token tail after its snapshot; job 2 resumes
+    # from that snapshot: a page, then a tail of 5 tokens
+    assert (start1, end1, restore1) == (0, length + 1, -1)
+    assert snaps1[0][0] == length and restore2 == snaps1[0][1]
+    assert (start2, end2) == (length, length + PAGE + 5)
+    assert snaps2[0][0] == length + PAGE
+
+
+def test_a_failed_warm_up_gives_back_its_pages_and_slots(store, monkeypatch):
+    def failing(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory (made up)")
+
+    monkeypatch.setattr(warmup, "run_prefill", failing)
+    with StoreClient.connect(store.socket, "warm-up") as client:
+        before = client.stats()
+        with pytest.raises(RuntimeError, match="made up"):
+            warmup.warm_up(client, chunk=64)
+        after = client.stats()
+    _conserved(after)
+    assert _held(after) == _held(before)
