@@ -6,7 +6,8 @@ Per turn: prompt tokens, tokens served from the cache, the reused ratio
 (cached over what the previous turn's prompt and answer made reusable; the
 resent answer is text, so it may tokenize differently from what was
 generated), time to first token, and where the router saw that time go (its
-tandem_ttft_phase_seconds: tokenize, reserve, prefill, cache)."""
+tandem_ttft_phase_seconds: tokenize, reserve, prefill; and cache, which runs
+after the first token is sent)."""
 from __future__ import annotations
 
 import argparse

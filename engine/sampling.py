@@ -20,6 +20,8 @@ Does not own stopping (engine/stopping.py) or detokenisation.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import math
 import os
 from dataclasses import dataclass, field
@@ -184,14 +186,15 @@ class SequenceSamplingState:
         self.params = params
         # Recorded so a request without a seed can still be reproduced.
         self.seed: int = params.seed if params.seed is not None else _fresh_seed()
-        self.prompt_counts: dict[int, int] = {}
+        # only penalties read the prompt's tokens: counting a 100K-token prompt
+        # in Python took ~10 ms of every request's time to first token
+        self.prompt_counts: dict[int, int] = (dict(Counter(prompt_token_ids))
+                                              if params.has_penalties else {})
         self.output_counts: dict[int, int] = {}
         self.num_output_tokens = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._seen_mask: torch.Tensor | None = None  # [V] bool: prompt or output
         self._output_count_vec: torch.Tensor | None = None  # [V] float32
-        for token_id in prompt_token_ids:
-            self.prompt_counts[token_id] = self.prompt_counts.get(token_id, 0) + 1
 
     def append(self, token_id: int) -> None:
         """Record a token accepted into the output."""

@@ -44,7 +44,8 @@ class RouterMetrics:
             "tandem_ttft_phase_seconds",
             "Where time to first token goes: tokenize (the prompt), reserve (prefix match, "
             "pages, state slots), prefill (the prefill worker's call, first token included), "
-            "cache (handing the prompt's pages to the prefix cache)",
+            "cache (handing the prompt's pages to the prefix cache: after the first token "
+            "is sent, before decode starts)",
             ["phase"], buckets=TTFT_BUCKETS, registry=r)
         self._inter_token = Histogram("tandem_inter_token_latency_seconds",
                                       "Time between consecutive generated tokens of a request",

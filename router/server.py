@@ -249,7 +249,7 @@ class Router(pb_grpc.GenerationServiceServicer):
 
     async def _admit(self, req: GenerationRequest, handle: Running, held: Held,
                      sampling: wpb.Sampling, context):
-        """Reserve, prefill and cache the prompt: (plan, first token)."""
+        """Reserve and prefill the prompt: (plan, first token)."""
         with self._phase("reserve"):
             plan = await self._reserve(req, held)
         self.metrics.cache_query(len(req.prompt), plan.cached)
@@ -257,8 +257,6 @@ class Router(pb_grpc.GenerationServiceServicer):
         with self._phase("prefill"):
             first = await self._run_prefill(req, plan, sampling, context)
         handle.busy_in = None
-        with self._phase("cache"):
-            await self._cache_prompt(req, plan, held)
         return plan, first
 
     @contextmanager
@@ -269,7 +267,12 @@ class Router(pb_grpc.GenerationServiceServicer):
         self.metrics.ttft_phase(name, time.perf_counter() - started)
 
     async def _before_decode(self, req, plan, handle: Running, held: Held, context) -> None:
-        """After the first token went out: nothing to wait for on one store."""
+        """After the first token went out: the prompt's pages go to the prefix
+        cache (which may hand back its own copies for decode to read). Not
+        before: at 100K tokens the insert took 26-63 ms of the H200 agent
+        loop's time to first token (BENCHMARKS.md, 2026-12-02)."""
+        with self._phase("cache"):
+            await self._cache_prompt(req, plan, held)
 
     @staticmethod
     def _finish_of_first(req, token: int, text: TextStream, stop_ids):

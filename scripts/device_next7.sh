@@ -5,20 +5,23 @@
 # tail's length, a constexpr); and the turns without a spike took ~1.0 s
 # against 0.6 s on the one turn whose tail was a single token (decode's key
 # splits): a 2-8 token tail ran on one program per KV head over 100K keys.
-# Now MAX_T is 1 or 8 and short batches split their keys.
+# Now MAX_T is 1 or 8, short batches split their keys, and the prefill
+# worker warms up before serving.
 #  1. the compiled tests of both (GDN step kernels, no compile after warm-up);
-#  2. the dense prefill kernel for 1.1K queries over 100K keys, by key splits;
-#  3. the 20-turn agent loop (the workspace raised past 100K).
+#  2. the prefill kernel for 1.1K queries over 100K keys, by key splits, on
+#     bf16 pages (the dense workspace's kernel) and int8 pages (in-kernel);
+#  3. 1.1K new tokens after 99K cached, in-kernel (the default past 64K)
+#     against the dense workspace, without the profiler (it ran past 170 s).
+# Then: scripts/device_agent_loop.sh, and SHARES="70 80" scripts/device_mps.sh.
 set -uo pipefail
 source scripts/device_env.sh
 M=qwen3.5-27b
 step pytest 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
   tests/test_gdn_kernels.py -k "compiles_nothing or step or verify"
-STEP_TAIL=12 step attention_100k 100 python3 -m bench.attention --context 100000 --new 1100 \
-  --kv-format bf16 --candidates 4 --splits 1 2 4 8 --json "$OUT/attention_100k.json"
-STEP_TAIL=30 step agent_loop 300 env TANDEM_PREFILL_WORKSPACE_TOKENS=131072 \
-  python -m bench.agent_loop --model $M --device cuda \
-  --kv-format int8 --gpu-memory-budget 130GiB --max-context-tokens 131072 --prefill-chunk 4096 \
-  --turns 20 --first-turn-tokens 80000 --new-tokens 1024 --output-tokens 16 \
-  --json "$OUT/agent_loop.json"
-grep -h "waited for" "$OUT/agent_loop.log" | cut -c1-400 | head -30
+STEP_TAIL=14 step attention_100k 120 python3 -m bench.attention --context 100000 --new 1100 \
+  --kv-format bf16 int8 --candidates 4 --splits 1 2 4 --json "$OUT/attention_100k.json"
+for ws in 65536 131072; do  # 65536: the default bound, so 99K keys stay in-kernel
+  STEP_TAIL=4 step prefill_99k_ws$ws 120 env TANDEM_PREFILL_WORKSPACE_TOKENS=$ws \
+    python3 -m bench.prefill --model $M --device cuda --kv-format int8 --cached-tokens 99000 \
+    --tokens 1100 --chunk 4096 --repeats 3 --json "$OUT/prefill_99k_ws$ws.json"
+done
