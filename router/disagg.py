@@ -34,7 +34,6 @@ import grpc
 
 from engine.chunking import snapshot_points
 from kvstore.client import StoreCapacityError, StoreClient, StoreUnavailable
-from kvstore.control import Allocation
 from router.server import Held, Plan, Router, Running
 from tandem.internal.v1 import workers_pb2 as wpb
 
@@ -122,15 +121,6 @@ class DisaggRouter(Router):
         self._ids = itertools.count((secrets.randbits(28) << 32) + 1)
 
     # --- admission -------------------------------------------------------------
-    async def _acquire(self, held: Held, call, *args):
-        """A store call that takes locks or pages, recorded into `held` when it
-        finishes, also if this request is cancelled meanwhile (the call runs on
-        in its thread; _give_back waits for it), so nothing it took leaks."""
-        future = asyncio.ensure_future(asyncio.to_thread(call, *args))
-        future.add_done_callback(lambda f: _record(held, f))
-        held.pending.append(future)
-        return await asyncio.shield(future)
-
     async def _admit(self, req, handle: Running, held: Held, sampling, context):
         prompt = req.prompt
         reserving = time.perf_counter()
@@ -314,13 +304,7 @@ class DisaggRouter(Router):
             end, slot = len(req.prompt) // self.page_size * self.page_size, None
             if end <= route.decode_cached:
                 return
-        n = end // self.page_size
-        result = await asyncio.to_thread(route.decode.store.insert, req.prompt[:end],
-                                         plan.pages[:n], slot, req.cache_salt, True)
-        self._forget(held, plan.pages[:n], [] if slot is None else [slot])
-        plan.pages[:n] = result.pages
-        if result.locked:
-            held.nodes.append(result.node_id)
+        await self._insert_locked(route.decode.store, req, end, plan, held, slot)
 
     # --- giving back ------------------------------------------------------------
     def _done_with(self, route: Route, worker: Worker) -> None:
@@ -339,14 +323,3 @@ class DisaggRouter(Router):
             while handle.counted:
                 handle.counted.pop().in_flight -= 1
 
-
-def _record(held: Held, future) -> None:
-    """What a finished store call took, into `held` (see DisaggRouter._acquire)."""
-    if future.cancelled() or future.exception() is not None:
-        return
-    result = future.result()
-    if isinstance(result, Allocation):
-        held.pages.extend(result.pages)
-        held.slots.extend(result.slots)
-    elif getattr(result, "locked", False):  # a locking Match
-        held.nodes.append(result.node_id)

@@ -28,6 +28,7 @@ from engine.chunking import snapshot_points
 from engine.errors import InvalidRequestError, TandemError
 from engine.loader import load_tokenizer
 from kvstore.client import StoreCapacityError, StoreClient, StoreError, wait_for_store
+from kvstore.control import Allocation
 from router.metrics import RouterMetrics
 from router.requests import GenerationRequest, chat_prompt, request_from_pb
 from router.text import TextStream
@@ -65,7 +66,7 @@ class Held:
     slots: list[int] = field(default_factory=list)
     nodes: list[int] = field(default_factory=list)
     # store calls that take locks or pages, which record what they took here
-    # when they finish (router/disagg.py _acquire); awaited before giving back
+    # when they finish (Router._acquire); awaited before giving back
     pending: list = field(default_factory=list)
 
 
@@ -282,13 +283,21 @@ class Router(pb_grpc.GenerationServiceServicer):
             return pb.FINISH_REASON_LENGTH, 0
         return None, 0
 
+    async def _acquire(self, held: Held, call, *args, taken=None):
+        """A store call that takes locks or pages, recorded into `held` when it
+        finishes, also if this request is cancelled meanwhile (the call runs on
+        in its thread; _give_back waits for it), so nothing it took leaks.
+        `taken(result)`, if given, runs then too (an insert's pages leave `held`)."""
+        future = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        future.add_done_callback(lambda f: _record(held, f, taken))
+        held.pending.append(future)
+        return await asyncio.shield(future)
+
     async def _reserve(self, req: GenerationRequest, held: Held) -> Plan:
         """Match and lock the cached prefix; reserve pages for the rest of the
         prompt and the whole output, and the GDN slots, or RESOURCE_EXHAUSTED."""
         prompt = req.prompt
-        match = await asyncio.to_thread(self.store.match, prompt, req.cache_salt, True)
-        if match.locked:
-            held.nodes.append(match.node_id)
+        match = await self._acquire(held, self.store.match, prompt, req.cache_salt, True)
         total_pages = -(-(len(prompt) + req.params.max_new_tokens) // self.page_size)
         points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
                                   self.config.snapshot_every) if self.hybrid else [])
@@ -296,15 +305,12 @@ class Router(pb_grpc.GenerationServiceServicer):
         # sink pages the match does not cover are staging pages of the request's own
         sinks = max(0, min(self.sink_pages, total_pages) - len(match.pages))
         try:
-            grant = await asyncio.to_thread(self.store.allocate,
-                                            total_pages - len(match.pages) - sinks, slots,
-                                            sinks + self.open_pages)
+            grant = await self._acquire(held, self.store.allocate,
+                                        total_pages - len(match.pages) - sinks, slots,
+                                        sinks + self.open_pages)
         except StoreCapacityError as e:
             raise StoreCapacityError(e.code, f"no KV capacity for a {len(prompt)}-token prompt plus "
                                              f"{req.params.max_new_tokens} new tokens now: {e}") from None
-        held.pages.extend(grant.pages)
-        held.pages.extend(grant.staging)
-        held.slots.extend(grant.slots)
         plan = Plan(cached=match.num_tokens,
                     pages=[*match.pages, *grant.staging[:sinks], *grant.pages],
                     open_pages=list(grant.staging[sinks:]))
@@ -337,14 +343,20 @@ class Router(pb_grpc.GenerationServiceServicer):
             end = len(req.prompt) // self.page_size * self.page_size
             inserts = [(end, None)] if end > plan.cached else []
         for tokens, slot in inserts:
-            n = tokens // self.page_size
-            result = await asyncio.to_thread((store or self.store).insert, req.prompt[:tokens],
-                                             plan.pages[:n],
-                                             slot, req.cache_salt, True)
-            self._forget(held, plan.pages[:n], [] if slot is None else [slot])
-            plan.pages[:n] = result.pages
-            if result.locked:
-                held.nodes.append(result.node_id)
+            await self._insert_locked(store or self.store, req, tokens, plan, held, slot)
+
+    async def _insert_locked(self, store: StoreClient, req: GenerationRequest, tokens: int,
+                             plan: Plan, held: Held, slot: int | None) -> None:
+        """The prompt's first `tokens` (whole pages) into `store`'s cache,
+        locked for this request; its pages then belong to the cache (they
+        leave `held`, the lock joins it, also if the request is cancelled
+        meanwhile), and the request reads the cache's pages from then on."""
+        n = tokens // self.page_size
+        given = plan.pages[:n]
+        result = await self._acquire(
+            held, store.insert, req.prompt[:tokens], given, slot, req.cache_salt, True,
+            taken=lambda _r: self._forget(held, given, [] if slot is None else [slot]))
+        plan.pages[:n] = result.pages
 
     async def _cache_output(self, req: GenerationRequest, plan: Plan, held: Held, output: list[int],
                             boundary: int, store: StoreClient | None = None,
@@ -587,6 +599,21 @@ async def _wait_until_serving(channel, service: str, name: str, timeout: float) 
         await asyncio.sleep(0.1)
 
 
+def _record(held: Held, future, taken=None) -> None:
+    """What a finished store call took, into `held` (see Router._acquire)."""
+    if future.cancelled() or future.exception() is not None:
+        return
+    result = future.result()
+    if isinstance(result, Allocation):
+        held.pages.extend(result.pages)
+        held.pages.extend(result.staging)
+        held.slots.extend(result.slots)
+    elif getattr(result, "locked", False):  # a locking Match or Insert
+        held.nodes.append(result.node_id)
+    if taken is not None:
+        taken(result)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m router.server", description=__doc__.splitlines()[0])
     p.add_argument("--store", default=None, help="shared topology: the store's socket")
@@ -614,3 +641,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
