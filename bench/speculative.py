@@ -20,17 +20,10 @@ from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import CacheShape, PagedKVCache
 from engine.kv import make_format
 from engine.loader import load_model
+from engine.speculative.prompts import HELD_OUT_CHAT, HELD_OUT_CODE
 
 # Held out from train-mtp's prompts (engine/speculative/prompts.py; a test checks).
-CHAT = ["What are the benefits of regular exercise?", "Explain how a rainbow forms.",
-        "Why do leaves change colour in autumn?", "What makes a good team leader?",
-        "How do airplanes stay in the air?", "Describe a day in the life of a lighthouse keeper."]
-CODE = ["Write a Python function that returns the n-th Fibonacci number.",
-        "Write a Python class for a stack with push and pop.",
-        "Write a JavaScript function that debounces another function.",
-        "Write a Python function that returns the longest line of a text file.",
-        "Write a C function that copies a string into a fixed-size buffer safely.",
-        "Write a Python function that groups words by their first letter."]
+CHAT, CODE = list(HELD_OUT_CHAT), list(HELD_OUT_CODE)
 
 
 def _sync(device):

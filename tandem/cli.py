@@ -101,6 +101,8 @@ def _add_train_mtp(sub) -> None:
                    help="use only the first N built-in prompts (default: all)")
     p.add_argument("--corpus", default=None,
                    help="file of generated samples: read when it exists, else written")
+    p.add_argument("--self-instruct", type=int, default=0, metavar="N",
+                   help="also answer N questions the model writes itself (varied phrasing)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -118,7 +120,7 @@ def _run_train_mtp(args) -> int:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
                           seed=args.seed, max_batch=args.max_batch, max_prompts=args.max_prompts,
-                          corpus_path=args.corpus)
+                          corpus_path=args.corpus, self_instruct=args.self_instruct)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

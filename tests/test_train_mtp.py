@@ -5,7 +5,7 @@ import torch
 
 from bench.speculative import CHAT, CODE
 from engine.loader import load_model
-from engine.speculative.prompts import training_prompts
+from engine.speculative.prompts import extract_question, question_requests, training_prompts
 from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
                                       generate_corpus, init_head, make_examples, train_head)
 
@@ -63,3 +63,44 @@ def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus):
     assert 1.0 <= stats["expected_length"] <= 1 + sum(stats["accuracy"]) + 1e-9
     again = evaluate(model, head, lm_head, [e for e in examples if e.greedy], 3)
     assert len(again["accuracy"]) == 3 and all(0 <= a <= 1 for a in again["accuracy"])
+
+
+@pytest.mark.parametrize("reply, question", [
+    ("Question: What is a black hole made of?", "What is a black hole made of?"),
+    ('Sure! Here is one:\n\n"How do bees find their way home?"', "How do bees find their way home?"),
+    ("1. Write a Go function that reverses a slice.\n2. Another", "Write a Go function that reverses a slice."),
+    ("**Request:** Can you explain how tides work?", "Can you explain how tides work?"),
+    ("Bees.", None),                      # too short to be a question
+    ("What about the", None),             # cut off: no final punctuation
+    ("", None),
+])
+def test_a_written_question_is_its_first_line_of_content(reply, question):
+    assert extract_question(reply) == question
+
+
+def test_self_instruct_asks_the_model_for_questions(monkeypatch):
+    """The embedded model on the CPU answers the first question requests;
+    each reply is its own sampled text (seeded: the same again)."""
+    from engine.llm import EngineConfig, OfflineEngine
+    from engine.speculative import train
+
+    loaded = load_model(None, device="cpu", progress=False)  # the embedded model
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=4, max_context=256))
+    asked = []
+    real = engine.chat_prompt
+    monkeypatch.setattr(engine, "chat_prompt", lambda m: asked.append(m[0]["content"]) or real(m))
+    replies = train.written_replies(engine, 2, seed=1, new_tokens=8)
+    assert asked == question_requests()[:2]
+    assert len(replies) == 2 and all(r.strip() for r in replies)
+    assert train.written_replies(engine, 1, seed=1, new_tokens=8) == replies[:1]
+
+
+def test_picked_questions_are_clean_distinct_and_new():
+    from engine.speculative.train import pick_questions
+
+    replies = ["Question: How do tides work?", "Sure:\nHow do tides work?", "no",
+               "What is a held-out prompt here?", "Why is the sky blue?", "Why do cats purr?"]
+    assert pick_questions(replies, 5, {"What is a held-out prompt here?"}) == \
+        ["How do tides work?", "Why is the sky blue?", "Why do cats purr?"]
+    assert pick_questions(replies, 2, set()) == ["How do tides work?",
+                                                 "What is a held-out prompt here?"]

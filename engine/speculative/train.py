@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from engine.loader import LoadedModel
 from engine.model import CausalLM, DecoderLayer, MTPHead
-from engine.speculative.prompts import training_prompts
+from engine.speculative.prompts import (HELD_OUT_CHAT, HELD_OUT_CODE, extract_question,
+                                        question_requests, training_prompts)
 
 
 
@@ -52,10 +53,14 @@ class TrainConfig:
     max_prompts: int | None = None  # None: every prompt of prompts.py
     corpus_path: str | None = None  # read if it exists, else written after generation
     max_steps: int | None = None  # stop early (tests); the time budget still applies
+    # questions the model writes itself (prompts.question_requests), answered
+    # beside the built-in prompts: phrasing the fixed templates do not have
+    self_instruct: int = 0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
-                or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10):
+                or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10) \
+                or self.self_instruct < 0:
             raise ValueError(f"train-mtp: bad settings {self}")
 
 
@@ -96,6 +101,9 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
     engine = OfflineEngine(loaded, EngineConfig(max_batch=cfg.max_batch,
                                                 max_context=_context_for(cfg.new_tokens)))
     texts = training_prompts()[:cfg.max_prompts]
+    if cfg.self_instruct:
+        texts += self_instructed_prompts(engine, cfg.self_instruct, cfg.seed,
+                                         exclude={*texts, *HELD_OUT_CHAT, *HELD_OUT_CODE})
     prompts, params = [], []
     for i, text in enumerate(texts):
         prompt = engine.chat_prompt([{"role": "user", "content": text}])
@@ -117,6 +125,45 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
     if cfg.corpus_path:
         corpus.save(cfg.corpus_path)
     return corpus
+
+
+def self_instructed_prompts(engine, count: int, seed: int, exclude: set[str],
+                            new_tokens: int = 48) -> list[str]:
+    """Up to `count` distinct questions the model writes when asked for one
+    (prompts.question_requests, sampled at temperature 1.0), none of them in
+    `exclude` (the built-in and the benchmark's held-out prompts)."""
+    started = time.monotonic()
+    # replies that are not one clean question are dropped: ask twice as often
+    replies = written_replies(engine, 2 * count, seed, new_tokens)
+    questions = pick_questions(replies, count, exclude)
+    _log(f"self-instruct: {len(questions)} questions kept from {len(replies)} replies in "
+         f"{time.monotonic() - started:.0f} s")
+    return questions
+
+
+def written_replies(engine, asks: int, seed: int, new_tokens: int) -> list[str]:
+    """The model's replies to the first `asks` question requests (cycled)."""
+    from engine.sampling import SamplingParams
+
+    requests = question_requests()
+    texts = [requests[i % len(requests)] for i in range(asks)]
+    prompts = [engine.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed * 100003 + i,
+                             max_new_tokens=new_tokens) for i in range(asks)]
+    replies: dict[int, list[int]] = {i: [] for i in range(asks)}
+    for event in engine.generate(prompts, params):
+        replies[event.index].append(event.token_id)
+    return [engine.tokenizer.decode(replies[i], skip_special_tokens=True) for i in range(asks)]
+
+
+def pick_questions(replies: list[str], count: int, exclude: set[str]) -> list[str]:
+    """The first `count` distinct questions in `replies` that are not in `exclude`."""
+    questions: list[str] = []
+    for reply in replies:
+        q = extract_question(reply)
+        if q is not None and q not in exclude and q not in questions:
+            questions.append(q)
+    return questions[:count]
 
 
 def _context_for(new_tokens: int) -> int:
