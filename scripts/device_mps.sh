@@ -16,10 +16,14 @@ timeout 60 python3 -c "import torch; torch.ones(1, device='cuda').sum().item(); 
   || { echo "no MPS client"; tail -5 "$CUDA_MPS_LOG_DIRECTORY"/control.log; exit 1; }
 # 2026-12-02 05:00: 100/60/40 gave p99 2.95x/1.82x/1.35x of idle p50 and
 # prefill 5875/3769/2651 tok/s (uncapped solo 6491): SHARES="70 80" next.
+# CHUNKS: the prefill chunk sizes to try at each share (issue 6 asks for the
+# trade-off of chunk size against decode ITL and prefill throughput).
 for share in ${SHARES:-100 60 40}; do
-  echo "== prefill SM share $share%"
-  timeout 170 python -m bench.interference --model qwen3.5-27b --device cuda --kv-format int8 \
-    --gpu-memory-budget 130GiB --max-context-tokens 65536 --prefill-chunk 2048 \
-    --prefill-tokens 32768 --decode-tokens 1200 --serve-args "--prefill-sm-percent $share" \
-    --json "$OUT/interference_mps_$share.json" 2>&1 | grep -v "^\[" | tail -7
+  for chunk in ${CHUNKS:-2048}; do
+    echo "== prefill SM share $share%, chunk $chunk"
+    timeout 170 python -m bench.interference --model qwen3.5-27b --device cuda --kv-format int8 \
+      --gpu-memory-budget 130GiB --max-context-tokens 65536 --prefill-chunk "$chunk" \
+      --prefill-tokens 32768 --decode-tokens 1200 --serve-args "--prefill-sm-percent $share" \
+      --json "$OUT/interference_mps_${share}_$chunk.json" 2>&1 | grep -v "^\[" | tail -7
+  done
 done
