@@ -21,8 +21,10 @@ WORDS = ("the agent reads a file then calls a tool and writes the result into th
          "next turn sees every step of work done before with numbers like 42 and 1024 in it").split()
 
 
-# The router's time-to-first-token phases (tandem_ttft_phase_seconds)
-PHASES = ("tokenize", "reserve", "prefill", "cache")
+# The router's time-to-first-token phases (tandem_ttft_phase_seconds); the
+# last, cache, runs after the first token is sent
+BEFORE_FIRST_TOKEN = ("tokenize", "reserve", "prefill")
+PHASES = (*BEFORE_FIRST_TOKEN, "cache")
 
 
 def user_text(turn: int, chars: int) -> str:

@@ -93,10 +93,12 @@ def test_service_benches_on_one_service(tmp_path):
     assert first["prompt_tokens"] > 100 and second["prompt_tokens"] > first["prompt_tokens"] + 30
     assert second["cached_tokens"] >= 96 and second["reused_ratio"] > 0.5
     assert all(t["ttft_s"] > 0 for t in loop["turns"])
-    # the router's phases account for most of each turn's time to first token
+    # the router's phases before the first token account for most of its wait;
+    # the prompt's cache insert runs after it, so it is not part of that time
     for t in loop["turns"]:
         assert set(t["phases_s"]) == set(agent_loop.PHASES)
-        assert 0.5 * t["ttft_s"] < sum(t["phases_s"].values()) <= t["ttft_s"] * 1.01
+        waited = sum(t["phases_s"][name] for name in agent_loop.BEFORE_FIRST_TOKEN)
+        assert 0.5 * t["ttft_s"] < waited <= t["ttft_s"] * 1.01
     result = busy["result"]
     assert result["idle_itl_p50_ms"] > 0 and result["prefill_solo_tok_s"] > 0
     assert mem["cached_tokens"] >= 32 and mem["generated"] == 4
