@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
-from engine.compiles import CompileWatch, describe
+from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
@@ -257,7 +257,7 @@ async def _main(args) -> None:
                                 speculative=spec)
     if spec.enabled:
         log(PROCESS, f"speculative decoding: {spec.method}, {spec.num_draft_tokens} draft tokens")
-    steps = StepLoop(scheduler, CompileWatch().install() if store.device.type == "cuda" else None)
+    steps = StepLoop(scheduler, watch_compiles(store.device))
     steps.start()
     inbox, ready, close_inbox = _transfer_inbox(args, store)
 

@@ -63,6 +63,11 @@ class CompileWatch:
         return done
 
 
+def watch_compiles(device) -> CompileWatch | None:
+    """A worker's watch, installed; None off CUDA (nothing compiles there)."""
+    return CompileWatch().install() if device.type == "cuda" else None
+
+
 def describe(compiles: list[Compile]) -> str:
     """'3 Triton compiles, 2.41 s: _paged_attention_kernel 1.90 s, ...' (slowest first)."""
     ordered = sorted(compiles, key=lambda c: -c.seconds)

@@ -20,10 +20,9 @@ Does not own stopping (engine/stopping.py) or detokenisation.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from engine.compiles import CompileWatch, describe
+from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.streams import WorkerStream, yield_to_decode
@@ -178,7 +178,7 @@ async def _main(args) -> None:
     trim_stack_reservation(store.device)
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
     link, ready, close_link = _transfer_link(args, store)
-    compiles = CompileWatch().install() if store.device.type == "cuda" else None
+    compiles = watch_compiles(store.device)
     service = PrefillService(store, args.chunk, link, compiles)
     if compiles is not None:
         _warm_up(service, compiles)

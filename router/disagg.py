@@ -304,7 +304,8 @@ class DisaggRouter(Router):
             end, slot = len(req.prompt) // self.page_size * self.page_size, None
             if end <= route.decode_cached:
                 return
-        await self._insert_locked(route.decode.store, req, end, plan, held, slot)
+        await self._insert(route.decode.store, req, req.prompt[:end], plan, held, slot,
+                           lock=True)
 
     # --- giving back ------------------------------------------------------------
     def _done_with(self, route: Route, worker: Worker) -> None:

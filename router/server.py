@@ -343,18 +343,20 @@ class Router(pb_grpc.GenerationServiceServicer):
             end = len(req.prompt) // self.page_size * self.page_size
             inserts = [(end, None)] if end > plan.cached else []
         for tokens, slot in inserts:
-            await self._insert_locked(store or self.store, req, tokens, plan, held, slot)
+            await self._insert(store or self.store, req, req.prompt[:tokens], plan, held, slot,
+                               lock=True)
 
-    async def _insert_locked(self, store: StoreClient, req: GenerationRequest, tokens: int,
-                             plan: Plan, held: Held, slot: int | None) -> None:
-        """The prompt's first `tokens` (whole pages) into `store`'s cache,
-        locked for this request; its pages then belong to the cache (they
-        leave `held`, the lock joins it, also if the request is cancelled
-        meanwhile), and the request reads the cache's pages from then on."""
-        n = tokens // self.page_size
+    async def _insert(self, store: StoreClient, req: GenerationRequest, tokens, plan: Plan,
+                      held: Held, slot: int | None, lock: bool) -> None:
+        """`tokens` (whole pages of the request's prompt) into `store`'s cache
+        with the pages they fill: those pages then belong to the cache (they
+        leave `held`; with `lock`, the lock joins it), also if the request is
+        cancelled meanwhile, and the request reads the cache's pages from
+        then on."""
+        n = len(tokens) // self.page_size
         given = plan.pages[:n]
         result = await self._acquire(
-            held, store.insert, req.prompt[:tokens], given, slot, req.cache_salt, True,
+            held, store.insert, tokens, given, slot, req.cache_salt, lock,
             taken=lambda _r: self._forget(held, given, [] if slot is None else [slot]))
         plan.pages[:n] = result.pages
 

@@ -348,8 +348,7 @@ def _dot_operand(x, DOT_BF16: tl.constexpr):
 def _online_softmax(s, keys, key_ok, q_pos, m_i, l_i):
     """Masks scores s [ROWS, BLOCK_N] to the keys each row sees and folds them
     into the running max and sum: (m_new, alpha (the rescale of what came
-    before), p, l_new). _attend_tile keeps the same steps inline, so that
-    the other kinds' build stays byte for byte what it was."""
+    before), p, l_new)."""
     visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -376,12 +375,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
     k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
                  KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
     s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
-    visible = (keys[None, :] <= q_pos[:, None]) & key_ok[None, :]
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _online_softmax(s, keys, key_ok, q_pos, m_i, l_i)
     v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
                  KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
     acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, DOT_BF16), _dot_operand(v, DOT_BF16))
@@ -457,8 +451,7 @@ def _split_keys(n_new, kv_len, first_row, split, ROWS: tl.constexpr, GROUP: tl.c
     """Keys [lo, hi) of this program: those its row block needs (causal), then
     this split's share of them, whole BLOCK_Ns so that splits never share a
     tile. lo is a multiple of BLOCK_N, so every tile starts at one (rk4p's
-    per-page tiles rely on it). The other kinds' path computes the same
-    inline: kept as it was, their build stays byte for byte the same."""
+    per-page tiles rely on it)."""
     last_token = tl.minimum(n_new - 1, (first_row + ROWS - 1) // GROUP)
     key_end = tl.minimum(kv_len, kv_len - n_new + last_token + 1)
     key_end = tl.where(first_row < n_new * GROUP, key_end, 0)
@@ -477,6 +470,15 @@ def _store_out(o, q_rows, split, cols, mask, out_ptr, part_out_ptr, D: tl.conste
     else:
         part = q_rows * NUM_SPLITS + split
         tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o, mask=mask)
+
+
+@triton.jit
+def _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr,
+               NUM_SPLITS: tl.constexpr):
+    """Split programs: each row's log2-sum-exp for the combine (-inf: no keys)."""
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_keys, m_i + tl.math.log2(norm), float("-inf"))
+        tl.store(part_lse_ptr + q_rows * NUM_SPLITS + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -539,9 +541,7 @@ def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_
                D, NUM_SPLITS, OUT_BF16)
     _store_out(acc_odd / norm[:, None], q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
                part_out_ptr, D, NUM_SPLITS, OUT_BF16)
-    if NUM_SPLITS > 1:  # the log2-sum-exp per row for the combine (-inf: no keys)
-        lse = tl.where(has_keys, m_i + tl.math.log2(norm), float("-inf"))
-        tl.store(part_lse_ptr + q_rows * NUM_SPLITS + split, lse, mask=row_ok)
+    _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
 
 
 @triton.jit(do_not_specialize=("page_table_stride", "first_staged"))
@@ -585,18 +585,8 @@ def _paged_attention_kernel(
     col_ok = cols < D
     q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
     q_mask = row_ok[:, None] & col_ok[None, :]
-    q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], q_mask, Q_BF16) * qk_scale
-    q = _dot_operand(q, DOT_BF16)
-
-    # Keys this row block needs (causal), then this split's share of them,
-    # whole BLOCK_Ns so that splits never share a tile (_split_keys).
-    last_token = tl.minimum(n_new - 1, (first_row + ROWS - 1) // GROUP)
-    key_end = tl.minimum(kv_len, kv_len - n_new + last_token + 1)
-    key_end = tl.where(first_row < n_new * GROUP, key_end, 0)
-    split_len = tl.cdiv(tl.cdiv(key_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, key_end)
-
+    q = _load_q(q_ptr, q_rows, cols, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    lo, hi = _split_keys(n_new, kv_len, first_row, split, ROWS, GROUP, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
@@ -617,15 +607,10 @@ def _paged_attention_kernel(
             start += BLOCK_N
 
     has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        _store_dense(out_ptr, q_rows[:, None] * D + cols[None, :], o, q_mask, OUT_BF16)
-    else:
-        part = q_rows * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o, mask=q_mask)
-        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)),
-                       float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    norm = tl.where(has_keys, l_i, 1.0)
+    _store_out(acc / norm[:, None], q_rows, split, cols, q_mask, out_ptr, part_out_ptr, D,
+               NUM_SPLITS, OUT_BF16)
+    _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
 
 
 @triton.jit(do_not_specialize=("n_rows",))

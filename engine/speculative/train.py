@@ -114,11 +114,9 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
             params.append(SamplingParams(temperature=temperature, top_p=0.95,
                                          seed=cfg.seed * 1000 + i * 10 + s,
                                          max_new_tokens=cfg.new_tokens))
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     started = time.monotonic()
-    for event in engine.generate(prompts, params):
-        outputs[event.index].append(event.token_id)
-    _log(f"generated {sum(map(len, outputs.values()))} tokens for {len(prompts)} samples of "
+    outputs = _generated(engine, prompts, params)
+    _log(f"generated {sum(map(len, outputs))} tokens for {len(prompts)} samples of "
          f"{len(texts)} prompts in {time.monotonic() - started:.0f} s")
     corpus = Corpus([prompts[i] + outputs[i] for i in range(len(prompts))],
                     [len(p) for p in prompts], [p.temperature == 0 for p in params])
@@ -150,20 +148,26 @@ def written_replies(engine, asks: int, seed: int, new_tokens: int) -> list[str]:
     prompts = [engine.chat_prompt([{"role": "user", "content": t}]) for t in texts]
     params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed * 100003 + i,
                              max_new_tokens=new_tokens) for i in range(asks)]
-    replies: dict[int, list[int]] = {i: [] for i in range(asks)}
+    return [engine.tokenizer.decode(reply, skip_special_tokens=True)
+            for reply in _generated(engine, prompts, params)]
+
+
+def _generated(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """The tokens the engine generates for each prompt, in prompt order."""
+    outputs: list[list[int]] = [[] for _ in prompts]
     for event in engine.generate(prompts, params):
-        replies[event.index].append(event.token_id)
-    return [engine.tokenizer.decode(replies[i], skip_special_tokens=True) for i in range(asks)]
+        outputs[event.index].append(event.token_id)
+    return outputs
 
 
 def pick_questions(replies: list[str], count: int, exclude: set[str]) -> list[str]:
     """The first `count` distinct questions in `replies` that are not in `exclude`."""
-    questions: list[str] = []
+    questions: dict[str, None] = {}  # insertion-ordered, distinct
     for reply in replies:
         q = extract_question(reply)
-        if q is not None and q not in exclude and q not in questions:
-            questions.append(q)
-    return questions[:count]
+        if q is not None and q not in exclude:
+            questions.setdefault(q)
+    return list(questions)[:count]
 
 
 def _context_for(new_tokens: int) -> int:
