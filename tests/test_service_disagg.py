@@ -197,6 +197,9 @@ def test_cancel_mid_stream_and_mid_prefill_gives_back_every_page(pool):
                                                  max_new_tokens=3000, ignore_eos=True))
     next(call)  # decoding
     call.cancel()
+    # the router counts a transfer after the first token went out: wait for the
+    # cancelled request to end before reading the counter
+    assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
     # a long prompt in 32-token chunks, cancelled while its pages are on the way
     moved = pool.metric("tandem_kv_transfer_bytes_total")
     started = time.perf_counter()
