@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -19,9 +20,9 @@ from bench.limits import matmul_flops, prefill_flops, sync
 
 
 def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
-                    page_size: int = 16, cached: int = 0) -> float:
+                    page_size: int = 16, cached: int = 0, timed_in=nullcontext) -> float:
     """Seconds to prefill `tokens` new tokens after `cached` ones (those
-    prefilled first, untimed)."""
+    prefilled first, untimed); `timed_in()` is entered around the timed part."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.chunking import prefill_chunks
@@ -55,23 +56,32 @@ def prefill_seconds(loaded, kv_format_name: str, tokens: int, chunk: int,
         if cached:
             run(0, cached)
         sync(loaded.device)
-        t0 = now()
-        run(cached, total)
-    return now() - t0
+        with timed_in():
+            t0 = now()
+            run(cached, total)
+            return now() - t0
 
 
 def profile_prefill(loaded, args, tokens: int) -> dict:
-    """Where one prefill's GPU time goes (bench.profile_step's kinds)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Where one prefill's GPU time goes (bench.profile_step's kinds); only
+    the timed tokens are profiled, not the cached part before them."""
+    from bench.profile_step import summarize
+    from engine.profiling import profiled
 
-    from bench.profile_step import kernel_times, summarize
+    runs = []
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        seconds = prefill_seconds(loaded, args.kv_format, tokens, args.chunk,
-                                  cached=args.cached_tokens)
+    @contextmanager
+    def timed_in():
+        with profiled(loaded.device) as profile:
+            yield
+        runs.append(profile)
+
+    seconds = prefill_seconds(loaded, args.kv_format, tokens, args.chunk,
+                              cached=args.cached_tokens, timed_in=timed_in)
     title = (f"one {tokens}-token prefill after {args.cached_tokens} cached, in chunks of "
-             f"{args.chunk}, {seconds:.2f} s profiled (the cached part included)")
-    return summarize(kernel_times(prof), 1, title, 25)
+             f"{args.chunk}, {seconds:.2f} s profiled")
+    print(f"profiled: {runs[0].describe()}")
+    return summarize(runs[0].units, 1, title, 25)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per length (after one warm-up)")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--profile", action="store_true",
-                   help="CUDA: one more prefill of the longest prompt under torch.profiler, "
-                        "its kernels summed by kind")
+                   help="one more prefill of the longest prompt under torch.profiler "
+                        "(its timed part only), its kernels (CPU: aten ops) summed by kind")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.cached_tokens < 0:

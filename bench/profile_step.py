@@ -13,45 +13,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 
 import torch
 
 from bench.common import median, print_table, write_json
 from bench.decode import decode_steps
-
-# Substrings of kernel names -> the kind of work they do; first match wins.
-KINDS = (
-    ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce")),
-    ("gemv (Triton int4/int8)", ("_gemv_kernel", "_split_k_sum")),
-    ("gemv (cuBLAS fp32)", ("gemvnsp", "gemv")),
-    ("attention", ("attn", "attention", "flash", "paged", "_combine")),
-    ("kv write", ("write_kv", "quantize", "_seal", "_write_kernel")),
-    ("fused (ours)", ("_rms", "_norm", "_gdn", "_silu", "_rotary", "_gate")),
-    ("copy / index / cat", ("copy", "index", "gather", "scatter", "cat", "memcpy", "fill")),
-    ("reduce", ("reduce",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled")),
-)
-
-
-def kind_of(name: str) -> str:
-    lowered = name.lower()
-    for kind, needles in KINDS:
-        if any(n in lowered for n in needles):
-            return kind
-    return "other"
-
-
-def kernel_times(prof) -> dict[str, list[float]]:
-    """{kernel name: [calls, total device us]} of a finished torch.profiler run."""
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        entry = kernels[event.name]
-        entry[0] += 1
-        entry[1] += event.device_time
-    return kernels
+from engine.profiling import by_kind, kernel_times
 
 
 def profile_steps(loaded, kv_format: str, batch: int, context: int, warmup: int, active: int,
@@ -70,20 +37,17 @@ def summarize(kernels: dict[str, list[float]], per: int, title: str, top: int) -
     """Prints the kernels (per `per` runs) and their sums by kind; returns both for JSON."""
     per_kernel = sorted(((name, calls / per, us / per) for name, (calls, us) in kernels.items()),
                         key=lambda r: -r[2])
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for name, calls, us in per_kernel:
-        by_kind[kind_of(name)][0] += calls
-        by_kind[kind_of(name)][1] += us
+    kinds = by_kind({name: [calls, us] for name, calls, us in per_kernel})
     kernel_us = sum(us for _, _, us in per_kernel)
     print_table(f"kernels ({title})", ["kernel", "calls", "us", "share %"],
                 [[name[:90], calls, us, 100 * us / kernel_us]
                  for name, calls, us in per_kernel[:top]])
     print_table("by kind", ["kind", "calls", "us", "share %"],
                 [[k, c, us, 100 * us / kernel_us]
-                 for k, (c, us) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])])
+                 for k, (c, us) in kinds.items()])
     return {"kernel_us": kernel_us, "launches": sum(calls for _, calls, _ in per_kernel),
             "kernels": [{"name": n, "calls": c, "us": u} for n, c, u in per_kernel],
-            "by_kind": {k: {"calls": c, "us": u} for k, (c, u) in by_kind.items()}}
+            "by_kind": {k: {"calls": c, "us": u} for k, (c, u) in kinds.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

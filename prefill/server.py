@@ -8,17 +8,22 @@ chunks it checks whether the router cancelled the call (and, on a GPU, gives
 the decode worker's higher-priority stream its turn)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
 
 import grpc
 
 from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
+from engine.profiling import profiled
 from engine.streams import WorkerStream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
@@ -33,6 +38,9 @@ from transfer.protocol import TransferError, TransferSpec
 from tandem.wire import generated_token_pb, sampling_from_pb
 
 PROCESS = "prefill"
+# `tandem serve` passes its environment on, so this turns profiling on there:
+# TANDEM_PROFILE_PREFILL=N profiles every N-th request
+PROFILE_ENV = "TANDEM_PROFILE_PREFILL"
 
 
 class Cancelled(TandemError):
@@ -65,9 +73,13 @@ class _Work:
 
 class PrefillService(pb_grpc.PrefillServiceServicer):
     def __init__(self, store: StoreClient, chunk: int, link: Link | None = None,
-                 compiles: CompileWatch | None = None) -> None:
+                 compiles: CompileWatch | None = None, profile_every: int = 0) -> None:
         self.store = store
         self.compiles = compiles  # None: nobody watches (off CUDA nothing compiles)
+        # log where every n-th request's prefill time went (0: none); the
+        # others keep their speed, so a bench's figures stay clean
+        self.profile_every = profile_every
+        self.requests = 0
         self.chunk = chunk
         self.link = link  # disaggregated topology: how pages reach decode stores
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
@@ -75,6 +87,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self.work: dict[str, _Work] = {}
 
     async def Prefill(self, request, context):
+        arrived = time.perf_counter()
         try:
             job = job_from_pb(request)
             spec = self._transfer_spec(request)
@@ -107,9 +120,10 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                     # layer by layer: each KV write's finished pages leave at once
                     self.store.cache.kv_written = out.layer_written if out else None
                     started = time.perf_counter()
-                    result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
-                                         between_chunks, out.chunk_starts if out else None,
-                                         open_pages)
+                    with self._profiled(job, started - arrived):
+                        result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
+                                             between_chunks, out.chunk_starts if out else None,
+                                             open_pages)
                     self._report_compiles(job, time.perf_counter() - started)
                     held = open_pages.held if open_pages is not None else []
                     if out is None:
@@ -143,6 +157,21 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                   prefilled_tokens=len(job.tokens) - job.start,
                                   transferred_pages=pages, transferred_bytes=sent,
                                   open_held=held)
+
+    @contextmanager
+    def _profiled(self, job: PrefillJob, waited: float) -> Iterator[None]:
+        """With profiling on, logs where the request's prefill went: wall time,
+        kernels (CPU: aten ops) by kind, and what came before it (parsing,
+        queueing behind another prefill)."""
+        self.requests += 1
+        if not self.profile_every or self.requests % self.profile_every:
+            yield
+            return
+        with profiled(self.store.cache.device) as profile:
+            yield
+        log(PROCESS, f"request {job.request_id} ({len(job.tokens) - job.start} new tokens after "
+                     f"{job.start}): {1e3 * waited:.1f} ms from arrival to its prefill; "
+                     f"prefill {profile.describe()}")
 
     def _report_compiles(self, job: PrefillJob, seconds: float) -> None:
         """Logs a request that waited for Triton compiles (see engine/compiles.py)."""
@@ -179,7 +208,7 @@ async def _main(args) -> None:
     log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
     link, ready, close_link = _transfer_link(args, store)
     compiles = watch_compiles(store.device)
-    service = PrefillService(store, args.chunk, link, compiles)
+    service = PrefillService(store, args.chunk, link, compiles, args.profile_every)
     if compiles is not None:
         _warm_up(service, compiles)
 
@@ -261,10 +290,26 @@ def _map_peer_stores(args):
     return peers, clients
 
 
-def main(argv: list[str] | None = None) -> int:
+def _request_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a request count (0 = none) is needed, got {text!r} "
+                                         f"(--profile-every or ${PROFILE_ENV})")
+    return int(text)
+
+
+def parser():
     p = worker_arguments("python -m prefill.server", __doc__.splitlines()[0])
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
-    args = p.parse_args(argv)
+    # argparse runs a string default through `type` too: a bad variable is a usage error
+    p.add_argument("--profile-every", type=_request_count, default=os.environ.get(PROFILE_ENV) or "0",
+                   metavar="N", help="log where every N-th request's prefill time goes "
+                                     "(torch.profiler, which slows that prefill a little; "
+                                     f"default ${PROFILE_ENV}, else 0: none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     return run_server(PROCESS, lambda: _main(args))
 
 

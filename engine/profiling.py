@@ -1,0 +1,130 @@
+"""Where a piece of work's time goes: a torch.profiler run summed by kernel
+and by kind (weight GEMMs, attention, GDN, norms, copies). The benches print
+these tables; the prefill worker logs one line per request with it
+(TANDEM_PROFILE_PREFILL=1), since an agent turn's prefill in the service took
+~130 ms more than the same step offline and nothing said where.
+
+On CUDA the units are kernels (device time); on the CPU they are aten ops
+(their own CPU time, nested ops not counted twice), so wall time minus op
+time is Python and waiting on either path."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+# Substrings of kernel names -> the kind of work they do; first match wins.
+KINDS = (
+    ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce", "aten::mm",
+                       "aten::addmm", "aten::linear", "aten::bmm")),
+    ("gemv (Triton int4/int8)", ("_gemv_kernel", "_split_k_sum")),
+    ("gemv (cuBLAS fp32)", ("gemvnsp", "gemv")),
+    ("attention", ("attn", "attention", "flash", "paged", "_combine")),
+    ("kv write", ("write_kv", "quantize", "_seal", "_write_kernel")),
+    ("gdn", ("delta", "_recurrence", "_conv", "chunk_")),
+    ("fused (ours)", ("_rms", "_norm", "_gdn", "_silu", "_rotary", "_gate")),
+    ("copy / index / cat", ("copy", "index", "gather", "scatter", "cat", "memcpy", "fill",
+                            "slice", "select", "view", "reshape", "empty")),
+    ("reduce", ("reduce", "sum", "max", "argmax")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::")),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KINDS:
+        if any(n in lowered for n in needles):
+            return kind
+    return "other"
+
+
+def kernel_times(prof) -> dict[str, list[float]]:
+    """{kernel name: [calls, total device us]} of a finished torch.profiler run."""
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = kernels[event.name]
+        entry[0] += 1
+        entry[1] += event.device_time
+    return kernels
+
+
+def op_times(prof) -> dict[str, list[float]]:
+    """{aten op: [calls, own CPU us]} of a finished CPU profiler run: each
+    op's time minus its children's, so nested ops are counted once."""
+    ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or \
+                not event.name.startswith("aten::"):
+            continue
+        entry = ops[event.name]
+        entry[0] += 1
+        entry[1] += event.self_cpu_time_total
+    return ops
+
+
+def by_kind(units: dict[str, list[float]]) -> dict[str, list[float]]:
+    """{kind: [calls, us]}, largest first."""
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, (calls, us) in units.items():
+        kinds[kind_of(name)][0] += calls
+        kinds[kind_of(name)][1] += us
+    return dict(sorted(kinds.items(), key=lambda kv: -kv[1][1]))
+
+
+@dataclass
+class Profile:
+    """One profiled piece of work: wall time and the kernels (or ops) in it."""
+
+    wall_s: float = 0.0
+    units: dict[str, list[float]] = field(default_factory=dict)
+    on_cuda: bool = False
+
+    @property
+    def busy_s(self) -> float:
+        return sum(us for _, us in self.units.values()) / 1e6
+
+    @property
+    def launches(self) -> int:
+        return int(sum(calls for calls, _ in self.units.values()))
+
+    def describe(self, kinds: int = 5, top: int = 3) -> str:
+        """One log line: wall, busy share, the largest kinds and units."""
+        unit = "kernels" if self.on_cuda else "aten ops"
+        busy = self.busy_s
+        share = 100 * busy / self.wall_s if self.wall_s else 0.0
+        if not busy:
+            return f"{1e3 * self.wall_s:.0f} ms wall, no {unit} recorded"
+        by = by_kind(self.units)
+        kind_text = ", ".join(f"{k} {100 * us / 1e6 / busy:.0f}%"
+                              for k, (_, us) in list(by.items())[:kinds])
+        largest = sorted(self.units.items(), key=lambda kv: -kv[1][1])[:top]
+        top_text = ", ".join(f"{name[:48]} x{int(calls)} {us / 1e3:.1f} ms"
+                             for name, (calls, us) in largest)
+        return (f"{1e3 * self.wall_s:.0f} ms wall, {unit} {1e3 * busy:.0f} ms ({share:.0f}%) "
+                f"in {self.launches} launches: {kind_text}; largest: {top_text}")
+
+
+@contextmanager
+def profiled(device: torch.device) -> Iterator[Profile]:
+    """Profiles the block; the yielded Profile is filled when it exits (the
+    device is synchronized first, so the wall time covers the queued work)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    result = Profile(on_cuda=on_cuda)
+    activity = ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU
+    started = time.perf_counter()
+    with profile(activities=[activity]) as prof:
+        try:
+            yield result
+        finally:
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            result.wall_s = time.perf_counter() - started
+    result.units = dict(kernel_times(prof) if on_cuda else op_times(prof))
