@@ -348,11 +348,11 @@ class Router(pb_grpc.GenerationServiceServicer):
 
     async def _insert(self, store: StoreClient, req: GenerationRequest, tokens, plan: Plan,
                       held: Held, slot: int | None, lock: bool) -> None:
-        """`tokens` (whole pages of the request's prompt) into `store`'s cache
-        with the pages they fill: those pages then belong to the cache (they
-        leave `held`; with `lock`, the lock joins it), also if the request is
-        cancelled meanwhile, and the request reads the cache's pages from
-        then on."""
+        """`tokens` (whole pages of the request's prompt, or of prompt and
+        output) into `store`'s cache with the pages they fill: those pages
+        then belong to the cache (they leave `held`; with `lock`, the lock
+        joins it), also if the request is cancelled meanwhile, and the request
+        reads the cache's pages from then on."""
         n = len(tokens) // self.page_size
         given = plan.pages[:n]
         result = await self._acquire(
@@ -377,10 +377,7 @@ class Router(pb_grpc.GenerationServiceServicer):
             return
         if end <= max(plan.cached, len(req.prompt) // self.page_size * self.page_size):
             return
-        n = end // self.page_size
-        await asyncio.to_thread((store or self.store).insert, tokens[:end], plan.pages[:n], slot,
-                                req.cache_salt, False)
-        self._forget(held, plan.pages[:n], [] if slot is None else [slot])
+        await self._insert(store or self.store, req, tokens[:end], plan, held, slot, lock=False)
 
     @staticmethod
     def _forget(held: Held, pages, slots) -> None:
