@@ -19,16 +19,14 @@ import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
 from engine.compiles import CompileWatch, describe, watch_compiles
-from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
 from engine.streams import WorkerStream
-from kvstore.client import StoreClient, wait_for_store
+from kvstore.client import StoreClient
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import (TRANSFER_SERVICE, abort_with, log, run_server, serve,
-                            share_cpu_with_the_other_worker, transfer_group_config,
-                            worker_arguments)
+from tandem.serving import (TRANSFER_SERVICE, abort_with, attach_worker, log, run_server,
+                            serve, transfer_group_config, worker_arguments)
 from tandem.wire import generated_token_pb, sampling_from_pb
 
 PROCESS = "decode"
@@ -244,13 +242,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
 
 
 async def _main(args) -> None:
-    share_cpu_with_the_other_worker()
-    wait_for_store(args.store, timeout=args.store_timeout)
-    store = StoreClient.connect(args.store, name=PROCESS)
-    # a process-wide setting, so the process's main makes it: every service
-    # process's CUDA context is planned with the trimmed stack (kvstore/plan.py)
-    trim_stack_reservation(store.device)
-    log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
+    store = attach_worker(PROCESS, args)
     spec = store.info.speculative  # the store laid out its memory (MTP KV, spare slots)
     scheduler = DecodeScheduler(store.model, store.cache, ReservedPagesOnly(), max_batch=args.max_batch,
                                 cuda_graphs=False if args.no_cuda_graphs else None,

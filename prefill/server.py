@@ -21,7 +21,6 @@ from typing import Iterator
 import grpc
 
 from engine.compiles import CompileWatch, describe, watch_compiles
-from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.profiling import profiled
 from engine.streams import WorkerStream, yield_to_decode
@@ -30,9 +29,8 @@ from prefill.runner import PrefillJob, run_prefill
 from prefill.warmup import warm_up
 from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
-from tandem.serving import (TRANSFER_SERVICE, abort_with, log, run_server, serve,
-                            share_cpu_with_the_other_worker, transfer_group_config,
-                            worker_arguments)
+from tandem.serving import (TRANSFER_SERVICE, abort_with, attach_worker, log, run_server,
+                            serve, transfer_group_config, worker_arguments)
 from transfer.outbox import Link, OutgoingTransfer
 from transfer.protocol import TransferError, TransferSpec
 from tandem.wire import generated_token_pb, sampling_from_pb
@@ -199,13 +197,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
 
 
 async def _main(args) -> None:
-    share_cpu_with_the_other_worker()
-    wait_for_store(args.store, timeout=args.store_timeout)
-    store = StoreClient.connect(args.store, name=PROCESS)
-    # a process-wide setting, so the process's main makes it: every service
-    # process's CUDA context is planned with the trimmed stack (kvstore/plan.py)
-    trim_stack_reservation(store.device)
-    log(PROCESS, f"mapped the store's memory ({store.info.model_id})")
+    store = attach_worker(PROCESS, args)
     link, ready, close_link = _transfer_link(args, store)
     compiles = watch_compiles(store.device)
     service = PrefillService(store, args.chunk, link, compiles, args.profile_every)

@@ -34,6 +34,22 @@ def share_cpu_with_the_other_worker() -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
 
+def attach_worker(process: str, args):
+    """A worker process's start: its CPU share, then a session with its store
+    (args.store) with the store's memory mapped. Returns the StoreClient."""
+    from engine.cuda_context import trim_stack_reservation
+    from kvstore.client import StoreClient, wait_for_store
+
+    share_cpu_with_the_other_worker()
+    wait_for_store(args.store, timeout=args.store_timeout)
+    store = StoreClient.connect(args.store, name=process)
+    # a process-wide setting, so the process's main makes it: every service
+    # process's CUDA context is planned with the trimmed stack (kvstore/plan.py)
+    trim_stack_reservation(store.device)
+    log(process, f"mapped the store's memory ({store.info.model_id})")
+    return store
+
+
 def worker_arguments(prog: str, description: str):
     """The flags every worker shares: where the store is and where to serve."""
     import argparse
