@@ -243,7 +243,7 @@ class FakeQuantKV(Bf16Format):
         before_rope = self.rotary.apply(x, cos, -sin)  # rotary is orthogonal: -sin undoes it
         return self.rotary.apply(quantize(before_rope), cos, sin)
 
-    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated):
+    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated, out=None):
         slots = page_table_slots(page_table, length, buffers[side].shape[1])
         quantized = _flat(buffers[side])[slots]
         if not self.variant.open_page:

@@ -270,3 +270,19 @@ def test_dense_prefill_over_rk4p_pages_applies_rope_to_keys(monkeypatch):
     assert dense_calls == 1 and not actual.isnan().any()
     torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
     assert (actual.float() - expected).abs().mean() < 4e-3
+
+
+@pytest.mark.parametrize("name, options", FORMATS[2:], ids=FORMAT_IDS[2:])
+def test_reads_into_the_workspace_match_the_dense_reads(name, options):
+    """read_rotated_into (the dense prefill's dequantization): the Triton read
+    writes the NaN-poisoned bf16 outputs in place, equal to read_rotated."""
+    fmt = make_format(name, **options)
+    buffers, _, meta = build_case(fmt, [(37, 1)], q_heads=2, kv_heads=2, head_dim=32,
+                                  page_size=16, q_dtype=torch.bfloat16, seed=8)
+    table = meta.page_tables[0]
+    k = torch.full((38, 2, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    v = torch.full_like(k, float("nan"))
+    fmt.read_rotated_into(buffers, table, 38, k, v, use_triton=True)
+    k_ref, v_ref = fmt.read_rotated(buffers, table, 38, torch.float32, use_triton=False)
+    torch.testing.assert_close(k.float(), k_ref, rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(v.float(), v_ref, rtol=2 ** -8, atol=1e-6)

@@ -275,3 +275,45 @@ def test_rotary_dim_not_a_multiple_of_four_is_refused():
     fmt, buffers, q, meta = build_case([(40, 1)], 2, 2, 64, 1, seed=5)
     with pytest.raises(ValueError, match="multiple of 4"):
         paged_attention_triton(fmt, buffers, q, meta, 0.125, rotary=rotary_of(64, 18))
+
+
+# ------------------------------------------- rk4p pages into a dense workspace
+
+def _dense_pair(fmt, buffers, table, kv_len, kv_heads, head_dim, rotary, use_triton, page):
+    from engine.kv.attention import dequantize_into
+
+    k = torch.full((kv_len, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16,
+                   device=DEVICE)
+    v = torch.full_like(k, float("nan"))
+    dequantize_into(fmt, buffers, table, kv_len, k, v, rotary, slice_tokens=page,
+                    use_triton=use_triton)
+    return k, v
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim, kv_len, page", [
+    (32, 16, 75, PAGE), (64, 64, 96, PAGE), (64, 16, 33, PAGE),
+    (32, 16, 91, 40)])  # pages that are no multiple of the key tile: a page per key
+def test_the_dense_read_kernel_matches_its_reference(head_dim, rotary_dim, kv_len, page):
+    """attention_kernels.rk4p_dense against dequantize_into's PyTorch path:
+    K roped at its positions (partial and full rotary), V as stored, staging
+    pages (the sink and the newest) in bf16, a length that ends mid-page,
+    NaN-poisoned outputs; equal up to the fp32 arithmetic's order (sin/cos
+    by a different reduction), i.e. within a bf16 rounding."""
+    fmt, buffers, _, meta = build_case([(kv_len - 1, 1)], q_heads=2, kv_heads=2,
+                                       head_dim=head_dim, staged_pages=1, seed=head_dim + kv_len,
+                                       sink=True, page=page)
+    rotary = rotary_of(head_dim, rotary_dim)
+    table = meta.page_tables[0]
+    k, v = _dense_pair(fmt, buffers, table, kv_len, 2, head_dim, rotary, True, page)
+    k_ref, v_ref = _dense_pair(fmt, buffers, table, kv_len, 2, head_dim, rotary, False, page)
+    assert not k.isnan().any() and not v.isnan().any()
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0)  # exact products, one rounding
+    torch.testing.assert_close(k.float(), k_ref.float(), rtol=2 ** -7, atol=1e-3)
+    # the channels RoPE leaves alone are exact too
+    torch.testing.assert_close(k[..., rotary_dim:], k_ref[..., rotary_dim:], rtol=0, atol=0)
+    # and the kernel really roped the rotary channels (position 0 aside)
+    unroped = torch.full_like(k, float("nan"))
+    fmt.read_rotated_into(buffers, table, kv_len, unroped, torch.empty_like(unroped),
+                          use_triton=False)
+    assert not torch.allclose(k[1:, :, :rotary_dim].float(), unroped[1:, :, :rotary_dim].float(),
+                              atol=0.1)

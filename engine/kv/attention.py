@@ -299,16 +299,35 @@ def dense_prefill_wanted(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: tor
 
 def dequantize_into(fmt: KVFormat, buffers: dict[str, torch.Tensor], pages: torch.Tensor,
                     kv_len: int, k_out: torch.Tensor, v_out: torch.Tensor, rotary=None,
-                    slice_tokens: int | None = None) -> None:
-    """A sequence's first kv_len keys and values, in the model's space (RoPE
-    applied to K), into k_out / v_out [kv_len, H, D], a few pages at a time."""
+                    slice_tokens: int | None = None, use_triton: bool = True) -> None:
+    """A sequence's first kv_len keys and values as attention over the pages
+    sees them, into k_out / v_out [kv_len, H, D]: in the stored space (the
+    caller maps the query with fmt.rotate_query and the output with
+    fmt.unrotate_output), RoPE applied to a K stored before it. Rotating a
+    100K-token prefix back per layer cost two [100K * H, D] x [D, D] fp32
+    matmuls per prefill chunk; the query and output are a chunk's rows only.
+
+    The kernels read in one pass straight into the outputs (rk4p: one kernel
+    that also applies RoPE); the PyTorch reference (use_triton=False) reads a
+    few pages at a time, which bounds its fp32 temporaries whatever the
+    context."""
+    if use_triton:
+        if isinstance(fmt, PagedRk4Format):
+            from engine.kv import attention_kernels as K
+
+            K.rk4p_dense(_kind_args(fmt, buffers, rotary), pages, kv_len, k_out, v_out,
+                         buffers["k_codes"].shape[1])
+        else:
+            fmt.read_rotated_into(buffers, pages, kv_len, k_out, v_out, use_triton=True)
+        return
     page_size = next(iter(buffers.values())).shape[1]
     step = max(1, (slice_tokens or DENSE_READ_SLICE_TOKENS) // page_size) * page_size
     # RoPE runs in fp32 like the reference's; other formats read bf16
     dtype = torch.float32 if fmt.k_pre_rope else torch.bfloat16
     for lo in range(0, kv_len, step):
         hi = min(kv_len, lo + step)
-        k, v = fmt.read(buffers, pages[lo // page_size:], hi - lo, dtype)
+        k, v = fmt.read_rotated(buffers, pages[lo // page_size:], hi - lo, dtype,
+                                use_triton=False)
         if fmt.k_pre_rope:
             k = rotary.apply(k, *rotary.cos_sin(torch.arange(lo, hi, device=k.device),
                                                 torch.float32))
@@ -325,8 +344,10 @@ def dense_prefill_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: 
                             meta: AttentionMetadata, softmax_scale: float,
                             rotary=None) -> torch.Tensor:
     """Attention of a prefill chunk over quantized pages, through a bf16
-    workspace: every sequence's keys dequantized once per layer, then the
-    bf16-page kernel (bf16 dots at 128 x 64 tiles). Dequantizing inside the
+    workspace: every sequence's keys dequantized once per layer (in the
+    format's stored space, RoPE applied: dequantize_into), then the
+    bf16-page kernel (bf16 dots at 128 x 64 tiles) on the query mapped into
+    that space, and the output mapped back. Dequantizing inside the
     attention kernel instead repeats it for every 128-row block of queries
     and, at head_dim 256, spills registers: on the H200 (27B shape, 32K
     tokens, 2026-12-02) rk4 prefill ran at 21% MFU and rk4p at 3.5% against
@@ -342,8 +363,9 @@ def dense_prefill_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: 
     for base, pages, kv_len in zip(bases, meta.page_tables, meta.host_kv_lens):
         dequantize_into(fmt, buffers, pages, kv_len, k_flat[base:base + kv_len],
                         v_flat[base:base + kv_len], rotary)
-    return paged_attention_triton(Bf16Format(), {"k": k_ws, "v": v_ws}, q,
-                                  meta.over_workspace(page_size), softmax_scale)
+    out = paged_attention_triton(Bf16Format(), {"k": k_ws, "v": v_ws}, fmt.rotate_query(q),
+                                 meta.over_workspace(page_size), softmax_scale)
+    return fmt.unrotate_output(out)
 
 
 def paged_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,

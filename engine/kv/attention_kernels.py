@@ -703,3 +703,96 @@ def splits_for(batch: int, kv_heads: int, max_kv_len: int, block_n: int,
     splits = max(1, math.ceil(programs_wanted / max(1, batch * kv_heads)))
     splits = 1 << (min(splits, tiles, MAX_SPLITS) - 1).bit_length()
     return min(splits, MAX_SPLITS)
+
+
+# ------------------------------------------- rk4p pages into a dense workspace
+
+@triton.jit(do_not_specialize=("n_keys", "first_staged"))
+def _rk4p_dense_kernel(table, k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
+                       v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr,
+                       k_out_ptr, v_out_ptr, n_keys, first_staged,
+                       KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                       PAGE_SIZE: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                       ROTARY_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       COMPILED: tl.constexpr):
+    """BLOCK_N keys of one KV head from rk4p pages (or staging pages) into
+    bf16 rows [key, kv_head, D]: K with RoPE applied at the key's position,
+    V as stored (rotated; the caller un-rotates the attention output). Each
+    rotary pair p is roped with its partner p +- ROTARY_DIM / 4 (rotate-half),
+    loaded as a second pair tile; the other pairs get angle 0, which _sin_cos
+    maps to exactly (0, 1)."""
+    start = tl.program_id(0) * BLOCK_N
+    kv_head = tl.program_id(1)
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < n_keys
+    ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
+    if ONE_PAGE:
+        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + keys % PAGE_SIZE
+    staged = page * PAGE_SIZE >= first_staged
+    pairs = tl.arange(0, D_PAD // 2)
+    pairs_ok = pairs < D // 2
+    k_even, k_odd = _load_rk4p_pairs(k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr, page,
+                                     slot, staged, first_staged, kv_head, pairs, key_ok,
+                                     pairs_ok, KV_HEADS, D, 0, 0, True, ONE_PAGE, COMPILED)
+    if ROTARY_DIM > 0:
+        quarter: tl.constexpr = ROTARY_DIM // 4  # channel pairs per rotary half
+        first_half = pairs < quarter
+        rotary = pairs < 2 * quarter
+        partner = tl.where(first_half, pairs + quarter, tl.where(rotary, pairs - quarter, pairs))
+        p_even, p_odd = _load_rk4p_pairs(k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr, page,
+                                         slot, staged, first_staged, kv_head, partner, key_ok,
+                                         rotary, KV_HEADS, D, 0, 0, True, ONE_PAGE, COMPILED)
+        freq_at = tl.where(first_half, pairs, pairs - quarter)
+        freq_even = tl.load(inv_freq_ptr + 2 * freq_at, mask=rotary, other=0.0)
+        freq_odd = tl.load(inv_freq_ptr + 2 * freq_at + 1, mask=rotary, other=0.0)
+        position = tl.broadcast_to(keys.to(tl.float32)[:, None], k_even.shape)
+        sin_e, cos_e = _sin_cos(_mul_rn(position, tl.broadcast_to(freq_even[None, :],
+                                                                  position.shape), COMPILED))
+        sin_o, cos_o = _sin_cos(_mul_rn(position, tl.broadcast_to(freq_odd[None, :],
+                                                                  position.shape), COMPILED))
+        # first half: k1 c - k2 s; second half: k2 c + k1 s
+        sign = tl.where(first_half, -1.0, 1.0)[None, :]
+        k_even = k_even * cos_e + sign * p_even * sin_e
+        k_odd = k_odd * cos_o + sign * p_odd * sin_o
+    v_even, v_odd = _load_rk4p_pairs(v_codes_ptr, v_scales_ptr, v_scales_ptr, v_open_ptr, page,
+                                     slot, staged, first_staged, kv_head, pairs, key_ok, pairs_ok,
+                                     KV_HEADS, D, D_PAD, SCALE_BLOCK, False, ONE_PAGE, COMPILED)
+    # pairs interleaved in registers, so each row is one contiguous store
+    cols = tl.arange(0, D_PAD)
+    at = (keys.to(tl.int64) * KV_HEADS + kv_head)[:, None] * D + cols[None, :]
+    mask = key_ok[:, None] & (cols < D)[None, :]
+    _store_dense(k_out_ptr, at, tl.reshape(tl.join(k_even, k_odd), (BLOCK_N, D_PAD)), mask, True)
+    _store_dense(v_out_ptr, at, tl.reshape(tl.join(v_even, v_odd), (BLOCK_N, D_PAD)), mask, True)
+
+
+# sm_90 build at the 27B's shape (head_dim 256, 64 rotary channels, 32-token
+# pages; static, 2026-12-02): 16 keys and 4 warps take 168 registers and no
+# stack; 32 keys spill (255 registers, 123 STL) unless given 8 warps.
+RK4P_DENSE_KEYS, RK4P_DENSE_WARPS = 16, 4
+
+
+def rk4p_dense(kind_args: tuple, pages: torch.Tensor, kv_len: int, k_out: torch.Tensor,
+               v_out: torch.Tensor, page_size: int) -> None:
+    """A sequence's first kv_len keys and values from rk4p pages into bf16
+    k_out / v_out [kv_len, KV_HEADS, D] (contiguous): K roped, V rotated.
+    kind_args: attention._kind_args's tuple for the format; pages: the
+    sequence's page table (int32)."""
+    _, k_codes, k_min, v_codes, v_scales, scale_block, _ = kind_args[:7]
+    k_step, k_open, v_open, inv_freq, first_staged, rotary_dim = kind_args[7:]
+    if kv_len == 0:
+        return
+    kv_heads, head_dim = k_out.shape[1:]
+    k_arg, _ = as_kernel_dense(k_out)
+    v_arg, _ = as_kernel_dense(v_out)
+    if k_out.dtype != torch.bfloat16 or v_out.dtype != torch.bfloat16 or \
+            not (k_out.is_contiguous() and v_out.is_contiguous()):
+        raise ValueError("rk4p_dense writes contiguous bf16 outputs")
+    _rk4p_dense_kernel[(triton.cdiv(kv_len, RK4P_DENSE_KEYS), kv_heads)](
+        pages.to(torch.int32).contiguous(), k_codes, k_min, k_step, k_open, v_codes, v_scales,
+        v_open, inv_freq, k_arg, v_arg, kv_len, first_staged,
+        KV_HEADS=kv_heads, D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size, SCALE_BLOCK=scale_block, ROTARY_DIM=rotary_dim,
+        BLOCK_N=RK4P_DENSE_KEYS, COMPILED=not _interpreting(), num_warps=RK4P_DENSE_WARPS)

@@ -327,7 +327,10 @@ class KVFormat(ABC):
 
     @abstractmethod
     def _read_side(self, buffers, side: str, page_table, length: int, dtype,
-                   triton: bool, rotated: bool) -> torch.Tensor: ...
+                   triton: bool, rotated: bool, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """One side, dense. `out` (of dtype `dtype`): where a Triton read may
+        write directly; the result is then `out` itself."""
 
     def write(self, buffers: dict[str, torch.Tensor], slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor, use_triton: bool | None = None) -> None:
@@ -349,6 +352,19 @@ class KVFormat(ABC):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense (k, v) in the stored space; pair with rotate_query/unrotate_output."""
         return self._read_both(buffers, page_table, length, dtype, use_triton, rotated=True)
+
+    def read_rotated_into(self, buffers: dict[str, torch.Tensor], page_table: torch.Tensor,
+                          length: int, k_out: torch.Tensor, v_out: torch.Tensor,
+                          use_triton: bool | None = None) -> None:
+        """read_rotated into k_out / v_out [length, H, D], in their dtype: the
+        Triton reads write there directly (a 100K-token prefix read per layer
+        per prefill chunk saves its copy)."""
+        triton = self._wants_triton(page_table, use_triton)
+        for side, out in (("k", k_out), ("v", v_out)):
+            dense = self._read_side(buffers, side, page_table, length, out.dtype, triton, True,
+                                    out)
+            if dense is not out:
+                out.copy_(dense)
 
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """Map a query into the stored space (identity unless rotated)."""
@@ -395,7 +411,7 @@ class Bf16Format(KVFormat):
         buf = buffers[side]
         buf.view(-1, *buf.shape[2:]).index_copy_(0, slots, x.to(self.dtype))
 
-    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated):
+    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated, out=None):
         buf = buffers[side]
         slots = page_table_slots(page_table, length, buf.shape[1])
         return buf.view(-1, *buf.shape[2:])[slots].to(dtype)
@@ -430,10 +446,11 @@ class Int8Format(KVFormat):
         codes.view(-1, *codes.shape[2:])[slots] = c
         scales.view(-1, scales.shape[2])[slots] = s
 
-    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated):
+    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated, out=None):
         codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
         if triton:
-            out = torch.empty(length, *codes.shape[2:], dtype=dtype, device=codes.device)
+            if out is None:
+                out = torch.empty(length, *codes.shape[2:], dtype=dtype, device=codes.device)
             return _kernels().int8_read(codes, scales, page_table, length, out)
         slots = page_table_slots(page_table, length, codes.shape[1])
         flat_codes = codes.view(-1, *codes.shape[2:])
@@ -535,15 +552,16 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
         codes.view(-1, *codes.shape[2:])[slots] = c
         scales.view(-1, *scales.shape[2:])[slots] = s
 
-    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated):
+    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated, out=None):
         codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
         back_to_original = self.rotate and not rotated
         # Un-rotating needs the fp32 values; rounding to dtype first would add
         # a second rounding error.
         dense_dtype = torch.float32 if back_to_original else dtype
         if triton:
-            dense = torch.empty(length, codes.shape[2], codes.shape[3] * 2, dtype=dense_dtype,
-                                device=codes.device)
+            dense = out if out is not None and out.dtype == dense_dtype else torch.empty(
+                length, codes.shape[2], codes.shape[3] * 2, dtype=dense_dtype,
+                device=codes.device)
             _kernels().rk4_read(codes, scales, page_table, length, dense, self.block,
                                 self.scale_format)
         else:
@@ -747,7 +765,7 @@ class PagedRk4Format(_SeededRotation, KVFormat):
         raise NotImplementedError("PagedRk4Format writes K and V together (write)")
 
     # --- read -------------------------------------------------------------
-    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated):
+    def _read_side(self, buffers, side, page_table, length, dtype, triton, rotated, out=None):
         num_pages, page_size = buffers["k_codes"].shape[:2]
         slots = page_table_slots(page_table, length, page_size)
         staged = slots >= num_pages * page_size
