@@ -58,10 +58,14 @@ def target_probs(logits: torch.Tensor, state: SequenceSamplingState,
 
 
 def accept_greedy(logits: torch.Tensor, state: SequenceSamplingState,
-                  drafts: Sequence[int]) -> Accepted:
-    """logits [m+1, V]: keep drafts while each equals the target's choice."""
+                  drafts: Sequence[int], raw_choices: Sequence[int] | None = None) -> Accepted:
+    """logits [m+1, V]: keep drafts while each equals the target's choice.
+    raw_choices: logits.float().argmax(-1) when the caller took it for the
+    whole batch at once (one device sync per step, not one per sequence)."""
     if state.params.has_penalties:
         choices = target_probs(logits, state, drafts).argmax(dim=-1).tolist()
+    elif raw_choices is not None:
+        choices = list(raw_choices)
     else:  # one-hot at the argmax of the raw float logits: what sample() picks
         choices = logits.float().argmax(dim=-1).tolist()
     kept = 0

@@ -140,19 +140,22 @@ class SpeculativeDecoder:
         logits, hidden = self.verify_forward(batch)
         if not self.config.uses_mtp:
             hidden = None
+        choices = _raw_argmax(logits, seqs)
         results = []
         for i, seq in enumerate(seqs):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             results.append(self._accept(seq, inputs[i], slots[i], logits[lo:hi],
-                                        None if hidden is None else hidden[lo:hi]))
+                                        None if hidden is None else hidden[lo:hi],
+                                        None if choices is None else choices[lo:hi]))
         return results
 
-    def _accept(self, seq, inp: SequenceInput, position_slots, logits, hidden) -> Verified:
+    def _accept(self, seq, inp: SequenceInput, position_slots, logits, hidden,
+                raw_choices) -> Verified:
         spec = seq.spec
         drafts = list(inp.tokens[1:])
         state = seq.sampling
         if state.params.is_greedy:
-            accepted = accept_greedy(logits, state, drafts)
+            accepted = accept_greedy(logits, state, drafts, raw_choices)
         else:
             p = target_probs(logits, state, drafts)
             q = spec.draft_probs if spec is not None else None
@@ -226,10 +229,12 @@ class SpeculativeDecoder:
         rows = list(range(len(ready)))  # row of logits/hidden -> sequence
         r = 0
         while rows:
+            choices = _raw_argmax(logits, [ready[i] for i in rows], float_logits=False)
             for row, i in enumerate(rows):
                 if caps[i] <= r:  # no room for a draft (its catch-up pairs still ran)
                     continue
-                token, q = self._draw_draft(ready[i], logits[row])
+                token, q = self._draw_draft(ready[i], logits[row],
+                                            None if choices is None else choices[row])
                 ready[i].spec.drafts.append(token)
                 if q is not None:
                     probs[i].append(q)
@@ -249,14 +254,25 @@ class SpeculativeDecoder:
                 seq.spec.draft_probs = torch.stack(probs[i])
 
     @staticmethod
-    def _draw_draft(seq, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """Greedy requests draft the MTP's argmax; sampled ones draw from the
-        MTP's processed distribution q (kept for the accept rule)."""
+    def _draw_draft(seq, logits: torch.Tensor,
+                    argmax: int | None = None) -> tuple[int, torch.Tensor | None]:
+        """Greedy requests draft the MTP's argmax (`argmax`, when the caller
+        took it for every row at once); sampled ones draw from the MTP's
+        processed distribution q (kept for the accept rule)."""
         state = seq.sampling
         if state.params.is_greedy:
-            return int(logits.argmax()), None
+            return (int(logits.argmax()) if argmax is None else argmax), None
         q = processed_probs(logits[None], [state])[0]
         return draw(q, state.generator(logits.device)), q
+
+
+def _raw_argmax(logits: torch.Tensor, seqs, float_logits: bool = True) -> list[int] | None:
+    """Every row's argmax in one device sync, when some sequence is greedy
+    (a sync per sequence and draft drains the GPU's queue each time); None
+    when none is."""
+    if not any(s.sampling.params.is_greedy for s in seqs):
+        return None
+    return (logits.float() if float_logits else logits).argmax(dim=-1).tolist()
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[int], wanted: int | None):
