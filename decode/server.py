@@ -27,7 +27,7 @@ from tandem.internal.v1 import workers_pb2 as pb
 from tandem.internal.v1 import workers_pb2_grpc as pb_grpc
 from tandem.serving import (TRANSFER_SERVICE, abort_with, attach_worker, log, run_server,
                             serve, transfer_group_config, worker_arguments)
-from tandem.wire import generated_token_pb, sampling_from_pb
+from tandem.wire import generated_token_pb, sampling_from_pb, token_ids_from_pb
 
 PROCESS = "decode"
 _FINISH_PB = {FinishReason.STOP: pb.DECODE_FINISH_STOP, FinishReason.LENGTH: pb.DECODE_FINISH_LENGTH,
@@ -167,12 +167,13 @@ class StepLoop:
 def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids, cache) -> DecodeSequence:
     """The request as the scheduler runs it; its open pages (a format that
     quantizes whole pages) resume where the prefill left them."""
-    if not r.prompt:
+    prompt = token_ids_from_pb(r.prompt_le32, "prompt_le32").tolist()
+    if not prompt:
         raise InvalidRequestError("a decode request needs its prompt")
     open_pages = cache.open_pages_for(list(r.open_pages), list(r.pages), list(r.open_held),
-                                      committed=len(r.prompt))
+                                      committed=len(prompt))
     return DecodeSequence(
-        request_id=r.request_id, prompt=list(r.prompt), output=[r.first_token],
+        request_id=r.request_id, prompt=prompt, output=[r.first_token],
         params=sampling_from_pb(r.sampling), pages=list(r.pages), state_slot=r.state_slot,
         eos_token_ids=eos_token_ids, boundary_slot=r.boundary_slot,
         spare_slots=list(r.spare_slots), open_pages=open_pages)

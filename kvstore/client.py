@@ -39,6 +39,7 @@ from kvstore.memory import (KVFormatSpec, StoreArenas, cache_on_arenas, config_f
                             model_on_arena, open_arenas)
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
+from tandem.wire import pack_token_ids
 
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -211,9 +212,13 @@ class StoreClient:
         """Where the mapped weights (and so this worker's compute) live."""
         return self.arenas.weights.buffer.device
 
-    def match(self, tokens: Sequence[int], cache_salt: str = "", lock: bool = False) -> MatchResult:
+    def match(self, tokens: Sequence[int] | bytes, cache_salt: str = "",
+              lock: bool = False) -> MatchResult:
+        """The longest cached prefix of `tokens` (ids, or their pack_token_ids
+        bytes: a caller that sends one prompt several times packs it once)."""
         r = self._call(self._stub.Match, pb.MatchRequest(
-            session_id=self.session_id, cache_salt=cache_salt, tokens=_ints(tokens), lock=lock))
+            session_id=self.session_id, cache_salt=cache_salt, tokens_le32=_packed(tokens),
+            lock=lock))
         slot = r.snapshot_slot if r.HasField("snapshot_slot") else None
         return MatchResult(r.num_tokens, tuple(r.pages), slot, r.node_id, r.locked)
 
@@ -222,13 +227,15 @@ class StoreClient:
             session_id=self.session_id, num_pages=pages, num_slots=slots, num_staging=staging))
         return Allocation(tuple(r.pages), tuple(r.slots), tuple(r.staging))
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], snapshot_slot: int | None = None,
-               cache_salt: str = "", lock: bool = False) -> InsertResult:
-        """Hand the whole pages of `tokens` (and a snapshot slot) to the cache.
-        Afterwards the session holds none of `pages`: read the prefix through
-        the returned `pages`, locked (lock=True) for as long as you read it."""
+    def insert(self, tokens: Sequence[int] | bytes, pages: Sequence[int],
+               snapshot_slot: int | None = None, cache_salt: str = "",
+               lock: bool = False) -> InsertResult:
+        """Hand the whole pages of `tokens` (ids, or their pack_token_ids bytes)
+        and a snapshot slot to the cache. Afterwards the session holds none of
+        `pages`: read the prefix through the returned `pages`, locked
+        (lock=True) for as long as you read it."""
         r = self._call(self._stub.Insert, pb.InsertRequest(
-            session_id=self.session_id, cache_salt=cache_salt, tokens=_ints(tokens),
+            session_id=self.session_id, cache_salt=cache_salt, tokens_le32=_packed(tokens),
             pages=_ints(pages), snapshot_slot=snapshot_slot, lock=lock))
         return InsertResult(r.node_id, r.num_tokens, tuple(r.pages), r.new_pages,
                             r.freed_duplicate_pages, r.snapshot_taken, r.locked)
@@ -261,11 +268,22 @@ class StoreClient:
 
 def _ints(values: Iterable[int]) -> Iterable[int]:
     """Ids for a repeated int field: a list or tuple goes as it is (protobuf
-    checks each is an int in C; a Python copy of a 100K-token prompt cost ~9
-    ms of every request's reserve), anything else (numpy, a generator) as ints."""
+    checks each is an int in C; copying in Python cost ~9 ms per 100K ids
+    when prompts went this way), anything else (numpy, a generator) as ints."""
     if isinstance(values, (list, tuple)):
         return values
     return [int(v) for v in values]
+
+
+def _packed(tokens: Sequence[int] | bytes) -> bytes:
+    """A tokens_le32 field: bytes are taken as packed already; ids that cannot
+    be packed are refused here as the store would refuse them."""
+    if isinstance(tokens, bytes):
+        return tokens
+    try:
+        return pack_token_ids(tokens)
+    except ValueError as e:
+        raise StoreError("INVALID_ARGUMENT", str(e)) from None
 
 
 def _store_error(e: grpc.RpcError) -> StoreError:

@@ -27,7 +27,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.errors import TandemError
+from engine.vocabulary import first_outside_vocabulary
 from kvstore.allocator import PageAllocator, SlotAllocator
 from kvstore.radix import CacheNode, RadixCache
 
@@ -330,9 +333,11 @@ class StoreControl:
                                      "closed) or never existed; Attach again")
         return session
 
-    def _check_tokens(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        tokens = tuple(tokens)
-        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+    def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
+        """The ids as an array (the server hands over a uint32 view of the
+        request's bytes, which stays one), checked against the vocabulary."""
+        tokens = np.asarray(tokens)
+        bad = first_outside_vocabulary(tokens, self.vocab_size)
         if bad is not None:
             raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return tokens

@@ -29,6 +29,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 import grpc
+import numpy as np
 import torch
 
 from engine.cuda_context import trim_stack_reservation
@@ -46,6 +47,7 @@ from kvstore.memory import (EMBEDDING_PLACES, HOST_PREFIXES, KVFormatSpec, Store
 from kvstore.plan import SERVICE_CUDA_PROCESSES, CapacityPlan, OverBudgetError, parse_bytes
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
+from tandem.wire import unpack_token_ids
 
 SERVICE_NAME = "tandem.internal.v1.KVStore"
 # Token lists of long prompts exceed gRPC's 4 MiB default.
@@ -288,6 +290,15 @@ def _optional(message, name: str) -> int | None:
     return getattr(message, name) if message.HasField(name) else None
 
 
+def tokens_from_pb(request) -> np.ndarray:
+    """A Match or Insert request's tokens_le32 as a uint32 array viewing the
+    request's bytes; a malformed field is InvalidArgument naming it."""
+    try:
+        return unpack_token_ids(request.tokens_le32)
+    except ValueError as e:
+        raise InvalidArgument(f"tokens_le32: {e}") from None
+
+
 # ----------------------------------------------------------------- service
 
 _STATUS = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -324,7 +335,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Match(self, request, context):
         return await _answer(context, lambda: match_to_pb(self.control.match(
-            request.session_id, request.cache_salt, request.tokens, request.lock)))
+            request.session_id, request.cache_salt, tokens_from_pb(request), request.lock)))
 
     async def Allocate(self, request, context):
         def allocate():
@@ -335,7 +346,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     async def Insert(self, request, context):
         return await _answer(context, lambda: insert_to_pb(self.control.insert(
-            request.session_id, request.cache_salt, request.tokens, request.pages,
+            request.session_id, request.cache_salt, tokens_from_pb(request), request.pages,
             _optional(request, "snapshot_slot"), request.lock)))
 
     async def Lock(self, request, context):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from engine.batch import ForwardBatch, SequenceInput
@@ -15,12 +16,16 @@ from engine.errors import InvalidRequestError
 from engine.kv.open_pages import OpenPages
 from engine.model import CausalLM
 from engine.sampling import SamplingParams, SampleResult, SequenceSamplingState, sample
+from engine.vocabulary import first_outside_vocabulary
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # no ==: an array has no single truth value
 class PrefillJob:
     request_id: str
-    tokens: tuple[int, ...]
+    # the whole prompt's ids as an int array (a sequence given is made one):
+    # the worker hands over a view of the request's packed bytes, so of a
+    # 100K-token prompt only the chunks that run become Python ints
+    tokens: np.ndarray
     start: int  # tokens already in the pages (and in restore_slot's state)
     pages: tuple[int, ...]
     state_slot: int
@@ -30,6 +35,9 @@ class PrefillJob:
     # staging page ids (>= the pool's num_pages) for the open pages of a KV
     # format that quantizes whole pages (rk4p); its sink pages are in `pages`
     open_pages: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", np.asarray(self.tokens))
 
     def check(self, page_size: int, vocab_size: int) -> None:
         n = len(self.tokens)
@@ -41,8 +49,9 @@ class PrefillJob:
             if count % page_size or not self.start < count <= n:
                 raise InvalidRequestError(f"snapshot at {count} tokens is not a page boundary "
                                           f"in ({self.start}, {n}]")
-        if min(self.tokens) < 0 or max(self.tokens) >= vocab_size:  # C loops: 100K tokens
-            raise InvalidRequestError(f"a token id is outside the vocabulary [0, {vocab_size})")
+        bad = first_outside_vocabulary(self.tokens, vocab_size)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 @torch.inference_mode()
@@ -70,25 +79,34 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     for chunk in prefill_chunks(job.start, n, chunk_size, sorted(snapshot_slot)):
         if open_pages is not None:
             table = open_pages.prepare(cache, job.pages, chunk.start, chunk.end, prefill=True)
-        seq = SequenceInput(job.tokens[chunk.start:chunk.end], chunk.start, table, job.state_slot)
+        seq = SequenceInput(_as_tokens(job.tokens[chunk.start:chunk.end]), chunk.start, table,
+                            job.state_slot)
         batch = ForwardBatch.build([seq], cache.page_size, cache.device)
         if chunk_starts is not None:
             chunk_starts(chunk.end, chunk.end == n)
         if mtp:
             logits, hidden = model(batch, cache, return_hidden=True)
             _mtp_pairs(model, cache, table, chunk.start,
-                       job.tokens[chunk.start + 1:chunk.end + 1], hidden)
+                       _as_tokens(job.tokens[chunk.start + 1:chunk.end + 1]), hidden)
         else:
             logits = model(batch, cache)
         if chunk.snapshot:
             cache.copy_state(job.state_slot, snapshot_slot[chunk.end])
         between_chunks()
-    result = sample(logits, [SequenceSamplingState(job.params, job.tokens)])
+    # only penalties read the prompt's ids (as ints): the whole prompt becomes
+    # Python ints only for them
+    prompt = job.tokens.tolist() if job.params.has_penalties else ()
+    result = sample(logits, [SequenceSamplingState(job.params, prompt)])
     if mtp:  # the prompt's last pair needs the first token
         _mtp_pairs(model, cache, table, n - 1, (result.token_ids[0],), hidden[-1:])
     if open_pages is not None:  # the prefix cache takes the prompt's whole pages next
         open_pages.flush(cache, job.pages, n)
     return result
+
+
+def _as_tokens(ids: np.ndarray) -> tuple[int, ...]:
+    """A slice of the prompt's array as a forward takes tokens (Python ints)."""
+    return tuple(ids.tolist())
 
 
 def _mtp_pairs(model: CausalLM, cache: PagedKVCache, table, start: int, next_tokens,

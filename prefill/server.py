@@ -33,7 +33,7 @@ from tandem.serving import (TRANSFER_SERVICE, abort_with, attach_worker, log, ru
                             serve, transfer_group_config, worker_arguments)
 from transfer.outbox import Link, OutgoingTransfer
 from transfer.protocol import TransferError, TransferSpec
-from tandem.wire import generated_token_pb, sampling_from_pb
+from tandem.wire import generated_token_pb, sampling_from_pb, token_ids_from_pb
 
 PROCESS = "prefill"
 # `tandem serve` passes its environment on, so this turns profiling on there:
@@ -46,8 +46,11 @@ class Cancelled(TandemError):
 
 
 def job_from_pb(r: pb.PrefillRequest) -> PrefillJob:
+    """The request as the runner takes it; its tokens stay a view of the
+    request's packed bytes (a malformed field is an InvalidRequestError)."""
     return PrefillJob(
-        request_id=r.request_id, tokens=tuple(r.tokens), start=r.start, pages=tuple(r.pages),
+        request_id=r.request_id, tokens=token_ids_from_pb(r.tokens_le32, "tokens_le32"),
+        start=r.start, pages=tuple(r.pages),
         state_slot=r.state_slot, restore_slot=r.restore_slot,
         snapshots=tuple((s.tokens, s.slot) for s in r.snapshots),
         params=sampling_from_pb(r.sampling), open_pages=tuple(r.open_pages))

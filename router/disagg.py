@@ -171,7 +171,7 @@ class DisaggRouter(Router):
     @staticmethod
     async def _prefill_on(prefill: Worker, req, plan: Plan, sampling, transfer, context):
         return await prefill.stub.Prefill(wpb.PrefillRequest(
-            request_id=req.request_id, tokens=req.prompt, start=plan.cached,
+            request_id=req.request_id, tokens_le32=req.packed_prompt, start=plan.cached,
             pages=plan.pages, state_slot=plan.state_slot, restore_slot=plan.restore_slot,
             snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
             sampling=sampling, transfer=transfer), timeout=context.time_remaining())
@@ -180,8 +180,8 @@ class DisaggRouter(Router):
         """Each store's cached prefix of the prompt (nothing locked)."""
         async def one(w: Worker) -> int:
             try:
-                return (await asyncio.to_thread(w.store.match, req.prompt, req.cache_salt,
-                                                False)).num_tokens
+                return (await asyncio.to_thread(w.store.match, req.packed_prompt,
+                                                req.cache_salt, False)).num_tokens
             except StoreUnavailable:
                 return -1  # a store that does not answer ranks last on affinity
         found = await asyncio.gather(*(one(w) for w in (*self.prefills, *self.decodes)))
@@ -193,7 +193,7 @@ class DisaggRouter(Router):
         cached prefix, the live slot and one per snapshot point."""
         prompt = req.prompt
         store = worker.store
-        match = await self._acquire(held, store.match, prompt, req.cache_salt, True)
+        match = await self._acquire(held, store.match, req.packed_prompt, req.cache_salt, True)
         points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
                                   self.config.snapshot_every) if self.hybrid else [])
         slots = 1 + len(points) if self.hybrid else 0
@@ -227,7 +227,7 @@ class DisaggRouter(Router):
 
     async def _reserve_decode_on(self, req, worker: Worker, held: Held, points: list[int]):
         prompt, store = req.prompt, worker.store
-        match = await self._acquire(held, store.match, prompt, req.cache_salt, True)
+        match = await self._acquire(held, store.match, req.packed_prompt, req.cache_salt, True)
         # the prompt-end snapshot goes along when the decode store lacks it
         snapshot_at = points[-1] if self.hybrid and points and points[-1] > match.num_tokens else 0
         slots = (2 + self.spare_slots + (1 if snapshot_at else 0)) if self.hybrid else 0
@@ -304,8 +304,7 @@ class DisaggRouter(Router):
             end, slot = len(req.prompt) // self.page_size * self.page_size, None
             if end <= route.decode_cached:
                 return
-        await self._insert(route.decode.store, req, req.prompt[:end], plan, held, slot,
-                           lock=True)
+        await self._insert(route.decode.store, req, end, plan, held, slot, lock=True)
 
     # --- giving back ------------------------------------------------------------
     def _done_with(self, route: Route, worker: Worker) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+from engine.vocabulary import first_outside_vocabulary
+from tandem.wire import pack_token_ids, unpack_token_ids
 
 DEFAULT_MAX_NEW_TOKENS = 256
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -24,6 +26,9 @@ class GenerationRequest:
     prompt: tuple[int, ...]
     params: SamplingParams  # seed always set, so prefill and decode draw alike
     cache_salt: str
+    # the prompt as the internal RPCs carry it (tandem.wire.pack_token_ids),
+    # packed once for every Match, Prefill, Insert and Decode of the request
+    packed_prompt: bytes
 
 
 def new_request_id() -> str:
@@ -129,7 +134,11 @@ def request_from_pb(pb, tokenizer, max_context: int, vocab_size: int) -> Generat
     prompt = prompt_from_pb(pb, tokenizer)
     if not prompt:
         raise InvalidRequestError("the prompt tokenizes to nothing")
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    try:
+        packed = pack_token_ids(prompt)
+    except ValueError as e:  # not even a uint32
+        raise InvalidRequestError(f"{e}; the vocabulary is [0, {vocab_size})") from None
+    bad = first_outside_vocabulary(unpack_token_ids(packed), vocab_size)
     if bad is not None:
         raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if len(prompt) >= max_context:
@@ -143,4 +152,5 @@ def request_from_pb(pb, tokenizer, max_context: int, vocab_size: int) -> Generat
         prompt=tuple(prompt),
         params=sampling_from_pb(pb, len(prompt), max_context),
         cache_salt=pb.cache_salt,
+        packed_prompt=packed,
     )

@@ -35,7 +35,7 @@ from router.text import TextStream
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
 from tandem.serving import GRPC_OPTIONS, log, run_server, serve, status_of, unix_target
-from tandem.wire import sampling_to_pb
+from tandem.wire import pack_token_ids, packed_prefix, sampling_to_pb
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -297,7 +297,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         """Match and lock the cached prefix; reserve pages for the rest of the
         prompt and the whole output, and the GDN slots, or RESOURCE_EXHAUSTED."""
         prompt = req.prompt
-        match = await self._acquire(held, self.store.match, prompt, req.cache_salt, True)
+        match = await self._acquire(held, self.store.match, req.packed_prompt, req.cache_salt,
+                                    True)
         total_pages = -(-(len(prompt) + req.params.max_new_tokens) // self.page_size)
         points = (snapshot_points(match.num_tokens, len(prompt), self.page_size,
                                   self.config.snapshot_every) if self.hybrid else [])
@@ -325,8 +326,8 @@ class Router(pb_grpc.GenerationServiceServicer):
     async def _run_prefill(self, req: GenerationRequest, plan: Plan, sampling: wpb.Sampling,
                            context) -> wpb.GeneratedToken:
         reply = await self.prefill.Prefill(wpb.PrefillRequest(
-            request_id=req.request_id, tokens=req.prompt, start=plan.cached, pages=plan.pages,
-            state_slot=plan.state_slot, restore_slot=plan.restore_slot,
+            request_id=req.request_id, tokens_le32=req.packed_prompt, start=plan.cached,
+            pages=plan.pages, state_slot=plan.state_slot, restore_slot=plan.restore_slot,
             snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
             sampling=sampling, open_pages=plan.open_pages), timeout=context.time_remaining())
         plan.open_held = list(reply.open_held)
@@ -342,21 +343,23 @@ class Router(pb_grpc.GenerationServiceServicer):
         else:
             end = len(req.prompt) // self.page_size * self.page_size
             inserts = [(end, None)] if end > plan.cached else []
-        for tokens, slot in inserts:
-            await self._insert(store or self.store, req, req.prompt[:tokens], plan, held, slot,
-                               lock=True)
+        for end, slot in inserts:
+            await self._insert(store or self.store, req, end, plan, held, slot, lock=True)
 
-    async def _insert(self, store: StoreClient, req: GenerationRequest, tokens, plan: Plan,
-                      held: Held, slot: int | None, lock: bool) -> None:
-        """`tokens` (whole pages of the request's prompt, or of prompt and
-        output) into `store`'s cache with the pages they fill: those pages
-        then belong to the cache (they leave `held`; with `lock`, the lock
-        joins it), also if the request is cancelled meanwhile, and the request
-        reads the cache's pages from then on."""
-        n = len(tokens) // self.page_size
+    async def _insert(self, store: StoreClient, req: GenerationRequest, end: int, plan: Plan,
+                      held: Held, slot: int | None, lock: bool,
+                      packed: bytes | None = None) -> None:
+        """The first `end` tokens (whole pages) of the request's prompt, or of
+        `packed` (pack_token_ids of prompt and output), into `store`'s cache
+        with the pages they fill: those pages then belong to the cache (they
+        leave `held`; with `lock`, the lock joins it), also if the request is
+        cancelled meanwhile, and the request reads the cache's pages from
+        then on."""
+        n = end // self.page_size
         given = plan.pages[:n]
         result = await self._acquire(
-            held, store.insert, tokens, given, slot, req.cache_salt, lock,
+            held, store.insert, packed_prefix(packed or req.packed_prompt, end), given, slot,
+            req.cache_salt, lock,
             taken=lambda _r: self._forget(held, given, [] if slot is None else [slot]))
         plan.pages[:n] = result.pages
 
@@ -366,9 +369,9 @@ class Router(pb_grpc.GenerationServiceServicer):
         """Insert prompt + output up to the last page boundary whose state (and
         KV) exists and is final (`final`: as the decode reported it), so the
         next turn of a conversation starts from it."""
-        tokens = list(req.prompt) + output
+        length = len(req.prompt) + len(output)
         # the last sampled token never ran: its KV does not exist
-        final = len(tokens) - 1 if final is None else min(final, len(tokens) - 1)
+        final = length - 1 if final is None else min(final, length - 1)
         if self.hybrid:
             end, slot = boundary, plan.boundary_slot
         else:
@@ -377,7 +380,8 @@ class Router(pb_grpc.GenerationServiceServicer):
             return
         if end <= max(plan.cached, len(req.prompt) // self.page_size * self.page_size):
             return
-        await self._insert(store or self.store, req, tokens[:end], plan, held, slot, lock=False)
+        await self._insert(store or self.store, req, end, plan, held, slot, lock=False,
+                           packed=req.packed_prompt + pack_token_ids(output))
 
     @staticmethod
     def _forget(held: Held, pages, slots) -> None:
@@ -453,8 +457,8 @@ class Router(pb_grpc.GenerationServiceServicer):
     @staticmethod
     def _decode_request(req: GenerationRequest, plan: Plan, first: int,
                         sampling: wpb.Sampling) -> wpb.DecodeRequest:
-        return wpb.DecodeRequest(request_id=req.request_id, prompt=req.prompt, first_token=first,
-                                 sampling=sampling, pages=plan.pages,
+        return wpb.DecodeRequest(request_id=req.request_id, prompt_le32=req.packed_prompt,
+                                 first_token=first, sampling=sampling, pages=plan.pages,
                                  state_slot=plan.state_slot, boundary_slot=plan.boundary_slot,
                                  spare_slots=plan.spare_slots, open_pages=plan.open_pages,
                                  open_held=plan.open_held)

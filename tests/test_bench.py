@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bench import agent_loop, decode, interference, limits, memory, prefill
+from bench import agent_loop, decode, interference, limits, memory, prefill, wire
 from bench.service import Service
 from engine.kv import make_format
 from engine.loader import load_model
@@ -78,6 +78,23 @@ def test_prefill_bench_after_a_cached_prefix(tmp_path, model, kv_format):
         limits.prefill_flops(loaded.model, loaded.config, 24, start=40))
     assert limits.prefill_flops(loaded.model, loaded.config, 24, start=40) > \
         limits.prefill_flops(loaded.model, loaded.config, 24)
+
+
+def test_wire_bench_times_one_turns_prompt_traffic(tmp_path):
+    """bench.wire at a small prompt: every step ran on messages that carry the
+    prompt (the bench checks the match and the job before timing), and the
+    total before the first token sums those steps."""
+    out = tmp_path / "wire.json"
+    assert wire.main(["--tokens", "1000", "--page-size", "16", "--repeats", "2",
+                      "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["cached_tokens"] == 992  # every whole page but the one the last token needs
+    assert r["match_request_bytes"] >= 4 * 1000
+    steps = {(s["process"], s["before_first_token"]) for s in r["results"]}
+    assert {("router", True), ("store", True), ("prefill", True), ("store", False)} <= steps
+    assert all(s["ms"] > 0 for s in r["results"])
+    assert r["before_first_token_ms"] == pytest.approx(
+        sum(s["ms"] for s in r["results"] if s["before_first_token"]))
 
 
 def test_service_benches_on_one_service(tmp_path):

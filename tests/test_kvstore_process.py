@@ -24,6 +24,7 @@ from kvstore.arena import SHM_DIR
 from kvstore.client import StoreCapacityError, StoreClient, StoreError, wait_for_store
 from tandem.internal.v1 import kvstore_pb2 as pb
 from tandem.internal.v1 import kvstore_pb2_grpc as pb_grpc
+from tandem.wire import pack_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 SPAWN = mp.get_context("spawn")
@@ -187,6 +188,10 @@ def test_bad_requests_get_their_status_and_change_nothing(hybrid_store, client):
     assert code_of(lambda: client.insert(list(range(8)), mine.pages, snapshot_slot=99)) \
         == "INVALID_ARGUMENT"
     assert code_of(lambda: client.match([1_000_000])) == "INVALID_ARGUMENT"
+    with pytest.raises(StoreError, match=r"^INVALID_ARGUMENT: token id 1000000 is outside the "
+                                         r"vocabulary \[0, "):  # checked vectorized, same words
+        client.match(pack_token_ids([3, 1_000_000]))
+    assert code_of(lambda: client.match([-1])) == "INVALID_ARGUMENT"  # refused before sending
     assert code_of(lambda: client.unlock([123])) == "FAILED_PRECONDITION"
     assert code_of(lambda: client.lock([987_654])) == "INVALID_ARGUMENT"
     with pytest.raises(StoreCapacityError) as e:
@@ -199,6 +204,20 @@ def test_bad_requests_get_their_status_and_change_nothing(hybrid_store, client):
                 pb.AllocateRequest(session_id="not-a-session", num_pages=1), timeout=5)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "Attach" in e.value.details()
+    # packed token ids that are not whole 4-byte ids, straight on the wire
+    with grpc.insecure_channel(f"unix:{hybrid_store.socket}") as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        for call, request in ((stub.Match, pb.MatchRequest(session_id=client.session_id,
+                                                            tokens_le32=b"\x01\x00\x00\x00\x02")),
+                              (stub.Insert, pb.InsertRequest(session_id=client.session_id,
+                                                             tokens_le32=b"\x00" * 18,
+                                                             pages=mine.pages[:1]))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith("tokens_le32: ")
+            assert "is not a whole number of token ids: pack each id as a 4-byte little-endian" \
+                in e.value.details()
 
     after = client.stats()
     assert (after.free_pages, after.held_pages, after.free_slots, after.held_slots) == \

@@ -1,5 +1,6 @@
 """RadixCache: exact small cases with page_size=4, then a hypothesis state machine
 that drives it like the KV store's callers do and checks it against a model."""
+import numpy as np
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -36,6 +37,19 @@ def put(cache, pages, tokens, ns=NS, slot=None, reuse=()):
 def test_is_a_prefix_cache():
     cache, _ = dense()
     assert isinstance(cache, PrefixCache)
+
+
+def test_token_ids_match_whatever_sequence_holds_them():
+    """The store hands the tree a uint32 view of a request's packed bytes;
+    tests and other callers hand it lists: the same ids are the same key."""
+    cache, pages = dense()
+    put(cache, pages, seq(12, 70_000))
+    for tokens in (seq(13, 70_000), tuple(seq(13, 70_000)),
+                   np.array(seq(13, 70_000), dtype=np.uint32), np.array(seq(13, 70_000))):
+        m = cache.match(NS, tokens)
+        assert m.num_tokens == 12 and m.pages == [0, 1, 2]
+    assert cache.match(NS, np.array(seq(13, 70_001), dtype=np.uint32)).num_tokens == 0
+    cache.check_invariants()
 
 
 # ------------------------------------------------------------------ matching

@@ -20,8 +20,11 @@ from engine.llm import EngineConfig, OfflineEngine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
+from tandem.internal.v1 import workers_pb2 as wpb
+from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem.wire import pack_token_ids
 
 PAGE = 16
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")  # set to cuda on the GPU machine
@@ -245,6 +248,34 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(service, kwargs
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     ids, _, _ = _generate(service.stub, text="Hi", max_new_tokens=2)
+    assert len(ids) >= 1
+
+
+def test_workers_refuse_malformed_packed_prompts(service):
+    """The workers' packed token-id fields, straight on the wire: a length that
+    is not whole 4-byte ids, or an id past the vocabulary, is INVALID_ARGUMENT
+    saying what to fix, and nothing runs."""
+    sampling = wpb.Sampling(top_p=1.0, repetition_penalty=1.0, max_new_tokens=2)
+    with grpc.insecure_channel(f"unix:{os.path.join(service.dir, 'prefill.sock')}") as channel:
+        stub = wpb_grpc.PrefillServiceStub(channel)
+        for tokens, message in (
+                (b"\x01\x00\x00\x00\x02\x00", "tokens_le32: 6 bytes is not a whole number of "
+                                            "token ids: pack each id as a 4-byte little-endian"),
+                (pack_token_ids([1, 10**6]), "token id 1000000 is outside the vocabulary")):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Prefill(wpb.PrefillRequest(request_id="bad-tokens", tokens_le32=tokens,
+                                                start=0, pages=[0], state_slot=-1,
+                                                sampling=sampling), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in err.value.details()
+    with grpc.insecure_channel(f"unix:{os.path.join(service.dir, 'decode.sock')}") as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(wpb_grpc.DecodeServiceStub(channel).Decode(wpb.DecodeRequest(
+                request_id="bad-prompt", prompt_le32=b"\x00" * 7, first_token=1,
+                sampling=sampling, pages=[0], state_slot=-1, boundary_slot=-1), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_le32: 7 bytes is not a whole number of token ids" in err.value.details()
+    ids, _, _ = _generate(service.stub, text="Hi", max_new_tokens=2)  # and they still serve
     assert len(ids) >= 1
 
 

@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
 from tandem.v1 import generation_pb2 as pb
+from tandem.wire import pack_token_ids
 from tests.test_service import DEVICE, GREEDY, Service, _chat, _generate
 
 PAGE = 32  # rk4p's default page: its per-page K scales fit 4.5 bits from 32 tokens on
@@ -87,8 +88,9 @@ def test_a_prefill_without_its_open_pages_is_invalid_argument(service):
         stub = wpb_grpc.PrefillServiceStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             stub.Prefill(wpb.PrefillRequest(
-                request_id="bad", tokens=[1, 2, 3], start=0, pages=[0], state_slot=-1,
-                sampling=wpb.Sampling(top_p=1.0, repetition_penalty=1.0)), timeout=30)
+                request_id="bad", tokens_le32=pack_token_ids([1, 2, 3]), start=0, pages=[0],
+                state_slot=-1, sampling=wpb.Sampling(top_p=1.0, repetition_penalty=1.0)),
+                timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "needs 4 open (staging) page ids" in err.value.details()
 

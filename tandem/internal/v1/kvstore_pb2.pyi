@@ -141,16 +141,16 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("session_id", "cache_salt", "tokens", "lock")
+    __slots__ = ("session_id", "cache_salt", "tokens_le32", "lock")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LE32_FIELD_NUMBER: _ClassVar[int]
     LOCK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_salt: str
-    tokens: _containers.RepeatedScalarFieldContainer[int]
+    tokens_le32: bytes
     lock: bool
-    def __init__(self, session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., lock: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tokens_le32: _Optional[bytes] = ..., lock: _Optional[bool] = ...) -> None: ...
 
 class MatchReply(_message.Message):
     __slots__ = ("num_tokens", "pages", "snapshot_slot", "node_id", "locked")
@@ -189,20 +189,20 @@ class AllocateReply(_message.Message):
     def __init__(self, pages: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., staging: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
-    __slots__ = ("session_id", "cache_salt", "tokens", "pages", "snapshot_slot", "lock")
+    __slots__ = ("session_id", "cache_salt", "tokens_le32", "pages", "snapshot_slot", "lock")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LE32_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_SLOT_FIELD_NUMBER: _ClassVar[int]
     LOCK_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     cache_salt: str
-    tokens: _containers.RepeatedScalarFieldContainer[int]
+    tokens_le32: bytes
     pages: _containers.RepeatedScalarFieldContainer[int]
     snapshot_slot: int
     lock: bool
-    def __init__(self, session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[int]] = ..., snapshot_slot: _Optional[int] = ..., lock: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tokens_le32: _Optional[bytes] = ..., pages: _Optional[_Iterable[int]] = ..., snapshot_slot: _Optional[int] = ..., lock: _Optional[bool] = ...) -> None: ...
 
 class InsertReply(_message.Message):
     __slots__ = ("node_id", "num_tokens", "pages", "new_pages", "freed_duplicate_pages", "snapshot_taken", "locked")

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tandem/internal/v1/workers.proto\x12\x12tandem.internal.v1\"\x81\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\"-\n\rSnapshotPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"\x1f\n\tAbortWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x41\x62ortWorkReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xa8\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\r\n\x05start\x18\x03 \x01(\r\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x12\n\nstate_slot\x18\x05 \x01(\x05\x12\x14\n\x0crestore_slot\x18\x06 \x01(\x05\x12\x34\n\tsnapshots\x18\x07 \x03(\x0b\x32!.tandem.internal.v1.SnapshotPoint\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.tandem.internal.v1.Sampling\x12\x30\n\x08transfer\x18\t \x01(\x0b\x32\x1e.tandem.internal.v1.KVTransfer\x12\x12\n\nopen_pages\x18\n \x03(\r\"\xac\x01\n\nKVTransfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x15\n\rdecode_worker\x18\x02 \x01(\r\x12\x12\n\nfirst_page\x18\x03 \x01(\r\x12\x12\n\ndest_pages\x18\x04 \x03(\r\x12\x17\n\x0f\x64\x65st_state_slot\x18\x05 \x01(\x05\x12\x15\n\rsnapshot_slot\x18\x06 \x01(\x05\x12\x1a\n\x12\x64\x65st_snapshot_slot\x18\x07 \x01(\x05\"\xa7\x01\n\x0fPrefillResponse\x12\x31\n\x05\x66irst\x18\x01 \x01(\x0b\x32\".tandem.internal.v1.GeneratedToken\x12\x18\n\x10prefilled_tokens\x18\x02 \x01(\r\x12\x19\n\x11transferred_pages\x18\x03 \x01(\r\x12\x19\n\x11transferred_bytes\x18\x04 \x01(\x04\x12\x11\n\topen_held\x18\x05 \x03(\x05\"\x9a\x01\n\x0eReceiveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\r\x12\x12\n\ndest_pages\x18\x04 \x03(\r\x12\x17\n\x0f\x64\x65st_state_slot\x18\x05 \x01(\x05\x12\x1a\n\x12\x64\x65st_snapshot_slot\x18\x06 \x01(\x05\"\x85\x01\n\x0cReceiveEvent\x12;\n\nregistered\x18\x01 \x01(\x0b\x32%.tandem.internal.v1.ReceiveRegisteredH\x00\x12/\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1f.tandem.internal.v1.ReceiveDoneH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ReceiveRegistered\"<\n\x0bReceiveDone\x12\r\n\x05pages\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\xfd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.tandem.internal.v1.Sampling\x12\r\n\x05pages\x18\x06 \x03(\r\x12\x12\n\nstate_slot\x18\x07 \x01(\x05\x12\x15\n\rboundary_slot\x18\x08 \x01(\x05\x12\x13\n\x0bspare_slots\x18\t \x03(\x05\x12\x12\n\nopen_pages\x18\n \x03(\r\x12\x11\n\topen_held\x18\x0b \x03(\x05\"e\n\x0c\x44\x65\x63odeTokens\x12\x32\n\x06tokens\x18\x01 \x03(\x0b\x32\".tandem.internal.v1.GeneratedToken\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\"\x90\x01\n\x0e\x44\x65\x63odeFinished\x12\x30\n\x06reason\x18\x01 \x01(\x0e\x32 .tandem.internal.v1.DecodeFinish\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x03(\r\x12\x17\n\x0f\x62oundary_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x66inal_tokens\x18\x05 \x01(\r\"\x82\x01\n\x0b\x44\x65\x63odeEvent\x12\x32\n\x06tokens\x18\x01 \x01(\x0b\x32 .tandem.internal.v1.DecodeTokensH\x00\x12\x36\n\x08\x66inished\x18\x02 \x01(\x0b\x32\".tandem.internal.v1.DecodeFinishedH\x00\x42\x07\n\x05\x65vent*x\n\x0c\x44\x65\x63odeFinish\x12\x1d\n\x19\x44\x45\x43ODE_FINISH_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44\x45\x43ODE_FINISH_STOP\x10\x01\x12\x18\n\x14\x44\x45\x43ODE_FINISH_LENGTH\x10\x02\x12\x17\n\x13\x44\x45\x43ODE_FINISH_ABORT\x10\x03\x32\xb0\x01\n\x0ePrefillService\x12R\n\x07Prefill\x12\".tandem.internal.v1.PrefillRequest\x1a#.tandem.internal.v1.PrefillResponse\x12J\n\x05\x41\x62ort\x12\x1d.tandem.internal.v1.AbortWork\x1a\".tandem.internal.v1.AbortWorkReply2\xfe\x01\n\rDecodeService\x12N\n\x06\x44\x65\x63ode\x12!.tandem.internal.v1.DecodeRequest\x1a\x1f.tandem.internal.v1.DecodeEvent0\x01\x12J\n\x05\x41\x62ort\x12\x1d.tandem.internal.v1.AbortWork\x1a\".tandem.internal.v1.AbortWorkReply\x12Q\n\x07Receive\x12\".tandem.internal.v1.ReceiveRequest\x1a .tandem.internal.v1.ReceiveEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tandem/internal/v1/workers.proto\x12\x12tandem.internal.v1\"\x81\x02\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x16\n\x0emax_new_tokens\x18\t \x01(\r\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x03top\x18\x03 \x03(\x0b\x32 .tandem.internal.v1.TokenLogprob\"-\n\rSnapshotPoint\x12\x0e\n\x06tokens\x18\x01 \x01(\r\x12\x0c\n\x04slot\x18\x02 \x01(\x05\"\x1f\n\tAbortWork\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x41\x62ortWorkReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xbb\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btokens_le32\x18\x0b \x01(\x0c\x12\r\n\x05start\x18\x03 \x01(\r\x12\r\n\x05pages\x18\x04 \x03(\r\x12\x12\n\nstate_slot\x18\x05 \x01(\x05\x12\x14\n\x0crestore_slot\x18\x06 \x01(\x05\x12\x34\n\tsnapshots\x18\x07 \x03(\x0b\x32!.tandem.internal.v1.SnapshotPoint\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.tandem.internal.v1.Sampling\x12\x30\n\x08transfer\x18\t \x01(\x0b\x32\x1e.tandem.internal.v1.KVTransfer\x12\x12\n\nopen_pages\x18\n \x03(\rJ\x04\x08\x02\x10\x03R\x06tokens\"\xac\x01\n\nKVTransfer\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x15\n\rdecode_worker\x18\x02 \x01(\r\x12\x12\n\nfirst_page\x18\x03 \x01(\r\x12\x12\n\ndest_pages\x18\x04 \x03(\r\x12\x17\n\x0f\x64\x65st_state_slot\x18\x05 \x01(\x05\x12\x15\n\rsnapshot_slot\x18\x06 \x01(\x05\x12\x1a\n\x12\x64\x65st_snapshot_slot\x18\x07 \x01(\x05\"\xa7\x01\n\x0fPrefillResponse\x12\x31\n\x05\x66irst\x18\x01 \x01(\x0b\x32\".tandem.internal.v1.GeneratedToken\x12\x18\n\x10prefilled_tokens\x18\x02 \x01(\r\x12\x19\n\x11transferred_pages\x18\x03 \x01(\r\x12\x19\n\x11transferred_bytes\x18\x04 \x01(\x04\x12\x11\n\topen_held\x18\x05 \x03(\x05\"\x9a\x01\n\x0eReceiveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\r\x12\x12\n\ndest_pages\x18\x04 \x03(\r\x12\x17\n\x0f\x64\x65st_state_slot\x18\x05 \x01(\x05\x12\x1a\n\x12\x64\x65st_snapshot_slot\x18\x06 \x01(\x05\"\x85\x01\n\x0cReceiveEvent\x12;\n\nregistered\x18\x01 \x01(\x0b\x32%.tandem.internal.v1.ReceiveRegisteredH\x00\x12/\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1f.tandem.internal.v1.ReceiveDoneH\x00\x42\x07\n\x05\x65vent\"\x13\n\x11ReceiveRegistered\"<\n\x0bReceiveDone\x12\r\n\x05pages\x18\x01 \x01(\r\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x90\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\t\x12\x13\n\x0bprompt_le32\x18\x0c \x01(\x0c\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.tandem.internal.v1.Sampling\x12\r\n\x05pages\x18\x06 \x03(\r\x12\x12\n\nstate_slot\x18\x07 \x01(\x05\x12\x15\n\rboundary_slot\x18\x08 \x01(\x05\x12\x13\n\x0bspare_slots\x18\t \x03(\x05\x12\x12\n\nopen_pages\x18\n \x03(\r\x12\x11\n\topen_held\x18\x0b \x03(\x05J\x04\x08\x03\x10\x04R\x06prompt\"e\n\x0c\x44\x65\x63odeTokens\x12\x32\n\x06tokens\x18\x01 \x03(\x0b\x32\".tandem.internal.v1.GeneratedToken\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\"\x90\x01\n\x0e\x44\x65\x63odeFinished\x12\x30\n\x06reason\x18\x01 \x01(\x0e\x32 .tandem.internal.v1.DecodeFinish\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x03(\r\x12\x17\n\x0f\x62oundary_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x66inal_tokens\x18\x05 \x01(\r\"\x82\x01\n\x0b\x44\x65\x63odeEvent\x12\x32\n\x06tokens\x18\x01 \x01(\x0b\x32 .tandem.internal.v1.DecodeTokensH\x00\x12\x36\n\x08\x66inished\x18\x02 \x01(\x0b\x32\".tandem.internal.v1.DecodeFinishedH\x00\x42\x07\n\x05\x65vent*x\n\x0c\x44\x65\x63odeFinish\x12\x1d\n\x19\x44\x45\x43ODE_FINISH_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44\x45\x43ODE_FINISH_STOP\x10\x01\x12\x18\n\x14\x44\x45\x43ODE_FINISH_LENGTH\x10\x02\x12\x17\n\x13\x44\x45\x43ODE_FINISH_ABORT\x10\x03\x32\xb0\x01\n\x0ePrefillService\x12R\n\x07Prefill\x12\".tandem.internal.v1.PrefillRequest\x1a#.tandem.internal.v1.PrefillResponse\x12J\n\x05\x41\x62ort\x12\x1d.tandem.internal.v1.AbortWork\x1a\".tandem.internal.v1.AbortWorkReply2\xfe\x01\n\rDecodeService\x12N\n\x06\x44\x65\x63ode\x12!.tandem.internal.v1.DecodeRequest\x1a\x1f.tandem.internal.v1.DecodeEvent0\x01\x12J\n\x05\x41\x62ort\x12\x1d.tandem.internal.v1.AbortWork\x1a\".tandem.internal.v1.AbortWorkReply\x12Q\n\x07Receive\x12\".tandem.internal.v1.ReceiveRequest\x1a .tandem.internal.v1.ReceiveEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.internal.v1.workers_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEFINISH']._serialized_start=2239
-  _globals['_DECODEFINISH']._serialized_end=2359
+  _globals['_DECODEFINISH']._serialized_start=2277
+  _globals['_DECODEFINISH']._serialized_end=2397
   _globals['_SAMPLING']._serialized_start=57
   _globals['_SAMPLING']._serialized_end=314
   _globals['_TOKENLOGPROB']._serialized_start=316
@@ -46,29 +46,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTWORKREPLY']._serialized_start=547
   _globals['_ABORTWORKREPLY']._serialized_end=578
   _globals['_PREFILLREQUEST']._serialized_start=581
-  _globals['_PREFILLREQUEST']._serialized_end=877
-  _globals['_KVTRANSFER']._serialized_start=880
-  _globals['_KVTRANSFER']._serialized_end=1052
-  _globals['_PREFILLRESPONSE']._serialized_start=1055
-  _globals['_PREFILLRESPONSE']._serialized_end=1222
-  _globals['_RECEIVEREQUEST']._serialized_start=1225
-  _globals['_RECEIVEREQUEST']._serialized_end=1379
-  _globals['_RECEIVEEVENT']._serialized_start=1382
-  _globals['_RECEIVEEVENT']._serialized_end=1515
-  _globals['_RECEIVEREGISTERED']._serialized_start=1517
-  _globals['_RECEIVEREGISTERED']._serialized_end=1536
-  _globals['_RECEIVEDONE']._serialized_start=1538
-  _globals['_RECEIVEDONE']._serialized_end=1598
-  _globals['_DECODEREQUEST']._serialized_start=1601
-  _globals['_DECODEREQUEST']._serialized_end=1854
-  _globals['_DECODETOKENS']._serialized_start=1856
-  _globals['_DECODETOKENS']._serialized_end=1957
-  _globals['_DECODEFINISHED']._serialized_start=1960
-  _globals['_DECODEFINISHED']._serialized_end=2104
-  _globals['_DECODEEVENT']._serialized_start=2107
-  _globals['_DECODEEVENT']._serialized_end=2237
-  _globals['_PREFILLSERVICE']._serialized_start=2362
-  _globals['_PREFILLSERVICE']._serialized_end=2538
-  _globals['_DECODESERVICE']._serialized_start=2541
-  _globals['_DECODESERVICE']._serialized_end=2795
+  _globals['_PREFILLREQUEST']._serialized_end=896
+  _globals['_KVTRANSFER']._serialized_start=899
+  _globals['_KVTRANSFER']._serialized_end=1071
+  _globals['_PREFILLRESPONSE']._serialized_start=1074
+  _globals['_PREFILLRESPONSE']._serialized_end=1241
+  _globals['_RECEIVEREQUEST']._serialized_start=1244
+  _globals['_RECEIVEREQUEST']._serialized_end=1398
+  _globals['_RECEIVEEVENT']._serialized_start=1401
+  _globals['_RECEIVEEVENT']._serialized_end=1534
+  _globals['_RECEIVEREGISTERED']._serialized_start=1536
+  _globals['_RECEIVEREGISTERED']._serialized_end=1555
+  _globals['_RECEIVEDONE']._serialized_start=1557
+  _globals['_RECEIVEDONE']._serialized_end=1617
+  _globals['_DECODEREQUEST']._serialized_start=1620
+  _globals['_DECODEREQUEST']._serialized_end=1892
+  _globals['_DECODETOKENS']._serialized_start=1894
+  _globals['_DECODETOKENS']._serialized_end=1995
+  _globals['_DECODEFINISHED']._serialized_start=1998
+  _globals['_DECODEFINISHED']._serialized_end=2142
+  _globals['_DECODEEVENT']._serialized_start=2145
+  _globals['_DECODEEVENT']._serialized_end=2275
+  _globals['_PREFILLSERVICE']._serialized_start=2400
+  _globals['_PREFILLSERVICE']._serialized_end=2576
+  _globals['_DECODESERVICE']._serialized_start=2579
+  _globals['_DECODESERVICE']._serialized_end=2833
 # @@protoc_insertion_point(module_scope)

@@ -85,9 +85,9 @@ class AbortWorkReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "tokens", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling", "transfer", "open_pages")
+    __slots__ = ("request_id", "tokens_le32", "start", "pages", "state_slot", "restore_slot", "snapshots", "sampling", "transfer", "open_pages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LE32_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOT_FIELD_NUMBER: _ClassVar[int]
@@ -97,7 +97,7 @@ class PrefillRequest(_message.Message):
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     OPEN_PAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    tokens: _containers.RepeatedScalarFieldContainer[int]
+    tokens_le32: bytes
     start: int
     pages: _containers.RepeatedScalarFieldContainer[int]
     state_slot: int
@@ -106,7 +106,7 @@ class PrefillRequest(_message.Message):
     sampling: Sampling
     transfer: KVTransfer
     open_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., start: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., restore_slot: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotPoint, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., open_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tokens_le32: _Optional[bytes] = ..., start: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., restore_slot: _Optional[int] = ..., snapshots: _Optional[_Iterable[_Union[SnapshotPoint, _Mapping]]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., transfer: _Optional[_Union[KVTransfer, _Mapping]] = ..., open_pages: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
     __slots__ = ("transfer_id", "decode_worker", "first_page", "dest_pages", "dest_state_slot", "snapshot_slot", "dest_snapshot_slot")
@@ -179,10 +179,10 @@ class ReceiveDone(_message.Message):
     def __init__(self, pages: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "lease", "prompt", "first_token", "sampling", "pages", "state_slot", "boundary_slot", "spare_slots", "open_pages", "open_held")
+    __slots__ = ("request_id", "lease", "prompt_le32", "first_token", "sampling", "pages", "state_slot", "boundary_slot", "spare_slots", "open_pages", "open_held")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LE32_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -193,7 +193,7 @@ class DecodeRequest(_message.Message):
     OPEN_HELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     lease: str
-    prompt: _containers.RepeatedScalarFieldContainer[int]
+    prompt_le32: bytes
     first_token: int
     sampling: Sampling
     pages: _containers.RepeatedScalarFieldContainer[int]
@@ -202,7 +202,7 @@ class DecodeRequest(_message.Message):
     spare_slots: _containers.RepeatedScalarFieldContainer[int]
     open_pages: _containers.RepeatedScalarFieldContainer[int]
     open_held: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., lease: _Optional[str] = ..., prompt: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., boundary_slot: _Optional[int] = ..., spare_slots: _Optional[_Iterable[int]] = ..., open_pages: _Optional[_Iterable[int]] = ..., open_held: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., lease: _Optional[str] = ..., prompt_le32: _Optional[bytes] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pages: _Optional[_Iterable[int]] = ..., state_slot: _Optional[int] = ..., boundary_slot: _Optional[int] = ..., spare_slots: _Optional[_Iterable[int]] = ..., open_pages: _Optional[_Iterable[int]] = ..., open_held: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
     __slots__ = ("tokens", "drafted", "accepted")
