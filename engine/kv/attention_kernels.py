@@ -383,6 +383,22 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
 
 
 @triton.jit
+def _rk4p_tile_pages(table, start, keys, key_ok, first_staged, PAGE_SIZE: tl.constexpr,
+                     ONE_PAGE: tl.constexpr):
+    """(page, slot, staged) of a key tile. Tiles start at multiples of their
+    width, so when it divides the page size (ONE_PAGE) a tile lies on one
+    page: its page id and whether it is staged are scalars, loaded once (and
+    K's min and step with them, _load_rk4p_pairs); else per key."""
+    if ONE_PAGE:
+        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    slot = page * PAGE_SIZE + keys % PAGE_SIZE
+    staged = page * PAGE_SIZE >= first_staged
+    return page, slot, staged
+
+
+@triton.jit
 def _attend_rk4p_tile(q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_i, l_i,
                       acc_even, acc_odd, start, hi, table, pairs, pairs_ok, kv_head,
                       k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
@@ -398,16 +414,9 @@ def _attend_rk4p_tile(q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_
     odd channels accumulate apart (acc_even, acc_odd [ROWS, D_PAD / 2])."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
-    # Tiles start at multiples of BLOCK_N (the kernel's key split), so when
-    # BLOCK_N divides the page size a tile lies on one page: its page id,
-    # whether it is staged and K's min and step are loaded once per tile.
     ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    if ONE_PAGE:
-        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
-    else:
-        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    slot = page * PAGE_SIZE + keys % PAGE_SIZE
-    staged = page * PAGE_SIZE >= first_staged
+    page, slot, staged = _rk4p_tile_pages(table, start, keys, key_ok, first_staged, PAGE_SIZE,
+                                          ONE_PAGE)
     if ROTARY_DIM < D:
         main_ok = pairs_ok & (pairs >= ROTARY_DIM // 2)  # the rotary pairs enter below
         k_even, k_odd = _load_rk4p_pairs(k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr, page,
@@ -726,12 +735,8 @@ def _rk4p_dense_kernel(table, k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < n_keys
     ONE_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0
-    if ONE_PAGE:
-        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
-    else:
-        page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    slot = page * PAGE_SIZE + keys % PAGE_SIZE
-    staged = page * PAGE_SIZE >= first_staged
+    page, slot, staged = _rk4p_tile_pages(table, start, keys, key_ok, first_staged, PAGE_SIZE,
+                                          ONE_PAGE)
     pairs = tl.arange(0, D_PAD // 2)
     pairs_ok = pairs < D // 2
     k_even, k_odd = _load_rk4p_pairs(k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr, page,
