@@ -25,5 +25,5 @@ python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-promp
   --new-tokens "$NEW" --time-budget "$BUDGET" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
   --out "$OUT/head.safetensors" 2>&1 | grep -v "^train-mtp: step" | tee "$OUT/train.log" | tail -8
 cp "$OUT/head.safetensors" engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
-python -m bench.speculative --device cuda --tokens-model embedded --methods none mtp ngram \
+python -m bench.speculative --device cuda --tokens-model embedded --methods ${METHODS:-none mtp ngram} \
   --ks ${KS:-1 2 3} --new-tokens 96 --json "$OUT/spec_new_head.json" 2>&1 | tail -16
