@@ -86,6 +86,8 @@ class ForwardBatch:
     _gdn: GdnSlots | None = field(default=None, repr=False)
     _row_sequences: torch.Tensor | None = field(default=None, repr=False)
     _fresh: torch.Tensor | None = field(default=None, repr=False)
+    _cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _last_rows: torch.Tensor | None = field(default=None, repr=False)
     # [T, H] the new tokens' embeddings, when the model looked them up before
     # the forward (a table in host memory: CausalLM.embed); None: the forward does
     input_embeds: torch.Tensor | None = None
@@ -125,7 +127,8 @@ class ForwardBatch:
         """Which keys each sequence's queries see; built once, shared by all layers."""
         if self._attention is None:
             self._attention = AttentionMetadata.build(
-                self.offsets, [s.end for s in self.seqs], self.page_tables, self.input_ids.device)
+                self.offsets, [s.end for s in self.seqs], self.page_tables, self.input_ids.device,
+                host_page_tables=[s.page_table for s in self.seqs])
         return self._attention
 
     @property
@@ -161,6 +164,18 @@ class ForwardBatch:
         return self._fresh
 
     @property
+    def cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """offsets as long tensors (on the device, on the host), built once and
+        handed to every GDN layer: fla-core memoizes its chunk indices on the
+        identity of these objects, and with the host copy it needs no device
+        sync to build them (a new device copy per layer was two stream syncs
+        per layer: the copy, and fla reading the lengths back)."""
+        if self._cu_seqlens is None:
+            host = torch.tensor(self.offsets, dtype=torch.long)
+            self._cu_seqlens = (host.to(self.input_ids.device), host)
+        return self._cu_seqlens
+
+    @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
@@ -174,7 +189,11 @@ class ForwardBatch:
         return torch.tensor([t for seq in self.seqs for t in seq.tokens], dtype=torch.long)
 
     def last_token_indices(self) -> torch.Tensor:
-        return torch.tensor(self.offsets[1:], dtype=torch.long, device=self.input_ids.device) - 1
+        """[B] long: each sequence's last row; built once (a host-to-device copy)."""
+        if self._last_rows is None:
+            self._last_rows = torch.tensor(self.offsets[1:], dtype=torch.long,
+                                           device=self.input_ids.device) - 1
+        return self._last_rows
 
 
 def _check_page_table(seq: SequenceInput, page_size: int) -> None:

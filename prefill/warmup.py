@@ -12,7 +12,10 @@ ends with a tail of 1..page_size tokens after a cached prefix: the warm-up
 runs two jobs the same way, the second resuming the first from its snapshot
 slot. Its context reaches 64 key tiles, past which short batches always
 split their keys 64 ways, so the split count long contexts use is compiled
-too. The decode worker reads the same kernels from Triton's disk cache.
+too; a third job resumes the second with a chunk of two pages, which
+splits its keys as a short prefill over a long context does (an agent turn:
+attention.prefill_key_splits). The decode worker reads the same kernels
+from Triton's disk cache.
 
 On the GPU only (off it nothing compiles). Every page and slot goes back to
 the store, whatever happens."""
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import time
 
-from engine.kv.attention import tiles_for
+import torch
+
+from engine.kv.attention import PREFILL_KEY_SPLITS, PREFILL_MIN_TILES_PER_SPLIT, tiles_for
 from engine.kv.attention_kernels import MAX_SPLITS
 from kvstore.client import StoreClient
 from prefill.runner import PrefillJob, run_prefill
@@ -29,17 +34,22 @@ WARM_UP_ID = "prefill-warm-up"
 
 
 def warm_up_length(store: StoreClient) -> int:
-    """Tokens of the first job's whole pages: 64 key tiles, or what half the
-    pool holds on a small store (0: too small to bother)."""
+    """Tokens of the first job's whole pages: 64 key tiles (and enough keys
+    for a prefill chunk to split them), or what half the pool holds on a
+    small store (0: too small to bother)."""
     info = store.info
     cfg = info.config
     if not cfg.attention_layers:
         wanted = info.page_size * 4
     else:
-        block_n = tiles_for(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, decode=True,
-                            on_gpu=True).block_n
-        wanted = MAX_SPLITS * block_n
-    room = (info.num_pages // 2 - 2) * info.page_size
+        group = cfg.num_heads // cfg.num_kv_heads
+        decode_tiles = tiles_for(cfg.head_dim, group, decode=True, on_gpu=True)
+        # a prefill chunk's tiles on the dense path (bf16 queries and pages)
+        prefill_tiles = tiles_for(cfg.head_dim, group, decode=False, on_gpu=True,
+                                  q_dtype=torch.bfloat16, new_tokens=2 * info.page_size)
+        wanted = max(MAX_SPLITS * decode_tiles.block_n,
+                     PREFILL_KEY_SPLITS * PREFILL_MIN_TILES_PER_SPLIT * prefill_tiles.block_n)
+    room = (info.num_pages // 2 - 4) * info.page_size
     length = min(wanted, room) // info.page_size * info.page_size
     return length if length >= 2 * info.page_size else 0
 
@@ -54,8 +64,11 @@ def warm_up(store: StoreClient, chunk: int) -> float:
     page = info.page_size
     # job 1: [0, length + 1): chunks, then a one-token tail after the snapshot
     # at `length`; job 2 resumes there: a page of 16 or fewer tokens, then a
-    # tail of 5 after the snapshot a page later
-    end = length + page + 5
+    # tail of 5 after the snapshot a page later; job 3 resumes from that one:
+    # a two-page chunk (more than 16 tokens, few programs: split keys), then
+    # a one-token tail
+    jobs = ((0, length + 1), (length, length + page + 5), (length + page, length + 3 * page + 1))
+    end = jobs[-1][1]
     total_pages = -(-end // page)
     hybrid = info.config.is_hybrid
     sinks = min(info.sink_pages_per_sequence, total_pages)
@@ -67,10 +80,10 @@ def warm_up(store: StoreClient, chunk: int) -> float:
         open_ids = tuple(grant.staging[sinks:])
         state, snapshot = (grant.slots[0], grant.slots[1]) if hybrid else (-1, -1)
         tokens = tuple((7 * i + 3) % info.config.vocab_size for i in range(end))
-        for start, stop, restore in ((0, length + 1, -1), (length, end, snapshot)):
+        for start, stop in jobs:
             cut = (stop - 1) // page * page
             job = PrefillJob(WARM_UP_ID, tokens[:stop], start, pages, state,
-                             restore_slot=restore if hybrid else -1,
+                             restore_slot=snapshot if hybrid and start else -1,
                              snapshots=((cut, snapshot),) if hybrid else (),
                              open_pages=open_ids)
             run_prefill(store.model, cache, job, chunk,

@@ -9,7 +9,7 @@
 set -uo pipefail
 source scripts/device_env.sh
 WS=${WS-131072}
-STEP_TAIL=30 step agent_loop 330 env ${WS:+TANDEM_PREFILL_WORKSPACE_TOKENS=$WS} \
+STEP_TAIL=30 step agent_loop ${AGENT_LIMIT:-330} env ${WS:+TANDEM_PREFILL_WORKSPACE_TOKENS=$WS} \
   TANDEM_PROFILE_PREFILL=${PROFILE_EVERY-4} \
   python -m bench.agent_loop --model qwen3.5-27b --device cuda \
   --kv-format int8 --gpu-memory-budget 130GiB --max-context-tokens 131072 --prefill-chunk 4096 \

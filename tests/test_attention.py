@@ -147,6 +147,46 @@ def test_prefill_with_bf16_dot_operands_matches_reference(name, options):
     assert (actual.float() - expected).abs().mean() < 4e-3
 
 
+def test_prefill_key_splits_fill_the_last_wave_of_programs():
+    """The H200 case the policy was measured on (27B, 1,100 queries x 100K
+    keys: 208 programs on 132 SMs) splits; a 4K chunk's programs already
+    fill their waves, and a short context keeps each split's work large."""
+    from engine.kv.attention import PREFILL_KEY_SPLITS, prefill_key_splits
+
+    assert prefill_key_splits(208, 100_000, 64, 132) == PREFILL_KEY_SPLITS
+    assert prefill_key_splits(768, 100_000, 64, 132) == 1  # 4,096 queries
+    assert prefill_key_splits(384, 100_000, 64, 132) == 1  # 2,048: 2.9 full waves
+    assert prefill_key_splits(48, 100_000, 64, 132) == PREFILL_KEY_SPLITS  # a third of the SMs
+    assert prefill_key_splits(208, 4_000, 64, 132) == 1  # 16 tiles a split need 4,096 keys
+
+
+@pytest.mark.parametrize("name, options", FORMATS[1:4], ids=FORMAT_IDS[1:4])
+def test_a_short_prefill_over_a_long_context_splits_its_keys(name, options, monkeypatch):
+    """A prefill chunk whose programs leave the last wave part-empty runs
+    with its keys split (attention.prefill_key_splits) and combines to the
+    reference, on the fast bf16 dots."""
+    from engine.kv import attention_kernels as K
+
+    splits_seen = []
+    real_launch = K.launch
+
+    def recording(*args, **kwargs):
+        splits_seen.append(args[10])
+        return real_launch(*args, **kwargs)
+
+    monkeypatch.setattr(K, "launch", recording)
+    fmt = make_format(name, **options)
+    # interpreter tiles (16 keys): 4 splits of 16 tiles need 1,024 keys;
+    # a second sequence ends inside the first split only
+    seqs = [(1030, 24), (40, 20)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=4, kv_heads=2, head_dim=32,
+                                  page_size=16, q_dtype=torch.bfloat16, seed=41)
+    actual, expected = run_both(fmt, buffers, q, meta)
+    assert (DEVICE != "cpu" or splits_seen == [4])
+    assert actual.dtype == torch.bfloat16 and not actual.isnan().any()
+    torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+
+
 def test_kernel_writes_every_output_row_and_reads_only_its_pages():
     fmt = make_format("int8")
     seqs = [(9, 1), (30, 1)]

@@ -38,19 +38,23 @@ def test_the_warm_up_runs_every_chunk_kind_and_gives_everything_back(store, monk
     with StoreClient.connect(store.socket, "warm-up") as client:
         before = client.stats()
         length = warmup.warm_up_length(client)
-        # the pool holds 1024 tokens' pages: half of it, less two pages
-        assert length == (client.info.num_pages // 2 - 2) * PAGE
+        # the pool holds 1024 tokens' pages: half of it, less four pages
+        assert length == (client.info.num_pages // 2 - 4) * PAGE
         assert warmup.warm_up(client, chunk=64) > 0
         after = client.stats()
     _conserved(after)
     assert _held(after) == _held(before)
-    (start1, end1, restore1, snaps1), (start2, end2, restore2, snaps2) = ran
+    (start1, end1, restore1, snaps1), (start2, end2, restore2, snaps2), \
+        (start3, end3, restore3, snaps3) = ran
     # job 1: chunks, then a one-token tail after its snapshot; job 2 resumes
-    # from that snapshot: a page, then a tail of 5 tokens
+    # from that snapshot: a page, then a tail of 5 tokens; job 3 resumes from
+    # job 2's snapshot: a two-page chunk (its keys split), then one token
     assert (start1, end1, restore1) == (0, length + 1, -1)
     assert snaps1[0][0] == length and restore2 == snaps1[0][1]
     assert (start2, end2) == (length, length + PAGE + 5)
-    assert snaps2[0][0] == length + PAGE
+    assert snaps2[0][0] == length + PAGE and restore3 == snaps2[0][1]
+    assert (start3, end3) == (length + PAGE, length + 3 * PAGE + 1)
+    assert snaps3[0][0] == length + 3 * PAGE
 
 
 def test_a_failed_warm_up_gives_back_its_pages_and_slots(store, monkeypatch):

@@ -49,14 +49,18 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, offsets: list[int], kv_lens: list[int], page_tables: list[torch.Tensor],
-              device: torch.device | str) -> "AttentionMetadata":
+              device: torch.device | str,
+              host_page_tables: list | None = None) -> "AttentionMetadata":
+        """host_page_tables: the same tables as host sequences, when the caller
+        has them (reading device tables back is a stream sync)."""
         if len(offsets) != len(kv_lens) + 1 or len(page_tables) != len(kv_lens):
             raise ValueError(f"attention metadata: {len(offsets)} offsets, {len(kv_lens)} "
                              f"lengths and {len(page_tables)} page tables do not match")
         width = max(1, max(t.numel() for t in page_tables))
         table = torch.zeros(len(page_tables), width, dtype=torch.int32)
-        for row, pages in enumerate(page_tables):
-            table[row, :pages.numel()] = pages.cpu()
+        for row, pages in enumerate(host_page_tables or page_tables):
+            table[row, :len(pages)] = (torch.as_tensor(pages) if host_page_tables
+                                       else pages.cpu())
         new_tokens = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
         return cls(
             q_offsets=torch.tensor(offsets, dtype=torch.int32).to(device),
@@ -84,7 +88,9 @@ class AttentionMetadata:
         if self._workspace is None:
             bases = self.workspace_bases(page_size)
             device = self.kv_lens.device
-            tables = [torch.arange(lo // page_size, hi // page_size, device=device)
+            # host tables: build() reads them back to the host, which for
+            # device ones is a stream sync inside the forward's first layer
+            tables = [torch.arange(lo // page_size, hi // page_size)
                       for lo, hi in zip(bases, bases[1:])]
             self._workspace = AttentionMetadata.build(self.host_offsets, self.host_kv_lens,
                                                       tables, device)
@@ -212,6 +218,40 @@ def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> 
     raise ValueError(f"no attention kernel for KV format {fmt!r}")
 
 
+# A prefill chunk's (row block, KV head) programs run about one per SM at
+# head_dim 256. A short chunk over a long context (an agent turn: ~1.1K new
+# tokens after 100K cached) leaves the last wave part-empty: on the H200,
+# 27B shape, 1,100 queries x 100K keys are 208 programs on 132 SMs, and
+# splitting the keys 4 ways took 12.66 -> 10.64 ms (bf16 workspace) and
+# 16.04 -> 13.78 ms (int8 in-kernel); 2 ways gained 1-4% (BENCHMARKS.md,
+# 2026-12-02 11:39). One split count besides 1 keeps the compiled variants
+# (which the prefill warm-up compiles) at two.
+PREFILL_KEY_SPLITS = 4
+# Each split walks at least this many key tiles, so the combine's extra
+# reads and writes stay small beside the split's own work.
+PREFILL_MIN_TILES_PER_SPLIT = 16
+
+
+def prefill_key_splits(row_programs: int, max_kv_len: int, block_n: int,
+                       multiprocessors: int) -> int:
+    """1 or PREFILL_KEY_SPLITS: split when, counting whole waves of one
+    program per multiprocessor, the split grid finishes >10% sooner."""
+    splits = PREFILL_KEY_SPLITS
+    if max_kv_len < splits * PREFILL_MIN_TILES_PER_SPLIT * block_n:
+        return 1
+
+    def waves(s: int) -> float:  # in units of an unsplit program's time
+        return math.ceil(row_programs * s / multiprocessors) / s
+
+    return splits if waves(splits) < 0.9 * waves(1) else 1
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter: tests' short prefill chunks leave a wave part-empty
+
+
 def _programs_wanted(device: torch.device) -> int:
     if device.type == "cuda":
         return 2 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -242,7 +282,10 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     if num_splits is None:
         num_splits = meta.num_splits
     if num_splits is None and meta.max_new_tokens > PREFILL_DOT_BF16_FROM:
-        num_splits = 1  # a prefill chunk's row blocks fill the GPU
+        row_programs = (-(-meta.max_new_tokens * group // tiles.rows)
+                        * len(meta.host_kv_lens) * kv_heads)
+        num_splits = prefill_key_splits(row_programs, meta.max_kv_len, tiles.block_n,
+                                        _multiprocessors(q.device))
     if num_splits is None:
         # Decode, verify and a prefill's few-token tail (cut at its snapshot
         # page) split the keys: on one program per KV head such a tail walked
