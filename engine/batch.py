@@ -70,6 +70,30 @@ class GdnSlots:
     rows: torch.Tensor | None = None
 
 
+# fla-core's chunk_gated_delta_rule works in chunks of this many rows (its default)
+GDN_CHUNK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class VarlenIndex:
+    """Ragged sequences packed along T, as fla-core's varlen kernels take
+    them: cu_seqlens [B+1] long on the device and on the host, and
+    chunk_indices [N, 2] long, (sequence, chunk within it) for each of the
+    N chunks of GDN_CHUNK_ROWS rows, computed on the host."""
+
+    cu_seqlens: torch.Tensor
+    host_cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+
+    @classmethod
+    def build(cls, offsets: list[int], device: torch.device | str) -> "VarlenIndex":
+        host = torch.tensor(offsets, dtype=torch.long)
+        chunks = [(seq, c) for seq, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
+                  for c in range(-(-(hi - lo) // GDN_CHUNK_ROWS))]
+        chunk_indices = torch.tensor(chunks, dtype=torch.long).reshape(-1, 2)
+        return cls(host.to(device), host, chunk_indices.to(device))
+
+
 @dataclass
 class ForwardBatch:
     """Flattened tensors for a list of SequenceInput, built once per forward."""
@@ -86,7 +110,7 @@ class ForwardBatch:
     _gdn: GdnSlots | None = field(default=None, repr=False)
     _row_sequences: torch.Tensor | None = field(default=None, repr=False)
     _fresh: torch.Tensor | None = field(default=None, repr=False)
-    _cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _varlen: "VarlenIndex | None" = field(default=None, repr=False)
     _last_rows: torch.Tensor | None = field(default=None, repr=False)
     # [T, H] the new tokens' embeddings, when the model looked them up before
     # the forward (a table in host memory: CausalLM.embed); None: the forward does
@@ -164,16 +188,14 @@ class ForwardBatch:
         return self._fresh
 
     @property
-    def cu_seqlens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """offsets as long tensors (on the device, on the host), built once and
-        handed to every GDN layer: fla-core memoizes its chunk indices on the
-        identity of these objects, and with the host copy it needs no device
-        sync to build them (a new device copy per layer was two stream syncs
-        per layer: the copy, and fla reading the lengths back)."""
-        if self._cu_seqlens is None:
-            host = torch.tensor(self.offsets, dtype=torch.long)
-            self._cu_seqlens = (host.to(self.input_ids.device), host)
-        return self._cu_seqlens
+    def varlen(self) -> "VarlenIndex":
+        """The batch's ragged layout for fla-core's chunked GDN, built once and
+        handed to every GDN layer: a new device copy of the offsets per layer
+        was two stream syncs a layer (the copy, and fla reading the lengths
+        back to build its chunk indices)."""
+        if self._varlen is None:
+            self._varlen = VarlenIndex.build(self.offsets, self.input_ids.device)
+        return self._varlen
 
     @property
     def num_tokens(self) -> int:

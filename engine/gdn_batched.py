@@ -132,24 +132,24 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, fresh):
 
 
 def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, fresh, offsets: list[int],
-                             cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
+                             varlen=None):
     """Ragged sequences packed along T. q, k [T, Hk, Dk]; v [T, Hv, Dv];
-    g, beta [T, Hv]; offsets the host cu_seqlens; cu_seqlens the forward's
-    (device, host) long copies of them (ForwardBatch.cu_seqlens), shared by
-    its layers so that fla builds its chunk indices once and without a
-    device sync (None: made here). Returns o [T, Hv, Dv]."""
+    g, beta [T, Hv]; offsets the host cu_seqlens; varlen the forward's
+    batch.VarlenIndex of them, shared by its layers so that fla builds no
+    index and makes no device sync per layer (None: made here). Returns
+    o [T, Hv, Dv]."""
     initial = _initial_states(states, slots, fresh)
     if fla_available():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-        if cu_seqlens is None:
-            host = torch.tensor(offsets, dtype=torch.long)
-            cu_seqlens = (host.to(q.device), host)
+        from engine.batch import VarlenIndex
+
+        varlen = varlen or VarlenIndex.build(offsets, q.device)
         o, final = chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
             scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens[0],
-            cu_seqlens_cpu=cu_seqlens[1])
+            use_qk_l2norm_in_kernel=True, cu_seqlens=varlen.cu_seqlens,
+            cu_seqlens_cpu=varlen.host_cu_seqlens, chunk_indices=varlen.chunk_indices)
         o = o[0]
     else:
         o = torch.empty_like(v)

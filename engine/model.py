@@ -274,7 +274,7 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             return gdn_batched.gated_delta_rule_decode(q, k, v, g, beta, states, slots, fresh)
         return gdn_batched.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, fresh,
-                                                    batch.offsets, batch.cu_seqlens)
+                                                    batch.offsets, batch.varlen)
 
     @staticmethod
     def _run_keeping_every_state(seq, q, k, v, g, beta, initial, window, inputs, states, windows):

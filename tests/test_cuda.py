@@ -134,7 +134,7 @@ def test_a_prefill_chunk_over_a_cached_prefix_never_waits_for_the_gpu(kv_format)
     loaded.model(ForwardBatch.build([SequenceInput(ids[:1000], 0, pages, 0)], page, "cuda"), cache)
     batch = ForwardBatch.build([SequenceInput(ids[1000:], 1000, pages, 0)], page, "cuda")
     # the batch's lazily built indices: each is one host-to-device copy
-    batch.attention, batch.cu_seqlens, batch.gdn, batch.row_sequences, batch.fresh
+    batch.attention, batch.varlen, batch.gdn, batch.row_sequences, batch.fresh
     batch.last_token_indices()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -61,3 +61,15 @@ def test_batched_gdn_matches_per_sequence_reference(monkeypatch, prefill_conv_ke
     torch.testing.assert_close(logits, ref_logits, **tol)
     for s, r in zip(states, ref_states):
         torch.testing.assert_close(s[[0, 1, 3]], r[[0, 1, 3]], **tol)
+
+
+def test_the_varlen_index_names_every_chunk_of_every_sequence():
+    """batch.VarlenIndex: fla-core's chunk indices, built on the host once per
+    forward; an empty sequence has no chunk, a partial last chunk counts."""
+    from engine.batch import GDN_CHUNK_ROWS, VarlenIndex
+
+    offsets = [0, 2 * GDN_CHUNK_ROWS + 2, 2 * GDN_CHUNK_ROWS + 2, 3 * GDN_CHUNK_ROWS + 2]
+    index = VarlenIndex.build(offsets, "cpu")
+    assert index.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [2, 0]]
+    assert index.cu_seqlens.tolist() == index.host_cu_seqlens.tolist() == offsets
+    assert index.chunk_indices.dtype == index.cu_seqlens.dtype == torch.long

@@ -53,3 +53,16 @@ def test_fla_prefill_matches_the_pytorch_chunked_form(dtype, monkeypatch):
     assert _relative(s_fla[slots], s_ref[slots]) < 1e-2
     # slots no sequence names are untouched
     torch.testing.assert_close(s_fla[[1, 3]], states[[1, 3]])
+
+
+def test_the_varlen_index_is_flas_own():
+    """The chunk indices a forward builds on the host (batch.VarlenIndex) are
+    those fla-core would build on the device, for every chunk size it takes."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from engine.batch import GDN_CHUNK_ROWS, VarlenIndex
+
+    offsets = [0, 130, 130, 194, 195, 1000]
+    index = VarlenIndex.build(offsets, "cuda")
+    theirs = prepare_chunk_indices(index.cu_seqlens, GDN_CHUNK_ROWS)
+    assert index.chunk_indices.tolist() == theirs.tolist()
