@@ -149,15 +149,20 @@ def test_prefill_with_bf16_dot_operands_matches_reference(name, options):
 
 def test_prefill_key_splits_fill_the_last_wave_of_programs():
     """The H200 case the policy was measured on (27B, 1,100 queries x 100K
-    keys: 208 programs on 132 SMs) splits; a 4K chunk's programs already
-    fill their waves, and a short context keeps each split's work large."""
-    from engine.kv.attention import PREFILL_KEY_SPLITS, prefill_key_splits
+    keys: 208 programs on 132 SMs) splits; 2K and 4K chunks' programs
+    already fill their waves, and a short context keeps each split's work
+    large."""
+    from engine.kv.attention import (PREFILL_KEY_SPLITS, PREFILL_MIN_TILES_PER_SPLIT,
+                                     prefill_key_splits)
 
+    assert PREFILL_KEY_SPLITS > 1
     assert prefill_key_splits(208, 100_000, 64, 132) == PREFILL_KEY_SPLITS
     assert prefill_key_splits(768, 100_000, 64, 132) == 1  # 4,096 queries
     assert prefill_key_splits(384, 100_000, 64, 132) == 1  # 2,048: 2.9 full waves
     assert prefill_key_splits(48, 100_000, 64, 132) == PREFILL_KEY_SPLITS  # a third of the SMs
-    assert prefill_key_splits(208, 4_000, 64, 132) == 1  # 16 tiles a split need 4,096 keys
+    shortest = PREFILL_KEY_SPLITS * PREFILL_MIN_TILES_PER_SPLIT * 64
+    assert prefill_key_splits(208, shortest, 64, 132) == PREFILL_KEY_SPLITS
+    assert prefill_key_splits(208, shortest - 1, 64, 132) == 1
 
 
 @pytest.mark.parametrize("name, options", FORMATS[1:4], ids=FORMAT_IDS[1:4])
@@ -166,6 +171,7 @@ def test_a_short_prefill_over_a_long_context_splits_its_keys(name, options, monk
     with its keys split (attention.prefill_key_splits) and combines to the
     reference, on the fast bf16 dots."""
     from engine.kv import attention_kernels as K
+    from engine.kv.attention import PREFILL_KEY_SPLITS
 
     splits_seen = []
     real_launch = K.launch
@@ -176,13 +182,13 @@ def test_a_short_prefill_over_a_long_context_splits_its_keys(name, options, monk
 
     monkeypatch.setattr(K, "launch", recording)
     fmt = make_format(name, **options)
-    # interpreter tiles (16 keys): 4 splits of 16 tiles need 1,024 keys;
+    # interpreter tiles (16 keys): 8 splits of 8 tiles need 1,024 keys;
     # a second sequence ends inside the first split only
     seqs = [(1030, 24), (40, 20)]
     buffers, q, meta = build_case(fmt, seqs, q_heads=4, kv_heads=2, head_dim=32,
                                   page_size=16, q_dtype=torch.bfloat16, seed=41)
     actual, expected = run_both(fmt, buffers, q, meta)
-    assert (DEVICE != "cpu" or splits_seen == [4])
+    assert DEVICE != "cpu" or splits_seen == [PREFILL_KEY_SPLITS]
     assert actual.dtype == torch.bfloat16 and not actual.isnan().any()
     torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
 

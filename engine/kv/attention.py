@@ -222,14 +222,16 @@ def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> 
 # head_dim 256. A short chunk over a long context (an agent turn: ~1.1K new
 # tokens after 100K cached) leaves the last wave part-empty: on the H200,
 # 27B shape, 1,100 queries x 100K keys are 208 programs on 132 SMs, and
-# splitting the keys 4 ways took 12.66 -> 10.64 ms (bf16 workspace) and
-# 16.04 -> 13.78 ms (int8 in-kernel); 2 ways gained 1-4% (BENCHMARKS.md,
-# 2026-12-02 11:39). One split count besides 1 keeps the compiled variants
-# (which the prefill warm-up compiles) at two.
-PREFILL_KEY_SPLITS = 4
-# Each split walks at least this many key tiles, so the combine's extra
-# reads and writes stay small beside the split's own work.
-PREFILL_MIN_TILES_PER_SPLIT = 16
+# splitting the keys took 12.64 ms to 10.63 (4 ways) and 9.83 (8 ways) on
+# the bf16 workspace, 15.97 to 13.78 and 12.64 on int8 pages in-kernel
+# (bench.attention, BENCHMARKS.md 2026-12-02 12:04; 2 ways gained 1-4%).
+# One split count besides 1 keeps the compiled variants (which the prefill
+# warm-up compiles) at two.
+PREFILL_KEY_SPLITS = 8
+# Each split walks at least this many key tiles (512 keys at the prefill's
+# 64-key tiles), so the combine's extra reads and writes stay small beside
+# the split's own work.
+PREFILL_MIN_TILES_PER_SPLIT = 8
 
 
 def prefill_key_splits(row_programs: int, max_kv_len: int, block_n: int,
