@@ -10,7 +10,7 @@
 #  1. the compiled tests: no sync inside a prefill forward, no compile after
 #     the warm-up's chunk kinds, the split prefill against its reference;
 #  2. bench.attention 1.1K x 100K, splits 1 / 4 / 8;
-#  3. 1.1K after 99K cached: int8 (0.470 s on 12-02 05:13) and rk4p
+#  3. 1.1K after 99K cached: int8 (0.470 s in the 04:50 run) and rk4p
 #     profiled (0.416 s, 11:39);
 #  4. the 20-turn agent loop through tandem serve (TTFT 0.41-0.69 s at 11:44).
 set -uo pipefail
