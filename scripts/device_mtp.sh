@@ -24,7 +24,9 @@ if [ "${OLD_HEAD:-1}" = 1 ]; then  # the shipped head on the held-out prompts, b
   python -m bench.speculative --device cuda --tokens-model embedded --methods mtp --ks 3 \
     --new-tokens 96 --json "$OUT/spec_old_head.json" 2>&1 | tail -3
 fi
+# BATCH_SAMPLES=N packs N samples per step; SOFT=1 trains on the base's distribution
 python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
+  --batch-samples "${BATCH_SAMPLES:-1}" ${SOFT:+--soft-targets} \
   --new-tokens "$NEW" --time-budget "$BUDGET" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
   --out "$OUT/head.safetensors" 2>&1 | grep -v "^train-mtp: step" | tee "$OUT/train.log" | tail -8
 cp "$OUT/head.safetensors" engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors

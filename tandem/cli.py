@@ -103,6 +103,10 @@ def _add_train_mtp(sub) -> None:
                    help="file of generated samples: read when it exists, else written")
     p.add_argument("--self-instruct", type=int, default=0, metavar="N",
                    help="also answer N questions the model writes itself (varied phrasing)")
+    p.add_argument("--batch-samples", type=int, default=1,
+                   help="samples packed into one sequence per optimizer step")
+    p.add_argument("--soft-targets", action="store_true",
+                   help="train on the base's whole next-token distribution, not its greedy token")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -120,7 +124,8 @@ def _run_train_mtp(args) -> int:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
                           seed=args.seed, max_batch=args.max_batch, max_prompts=args.max_prompts,
-                          corpus_path=args.corpus, self_instruct=args.self_instruct)
+                          corpus_path=args.corpus, self_instruct=args.self_instruct,
+                          batch_samples=args.batch_samples, soft_targets=args.soft_targets)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

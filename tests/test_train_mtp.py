@@ -7,7 +7,8 @@ from bench.speculative import CHAT, CODE
 from engine.loader import load_model
 from engine.speculative.prompts import extract_question, question_requests, training_prompts
 from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
-                                      generate_corpus, init_head, make_examples, train_head)
+                                      generate_corpus, head_forward, init_head, make_examples,
+                                      pack_examples, pairs_at_depth, train_head)
 
 
 def test_benchmark_prompts_are_held_out_of_training():
@@ -46,18 +47,50 @@ def test_prompt_positions_carry_no_label(tiny, corpus):
             assert e.labels[n:-1].tolist() == e.tokens[n + 1:].tolist()
 
 
-def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus):
+def test_packed_samples_see_only_themselves(tiny, corpus):
+    """pack_examples: each sample's pairs get the head outputs and labels they
+    get alone, at every depth; pairs that would span two samples get none."""
+    model = tiny.model
+    a, b, c = make_examples(model, corpus)[:3]
+    packed = pack_examples([a, b, c])
+    head = init_head(model)
+    for r in (1, 2):
+        pairs = pairs_at_depth(packed, r)
+        with torch.no_grad():
+            together = head_forward(model, head, packed.hidden[:pairs.n],
+                                    packed.tokens[r:r + pairs.n], pairs.positions, pairs.mask)
+        start = 0
+        for e in (a, b, c):
+            alone = pairs_at_depth(e, r)
+            with torch.no_grad():
+                out = head_forward(model, head, e.hidden[:alone.n], e.tokens[r:r + alone.n],
+                                   alone.positions)
+            torch.testing.assert_close(together[start:start + alone.n], out,
+                                       rtol=1e-4, atol=1e-4)
+            assert pairs.labels[start:start + alone.n].tolist() == alone.labels.tolist()
+            # the last r pairs of a sample would read the next sample's tokens
+            assert bool((pairs.labels[start + alone.n:start + len(e.tokens)] == IGNORE).all())
+            start += len(e.tokens)
+
+
+@pytest.mark.parametrize("batch_samples, soft_targets", [(1, False), (4, True)])
+def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus, batch_samples,
+                                                                soft_targets):
     model = tiny.model
     examples = make_examples(model, corpus)
     lm_head = model.output_embedding.detach().float()
     before_head = init_head(model)
-    with torch.no_grad():
-        before = sum(float(_unrolled_loss(model, before_head, lm_head, e, 3)) for e in examples)
+
+    def loss(head):  # on the greedy labels, whatever the training targets
+        with torch.no_grad():
+            return sum(float(_unrolled_loss(model, head, lm_head, e, 3)) for e in examples)
+
+    before = loss(before_head)
     head, stats = train_head(tiny, TrainConfig(samples_per_prompt=2, new_tokens=12,
                                                max_prompts=20, max_steps=60, lr=3e-3,
-                                               corpus_path=None), corpus=corpus)
-    with torch.no_grad():
-        after = sum(float(_unrolled_loss(model, head, lm_head, e, 3)) for e in examples)
+                                               corpus_path=None, batch_samples=batch_samples,
+                                               soft_targets=soft_targets), corpus=corpus)
+    after = loss(head)
     assert stats["steps"] == 60 and after < 0.9 * before
     # expected length = 1 + sum over depths of P(all drafts so far right) <= 1 + sum accuracies
     assert 1.0 <= stats["expected_length"] <= 1 + sum(stats["accuracy"]) + 1e-9
@@ -104,3 +137,21 @@ def test_picked_questions_are_clean_distinct_and_new():
         ["How do tides work?", "Why is the sky blue?", "Why do cats purr?"]
     assert pick_questions(replies, 2, set()) == ["How do tides work?",
                                                  "What is a held-out prompt here?"]
+
+
+def test_soft_targets_are_the_bases_distribution(tiny, corpus):
+    """With soft_targets the loss is the cross-entropy to the base's softmax
+    (recomputed from its final hidden): never below that distribution's
+    entropy, and not the greedy loss."""
+    model = tiny.model
+    e = make_examples(model, corpus)[0]
+    lm_head = model.output_embedding.detach().float()
+    pairs = pairs_at_depth(e, 1)
+    labelled = pairs.labels != IGNORE
+    target = torch.softmax(e.hidden[1:1 + pairs.n] @ lm_head.T, -1)[labelled]
+    entropy = float(-(target * target.log()).sum(-1).mean())
+    head = init_head(model)
+    with torch.no_grad():
+        soft = float(_unrolled_loss(model, head, lm_head, e, 1, soft_targets=True))
+        hard = float(_unrolled_loss(model, head, lm_head, e, 1))
+    assert soft >= entropy - 1e-4 and abs(soft - hard) > 1e-3

@@ -6,9 +6,12 @@ of each prompt greedy, as speculation will see it, the others sampled at
 temperature 0.8 for variety); the corpus can be saved and reused. For every
 answer position p of that text the label of the pair (h_p, token p+1) is the
 base model's own greedy choice at position p+1, i.e. what greedy speculation
-must draft to be accepted (cross-entropy on the base's greedy tokens; decided
-over KL to its full distribution because it needs no stored teacher
-distributions and is exactly the greedy acceptance criterion). Prompt
+must draft to be accepted (cross-entropy on the base's greedy tokens, the
+default: exactly the greedy acceptance criterion). `soft_targets` trains on
+the base's whole distribution instead (recomputed from the stored final
+hidden, so nothing more is stored): more signal per position, as
+distillation for speculative decoding usually prefers; not yet measured
+against the default on the GPU. Prompt
 positions carry no label: drafting starts after the prompt, and a fixed chat
 template is so easy to predict that it inflated the first head's held-out
 accuracy (0.57 with the template, 0.28-0.55 on answers alone).
@@ -19,7 +22,9 @@ weighted 1, 1/2, 1/4, ... so drafts 2 and 3 are trained too. The decoder
 layer starts as a copy of the base model's last layer and fc as
 [0 | identity], so training starts from "predict like the last layer".
 
-The head's attention in training is dense causal attention over the
+A step trains on `batch_samples` samples packed into one sequence
+(pack_examples; the H200 ran ~60 steps/s on one sample of ~260 tokens, far
+from its compute). The head's attention in training is dense causal attention over the
 sequence's pairs at one unroll depth; when drafting, the pairs of depth r
 attend to depth-1 keys for earlier positions. This is the usual approximation.
 """
@@ -56,11 +61,16 @@ class TrainConfig:
     # questions the model writes itself (prompts.question_requests), answered
     # beside the built-in prompts: phrasing the fixed templates do not have
     self_instruct: int = 0
+    # samples packed into one sequence per optimizer step (pack_examples)
+    batch_samples: int = 1
+    # targets: the base's greedy token (cross-entropy), or its whole
+    # distribution over the loss vocabulary (soft_targets)
+    soft_targets: bool = False
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
                 or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10) \
-                or self.self_instruct < 0:
+                or self.self_instruct < 0 or self.batch_samples < 1:
             raise ValueError(f"train-mtp: bad settings {self}")
 
 
@@ -193,8 +203,10 @@ def base_features(model: CausalLM, tokens: list[int]) -> tuple[torch.Tensor, tor
     return hidden.float(), logits.argmax(dim=-1)
 
 
-def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary) -> torch.Tensor:
-    """A full-attention DecoderLayer over one sequence without a cache (training)."""
+def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+    """A full-attention DecoderLayer over one sequence without a cache
+    (training); mask [T, T] bool replaces the causal mask (packed samples)."""
     attn = layer.self_attn
     t = x.shape[0]
     q, gate, k, v = attn.project(layer.input_layernorm(x))
@@ -202,8 +214,8 @@ def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary) -> torch.
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=attn.head_dim ** -0.5,
-                                         enable_gqa=True).transpose(0, 1).reshape(t, -1)
+                                         attn_mask=mask, is_causal=mask is None,
+                                         scale=attn.head_dim ** -0.5, enable_gqa=True).transpose(0, 1).reshape(t, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate.reshape(t, -1))
     x = x + attn.o_proj(out)
@@ -211,13 +223,14 @@ def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary) -> torch.
 
 
 def head_forward(model: CausalLM, head: MTPHead, hidden: torch.Tensor, next_tokens: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-    """The head's normed output for pairs (hidden[i], next_tokens[i]) at positions."""
+                 positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The head's normed output for pairs (hidden[i], next_tokens[i]) at
+    positions; mask: which pairs each pair attends to (None: causal)."""
     emb = model.model.embed_tokens(next_tokens).float()
     x = head.fc(torch.cat((head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)), -1))
     cos_sin = model.rotary.cos_sin(positions, x.dtype)
     for layer in head.layers:
-        x = dense_layer(layer, x, cos_sin, model.rotary)
+        x = dense_layer(layer, x, cos_sin, model.rotary, mask)
     return head.norm(x)
 
 
@@ -248,6 +261,49 @@ class Example:
     hidden: torch.Tensor  # [T, H], the base's normed final hidden
     labels: torch.Tensor  # [T], the base's greedy choice; IGNORE inside the prompt
     greedy: bool          # the answer is the base's greedy text
+    # packed samples (pack_examples): each row's sample, and its position in
+    # that sample; None for one sample
+    samples: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def pack_examples(examples: list[Example]) -> Example:
+    """Several samples as one sequence, so that a step trains on all of them
+    in one pass: a pair never spans two samples (its label is IGNORE) and
+    attends only to pairs of its own sample, at its position in that sample."""
+    if len(examples) == 1:
+        return examples[0]
+    device = examples[0].tokens.device
+    return Example(
+        tokens=torch.cat([e.tokens for e in examples]),
+        hidden=torch.cat([e.hidden for e in examples]),
+        labels=torch.cat([e.labels for e in examples]),
+        greedy=all(e.greedy for e in examples),
+        samples=torch.cat([torch.full((len(e.tokens),), i, device=device)
+                           for i, e in enumerate(examples)]),
+        positions=torch.cat([torch.arange(len(e.tokens), device=device) for e in examples]))
+
+
+@dataclass
+class Pairs:
+    """Depth r of an example's unroll: n pairs (hidden of depth r-1 at p,
+    token p+r) at position p+r-1, each labelled with the base's choice at p+r."""
+    n: int
+    labels: torch.Tensor  # [n], IGNORE where there is none
+    positions: torch.Tensor  # [n]
+    mask: torch.Tensor | None  # [n, n] bool, None: causal over the one sample
+
+
+def pairs_at_depth(example: Example, r: int) -> Pairs:
+    n = len(example.tokens) - r
+    labels = example.labels[r:r + n]
+    if example.samples is None:
+        positions = torch.arange(r - 1, r - 1 + n, device=labels.device)
+        return Pairs(n, labels, positions, None)
+    own = example.samples[:n]
+    labels = torch.where(example.samples[r:r + n] == own, labels, IGNORE)
+    causal = torch.ones(n, n, dtype=torch.bool, device=labels.device).tril()
+    return Pairs(n, labels, example.positions[:n] + (r - 1), causal & (own[:, None] == own[None]))
 
 
 def make_examples(model: CausalLM, corpus: Corpus) -> list[Example]:
@@ -296,14 +352,15 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
     while time.monotonic() - started < budget:
         rng.shuffle(training)
         epochs += 1
-        for example in training:
+        for first in range(0, len(training), cfg.batch_samples):
             elapsed = time.monotonic() - started
             if elapsed >= budget or step == cfg.max_steps:
                 budget = 0.0  # ends the outer loop too
                 break
             for g in opt.param_groups:  # cosine decay over the time budget
                 g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
-            loss = _unrolled_loss(model, head, lm_head, example, cfg.depth)
+            example = pack_examples(training[first:first + cfg.batch_samples])
+            loss = _unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -319,22 +376,31 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
     return head, {"steps": step, "epochs": epochs, **stats}
 
 
-def _unrolled_loss(model, head, lm_head, example: Example, depth: int):
-    """Depth r pairs: (hidden of depth r-1 at p, token p+r) at position p+r-1,
-    labelled with the base's greedy choice at p+r."""
+def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
+                   soft_targets: bool = False):
+    """Depth r pairs (pairs_at_depth), weighted 1, 1/2, 1/4, ...: cross-entropy
+    against the base's greedy choice, or with soft_targets against its whole
+    distribution over lm_head's rows (the base's logits are its normed final
+    hidden times the same rows, so no teacher output is stored)."""
     total, weight_sum = 0.0, 0.0
-    tokens, labels = example.tokens, example.labels
     h = example.hidden[:-1]
     for r in range(1, depth + 1):
-        n = len(tokens) - r  # pairs p = 0..n-1 need token p+r and label labels[p+r]
-        if n < 2 or bool((labels[r:r + n] == IGNORE).all()):
+        pairs = pairs_at_depth(example, r)
+        labelled = pairs.labels != IGNORE
+        if pairs.n < 2 or not bool(labelled.any()):
             break
-        h = h[:n]
-        positions = torch.arange(r - 1, r - 1 + n, device=h.device)
-        out = head_forward(model, head, h, tokens[r:r + n], positions)
+        h = h[:pairs.n]
+        out = head_forward(model, head, h, example.tokens[r:r + pairs.n], pairs.positions,
+                           pairs.mask)
+        logits = F.linear(out, lm_head)
+        if soft_targets:
+            target = F.softmax(F.linear(example.hidden[r:r + pairs.n], lm_head), dim=-1)
+            per_pair = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
+            loss = per_pair[labelled].mean()
+        else:
+            loss = F.cross_entropy(logits, pairs.labels, ignore_index=IGNORE)
         weight = 0.5 ** (r - 1)
-        total = total + weight * F.cross_entropy(F.linear(out, lm_head), labels[r:r + n],
-                                                 ignore_index=IGNORE)
+        total = total + weight * loss
         weight_sum += weight
         h = out
     return total / weight_sum
