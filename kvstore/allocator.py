@@ -14,12 +14,15 @@ for every pool:
   that is already free, or one listed twice raises ValueError and the pool is
   left exactly as it was. A bug in a caller never corrupts the pool.
 
-Pure Python; no torch. The owner of the actual tensors maps ids to memory.
+Pure Python and numpy; no torch. The owner of the actual tensors maps ids
+to memory.
 """
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from engine.errors import TandemError
 
@@ -69,6 +72,11 @@ class IdAllocator:
     def is_free(self, id_: int) -> bool:
         self._check_in_range(id_)
         return bool(self._is_free[id_ - self._first])
+
+    def first_free(self, ids: Sequence[int]) -> int | None:
+        """The first of ids that is free, or None; an id out of range raises
+        as is_free does. Vectorized: an insert checks thousands of pages."""
+        return _first_free(ids, ((self._first, self._num_total, self._is_free),), self)
 
     def owns(self, id_: int) -> bool:
         """Whether id_ is one of this pool's ids (free or not)."""
@@ -152,6 +160,12 @@ class PageAllocator(IdAllocator):
             return self.staging.is_free(id_)
         return super().is_free(id_)
 
+    def first_free(self, ids: Sequence[int]) -> int | None:
+        """The first of ids (real or staging pages) that is free, or None."""
+        pools = ((self._first, self._num_total, self._is_free),
+                 (self.staging._first, self.staging._num_total, self.staging._is_free))
+        return _first_free(ids, pools, self)
+
     def free(self, ids: Iterable[int]) -> None:
         """Return pages of either kind. Checks all of them first; on error frees none."""
         ids = list(ids)
@@ -171,3 +185,24 @@ class SlotAllocator(IdAllocator):
 
     def __init__(self, num_slots: int):
         super().__init__(num_slots)
+
+
+def _first_free(ids: Sequence[int], pools, allocator: IdAllocator) -> int | None:
+    """The first of ids that some pool (first id, size, free flags) marks free.
+    An id no pool owns (or one that is not an int) goes through the
+    allocator's own per-id check, which raises."""
+    if not ids:
+        return None
+    if not all(type(i) is int for i in ids):
+        return next((i for i in ids if allocator.is_free(i)), None)
+    wanted = np.fromiter(ids, dtype=np.int64, count=len(ids))
+    free = np.zeros(len(ids), dtype=bool)
+    owned = np.zeros(len(ids), dtype=bool)
+    for first, total, flags in pools:
+        mine = (wanted >= first) & (wanted < first + total)
+        free[mine] = np.frombuffer(flags, dtype=np.uint8)[wanted[mine] - first] != 0
+        owned |= mine
+    if not owned.all():
+        allocator.is_free(ids[int(np.argmin(owned))])  # raises: out of range
+    hits = np.flatnonzero(free)
+    return ids[int(hits[0])] if len(hits) else None

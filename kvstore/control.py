@@ -231,14 +231,18 @@ class StoreControl:
 
     def _check_insert_pages(self, session: Session, pages: list[int]) -> None:
         self._check_ids(pages, self.pages.num_ids, "page")
-        for page in pages:
-            if page in session.pages:
-                continue
-            holder = self._holder_of_page(page)
-            if holder is not None:
+        # pages this session does not hold: an agent turn's cached prefix
+        # (thousands of pages, the cache's) plus any bad ones
+        foreign = [page for page in pages if page not in session.pages]
+        free = self.pages.first_free(foreign)
+        others = [s for s in self.sessions.values() if s is not session]
+        held_elsewhere = {page for s in others for page in s.pages.intersection(foreign)}
+        for page in foreign:
+            if page in held_elsewhere:
+                holder = next(s.id for s in others if page in s.pages)
                 raise FailedPrecondition(f"page {page} is held by another session ({holder}), "
                                          "not this one")
-            if self.pages.is_free(page):
+            if page == free:
                 raise FailedPrecondition(f"page {page} is free: allocate pages before inserting")
             # Otherwise the cache holds it; RadixCache.insert checks it sits at this position.
 
@@ -356,10 +360,6 @@ class StoreControl:
         if missing is not None:
             raise FailedPrecondition(f"{kind} {missing} is not held by this session; release "
                                      "only ids you allocated and still hold")
-
-    def _holder_of_page(self, page: int) -> str | None:
-        # O(sessions); only reached for pages the caller does not hold.
-        return next((s.id for s in self.sessions.values() if page in s.pages), None)
 
     def _live_node(self, node_id: int) -> CacheNode:
         node = self._nodes.get(node_id)

@@ -328,8 +328,9 @@ class RadixCache(PrefixCache):
         path; return the caller's ids the tree will not take."""
         seen: set[int] = set()
         duplicates = []
+        free = self._pages.first_free(pages)  # also rejects ids out of range
         for i, page in enumerate(pages):
-            if self._pages.is_free(page):  # also rejects ids out of range
+            if page == free:
                 raise ValueError(f"page {page} is free in the allocator; insert only allocated pages")
             if page in seen:
                 raise ValueError(f"page {page} is listed twice in one insert")

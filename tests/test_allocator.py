@@ -126,3 +126,27 @@ def test_staging_pages_continue_the_page_ids_and_free_with_them():
     assert a.num_free == 3 and a.staging.num_free == 3
     with pytest.raises(OutOfCapacity):
         a.staging.allocate(4)
+
+
+def test_first_free_is_the_first_free_id_in_the_callers_order():
+    """PageAllocator.first_free (the vectorized check an insert of thousands
+    of pages makes) agrees with is_free id by id, staging pages included,
+    and rejects an id out of range as is_free does."""
+    import random
+
+    from kvstore.allocator import PageAllocator
+
+    pages = PageAllocator(40, staging_pages=8)
+    taken = pages.allocate(30) + pages.staging.allocate(5)
+    pages.free(taken[3:30:4] + taken[31:32])
+    rng = random.Random(3)
+    for _ in range(50):
+        ids = rng.sample(range(48), rng.randrange(0, 20))
+        expected = next((i for i in ids if pages.is_free(i)), None)
+        assert pages.first_free(ids) == expected
+        assert pages.staging.first_free([i for i in ids if i >= 40]) == \
+            next((i for i in ids if i >= 40 and pages.is_free(i)), None)
+    assert pages.first_free([0, 1]) is None and pages.first_free([]) is None
+    for bad in ([0, 48], [-1], [0, True]):
+        with pytest.raises(ValueError, match="out of range"):
+            pages.first_free(bad)
