@@ -19,17 +19,20 @@ import torch
 
 # Substrings of kernel names -> the kind of work they do; first match wins.
 KINDS = (
+    ("gemm (Triton int4/int8)", ("_gemm_kernel",)),
     ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce", "aten::mm",
                        "aten::addmm", "aten::linear", "aten::bmm")),
-    ("gemv (Triton int4/int8)", ("_gemv_kernel", "_split_k_sum")),
+    ("gemv (Triton int4/int8)", ("_gemv_", "_split_k_sum")),
     ("gemv (cuBLAS fp32)", ("gemvnsp", "gemv")),
     ("attention", ("attn", "attention", "flash", "paged", "_combine")),
-    ("kv write", ("write_kv", "quantize", "_seal", "_write_kernel")),
+    ("kv write", ("write_kv", "quantize", "_seal", "_write_kernel", "_k_page_kernel")),
+    # quantized pages into a prefill chunk's bf16 workspace
+    ("kv read", ("_read_kernel", "_dense_kernel")),
     ("gdn", ("delta", "_recurrence", "_conv", "chunk_")),
     ("fused (ours)", ("_rms", "_norm", "_gdn", "_silu", "_rotary", "_gate")),
     ("copy / index / cat", ("copy", "index", "gather", "scatter", "cat", "memcpy", "fill",
                             "slice", "select", "view", "reshape", "empty")),
-    ("reduce", ("reduce", "sum", "max", "argmax")),
+    ("reduce", ("reduce", "sum", "max")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "aten::")),
 )
 

@@ -39,6 +39,11 @@ def test_kinds_of_kernel_and_op_names():
     assert kind_of("_rms_norm_kernel") == "fused (ours)"
     assert kind_of("aten::index_select") == "copy / index / cat"
     assert kind_of("some_unknown_thing") == "other"
+    # our Triton kernels of each kind, as the H200's profiles named them
+    assert kind_of("_gemv_dot_kernel") == kind_of("_gemv_x8_kernel") == "gemv (Triton int4/int8)"
+    assert kind_of("_gemm_kernel") == "gemm (Triton int4/int8)"
+    assert kind_of("_rk4p_dense_kernel") == kind_of("_int8_read_kernel") == "kv read"
+    assert kind_of("_k_page_kernel") == kind_of("_staging_write_kernel") == "kv write"
     kinds = by_kind({"aten::mm": [2, 30.0], "aten::addmm": [1, 10.0], "aten::tanh": [5, 50.0]})
     assert list(kinds) == ["elementwise", "gemm (cuBLAS)"]
     assert kinds["gemm (cuBLAS)"] == [3, 40.0]
