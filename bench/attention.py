@@ -12,6 +12,10 @@ contiguous bf16 (lower-right causal) is printed beside it as the bar a
 dedicated flash kernel sets. CUDA only.
 
     python -m bench.attention --context 32768 --new 4096 --kv-format int8 bf16
+
+With `--new 1 --candidates 13` it times decode's attention (one query per
+KV-head group over the whole context) by key splits: the GB/s column is the
+layer's KV bytes over the time, against the card's ~4.2 TB/s.
 """
 from __future__ import annotations
 
@@ -28,7 +32,8 @@ CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, Non
               (128, 32, 8, None, True), (128, 64, 8, None, True), (128, 64, 8, 2, True),
               (64, 64, 4, 3, True), (128, 32, 4, None, True), (64, 128, 8, 2, True),
               (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 4, 2, True),
-              (64, 64, 8, 2, True))
+              (64, 64, 8, 2, True),
+              (16, 32, 4, None, False))  # 13: decode's tiles at the 27B's shape (--new 1)
 
 
 def visible_pairs(context: int, new: int) -> int:
@@ -128,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.candidates and not all(0 <= i < len(CANDIDATES) for i in args.candidates):
         p.error(f"--candidates are indices in [0, {len(CANDIDATES)})")
-    if not all(1 <= s <= 64 for s in args.splits):
-        p.error("--splits must be in [1, 64]")
+    if not all(1 <= s <= 1024 for s in args.splits):
+        p.error("--splits must be in [1, 1024]")
     if not torch.cuda.is_available():
         p.error("bench.attention needs a CUDA device")
     device = torch.device("cuda")
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             fmt, buffers, q, meta, rotary, k, v = layout(name, context, args.new, args.model,
                                                          device)
             flops = 4 * q.shape[-1] * q.shape[1] * visible_pairs(context, args.new)
+            kv_bytes = sum(t.numel() * t.element_size() for t in buffers.values())
             reference = None
             for candidate, splits in candidates:
                 label = str(candidate) + (f" x{splits} splits" if splits > 1 else "")
@@ -151,25 +157,25 @@ def main(argv: list[str] | None = None) -> int:
                         reference = out.float().clone()
                     err = (out.float() - reference).abs().max().item()
                 except Exception as e:  # a tile that does not fit: reported, not fatal
-                    rows.append([context, name, label, "failed", str(e)[:60], ""])
+                    rows.append([context, name, label, "failed", str(e)[:60], "", ""])
                     continue
-                tflops = flops / ms / 1e9
-                rows.append([context, name, label, ms, tflops, err])
+                tflops, gb_s = flops / ms / 1e9, kv_bytes / ms / 1e6
+                rows.append([context, name, label, ms, tflops, gb_s, err])
                 results.append({"context": context, "format": name, "tiles": candidate,
-                                "splits": splits, "ms": ms, "tflops": tflops,
+                                "splits": splits, "ms": ms, "tflops": tflops, "kv_gb_s": gb_s,
                                 "max_diff_vs_default": err})
             del buffers
             torch.cuda.empty_cache()
         try:
             ms = time_ms(sdpa_call(q, k, v), args.repeats)
-            rows.append([context, "sdpa bf16", "torch", ms, flops / ms / 1e9, ""])
+            rows.append([context, "sdpa bf16", "torch", ms, flops / ms / 1e9, "", ""])
             results.append({"context": context, "format": "sdpa", "ms": ms,
                             "tflops": flops / ms / 1e9})
         except Exception as e:
-            rows.append([context, "sdpa bf16", "torch", "failed", str(e)[:60], ""])
-    print_table(f"prefill attention, {args.new} new tokens ({args.model})",
+            rows.append([context, "sdpa bf16", "torch", "failed", str(e)[:60], "", ""])
+    print_table(f"attention, {args.new} new tokens ({args.model})",
                 ["context", "kv", "rows, block_n, warps, stages, bf16", "ms", "TFLOP/s",
-                 "max diff"], rows)
+                 "KV GB/s", "max diff"], rows)
     write_json(args.json, {"args": vars(args), "results": results})
     return 0
 
