@@ -146,9 +146,10 @@ def test_streaming_completions(client, model):
 def test_stop_strings_end_the_answer_unshown(client, model):
     full = _chat(client, model, "Count from one to ten in words.", max_tokens=30,
                  temperature=0).choices[0].message.content
-    words = full.split()
-    assert len(words) > 3, full
-    stop = words[2]
+    # a stop string from the middle of the greedy answer, whatever its words:
+    # rk4's greedy answer here is words on one CPU and digits on another
+    assert len(full) >= 8, full
+    stop = full[len(full) // 2:len(full) // 2 + 2]
     cut = _chat(client, model, "Count from one to ten in words.", max_tokens=30, temperature=0,
                 stop=[stop, "zzz-never"])
     assert cut.choices[0].finish_reason == "stop"

@@ -200,16 +200,24 @@ def test_cancel_mid_stream_and_mid_prefill_gives_back_every_page(pool):
     # the router counts a transfer after the first token went out: wait for the
     # cancelled request to end before reading the counter
     assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
-    # a long prompt in 32-token chunks, cancelled while its pages are on the way
+    # a long prompt in 32-token chunks, cancelled while its pages are on the way:
+    # a third into the time the same length takes whole on this machine (a
+    # fixed sleep was mid-prefill on one CPU and after the end on a faster one)
+    started = time.perf_counter()
+    _generate(pool.stub, token_ids=pb.TokenIds(ids=_ids(6, 1800)), max_new_tokens=1,
+              ignore_eos=True)
+    whole = time.perf_counter() - started
+    assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
     moved = pool.metric("tandem_kv_transfer_bytes_total")
     started = time.perf_counter()
     call = pool.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=_ids(4, 1800)),
                                                  max_new_tokens=4, ignore_eos=True))
-    time.sleep(0.3 if DEVICE == "cpu" else 0.05)  # a GPU prefills this in well under a second
+    time.sleep(whole / 3)
     call.cancel()
     assert _all_pages_back(pool) == {w: (0, 0) for w in WORKERS}
     # the transfer never finished (the router counts it when it does)
-    assert pool.metric("tandem_kv_transfer_bytes_total") == moved, time.perf_counter() - started
+    assert pool.metric("tandem_kv_transfer_bytes_total") == moved, \
+        (time.perf_counter() - started, whole)
     ids, _, _ = _generate(pool.stub, token_ids=pb.TokenIds(ids=_ids(5, 20)), max_new_tokens=3,
                           ignore_eos=True)
     assert len(ids) == 3  # the pairs are still in step after the aborted transfers
