@@ -11,7 +11,9 @@ after the first token is sent)."""
 from __future__ import annotations
 
 import argparse
+import math
 import random
+import statistics
 import sys
 
 from bench.common import environment, print_table, write_json
@@ -90,15 +92,28 @@ def run(svc: Service, args) -> dict:
     later = turns[1:]
     overall = (sum(t["cached_tokens"] for t in later) /
                max(1, sum(t["reusable_tokens"] for t in later))) if later else None
-    payload = {"env": environment(), "args": vars(args), "turns": turns, "reused_ratio": overall}
+    payload = {"env": environment(), "args": vars(args), "turns": turns, "reused_ratio": overall,
+               "later_ttft_s": ttft_summary(later)}
     write_json(args.json, payload)
     print_table(f"agent loop ({args.model or 'embedded'}, {args.device}, {args.kv_format} KV)",
                 ["turn", "prompt", "cached", "reusable", "reused %", "TTFT s",
                  *(f"{name} ms" for name in PHASES)], rows)
     if overall is not None:
+        summary = payload["later_ttft_s"]
         print(f"reused over turns 2..{args.turns}: {100 * overall:.1f}% of reusable tokens; "
+              f"TTFT median {summary['median']:.3f} s, p90 {summary['p90']:.3f} s; "
               f"last TTFT {turns[-1]['ttft_s']:.3f} s at {turns[-1]['prompt_tokens']} tokens")
     return payload
+
+
+def ttft_summary(turns: list[dict]) -> dict | None:
+    """Median and p90 (nearest rank) time to first token of the turns that
+    resend a conversation: turn 1 prefills everything and is not one."""
+    if not turns:
+        return None
+    ttfts = sorted(t["ttft_s"] for t in turns)
+    p90 = ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)]
+    return {"median": statistics.median(ttfts), "p90": p90, "turns": len(ttfts)}
 
 
 if __name__ == "__main__":

@@ -97,6 +97,13 @@ def test_wire_bench_times_one_turns_prompt_traffic(tmp_path):
         sum(s["ms"] for s in r["results"] if s["before_first_token"]))
 
 
+def test_the_agent_loop_summary_reads_the_resending_turns():
+    turns = [{"ttft_s": t} for t in (0.5, 0.1, 0.4, 0.2, 0.3, 0.9, 0.35, 0.25, 0.45, 0.15)]
+    summary = agent_loop.ttft_summary(turns)
+    assert summary == {"median": pytest.approx(0.325), "p90": 0.5, "turns": 10}
+    assert agent_loop.ttft_summary([]) is None
+
+
 def test_service_benches_on_one_service(tmp_path):
     with Service("tiny-llama", "cpu", "int8", max_context_tokens=1024, prefill_chunk=32) as svc:
         loop = agent_loop.run(svc, agent_loop.parser().parse_args(
@@ -110,6 +117,8 @@ def test_service_benches_on_one_service(tmp_path):
     assert first["prompt_tokens"] > 100 and second["prompt_tokens"] > first["prompt_tokens"] + 30
     assert second["cached_tokens"] >= 96 and second["reused_ratio"] > 0.5
     assert all(t["ttft_s"] > 0 for t in loop["turns"])
+    assert loop["later_ttft_s"] == {"median": second["ttft_s"], "p90": second["ttft_s"],
+                                    "turns": 1}
     # the router's phases before the first token account for most of its wait;
     # the prompt's cache insert runs after it, so it is not part of that time
     for t in loop["turns"]:
