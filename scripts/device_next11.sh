@@ -13,6 +13,8 @@
 #     goal 0.3 s).
 # Then: SHARES="70 80" bash scripts/device_mps.sh, and the MTP A/B
 # (BATCH_SAMPLES=8 SOFT=1 bash scripts/device_mtp.sh, the GGUF in two parts).
+# At most 8 files come back from $OUT: the steps keep to 7 (their logs hold
+# the tables; the agent loop adds its JSON).
 set -uo pipefail
 source scripts/device_env.sh
 M=qwen3.5-27b
@@ -21,8 +23,8 @@ step pytest 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
 for kv in int8 rk4p; do
   STEP_TAIL=4 step prefill_99k_$kv 70 env TANDEM_PREFILL_WORKSPACE_TOKENS=131072 \
     python3 -m bench.prefill --model $M --device cuda --kv-format $kv --cached-tokens 99000 \
-    --tokens 1100 --chunk 4096 --repeats 3 --json "$OUT/prefill_99k_$kv.json"
+    --tokens 1100 --chunk 4096 --repeats 3
 done
 STEP_TAIL=14 step decode_attention_128k 80 python3 -m bench.attention --context 131072 --new 1 \
-  --kv-format int8 rk4p --candidates 13 --splits 32 64 128 256 --json "$OUT/decode_attention.json"
+  --kv-format int8 rk4p --candidates 13 --splits 32 64 128 256
 PROFILE_EVERY=10 AGENT_LIMIT=200 bash scripts/device_agent_loop.sh
