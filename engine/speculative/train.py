@@ -215,7 +215,8 @@ def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary,
     q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, is_causal=mask is None,
-                                         scale=attn.head_dim ** -0.5, enable_gqa=True).transpose(0, 1).reshape(t, -1)
+                                         scale=attn.head_dim ** -0.5, enable_gqa=True)
+    out = out.transpose(0, 1).reshape(t, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate.reshape(t, -1))
     x = x + attn.o_proj(out)
