@@ -82,11 +82,24 @@ def by_kind(units: dict[str, list[float]]) -> dict[str, list[float]]:
 
 @dataclass
 class Profile:
-    """One profiled piece of work: wall time and the kernels (or ops) in it."""
+    """One profiled piece of work: wall time and the kernels (or ops) in it.
+    Filled from a stopped profiler, `units` is read from it on first use:
+    turning its trace into events is most of profiling's cost, so the one
+    who profiles can leave that for later (the prefill worker: after its reply)."""
 
     wall_s: float = 0.0
-    units: dict[str, list[float]] = field(default_factory=dict)
+    _units: dict[str, list[float]] | None = None
     on_cuda: bool = False
+    _source: object = field(default=None, repr=False)  # the stopped torch.profiler
+
+    @property
+    def units(self) -> dict[str, list[float]]:
+        if self._units is None:
+            source = self._source
+            self._units = {} if source is None else dict(
+                kernel_times(source) if self.on_cuda else op_times(source))
+            self._source = None
+        return self._units
 
     @property
     def busy_s(self) -> float:
@@ -116,7 +129,8 @@ class Profile:
 @contextmanager
 def profiled(device: torch.device) -> Iterator[Profile]:
     """Profiles the block; the yielded Profile is filled when it exits (the
-    device is synchronized first, so the wall time covers the queued work)."""
+    device is synchronized first, so the wall time covers the queued work;
+    its units are read from the trace when first asked for)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
@@ -130,4 +144,4 @@ def profiled(device: torch.device) -> Iterator[Profile]:
             if on_cuda:
                 torch.cuda.synchronize(device)
             result.wall_s = time.perf_counter() - started
-    result.units = dict(kernel_times(prof) if on_cuda else op_times(prof))
+    result._source = prof

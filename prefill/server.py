@@ -170,9 +170,14 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             return
         with profiled(self.store.cache.device) as profile:
             yield
-        log(PROCESS, f"request {job.request_id} ({len(job.tokens) - job.start} new tokens after "
-                     f"{job.start}): {1e3 * waited:.1f} ms from arrival to its prefill; "
-                     f"prefill {profile.describe()}")
+
+        def report() -> None:
+            log(PROCESS, f"request {job.request_id} ({len(job.tokens) - job.start} new tokens "
+                         f"after {job.start}): {1e3 * waited:.1f} ms from arrival to its "
+                         f"prefill; prefill {profile.describe()}")
+        # reading the trace takes longer than a turn's prefill on the 27B: it
+        # runs on the worker's thread after this request, not before its reply
+        self.gpu.submit(report)
 
     def _report_compiles(self, job: PrefillJob, seconds: float) -> None:
         """Logs a request that waited for Triton compiles (see engine/compiles.py)."""

@@ -69,6 +69,8 @@ def test_the_prefill_worker_profiles_a_request_when_asked(tmp_path, capsys, monk
             for _ in range(2):
                 with every_other._profiled(job, 0.0021):
                     run_prefill(client.model, client.cache, job, 16)
+            # the report runs on the worker's thread after the request
+            every_other.gpu.submit(lambda: None).result()
             err = capsys.readouterr().err
             client.release(pages=pages)
     finally:
