@@ -19,7 +19,7 @@ set -uo pipefail
 source scripts/device_env.sh
 M=qwen3.5-27b
 step pytest 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
-  tests/test_gdn_fla.py tests/test_attention.py -k "never_waits or varlen or compiles_nothing or splits"
+  tests/test_gdn_fla.py tests/test_attention.py -k "never_waits or varlen or fla_prefill or compiles_nothing or splits"
 for kv in int8 rk4p; do
   STEP_TAIL=4 step prefill_99k_$kv 70 env TANDEM_PREFILL_WORKSPACE_TOKENS=131072 \
     python3 -m bench.prefill --model $M --device cuda --kv-format $kv --cached-tokens 99000 \
