@@ -17,7 +17,8 @@ import torch
 from engine.cache import CacheShape
 from engine.config import ModelConfig
 from engine.errors import TandemError
-from engine.kv.attention import DENSE_READ_SLICE_TOKENS, dense_prefill_max_tokens
+from engine.kv.attention import (DENSE_READ_SLICE_TOKENS, PREFILL_KEY_SPLITS,
+                                 dense_prefill_max_tokens)
 from engine.kv.open_pages import sink_pages, staging_per_sequence
 from kvstore.arena import HEADER_BYTES
 from kvstore.memory import KVFormatSpec, kv_layout, state_layout
@@ -77,6 +78,8 @@ class CapacityPlan:
         (the PyTorch path; with paged_attention_kernel, prefill over quantized pages
         dequantizes at most DENSE_PREFILL_MAX_TOKENS, and a read slice's fp32
         temporaries, DENSE_READ_SLICE_TOKENS x kv_heads x head_dim x 24 bytes)
+      + prefill_chunk_tokens x q_heads x PREFILL_KEY_SPLITS x (head_dim + 1) x 4
+                                                 a short chunk's split-key partials (GPU)
       + live_slots x vocab x 4                                    fp32 logits of a decode batch
     where context = min(max_context_tokens, max_position_embeddings).
     Allocator slack: 256 MiB + 10% of the activation reserve (and of the
@@ -332,7 +335,16 @@ class CapacityPlan:
                                              + self._gdn_prefill_bytes_per_token())
         dense_kv = self._dequantized_kv_bytes(context, kv_width)
         logits = max(self.live_slots, 1) * cfg.vocab_size * 4
-        return chunk + dense_kv + logits
+        return chunk + dense_kv + self._split_partial_bytes() + logits
+
+    def _split_partial_bytes(self) -> int:
+        """The fp32 partial outputs and log-sum-exps of a prefill chunk whose
+        keys split (attention.prefill_key_splits; the kernel path only)."""
+        if not self.paged_attention_kernel or not self.config.attention_layers:
+            return 0
+        cfg = self.config
+        return (self.prefill_chunk_tokens * cfg.num_heads * PREFILL_KEY_SPLITS
+                * (cfg.head_dim + 1) * 4)
 
     def _validate(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:

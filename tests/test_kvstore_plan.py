@@ -196,17 +196,24 @@ def test_gpu_prefill_workspace_is_planned_for_quantized_pages_only():
     """On the GPU a prefill dequantizes one layer's K/V into a bf16 workspace of
     at most DENSE_PREFILL_MAX_TOKENS (plus one read slice's temporaries) for
     quantized pages and none for bf16 pages; the CPU path the whole context."""
-    from engine.kv.attention import DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS
+    from engine.kv.attention import (DENSE_PREFILL_MAX_TOKENS, DENSE_READ_SLICE_TOKENS,
+                                     PREFILL_KEY_SPLITS)
 
     config = _qwen27b()
     kv_width = config.num_kv_heads * config.head_dim
 
+    def plan(**kw):
+        return _plan(config, 13 * 10**9, budget="200GiB", **kw)
+
     def reserve(**kw) -> int:
-        return _plan(config, 13 * 10**9, budget="200GiB", **kw).line("activation reserve").bytes
+        return plan(**kw).line("activation reserve").bytes
 
     gpu_rk4 = reserve(paged_attention_kernel=True)
     gpu_bf16 = reserve(paged_attention_kernel=True, kv_format=KVFormatSpec("bf16"))
     cpu_rk4 = reserve()
     assert gpu_rk4 - gpu_bf16 == (2 * DENSE_PREFILL_MAX_TOKENS * kv_width * 2
                                   + DENSE_READ_SLICE_TOKENS * kv_width * 24)
-    assert cpu_rk4 - gpu_bf16 == 2 * 262_144 * kv_width * 2
+    # the GPU path also holds a short chunk's split-key partials (fp32 out + lse)
+    chunk = plan().prefill_chunk_tokens
+    partials = chunk * config.num_heads * PREFILL_KEY_SPLITS * (config.head_dim + 1) * 4
+    assert cpu_rk4 - (gpu_bf16 - partials) == 2 * 262_144 * kv_width * 2
