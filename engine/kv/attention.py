@@ -256,7 +256,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 def _programs_wanted(device: torch.device) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return 2 * _multiprocessors(device)
     return 4  # the interpreter: enough to exercise the split combine
 
 
