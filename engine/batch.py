@@ -13,6 +13,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.kv.attention import AttentionMetadata
+from engine.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,12 @@ class SequenceInput:
                  (state_slot is only read, unless it is one of them), so the
                  caller can pick the state of whichever prefix it accepts
                  without running anything again.
+    snapshot:    None, or (position, slot): also leave the GDN state and conv
+                 window after `position` tokens (start < position < end) in
+                 `slot`, for the prefix cache. It lets a prefill run a prompt's
+                 last partial page in the same forward as the rest, where it
+                 was a second forward of 1..16 tokens that read every weight
+                 and the whole context's KV again (~40 ms of a 27B agent turn).
     """
 
     tokens: tuple[int, ...]
@@ -37,6 +44,7 @@ class SequenceInput:
     page_table: tuple[int, ...]
     state_slot: int = -1
     position_slots: tuple[int, ...] = ()
+    snapshot: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -46,6 +54,23 @@ class SequenceInput:
         if self.position_slots and len(self.position_slots) != len(self.tokens):
             raise InvalidRequestError(f"{len(self.position_slots)} position slots for "
                                       f"{len(self.tokens)} new tokens: give one per token")
+        if self.snapshot is not None:
+            position, slot = self.snapshot
+            if not self.start < position < self.end or slot < 0 or self.state_slot < 0:
+                raise InvalidRequestError(
+                    f"a snapshot at {position} tokens into slot {slot} must lie inside the "
+                    f"forward's ({self.start}, {self.end}) of a sequence with a state slot")
+            if self.position_slots:
+                raise InvalidRequestError("a sequence keeps every state or takes one snapshot, "
+                                          "not both")
+
+    def split_at_snapshot(self) -> "tuple[SequenceInput, SequenceInput]":
+        """The tokens up to the snapshot and those after it, as two sequences
+        of the same slot and pages."""
+        position, _ = self.snapshot
+        cut = position - self.start
+        return (SequenceInput(self.tokens[:cut], self.start, self.page_table, self.state_slot),
+                SequenceInput(self.tokens[cut:], position, self.page_table, self.state_slot))
 
     @property
     def end(self) -> int:
@@ -70,6 +95,37 @@ class GdnSlots:
     rows: torch.Tensor | None = None
 
 
+@dataclass
+class SnapshotSplit:
+    """A forward whose sequences leave a GDN snapshot inside it, as the GDN
+    layers run it: the rows up to each snapshot (`before`, with the whole of
+    every sequence that takes none), then the snapshots copied out of the
+    state slots, then the rows after them (`after`). Everything else in the
+    layer (projections, attention, MLP) runs over all rows at once.
+
+    rows_before / rows_after: the forward's rows of each part, a slice when
+    they are one range (a single sequence), else a [rows] long index."""
+
+    before: "ForwardBatch"
+    after: "ForwardBatch"
+    rows_before: slice | torch.Tensor
+    rows_after: slice | torch.Tensor
+    from_slots: torch.Tensor  # [S] long: the sequences' state slots ...
+    to_slots: torch.Tensor  # [S] long: ... copied into their snapshot slots
+
+    def take_snapshots(self, *slot_tensors: torch.Tensor) -> None:
+        """Copy each state slot's rows into its snapshot slot (one layer's
+        recurrent state and conv window)."""
+        for t in slot_tensors:
+            t.index_copy_(0, self.to_slots, t.index_select(0, self.from_slots))
+
+
+def _rows(ranges: list[tuple[int, int]], device) -> slice | torch.Tensor:
+    if len(ranges) == 1:
+        return slice(*ranges[0])
+    return upload([r for lo, hi in ranges for r in range(lo, hi)], torch.long, device)
+
+
 # fla-core's chunk_gated_delta_rule works in chunks of this many rows (its default)
 GDN_CHUNK_ROWS = 64
 
@@ -91,7 +147,7 @@ class VarlenIndex:
         chunks = [(seq, c) for seq, (lo, hi) in enumerate(zip(offsets, offsets[1:]))
                   for c in range(-(-(hi - lo) // GDN_CHUNK_ROWS))]
         chunk_indices = torch.tensor(chunks, dtype=torch.long).reshape(-1, 2)
-        return cls(host.to(device), host, chunk_indices.to(device))
+        return cls(upload(host, torch.long, device), host, upload(chunk_indices, torch.long, device))
 
 
 @dataclass
@@ -112,6 +168,7 @@ class ForwardBatch:
     _fresh: torch.Tensor | None = field(default=None, repr=False)
     _varlen: "VarlenIndex | None" = field(default=None, repr=False)
     _last_rows: torch.Tensor | None = field(default=None, repr=False)
+    _snapshot_split: "SnapshotSplit | None" = field(default=None, repr=False)
     # [T, H] the new tokens' embeddings, when the model looked them up before
     # the forward (a table in host memory: CausalLM.embed); None: the forward does
     input_embeds: torch.Tensor | None = None
@@ -133,7 +190,7 @@ class ForwardBatch:
             offsets.append(len(ids))
 
         def longs(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+            return upload(values, torch.long, device)
 
         return cls(
             seqs=seqs,
@@ -164,10 +221,14 @@ class ForwardBatch:
             for seq in self.seqs:
                 if seq.position_slots:
                     writes.extend(seq.position_slots)
-                else:
-                    writes.extend([-1] * (len(seq.tokens) - 1) + [seq.state_slot])
-            self._gdn = GdnSlots(self.state_slots, torch.tensor(
-                writes, dtype=torch.long, device=self.input_ids.device))
+                    continue
+                seq_writes = [-1] * (len(seq.tokens) - 1) + [seq.state_slot]
+                if seq.snapshot is not None:
+                    position, slot = seq.snapshot
+                    seq_writes[position - seq.start - 1] = slot
+                writes.extend(seq_writes)
+            self._gdn = GdnSlots(self.state_slots,
+                                 upload(writes, torch.long, self.input_ids.device))
         return self._gdn
 
     @property
@@ -175,16 +236,17 @@ class ForwardBatch:
         """[T] int32: the sequence each row belongs to; built once, shared by all layers."""
         if self._row_sequences is None:
             counts = torch.tensor([len(s.tokens) for s in self.seqs])
-            self._row_sequences = torch.repeat_interleave(
-                torch.arange(len(self.seqs), dtype=torch.int32), counts).to(self.input_ids.device)
+            self._row_sequences = upload(torch.repeat_interleave(
+                torch.arange(len(self.seqs), dtype=torch.int32), counts), torch.int32,
+                self.input_ids.device)
         return self._row_sequences
 
     @property
     def fresh(self) -> torch.Tensor:
         """[B] bool: sequences whose first new token is at position 0 (no state yet)."""
         if self._fresh is None:
-            self._fresh = torch.tensor([s.start == 0 for s in self.seqs],
-                                       device=self.input_ids.device)
+            self._fresh = upload([s.start == 0 for s in self.seqs], torch.bool,
+                                 self.input_ids.device)
         return self._fresh
 
     @property
@@ -196,6 +258,36 @@ class ForwardBatch:
         if self._varlen is None:
             self._varlen = VarlenIndex.build(self.offsets, self.input_ids.device)
         return self._varlen
+
+    @property
+    def takes_snapshots(self) -> bool:
+        return any(seq.snapshot is not None for seq in self.seqs)
+
+    @property
+    def snapshot_split(self) -> SnapshotSplit:
+        """The GDN layers' two passes around the snapshots (takes_snapshots);
+        built once, shared by every layer."""
+        if self._snapshot_split is None:
+            device = self.input_ids.device
+            before, after, rows_before, rows_after, froms, tos = [], [], [], [], [], []
+            for seq, lo, hi in zip(self.seqs, self.offsets, self.offsets[1:]):
+                if seq.snapshot is None:
+                    before.append(seq)
+                    rows_before.append((lo, hi))
+                    continue
+                head, tail = seq.split_at_snapshot()
+                before.append(head)
+                after.append(tail)
+                rows_before.append((lo, lo + len(head.tokens)))
+                rows_after.append((lo + len(head.tokens), hi))
+                froms.append(seq.state_slot)
+                tos.append(seq.snapshot[1])
+            self._snapshot_split = SnapshotSplit(
+                ForwardBatch.build(before, self.page_size, device),
+                ForwardBatch.build(after, self.page_size, device),
+                _rows(rows_before, device), _rows(rows_after, device),
+                upload(froms, torch.long, device), upload(tos, torch.long, device))
+        return self._snapshot_split
 
     @property
     def num_tokens(self) -> int:
@@ -211,10 +303,10 @@ class ForwardBatch:
         return torch.tensor([t for seq in self.seqs for t in seq.tokens], dtype=torch.long)
 
     def last_token_indices(self) -> torch.Tensor:
-        """[B] long: each sequence's last row; built once (a host-to-device copy)."""
+        """[B] long: each sequence's last row; built once."""
         if self._last_rows is None:
-            self._last_rows = torch.tensor(self.offsets[1:], dtype=torch.long,
-                                           device=self.input_ids.device) - 1
+            self._last_rows = upload([o - 1 for o in self.offsets[1:]], torch.long,
+                                     self.input_ids.device)
         return self._last_rows
 
 

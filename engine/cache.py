@@ -23,6 +23,7 @@ import torch
 from engine.config import ModelConfig
 from engine.kv.attention import AttentionMetadata, paged_attention
 from engine.kv.formats import KVFormat
+from engine.uploads import upload
 
 
 @dataclass(frozen=True)
@@ -224,8 +225,8 @@ class PagedKVCache:
             return
         if not self.kv_format.uses_staging:
             raise ValueError(f"KV format {self.kv_format!r} has no staging pages to seal")
-        src = torch.tensor(staging_ids, dtype=torch.long, device=self.device)
-        dst = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        src = upload(staging_ids, torch.long, self.device)
+        dst = upload(page_ids, torch.long, self.device)
         for fmt, buffers in zip(self.pool_formats, self.kv):
             if fmt is self.kv_format:
                 fmt.seal(buffers, src, dst)

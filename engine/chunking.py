@@ -1,9 +1,10 @@
 """Where a prefill is cut into forwards, and where the GDN state is captured.
 
 A prefill of positions [start, end) runs in chunks of at most `chunk_size`
-tokens (so a long prompt never holds the GPU for long), and is also cut at every
-snapshot point: a page-aligned position where the caller copies the sequence's
-GDN state into a snapshot slot for the prefix cache. Snapshots are page-aligned
+tokens (so a long prompt never holds the GPU for long). Snapshot points are
+page-aligned positions where the sequence's GDN state is kept in a snapshot
+slot for the prefix cache: a chunk ending at one copies its state after the
+forward, a chunk with one inside has the forward leave it there. Snapshots are page-aligned
 so that a restored prefix is always whole pages plus its state (see
 kvstore/radix.py).
 """
@@ -17,6 +18,9 @@ class Chunk:
     start: int
     end: int
     snapshot: bool  # copy the GDN state after this chunk (its end is a snapshot point)
+    # a snapshot point inside (start, end) that the forward itself leaves
+    # (SequenceInput.snapshot), or None
+    inner_snapshot: int | None = None
 
 
 def snapshot_points(start: int, end: int, page_size: int, every: int = 0,
@@ -38,16 +42,27 @@ def snapshot_points(start: int, end: int, page_size: int, every: int = 0,
     return sorted(p for p in points if start < p <= end)
 
 
-def prefill_chunks(start: int, end: int, chunk_size: int, snapshots: list[int] = ()) -> list[Chunk]:
-    """Cut [start, end) at `chunk_size` and at each snapshot point."""
+def prefill_chunks(start: int, end: int, chunk_size: int, snapshots: list[int] = (),
+                   fold: bool = True) -> list[Chunk]:
+    """Cut [start, end) into chunks of at most `chunk_size` tokens. With `fold`,
+    a chunk takes the first snapshot point inside it as its inner_snapshot
+    and is cut at a second one: a prompt's last partial page (1..16 tokens
+    after the prompt-end snapshot) no longer costs a forward of its own.
+    Without, it is cut at every snapshot point too."""
     if not 0 <= start < end:
         raise ValueError(f"empty or negative prefill range [{start}, {end})")
     if chunk_size < 1:
         raise ValueError("chunk_size must be >= 1")
-    cuts = sorted({*range(start + chunk_size, end, chunk_size), *snapshots, end} - {start})
     marks = set(snapshots)
+    if not fold:
+        cuts = sorted({*range(start + chunk_size, end, chunk_size), *snapshots, end} - {start})
+        return [Chunk(lo, hi, hi in marks) for lo, hi in zip([start, *cuts], cuts)]
     chunks, lo = [], start
-    for hi in cuts:
-        chunks.append(Chunk(lo, hi, hi in marks))
+    while lo < end:
+        hi = min(lo + chunk_size, end)
+        inside = sorted(p for p in marks if lo < p < hi)
+        if len(inside) > 1:
+            hi = inside[1]
+        chunks.append(Chunk(lo, hi, hi in marks, inside[0] if inside else None))
         lo = hi
     return chunks

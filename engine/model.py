@@ -204,18 +204,41 @@ class GatedDeltaNet(nn.Module):
         z = z.view(tokens, self.num_v_heads, self.v_dim)
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
-        if gdn_batched.use_fused_path(x, batch):
-            out = self._forward_fused(mixed, a, b, batch, states, windows, weight)
-            return self.out_proj(self.norm(out, z).reshape(tokens, -1))
+        # the fused steps write a snapshot like any other per-token state (batch.gdn)
+        if batch.takes_snapshots and not gdn_batched.use_fused_path(x, batch):
+            out = self._mix_around_snapshots(mixed, a, b, batch.snapshot_split, states,
+                                             windows, weight)
+        else:
+            out = self._mix(mixed, a, b, batch, states, windows, weight)
+        return self.out_proj(self.norm(out, z).reshape(tokens, -1))
+
+    def _mix_around_snapshots(self, mixed, a, b, split, states, windows, weight):
+        """The conv and recurrence up to each snapshot, the snapshot, then the
+        rest: the same two passes a prefill cut at the snapshot makes, without
+        a second forward of the whole model for the rows after it."""
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=mixed.dtype,
+                          device=mixed.device)
+        for part, rows in ((split.before, split.rows_before), (split.after, split.rows_after)):
+            out[rows] = self._mix(mixed[rows], a[rows], b[rows], part, states, windows, weight)
+            if part is split.before:
+                split.take_snapshots(states, windows)
+        return out
+
+    def _mix(self, mixed, a, b, batch, states, windows, weight):
+        """Conv + SiLU and the gated delta rule of the batch's rows, reading
+        and updating its state slots; [T, Hv, Dv]."""
+        tokens = mixed.shape[0]
+        if gdn_batched.use_fused_path(mixed, batch):
+            return self._forward_fused(mixed, a, b, batch, states, windows, weight)
         beta = torch.sigmoid(b)
         # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         # speculative verify (position_slots) keeps every state: the per-sequence path
         keeps_every_state = any(seq.position_slots for seq in batch.seqs)
-        if gdn_batched.use_batched_path(x) and not keeps_every_state:
-            out = self._forward_batched(mixed, g, beta, batch, states, windows, weight)
-            return self.out_proj(self.norm(out, z).reshape(tokens, -1))
-        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=x.dtype, device=x.device)
+        if gdn_batched.use_batched_path(mixed) and not keeps_every_state:
+            return self._forward_batched(mixed, g, beta, batch, states, windows, weight)
+        out = torch.empty(tokens, self.num_v_heads, self.v_dim, dtype=mixed.dtype,
+                          device=mixed.device)
         for i, seq in enumerate(batch.seqs):
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             slot = seq.state_slot
@@ -237,8 +260,7 @@ class GatedDeltaNet(nn.Module):
                 o, final = rule(q, k, v, g[None, lo:hi], beta[None, lo:hi], initial)
                 states[slot] = final[0]
             out[lo:hi] = o[0]
-        out = self.norm(out, z).reshape(tokens, -1)
-        return self.out_proj(out)
+        return out
 
     def _forward_fused(self, mixed, a, b, batch, states, windows, weight):
         """Decode and verify steps on CUDA: two Triton kernels, every index on

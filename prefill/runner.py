@@ -79,8 +79,10 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     for chunk in prefill_chunks(job.start, n, chunk_size, sorted(snapshot_slot)):
         if open_pages is not None:
             table = open_pages.prepare(cache, job.pages, chunk.start, chunk.end, prefill=True)
+        inner = chunk.inner_snapshot
         seq = SequenceInput(_as_tokens(job.tokens[chunk.start:chunk.end]), chunk.start, table,
-                            job.state_slot)
+                            job.state_slot,
+                            snapshot=None if inner is None else (inner, snapshot_slot[inner]))
         batch = ForwardBatch.build([seq], cache.page_size, cache.device)
         if chunk_starts is not None:
             chunk_starts(chunk.end, chunk.end == n)

@@ -2,21 +2,19 @@
 prompt on scratch pages, cut into the chunk kinds a request's prefill is cut
 into, so that every Triton kernel a request runs is compiled (or loaded from
 Triton's disk cache) before the first request and not during it.
-
 The kinds (engine/kv/attention.py, engine/gdn_kernels.py): chunks of more
 than 16 new tokens (the dense prefill path), chunks of 9..16 (the batched
-GDN path, fp32 attention dots), tails of 2..8 (the fused GDN step kernels at
-MAX_T = 8) and of 1 (MAX_T = 1, decode's attention tiles). The router cuts a
-prompt at the last page boundary before its end, so a request's prefill
-ends with a tail of 1..page_size tokens after a cached prefix: the warm-up
-runs two jobs the same way, the second resuming the first from its snapshot
-slot. Its context reaches 64 key tiles, past which short batches always
-split their keys 64 ways, so the split count long contexts use is compiled
-too; a third job resumes the second with a chunk of two pages, which
-splits its keys as a short prefill over a long context does (an agent turn:
-attention.prefill_key_splits). The decode worker reads the same kernels
-from Triton's disk cache.
-
+GDN path, fp32 attention dots), of 2..8 (the fused GDN step kernels at
+MAX_T = 8) and of 1 (MAX_T = 1, decode's attention tiles). The router puts a
+snapshot at the last page boundary before a prompt's end; a chunk with one
+inside runs its GDN layers in two parts around it (engine/batch.py
+SnapshotSplit), the part after it 1..16 rows: fused steps or fla. The
+warm-up runs jobs the same way (warm_up_jobs), each resuming the previous
+one's snapshot. The first job's context reaches 64 key tiles, past which
+short batches always split their keys 64 ways, so the split count long
+contexts use is compiled too; a short chunk over it splits its keys as an
+agent turn does (attention.prefill_key_splits). The decode worker reads the
+same kernels from Triton's disk cache.
 On the GPU only (off it nothing compiles). Every page and slot goes back to
 the store, whatever happens."""
 from __future__ import annotations
@@ -54,21 +52,30 @@ def warm_up_length(store: StoreClient) -> int:
     return length if length >= 2 * info.page_size else 0
 
 
+def warm_up_jobs(length: int, page: int) -> tuple[tuple[int, int], ...]:
+    """(start, stop) of each warm-up job over `length` tokens of whole pages,
+    each resuming at the snapshot the one before left (a page boundary):
+    1. chunks up to `length`, then a one-token chunk of its own;
+    2. 21 tokens, the snapshot after 16: GDN parts of 16 (fla) and 5 (fused, MAX_T 8);
+    3. 33 tokens over the long context (split keys), the snapshot after 32:
+       parts of 32 and 1 (fused, MAX_T 1);
+    4. 12 tokens with no snapshot inside: a chunk of 9..16;
+    5. 5 tokens, again from 4's start: a chunk of 2..8."""
+    short = length + 3 * page
+    return ((0, length + 1), (length, length + page + 5), (length + page, short + 1),
+            (short, short + 12), (short, short + 5))
+
+
 def warm_up(store: StoreClient, chunk: int) -> float:
-    """Runs the warm-up's two jobs on pages and slots it takes from the store
+    """Runs the warm-up's jobs on pages and slots it takes from the store
     and gives back; returns its seconds (0.0 when the store is too small)."""
     length = warm_up_length(store)
     if not length:
         return 0.0
     info, cache = store.info, store.cache
     page = info.page_size
-    # job 1: [0, length + 1): chunks, then a one-token tail after the snapshot
-    # at `length`; job 2 resumes there: a page of 16 or fewer tokens, then a
-    # tail of 5 after the snapshot a page later; job 3 resumes from that one:
-    # a two-page chunk (more than 16 tokens, few programs: split keys), then
-    # a one-token tail
-    jobs = ((0, length + 1), (length, length + page + 5), (length + page, length + 3 * page + 1))
-    end = jobs[-1][1]
+    jobs = warm_up_jobs(length, page)
+    end = max(stop for _, stop in jobs)
     total_pages = -(-end // page)
     hybrid = info.config.is_hybrid
     sinks = min(info.sink_pages_per_sequence, total_pages)
@@ -81,10 +88,10 @@ def warm_up(store: StoreClient, chunk: int) -> float:
         state, snapshot = (grant.slots[0], grant.slots[1]) if hybrid else (-1, -1)
         tokens = tuple((7 * i + 3) % info.config.vocab_size for i in range(end))
         for start, stop in jobs:
-            cut = (stop - 1) // page * page
+            cut = (stop - 1) // page * page  # where the router snapshots a prompt
             job = PrefillJob(WARM_UP_ID, tokens[:stop], start, pages, state,
                              restore_slot=snapshot if hybrid and start else -1,
-                             snapshots=((cut, snapshot),) if hybrid else (),
+                             snapshots=((cut, snapshot),) if hybrid and cut > start else (),
                              open_pages=open_ids)
             run_prefill(store.model, cache, job, chunk,
                         open_pages=cache.open_pages_for(open_ids, pages))

@@ -86,11 +86,13 @@ def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format):
     prefixes reuse their compiled kernels: the sizes that change per request
     are not Triton specializations (engine/compiles.py; on the H200 an agent
     turn that met a new variant waited 1-5 s for it). Each job is cut as the
-    router cuts it: a snapshot at the last page boundary before its end, so
-    a tail of 1..16 tokens runs on its own (the GDN step kernels)."""
+    router cuts it: a snapshot at the last page boundary before its end, left
+    inside the chunk (the GDN part after it on the step kernels or fla). The
+    warm-up's jobs (prefill/warmup.py) come first."""
     from engine.chunking import snapshot_points
     from engine.compiles import CompileWatch
     from prefill.runner import PrefillJob, run_prefill
+    from prefill.warmup import warm_up_jobs
 
     loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.bfloat16, seed=5)
     cache = PagedKVCache(loaded.config, CacheShape(320, 16, 4), "cuda", make_format(kv_format))
@@ -106,11 +108,11 @@ def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format):
         run_prefill(loaded.model, cache, PrefillJob("r", tokens[:end], start, pages, 0,
                                                     snapshots=snapshots), 64)
 
-    # the warm-up's last chunks: 64, 32, 8; 64, 8, 11; 64, 5, 1 tokens
-    for start, end in [(0, 4200), (4200, 4283), (4283, 4353)]:
+    for start, end in warm_up_jobs(4096, 16):
         prefill(start, end)
     assert watch.take(), "the watch saw no compile during the warm-up"
-    # then 47, 2; 46, 1; 63, 1, 10; 64, 21, 2; 30, 1
+    # then chunks of 49 (GDN parts 47 + 2), 47 (46 + 1), 64 (63 + 1) and 10,
+    # 64 and 23 (21 + 2), 31 (30 + 1)
     for start, end in [(4353, 4402), (4402, 4449), (4449, 4523), (4523, 4610), (4610, 4641)]:
         prefill(start, end)
         compiled = watch.take()
@@ -119,26 +121,25 @@ def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format):
 
 @pytest.mark.parametrize("kv_format", ["int8", "rk4"])
 def test_a_prefill_chunk_over_a_cached_prefix_never_waits_for_the_gpu(kv_format):
-    """Once a chunk's ForwardBatch has its device indices, its forward makes
-    no stream sync: the host keeps queueing kernels while the GPU runs. Each
-    sync drains the queue, then the GPU waits on the host's launches; on the
-    H200 a 1.1K-token turn after 99K cached took 0.42 s against 0.31 s of
-    kernels (BENCHMARKS.md, 2026-12-02 11:39), when every GDN layer made a new
-    cu_seqlens (two syncs a layer) and the first attention layer read the
-    page tables back. torch's sync debug mode raises at the syncing line."""
+    """A chunk's batch indices and its forward make no stream sync: the host
+    keeps queueing kernels while the GPU runs. Each sync drains the queue,
+    then the GPU waits on the host's launches; on the H200 a 1.1K-token turn
+    after 99K cached took 0.42 s against 0.31 s of kernels (BENCHMARKS.md,
+    2026-12-02 11:39), when every GDN layer made a new cu_seqlens (two syncs
+    a layer) and the first attention layer read the page tables back. The
+    13:50 run found the last one: the dense workspace's metadata, a pageable
+    upload (engine/uploads.py). torch's sync debug mode raises at the
+    syncing line."""
     loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.bfloat16, seed=5)
     page = 16
     cache = PagedKVCache(loaded.config, CacheShape(80, page, 2), "cuda", make_format(kv_format))
     ids = tuple((7 * i + 3) % 512 for i in range(1200))
     pages = tuple(range(-(-1200 // page)))
     loaded.model(ForwardBatch.build([SequenceInput(ids[:1000], 0, pages, 0)], page, "cuda"), cache)
-    batch = ForwardBatch.build([SequenceInput(ids[1000:], 1000, pages, 0)], page, "cuda")
-    # the batch's lazily built indices: each is one host-to-device copy
-    batch.attention, batch.varlen, batch.gdn, batch.row_sequences, batch.fresh
-    batch.last_token_indices()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        batch = ForwardBatch.build([SequenceInput(ids[1000:], 1000, pages, 0)], page, "cuda")
         logits = loaded.model(batch, cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")

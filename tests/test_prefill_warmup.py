@@ -45,16 +45,21 @@ def test_the_warm_up_runs_every_chunk_kind_and_gives_everything_back(store, monk
     _conserved(after)
     assert _held(after) == _held(before)
     (start1, end1, restore1, snaps1), (start2, end2, restore2, snaps2), \
-        (start3, end3, restore3, snaps3) = ran
-    # job 1: chunks, then a one-token tail after its snapshot; job 2 resumes
-    # from that snapshot: a page, then a tail of 5 tokens; job 3 resumes from
-    # job 2's snapshot: a two-page chunk (its keys split), then one token
+        (start3, end3, restore3, snaps3), (start4, end4, restore4, snaps4), \
+        (start5, end5, restore5, snaps5) = ran
+    # job 1: chunks, then a one-token chunk after its snapshot; job 2 resumes
+    # from that snapshot: 21 tokens, a snapshot a page in; job 3 resumes from
+    # it: 33 tokens (its keys split), a snapshot after 32; jobs 4 and 5
+    # resume from that one: 12 and 5 tokens, no snapshot inside
     assert (start1, end1, restore1) == (0, length + 1, -1)
     assert snaps1[0][0] == length and restore2 == snaps1[0][1]
     assert (start2, end2) == (length, length + PAGE + 5)
     assert snaps2[0][0] == length + PAGE and restore3 == snaps2[0][1]
     assert (start3, end3) == (length + PAGE, length + 3 * PAGE + 1)
     assert snaps3[0][0] == length + 3 * PAGE
+    assert (start4, end4, snaps4) == (length + 3 * PAGE, length + 3 * PAGE + 12, ())
+    assert (start5, end5, snaps5) == (length + 3 * PAGE, length + 3 * PAGE + 5, ())
+    assert restore4 == restore5 == snaps3[0][1]
 
 
 def test_a_failed_warm_up_gives_back_its_pages_and_slots(store, monkeypatch):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from engine.kv.formats import (Bf16Format, Int8Format, KVFormat, PagedRk4Format,
                                RotatedInt4Format)
+from engine.uploads import upload
 
 
 @dataclass
@@ -63,9 +64,9 @@ class AttentionMetadata:
                                        else pages.cpu())
         new_tokens = [hi - lo for lo, hi in zip(offsets, offsets[1:])]
         return cls(
-            q_offsets=torch.tensor(offsets, dtype=torch.int32).to(device),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32).to(device),
-            page_table=table.to(device),
+            q_offsets=upload(offsets, torch.int32, device),
+            kv_lens=upload(kv_lens, torch.int32, device),
+            page_table=upload(table, torch.int32, device),
             max_new_tokens=max(new_tokens), max_kv_len=max(kv_lens),
             host_offsets=list(offsets), host_kv_lens=list(kv_lens),
             page_tables=list(page_tables))
