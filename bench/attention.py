@@ -33,7 +33,10 @@ CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, Non
               (64, 64, 4, 3, True), (128, 32, 4, None, True), (64, 128, 8, 2, True),
               (128, 64, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 4, 2, True),
               (64, 64, 8, 2, True),
-              (16, 32, 4, None, False))  # 13: decode's tiles at the 27B's shape (--new 1)
+              (16, 32, 4, None, False),  # 13: decode's tiles at the 27B's shape (--new 1)
+              # 14-19: decode alternatives (128K int8 decode read its KV at ~0.9 TB/s)
+              (16, 64, 4, None, False), (16, 64, 8, None, False), (16, 32, 4, 4, False),
+              (16, 32, 8, 3, False), (16, 128, 8, 3, False), (16, 64, 4, None, True))
 
 
 def visible_pairs(context: int, new: int) -> int:

@@ -10,10 +10,10 @@
 # calls must follow each other within the machine's 30 s idle release, so
 # give the first two calls real work (device_next*.sh). This script runs in
 # the call that carries the last part and checks the file's sha256.
-#   SELF_INSTRUCT=500 SAMPLES=2 NEW=160 BUDGET=180 BATCH_SAMPLES=8 SOFT=1 \
-#     OLD_HEAD=0 METHODS=mtp KS=3 bash scripts/device_mtp.sh
-# is the A/B of the packed, soft-target training against the 12-02 11:46
-# head, which the same settings without BATCH_SAMPLES and SOFT gave (1.41 / 1.77).
+#   SELF_INSTRUCT=500 SAMPLES=2 NEW=160 BUDGET=150 OLD_HEAD=0 METHODS=mtp KS=3 \
+#     bash scripts/device_mtp.sh
+# made the shipped head (12-02 14:18: 1.51 chat / 1.82 code); BATCH_SAMPLES=1
+# SOFT=0 is the 12-02 11:46 recipe (one sample a step, greedy labels: 1.41 / 1.77).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -34,9 +34,9 @@ if [ "${OLD_HEAD:-1}" = 1 ]; then  # the shipped head on the held-out prompts, b
   python -m bench.speculative --device cuda --tokens-model embedded --methods mtp --ks 3 \
     --new-tokens 96 --json "$OUT/spec_old_head.json" 2>&1 | tail -3
 fi
-# BATCH_SAMPLES=N packs N samples per step; SOFT=1 trains on the base's distribution
+# BATCH_SAMPLES=N packs N samples per step (default 8); SOFT=0 trains on greedy labels
 python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
-  --batch-samples "${BATCH_SAMPLES:-1}" ${SOFT:+--soft-targets} \
+  --batch-samples "${BATCH_SAMPLES:-8}" $([ "${SOFT:-1}" = 0 ] && echo --no-soft-targets) \
   --new-tokens "$NEW" --time-budget "$BUDGET" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
   --out "$OUT/head.safetensors" 2>&1 | grep -v "^train-mtp: step" | tee "$OUT/train.log" | tail -8
 cp "$OUT/head.safetensors" engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors

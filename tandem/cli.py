@@ -103,10 +103,11 @@ def _add_train_mtp(sub) -> None:
                    help="file of generated samples: read when it exists, else written")
     p.add_argument("--self-instruct", type=int, default=0, metavar="N",
                    help="also answer N questions the model writes itself (varied phrasing)")
-    p.add_argument("--batch-samples", type=int, default=1,
-                   help="samples packed into one sequence per optimizer step")
-    p.add_argument("--soft-targets", action="store_true",
-                   help="train on the base's whole next-token distribution, not its greedy token")
+    p.add_argument("--batch-samples", type=int, default=8,
+                   help="samples packed into one sequence per optimizer step (default 8)")
+    p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=True,
+                   help="train on the base's whole next-token distribution (default), "
+                        "or with --no-soft-targets on its greedy token")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
