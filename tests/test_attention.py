@@ -89,6 +89,32 @@ def test_decode_matches_reference(name, options, page_size):
         torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_decode_with_wider_key_tiles_matches_reference(block_n, monkeypatch):
+    """TANDEM_DECODE_BLOCK_N (the A/B of decode's key tiles): tiles of 64 keys
+    span four 16-token pages, a context that ends inside one; the override
+    reaches tiles_for's decode tiles and rejects sizes it has no tiles for."""
+    from engine.kv.attention import Tiles, tiles_for
+
+    monkeypatch.setenv("TANDEM_DECODE_BLOCK_N", str(block_n))
+    assert tiles_for(256, 6, decode=True, on_gpu=True).block_n == block_n
+    assert tiles_for(256, 6, decode=False, on_gpu=True, new_tokens=4).block_n == 32
+    fmt = make_format("int8")
+    seqs = [(5, 1), (70, 1), (200, 1)]
+    buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=2, head_dim=32,
+                                  page_size=16, q_dtype=torch.float32, seed=block_n)
+    scale = q.shape[-1] ** -0.5
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, scale)
+    for splits in (1, 2):
+        actual = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=splits,
+                                        tiles=Tiles(rows=16, block_n=block_n, num_warps=4))
+        assert not actual.isnan().any()
+        torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    monkeypatch.setenv("TANDEM_DECODE_BLOCK_N", "48")
+    with pytest.raises(ValueError, match="16, 32, 64 or 128"):
+        tiles_for(256, 6, decode=True, on_gpu=True)
+
+
 def test_verify_width_queries_with_key_splits():
     """Speculative verify graphs (engine/cuda_graphs.py VerifyForward) split the
     keys of multi-token queries as decode does: causal rows whose later splits

@@ -12,6 +12,7 @@ nor how pages are written (formats.py).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +152,24 @@ class Tiles:
 PREFILL_DOT_BF16_FROM = 16
 
 
+DECODE_BLOCK_N_ENV = "TANDEM_DECODE_BLOCK_N"
+
+
+def decode_block_n(default: int) -> int:
+    """Keys per step of decode's attention tiles: `default`, or the A/B
+    override TANDEM_DECODE_BLOCK_N (16, 32, 64 or 128). On the H200 at
+    131,072 tokens (27B shape, int8, 2026-12-02 14:13) 64-key tiles read the
+    KV 17% faster than the 32 used at head_dim 256 (0.256 against 0.307 ms a
+    layer); the default moves once the whole step and the speculative parity
+    tests have run with it on the GPU."""
+    wanted = os.environ.get(DECODE_BLOCK_N_ENV, "")
+    if not wanted:
+        return default
+    if wanted not in ("16", "32", "64", "128"):
+        raise ValueError(f"{DECODE_BLOCK_N_ENV}={wanted!r}: give 16, 32, 64 or 128")
+    return int(wanted)
+
+
 def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
               fmt: KVFormat | None = None, q_dtype: torch.dtype | None = None,
               new_tokens: int = 0) -> Tiles:
@@ -174,7 +193,7 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
     block_n = 64 if head_dim <= 128 else 32
     if decode:  # one token: its GQA group's rows, padded to tl.dot's minimum of 16
         rows = max(16, 1 << (group - 1).bit_length())
-        return Tiles(rows=rows, block_n=block_n, num_warps=4, num_stages=stages)
+        return Tiles(rows=rows, block_n=decode_block_n(block_n), num_warps=4, num_stages=stages)
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
     if chunk and q_dtype == torch.bfloat16 and not rk4p_wide:
         # bench.attention on the H200 (27B shape, 4K new over 32K, 2026-12-01):
