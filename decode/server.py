@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
+from decode.warmup import warm_up
 from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
@@ -58,6 +59,9 @@ class StepLoop:
         self.subscribers: dict[str, _Subscriber] = {}
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="decode-steps", daemon=True)
+        # one stream for the warm-up and the steps: the caching allocator
+        # reuses a block only on the stream it was allocated on
+        self.stream = WorkerStream(scheduler.cache.device, high_priority=True)
 
     def start(self) -> None:
         self.thread.start()
@@ -83,8 +87,23 @@ class StepLoop:
         return bool(found and found[0])
 
     @torch.inference_mode()
+    def warm_up(self, store: StoreClient) -> None:
+        """Before start(): one short request through the scheduler on scratch
+        pages (decode/warmup.py), so that the first request's steps replay a
+        captured graph; a failure costs only the warm-up."""
+        try:
+            with self.stream.active():
+                done = warm_up(store, self.scheduler)
+        except (TandemError, RuntimeError) as e:
+            log(PROCESS, f"warm-up failed, the first requests will compile and capture: {e!r}")
+            return
+        compiled = self.compiles.take() if self.compiles is not None else []
+        log(PROCESS, f"warmed up in {done.seconds:.1f} s ({done.tokens} tokens, {done.drafted} "
+                     f"drafts verified, {len(compiled)} kernels compiled or loaded)")
+
+    @torch.inference_mode()
     def _run(self) -> None:
-        with WorkerStream(self.scheduler.cache.device, high_priority=True).active():
+        with self.stream.active():
             self._loop()
 
     def _loop(self) -> None:
@@ -251,6 +270,8 @@ async def _main(args) -> None:
     if spec.enabled:
         log(PROCESS, f"speculative decoding: {spec.method}, {spec.num_draft_tokens} draft tokens")
     steps = StepLoop(scheduler, watch_compiles(store.device))
+    if steps.compiles is not None:  # a GPU: kernels to load and graphs to capture
+        steps.warm_up(store)
     steps.start()
     inbox, ready, close_inbox = _transfer_inbox(args, store)
 

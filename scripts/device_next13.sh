@@ -10,7 +10,9 @@
 #  3. rk4p's offline agent turn with a longer limit (no result within 70 and
 #     110 s at 13:50 / 14:10; 0.288 s at 12:04): slow compiles or a hang;
 # Then, a call of its own: KV=rk4p PROFILE_EVERY=10 bash scripts/device_agent_loop.sh
-# (the issue's 4-bit format; int8's median TTFT 0.299 s at 14:15), and
+# (the issue's 4-bit format; int8's median TTFT 0.299 s at 14:15; its log
+# should now show "decode: warmed up" and no "a decode step ... waited": the
+# decode warm-up, decode/warmup.py, has not run on a GPU yet), and
 # SHARES="70 80" bash scripts/device_mps.sh; bash scripts/device_memory24.sh.
 set -uo pipefail
 source scripts/device_env.sh
