@@ -78,11 +78,16 @@ class _Graph:
         self.kv_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(size, pages, dtype=torch.int32, device=device)
         self.q_offsets = torch.arange(0, rows + 1, tokens, dtype=torch.int32, device=device)
+        # each sequence's last row: static, so no capture records a tensor the
+        # forward would otherwise build (and free) on its first use
+        self.last_rows = torch.arange(tokens - 1, rows, tokens, **longs)
         self.input_embeds: torch.Tensor | None = None  # [rows, H], with a host token table
+        self.hidden: torch.Tensor | None = None  # [rows, H]: the MTP head's target hidden
 
-    def fill(self, batch: ForwardBatch) -> None:
-        """Copies the batch into the static buffers, padding with copies of its
-        last sequence: same tokens, positions, K/V slots and pages, so the copy
+    def fill(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> None:
+        """Copies the batch (and the MTP head's hidden rows) into the static
+        buffers, padding with copies of its last sequence: same tokens,
+        positions, K/V slots and pages, so the copy
         writes what the original writes. The fused GDN steps skip the copies
         (read slot -1, nothing written) and give them the original's output
         rows: a copy run after its original had written the shared slot would
@@ -116,6 +121,12 @@ class _Graph:
                                                     dtype=batch.input_embeds.dtype,
                                                     device=self.input_ids.device)
             self.input_embeds.copy_(padded(batch.input_embeds, t))
+        if hidden is not None:
+            if self.hidden is None:
+                with torch.inference_mode(False):
+                    self.hidden = torch.empty(self.size * t, hidden.shape[1], dtype=hidden.dtype,
+                                              device=self.input_ids.device)
+            self.hidden.copy_(padded(hidden, t))
 
     def batch(self, seqs: list[SequenceInput]) -> ForwardBatch:
         """A ForwardBatch whose tensors are the static buffers."""
@@ -130,7 +141,7 @@ class _Graph:
         return ForwardBatch(seqs=padded, page_size=self.page_size, input_ids=self.input_ids,
                             positions=self.positions, kv_slots=self.kv_slots, page_tables=[],
                             state_slots=self.state_slots, offsets=offsets, _attention=meta,
-                            input_embeds=self.input_embeds,
+                            _last_rows=self.last_rows, input_embeds=self.input_embeds,
                             # a bucket of one is never padded: no row copy to capture
                             _gdn=GdnSlots(self.gdn_read, self.gdn_write,
                                           self.gdn_rows if size > 1 else None))
@@ -181,17 +192,18 @@ class _GraphedForward:
         bucket = next((b for b in self.buckets if b >= n), None)
         return None if bucket is None else (bucket, tokens)
 
-    def _run(self, key: tuple[int, int] | None, batch: ForwardBatch,
-             eager) -> tuple[torch.Tensor, ...]:
-        """The outputs of the forward: (logits, hidden) of every row (padding cut)."""
+    def _run(self, key: tuple[int, int] | None, batch: ForwardBatch, eager,
+             hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The outputs of the forward: (logits, hidden) of every row (padding
+        cut). `hidden`: the MTP head's input rows, for draft forwards."""
         if key is None or key in self._eager_keys:
             return eager()
         if self.model.embeds_on_host:  # a host copy cannot be captured: embed first
             batch = replace(batch, input_embeds=self.model.embed(batch))
         graph = self._graphs.get(key)
         if graph is None or graph.graph is None:
-            return self._warm_up_and_capture(key, batch)
-        graph.fill(batch)
+            return self._warm_up_and_capture(key, batch, hidden)
+        graph.fill(batch, hidden)
         graph.graph.replay()
         self.replays += 1
         rows = batch.num_tokens
@@ -211,13 +223,15 @@ class _GraphedForward:
         return _Graph(bucket, tokens, pages, self.cache.device, splits, self.max_context,
                       self.cache.page_size)
 
-    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: ForwardBatch,
+                 hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(batch, self.cache, all_logits=True, return_hidden=True)
 
     @torch.inference_mode()
-    def _warm_up_and_capture(self, key: tuple[int, int], batch: ForwardBatch):
+    def _warm_up_and_capture(self, key: tuple[int, int], batch: ForwardBatch,
+                             hidden: torch.Tensor | None = None):
         graph = self._graphs.setdefault(key, self._new_graph(*key))
-        graph.fill(batch)
+        graph.fill(batch, hidden)
         static = graph.batch(list(batch.seqs))
         rows = batch.num_tokens
         # The real forward, eagerly, on a side stream (as torch.cuda.graphs asks
@@ -225,13 +239,13 @@ class _GraphedForward:
         side = torch.cuda.Stream(device=self.cache.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            outputs = tuple(out[:rows].clone() for out in self._forward(static))
+            outputs = tuple(out[:rows].clone() for out in self._forward(static, graph.hidden))
         torch.cuda.current_stream().wait_stream(side)
         # Recording runs nothing, so the step is not applied twice.
         cuda_graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(cuda_graph, pool=self.pool.handle()):
-                graph.outputs = self._forward(static)
+                graph.outputs = self._forward(static, graph.hidden)
         except RuntimeError as e:
             # A forward that cannot be captured (a host copy somewhere in it)
             # must not take the service down: this bucket runs eagerly, loudly.
@@ -277,7 +291,7 @@ class VerifyForward(_GraphedForward):
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         key = self._verify_key(batch)
-        logits, hidden = self._run(key, batch, lambda: self._forward(batch))
+        logits, hidden = self._run(key, batch, lambda: self._forward(batch, None))
         if key is not None:
             # the graph's outputs are overwritten by its next replay, and the
             # hidden rows live on in Verified until the MTP head has run them
@@ -295,3 +309,37 @@ class VerifyForward(_GraphedForward):
             if not (gdn_batched.fused_enabled() and gdn_kernels.fits(tokens)):
                 return None
         return key
+
+
+class DraftForward(_GraphedForward):
+    """`forward(batch, hidden) -> (logits [B, V], out [T, H])`: the MTP head
+    over pairs (batch.input_ids the next tokens, `hidden` the target's hidden
+    at their positions), as CausalLM.mtp_forward, replaying a CUDA graph when
+    every sequence runs the same number of pairs: the drafts after the first
+    (one pair each) and, at batch 1, every catch-up forward (the kept tokens
+    of the last step, 1..k+1). Eager, each draft was a launch-bound forward of
+    its own: the embedded model decoded 73 tok/s speculating against 234
+    plainly on the H200 (12-02 14:18). The graph computes the logits of every
+    pair (the lm_head reads its weights once for a few rows as for one) and
+    the last pair's are picked outside it. Shares the decode graphs' pool."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_context: int,
+                 buckets: tuple[int, ...] = VERIFY_BUCKETS, enabled: bool | None = None,
+                 pool_of: _GraphedForward | None = None) -> None:
+        super().__init__(model, cache, max_context, buckets, enabled, pool_of)
+
+    @torch.inference_mode()
+    def __call__(self, batch: ForwardBatch,
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = batch.attention.max_new_tokens
+        uniform = batch.num_tokens == tokens * len(batch.seqs)
+        key = self._key(batch, tokens) if uniform else None
+        if key is None or key in self._eager_keys:
+            return self.model.mtp_forward(batch, hidden, self.cache)
+        logits, out = self._run(key, batch, lambda: None, hidden)
+        # the outputs live in the shared pool until the next replay of any graph
+        return logits.index_select(0, batch.last_token_indices()), out.clone()
+
+    def _forward(self, batch: ForwardBatch,
+                 hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.mtp_forward(batch, hidden, self.cache, all_logits=True)

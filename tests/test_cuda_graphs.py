@@ -13,7 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 from engine import gdn_batched  # noqa: E402
 from engine.batch import ForwardBatch, SequenceInput  # noqa: E402
 from engine.cache import CacheShape, PagedKVCache  # noqa: E402
-from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeForward, VerifyForward, _Graph  # noqa: E402
+from engine.cuda_graphs import (DEFAULT_BUCKETS, DecodeForward, DraftForward,  # noqa: E402
+                                 VerifyForward, _Graph)
 from engine.kv import make_format  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
@@ -201,3 +202,57 @@ def test_verify_graph_with_the_token_table_in_host_memory():
     assert loaded.model.embeds_on_host
     for got, ref in zip(_verify_steps(loaded, "int8", graphs=True), on_device):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def _draft_steps(loaded, graphs: bool):
+    """MTP head forwards as the drafter runs them: catch-up forwards of 1..3
+    pairs and single-pair drafts, at batch 1 and for three sequences (bucket
+    4, padded). Returns every step's logits and outputs."""
+    config = loaded.config
+    cache = PagedKVCache(config, CacheShape(40, 16, 4, mtp_layers=config.mtp_num_layers), "cuda",
+                         make_format("bf16", dtype=loaded.dtype))
+    forward = DraftForward(loaded.model, cache, max_context=160, enabled=graphs)
+    tables = [tuple(range(10 * i, 10 * i + 10)) for i in range(3)]
+    positions = [0, 0, 0]
+    generator = torch.Generator().manual_seed(11)
+    outs = []
+    for step, (active, pairs) in enumerate([([0], 3), ([0], 1), ([0], 1), ([0], 2), ([0], 3),
+                                            ([0, 1, 2], 1), ([0, 1, 2], 1), ([0], 1)]):
+        seqs = [SequenceInput(tuple((step * 11 + 3 * i + j) % 512 for j in range(pairs)),
+                              positions[i], tables[i]) for i in active]
+        hidden = torch.randn(len(active) * pairs, config.hidden_size, generator=generator)
+        logits, out = forward(ForwardBatch.build(seqs, 16, "cuda"),
+                              hidden.to("cuda", loaded.dtype))
+        outs += [logits.float(), out.float()]
+        for i in active:
+            positions[i] += pairs
+    if graphs:  # (1, 1) and (1, 3) and (4, 1) met again
+        assert forward.replays == 4 and not forward.capture_errors, forward.capture_errors
+    return outs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_draft_graph_replay_matches_eager():
+    """The MTP head's forwards replayed from graphs against the eager head:
+    each step also reads the MTP KV the earlier ones wrote."""
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, seed=3)
+    assert loaded.config.mtp_num_layers
+    eager, replayed = (_draft_steps(loaded, graphs) for graphs in (False, True))
+    for got, ref in zip(replayed, eager):
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_cpu_draft_forward_is_the_eager_head():
+    loaded = load_model("tiny-qwen3.5", dtype=torch.float32, seed=3)
+    config = loaded.config
+    cache = PagedKVCache(config, CacheShape(10, 16, 2, mtp_layers=config.mtp_num_layers), "cpu",
+                         make_format("bf16", dtype=torch.float32))
+    forward = DraftForward(loaded.model, cache, max_context=160)
+    assert not forward.enabled
+    batch = ForwardBatch.build([SequenceInput((5, 6), 0, (0, 1))], 16, "cpu")
+    hidden = torch.randn(2, config.hidden_size)
+    logits, out = forward(batch, hidden)
+    ref_logits, ref_out = loaded.model.mtp_forward(batch, hidden, cache)
+    torch.testing.assert_close(logits, ref_logits)
+    torch.testing.assert_close(out, ref_out)
+    assert logits.shape == (1, config.vocab_size) and forward.replays == 0

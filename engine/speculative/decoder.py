@@ -29,7 +29,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import PagedKVCache
-from engine.cuda_graphs import VerifyForward
+from engine.cuda_graphs import DraftForward, VerifyForward
 from engine.kv.open_pages import page_table_of, prepare_pages
 from engine.model import CausalLM
 from engine.sampling import processed_probs
@@ -97,6 +97,10 @@ class SpeculativeDecoder:
         # (None: on for CUDA caches), in the decode graphs' pool when given
         self.verify_forward = VerifyForward(model, cache, self.max_context, enabled=cuda_graphs,
                                             pool_of=graph_pool_of)
+        # and the MTP head's drafting forwards, in the same pool
+        self.draft_forward = (DraftForward(model, cache, self.max_context, enabled=cuda_graphs,
+                                           pool_of=self.verify_forward)
+                              if config.uses_mtp else None)
 
     # --- membership -----------------------------------------------------
     def start(self, seq, spare_slots: Sequence[int] = ()) -> SpecState:
@@ -222,7 +226,7 @@ class SpeculativeDecoder:
             seq.spec.pending = None
         caps = [self.draft_cap(s) for s in ready]
         batch = ForwardBatch.build(inputs, self.page_size, self.cache.device)
-        logits, out = self.model.mtp_forward(batch, torch.cat(hiddens), self.cache)
+        logits, out = self.draft_forward(batch, torch.cat(hiddens))
         hidden = out.index_select(0, batch.last_token_indices())
         positions = [inp.end - 1 for inp in inputs]  # of each sequence's last pair
         probs: list[list[torch.Tensor]] = [[] for _ in ready]
@@ -248,7 +252,7 @@ class SpeculativeDecoder:
                                   page_table_of(ready[i])) for i in rows]
             batch = ForwardBatch.build(step, self.page_size, self.cache.device)
             index = torch.tensor(keep, dtype=torch.long, device=hidden.device)
-            logits, hidden = self.model.mtp_forward(batch, hidden.index_select(0, index), self.cache)
+            logits, hidden = self.draft_forward(batch, hidden.index_select(0, index))
         for i, seq in enumerate(ready):
             if probs[i]:
                 seq.spec.draft_probs = torch.stack(probs[i])
