@@ -83,6 +83,7 @@ class _Graph:
         self.last_rows = torch.arange(tokens - 1, rows, tokens, **longs)
         self.input_embeds: torch.Tensor | None = None  # [rows, H], with a host token table
         self.hidden: torch.Tensor | None = None  # [rows, H]: the MTP head's target hidden
+        self.static: ForwardBatch | None = None  # the batch the graph was recorded from
 
     def fill(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> None:
         """Copies the batch (and the MTP head's hidden rows) into the static
@@ -233,6 +234,9 @@ class _GraphedForward:
         graph = self._graphs.setdefault(key, self._new_graph(*key))
         graph.fill(batch, hidden)
         static = graph.batch(list(batch.seqs))
+        # kept with the graph: whatever the forward builds lazily on it (a
+        # device index) is memory the recorded kernels read at every replay
+        graph.static = static
         rows = batch.num_tokens
         # The real forward, eagerly, on a side stream (as torch.cuda.graphs asks
         # of warm-up runs); its padding copies are skipped or repeat the last sequence.
