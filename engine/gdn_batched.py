@@ -4,7 +4,8 @@ decode and speculative verify steps can be captured in CUDA graphs.
 
 What runs where (GatedDeltaNet.forward in engine/model.py picks):
 - CUDA, every sequence with 1..8 new tokens (decode steps, speculative verify
-  batches of k+1 tokens, short tails): the fused Triton steps of
+  batches of k+1 tokens, short chunks and the part of a chunk after a
+  snapshot inside it, engine/batch.py SnapshotSplit): the fused Triton steps of
   engine/gdn_kernels.py, one conv kernel and one recurrence kernel per layer,
   g/beta computed inside from the raw projections; the state after each token
   goes to its write slot (ForwardBatch.gdn). TANDEM_FUSED_GDN=0
