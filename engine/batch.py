@@ -270,7 +270,8 @@ class ForwardBatch:
         if self._snapshot_split is None:
             device = self.input_ids.device
             before, after, rows_before, rows_after, froms, tos = [], [], [], [], [], []
-            for seq, lo, hi in zip(self.seqs, self.offsets, self.offsets[1:]):
+            after_parents = []
+            for i, (seq, lo, hi) in enumerate(zip(self.seqs, self.offsets, self.offsets[1:])):
                 if seq.snapshot is None:
                     before.append(seq)
                     rows_before.append((lo, hi))
@@ -278,16 +279,45 @@ class ForwardBatch:
                 head, tail = seq.split_at_snapshot()
                 before.append(head)
                 after.append(tail)
+                after_parents.append(i)
                 rows_before.append((lo, lo + len(head.tokens)))
                 rows_after.append((lo + len(head.tokens), hi))
                 froms.append(seq.state_slot)
                 tos.append(seq.snapshot[1])
+            rows_before, rows_after = _rows(rows_before, device), _rows(rows_after, device)
             self._snapshot_split = SnapshotSplit(
-                ForwardBatch.build(before, self.page_size, device),
-                ForwardBatch.build(after, self.page_size, device),
-                _rows(rows_before, device), _rows(rows_after, device),
+                self._part(before, list(range(len(self.seqs))), rows_before),
+                self._part(after, after_parents, rows_after), rows_before, rows_after,
                 upload(froms, torch.long, device), upload(tos, torch.long, device))
         return self._snapshot_split
+
+    def _part(self, seqs: list[SequenceInput], parents: list[int],
+              rows: slice | torch.Tensor) -> "ForwardBatch":
+        """A batch of `seqs`, parts of this batch's sequences `parents` (in
+        order), over `rows` of it, from this batch's device tensors: building
+        it anew uploaded each sequence's page table again (100K tokens: 6K
+        pages) and took ~4 ms of host time at an agent turn's start."""
+        device = self.input_ids.device
+        offsets = [0]
+        for seq in seqs:
+            offsets.append(offsets[-1] + len(seq.tokens))
+        kv_lens = [seq.end for seq in seqs]
+        whole = parents == list(range(len(self.seqs)))
+        index = None if whole else upload(parents, torch.long, device)
+        table = self.attention.page_table
+        tables = [self.page_tables[i] for i in parents]
+        attention = AttentionMetadata(
+            q_offsets=upload(offsets, torch.int32, device),
+            kv_lens=upload(kv_lens, torch.int32, device),
+            page_table=table if whole else table.index_select(0, index),
+            max_new_tokens=max(len(seq.tokens) for seq in seqs), max_kv_len=max(kv_lens),
+            host_offsets=offsets, host_kv_lens=kv_lens, page_tables=tables)
+        return ForwardBatch(
+            seqs=seqs, page_size=self.page_size, input_ids=self.input_ids[rows],
+            positions=self.positions[rows], kv_slots=self.kv_slots[rows], page_tables=tables,
+            state_slots=self.state_slots if whole else self.state_slots.index_select(0, index),
+            offsets=offsets, _attention=attention,
+            input_embeds=None if self.input_embeds is None else self.input_embeds[rows])
 
     @property
     def num_tokens(self) -> int:

@@ -76,3 +76,31 @@ def test_a_snapshot_must_lie_inside_the_forward():
             SequenceInput(tuple(range(32)), 16, tuple(range(4)), 1, snapshot=snapshot)
     with pytest.raises(InvalidRequestError, match="not both"):
         SequenceInput((1, 2), 16, tuple(range(2)), 1, position_slots=(2, 3), snapshot=(17, 4))
+
+
+def test_the_split_batches_are_those_the_parts_would_build():
+    """SnapshotSplit's parts are cut from the forward's own tensors; they must
+    hold what ForwardBatch.build of the same part sequences holds."""
+    seqs = [SequenceInput(tuple(range(40)), 32, tuple(range(5)), 0, snapshot=(64, 4)),
+            SequenceInput(tuple(range(7)), 0, tuple(range(5, 6)), 1),
+            SequenceInput(tuple(range(20)), 16, tuple(range(6, 9)), 2, snapshot=(32, 5))]
+    batch = ForwardBatch.build(seqs, PAGE, "cpu")
+    split = batch.snapshot_split
+    heads_tails = [s.split_at_snapshot() if s.snapshot else (s, None) for s in seqs]
+    expected_before = ForwardBatch.build([h for h, _ in heads_tails], PAGE, "cpu")
+    expected_after = ForwardBatch.build([t for _, t in heads_tails if t], PAGE, "cpu")
+    for got, want in ((split.before, expected_before), (split.after, expected_after)):
+        assert got.offsets == want.offsets and got.seqs == want.seqs
+        for name in ("input_ids", "positions", "kv_slots", "state_slots"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for name in ("q_offsets", "kv_lens"):
+            assert torch.equal(getattr(got.attention, name), getattr(want.attention, name)), name
+        width = want.attention.page_table.shape[1]
+        assert torch.equal(got.attention.page_table[:, :width], want.attention.page_table)
+        assert (got.attention.max_new_tokens, got.attention.max_kv_len) == \
+            (want.attention.max_new_tokens, want.attention.max_kv_len)
+        assert torch.equal(got.gdn.write, want.gdn.write)
+        assert torch.equal(got.row_sequences, want.row_sequences)
+    rows = torch.cat([batch.input_ids[split.rows_before], batch.input_ids[split.rows_after]])
+    assert sorted(rows.tolist()) == sorted(batch.input_ids.tolist())
+    assert split.from_slots.tolist() == [0, 2] and split.to_slots.tolist() == [4, 5]
