@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.uploads import upload
 
 MAX_LOGPROBS = 20
 _MAX_SEED = 2**64  # torch.Generator.manual_seed takes a 64-bit unsigned seed
@@ -313,7 +314,7 @@ def apply_penalties(logits: torch.Tensor,
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return upload(values, torch.float32, device).unsqueeze(1)
 
 
 def _mask_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

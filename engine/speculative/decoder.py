@@ -36,6 +36,7 @@ from engine.sampling import processed_probs
 from engine.speculative.acceptance import accept_greedy, accept_sampled, draw, target_probs
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramIndex
+from engine.uploads import upload
 
 
 @dataclass
@@ -251,7 +252,7 @@ class SpeculativeDecoder:
             step = [SequenceInput((ready[i].spec.drafts[-1],), positions[i] + r,
                                   page_table_of(ready[i])) for i in rows]
             batch = ForwardBatch.build(step, self.page_size, self.cache.device)
-            index = torch.tensor(keep, dtype=torch.long, device=hidden.device)
+            index = upload(keep, torch.long, hidden.device)
             logits, hidden = self.draft_forward(batch, hidden.index_select(0, index))
         for i, seq in enumerate(ready):
             if probs[i]:
