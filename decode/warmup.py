@@ -16,13 +16,16 @@ from dataclasses import dataclass
 
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.sampling import SamplingParams
-from kvstore.client import StoreClient
+from kvstore.client import Allocation, StoreCapacityError, StoreClient
 from prefill.runner import PrefillJob, run_prefill
 
 WARM_UP_ID = "decode-warm-up"
 # a first token from the prefill, then steps: enough for a speculative step
 # to draft, verify and run again
 WARM_UP_TOKENS = 4
+# a small store may be lent out to the prefill worker's own warm-up, which
+# starts at the same time: wait for it this long, then give up (and serve)
+CAPACITY_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
     slots = 2 + info.spare_slots_per_sequence if hybrid else 0
     sinks = min(info.sink_pages_per_sequence, total_pages)
     started = time.perf_counter()
-    grant = store.allocate(total_pages - sinks, slots, sinks + info.open_pages_per_sequence)
+    grant = _allocate_when_free(store, total_pages - sinks, slots,
+                                sinks + info.open_pages_per_sequence)
     try:
         pages = (*grant.staging[:sinks], *grant.pages)
         open_ids = tuple(grant.staging[sinks:])
@@ -71,3 +75,18 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
     finally:
         scheduler.abort(WARM_UP_ID)  # after a failed step; a no-op once it finished
         store.release([*grant.pages, *grant.staging], grant.slots)
+
+
+def _allocate_when_free(store: StoreClient, pages: int, slots: int, staging: int,
+                        wait_s: float = CAPACITY_WAIT_S) -> Allocation:
+    """The store's allocation, retried while the store is out of capacity (the
+    prefill worker's warm-up holds some of it for a few seconds) for up to
+    `wait_s`; then its StoreCapacityError."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return store.allocate(pages, slots, staging)
+        except StoreCapacityError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.25)

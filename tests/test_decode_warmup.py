@@ -64,3 +64,27 @@ def test_a_failed_warm_up_gives_back_its_pages_and_slots(store, monkeypatch):
     assert not scheduler.has_work
     _conserved(after)
     assert _held(after) == _held(before)
+
+
+def test_the_warm_up_waits_for_capacity_another_session_gives_back(store):
+    """The prefill worker's warm-up starts beside this one and may hold what a
+    small store has for a few seconds: the decode warm-up waits for it."""
+    import threading
+    import time
+
+    with StoreClient.connect(store.socket, "prefill-warm-up") as other, \
+            StoreClient.connect(store.socket, "decode-warm-up") as client:
+        free = other.stats().free_slots
+        held = other.allocate(0, free, 0) if free else None
+        timer = threading.Timer(1.0, lambda: held and other.release((), held.slots))
+        timer.start()
+        try:
+            started = time.monotonic()
+            done = warmup.warm_up(client, _scheduler(client))
+            waited = time.monotonic() - started
+        finally:
+            timer.join()
+        after = client.stats()
+    assert done.tokens >= warmup.WARM_UP_TOKENS
+    assert waited >= 1.0 or not client.info.config.is_hybrid
+    _conserved(after)
