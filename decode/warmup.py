@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.sampling import SamplingParams
-from kvstore.client import Allocation, StoreCapacityError, StoreClient
+from kvstore.client import StoreClient
 from prefill.runner import PrefillJob, run_prefill
 
 WARM_UP_ID = "decode-warm-up"
@@ -45,48 +45,30 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
     spec = info.speculative
     # the prompt, the output, and the drafts a verify step writes past it
     draft = spec.num_draft_tokens + 1 if spec.enabled else 0
-    total_pages = -(-(page + WARM_UP_TOKENS + draft) // page)
     hybrid = info.config.is_hybrid
     slots = 2 + info.spare_slots_per_sequence if hybrid else 0
-    sinks = min(info.sink_pages_per_sequence, total_pages)
     started = time.perf_counter()
-    grant = _allocate_when_free(store, total_pages - sinks, slots,
-                                sinks + info.open_pages_per_sequence)
-    try:
-        pages = (*grant.staging[:sinks], *grant.pages)
-        open_ids = tuple(grant.staging[sinks:])
-        state, boundary = (grant.slots[0], grant.slots[1]) if hybrid else (-1, -1)
+    with store.scratch_sequence(page + WARM_UP_TOKENS + draft, slots,
+                                wait_s=CAPACITY_WAIT_S) as scratch:
+        pages = scratch.pages
+        state, boundary = scratch.slots[:2] if hybrid else (-1, -1)
         prompt = [(7 * i + 3) % info.config.vocab_size for i in range(page)]
-        open_pages = cache.open_pages_for(open_ids, pages)
-        first = run_prefill(store.model, cache, PrefillJob(WARM_UP_ID, prompt, 0, pages, state,
-                                                           open_pages=open_ids),
-                            page, open_pages=open_pages)
-        seq = DecodeSequence(
-            request_id=WARM_UP_ID, prompt=prompt, output=[first.token_ids[0]],
-            params=SamplingParams(max_new_tokens=WARM_UP_TOKENS), pages=list(pages),
-            state_slot=state, eos_token_ids=(), boundary_slot=boundary,
-            spare_slots=list(grant.slots[2:]) if hybrid else [], open_pages=open_pages)
-        scheduler.add(seq)
-        drafted = 0
-        while scheduler.has_work:
-            outs, _ = scheduler.step()
-            drafted += sum(out.drafted for out in outs)
-        return WarmedUp(time.perf_counter() - started, len(seq.output), drafted)
-    finally:
-        scheduler.abort(WARM_UP_ID)  # after a failed step; a no-op once it finished
-        store.release([*grant.pages, *grant.staging], grant.slots)
-
-
-def _allocate_when_free(store: StoreClient, pages: int, slots: int, staging: int,
-                        wait_s: float = CAPACITY_WAIT_S) -> Allocation:
-    """The store's allocation, retried while the store is out of capacity (the
-    prefill worker's warm-up holds some of it for a few seconds) for up to
-    `wait_s`; then its StoreCapacityError."""
-    deadline = time.monotonic() + wait_s
-    while True:
+        open_pages = cache.open_pages_for(scratch.open_pages, pages)
         try:
-            return store.allocate(pages, slots, staging)
-        except StoreCapacityError:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(0.25)
+            first = run_prefill(store.model, cache,
+                                PrefillJob(WARM_UP_ID, prompt, 0, pages, state,
+                                           open_pages=scratch.open_pages),
+                                page, open_pages=open_pages)
+            seq = DecodeSequence(
+                request_id=WARM_UP_ID, prompt=prompt, output=[first.token_ids[0]],
+                params=SamplingParams(max_new_tokens=WARM_UP_TOKENS), pages=list(pages),
+                state_slot=state, eos_token_ids=(), boundary_slot=boundary,
+                spare_slots=list(scratch.slots[2:]), open_pages=open_pages)
+            scheduler.add(seq)
+            drafted = 0
+            while scheduler.has_work:
+                outs, _ = scheduler.step()
+                drafted += sum(out.drafted for out in outs)
+        finally:
+            scheduler.abort(WARM_UP_ID)  # after a failed step; a no-op once it finished
+    return WarmedUp(time.perf_counter() - started, len(seq.output), drafted)

@@ -193,6 +193,14 @@ class _GraphedForward:
         bucket = next((b for b in self.buckets if b >= n), None)
         return None if bucket is None else (bucket, tokens)
 
+    def _uniform_key(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The key of a batch whose sequences all run the same number of
+        tokens; None (eager) for a ragged one."""
+        tokens = batch.attention.max_new_tokens
+        if batch.num_tokens != tokens * len(batch.seqs):
+            return None
+        return self._key(batch, tokens)
+
     def _run(self, key: tuple[int, int] | None, batch: ForwardBatch, eager,
              hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """The outputs of the forward: (logits, hidden) of every row (padding
@@ -303,14 +311,11 @@ class VerifyForward(_GraphedForward):
         return logits, hidden
 
     def _verify_key(self, batch: ForwardBatch) -> tuple[int, int] | None:
-        tokens = batch.attention.max_new_tokens
-        if batch.num_tokens != tokens * len(batch.seqs):
-            return None  # ragged: eager
-        key = self._key(batch, tokens)
+        key = self._uniform_key(batch)
         if key is not None and self.model.config.is_hybrid:
             from engine import gdn_batched, gdn_kernels  # triton: only where graphs run
 
-            if not (gdn_batched.fused_enabled() and gdn_kernels.fits(tokens)):
+            if not (gdn_batched.fused_enabled() and gdn_kernels.fits(key[1])):
                 return None
         return key
 
@@ -335,9 +340,7 @@ class DraftForward(_GraphedForward):
     @torch.inference_mode()
     def __call__(self, batch: ForwardBatch,
                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = batch.attention.max_new_tokens
-        uniform = batch.num_tokens == tokens * len(batch.seqs)
-        key = self._key(batch, tokens) if uniform else None
+        key = self._uniform_key(batch)
         if key is None or key in self._eager_keys:
             return self.model.mtp_forward(batch, hidden, self.cache)
         logits, out = self._run(key, batch, lambda: None, hidden)

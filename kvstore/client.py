@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -55,6 +56,16 @@ class StoreError(TandemError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.details = message
+
+
+@dataclass(frozen=True)
+class ScratchSequence:
+    """What StoreClient.scratch_sequence lends: a page table (sink pages
+    first), the staging ids of its open pages, and state slots."""
+
+    pages: tuple[int, ...]
+    open_pages: tuple[int, ...]
+    slots: tuple[int, ...]
 
 
 class StoreCapacityError(StoreError):
@@ -247,6 +258,33 @@ class StoreClient:
     def unlock(self, node_ids: Iterable[int]) -> None:
         self._call(self._stub.Unlock, pb.UnlockRequest(session_id=self.session_id,
                                                        node_ids=_ints(node_ids)))
+
+    @contextmanager
+    def scratch_sequence(self, tokens: int, slots: int,
+                         wait_s: float = 0.0) -> Iterator["ScratchSequence"]:
+        """Pages for a made-up sequence of `tokens` tokens, laid out as the
+        router lays out a request's (its leading sink pages and its open pages
+        staging ones, for a format that quantizes whole pages), and `slots`
+        state slots; all given back on exit, whatever happens (the workers'
+        warm-ups). wait_s: how long to retry while the store is out of
+        capacity, then its StoreCapacityError."""
+        info = self.info
+        total = -(-tokens // info.page_size)
+        sinks = min(info.sink_pages_per_sequence, total)
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                grant = self.allocate(total - sinks, slots, sinks + info.open_pages_per_sequence)
+                break
+            except StoreCapacityError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.25)
+        try:
+            yield ScratchSequence((*grant.staging[:sinks], *grant.pages),
+                                  tuple(grant.staging[sinks:]), grant.slots)
+        finally:
+            self.release([*grant.pages, *grant.staging], grant.slots)
 
     def release(self, pages: Iterable[int] = (), slots: Iterable[int] = ()) -> None:
         self._call(self._stub.Release, pb.ReleaseRequest(

@@ -76,16 +76,11 @@ def warm_up(store: StoreClient, chunk: int) -> float:
     page = info.page_size
     jobs = warm_up_jobs(length, page)
     end = max(stop for _, stop in jobs)
-    total_pages = -(-end // page)
     hybrid = info.config.is_hybrid
-    sinks = min(info.sink_pages_per_sequence, total_pages)
     started = time.perf_counter()
-    grant = store.allocate(total_pages - sinks, 2 if hybrid else 0,
-                           sinks + info.open_pages_per_sequence)
-    try:
-        pages = (*grant.staging[:sinks], *grant.pages)
-        open_ids = tuple(grant.staging[sinks:])
-        state, snapshot = (grant.slots[0], grant.slots[1]) if hybrid else (-1, -1)
+    with store.scratch_sequence(end, 2 if hybrid else 0) as scratch:
+        pages, open_ids = scratch.pages, scratch.open_pages
+        state, snapshot = scratch.slots[:2] if hybrid else (-1, -1)
         tokens = tuple((7 * i + 3) % info.config.vocab_size for i in range(end))
         for start, stop in jobs:
             cut = (stop - 1) // page * page  # where the router snapshots a prompt
@@ -95,6 +90,4 @@ def warm_up(store: StoreClient, chunk: int) -> float:
                              open_pages=open_ids)
             run_prefill(store.model, cache, job, chunk,
                         open_pages=cache.open_pages_for(open_ids, pages))
-    finally:
-        store.release([*grant.pages, *grant.staging], grant.slots)
     return time.perf_counter() - started
