@@ -4,10 +4,19 @@ loader and the forward are checked against an implementation we did not write.""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run interpreted; triton reads the switch
+# once, when first imported, so it is set before any test module imports it
+# (test modules set it too, but a run that collects another module first,
+# e.g. `pytest tests/test_decode_warmup.py tests/test_cuda_graphs.py`, found
+# no driver). The device machine sets TRITON_INTERPRET=0 itself.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
