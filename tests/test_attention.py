@@ -89,6 +89,22 @@ def test_decode_matches_reference(name, options, page_size):
         torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
 
 
+def test_decode_and_verify_share_key_tiles_at_head_dim_256(monkeypatch):
+    """64-key tiles for decode and verify at the 27B's head_dim (rk4p's wide
+    tiles keep 32); a prefill chunk keeps its own."""
+    from engine.kv.attention import tiles_for
+
+    monkeypatch.delenv("TANDEM_DECODE_BLOCK_N", raising=False)
+    int8, rk4p = make_format("int8"), make_format("rk4p")
+    for fmt, keys in ((int8, 64), (rk4p, 32)):
+        decode = tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
+        verify = tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4)
+        assert decode.block_n == verify.block_n == keys
+    chunk = tiles_for(256, 6, decode=False, on_gpu=True, fmt=int8, q_dtype=torch.float32,
+                      new_tokens=512)
+    assert chunk.block_n == 32
+
+
 @pytest.mark.parametrize("block_n", [32, 64])
 def test_decode_with_wider_key_tiles_matches_reference(block_n, monkeypatch):
     """TANDEM_DECODE_BLOCK_N (the A/B of decode's key tiles): tiles of 64 keys
@@ -98,7 +114,8 @@ def test_decode_with_wider_key_tiles_matches_reference(block_n, monkeypatch):
 
     monkeypatch.setenv("TANDEM_DECODE_BLOCK_N", str(block_n))
     assert tiles_for(256, 6, decode=True, on_gpu=True).block_n == block_n
-    assert tiles_for(256, 6, decode=False, on_gpu=True, new_tokens=4).block_n == 32
+    # a verify batch takes decode's key tiles (the same sums: speculative parity)
+    assert tiles_for(256, 6, decode=False, on_gpu=True, new_tokens=4).block_n == block_n
     fmt = make_format("int8")
     seqs = [(5, 1), (70, 1), (200, 1)]
     buffers, q, meta = build_case(fmt, seqs, q_heads=6, kv_heads=2, head_dim=32,

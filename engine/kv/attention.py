@@ -157,11 +157,8 @@ DECODE_BLOCK_N_ENV = "TANDEM_DECODE_BLOCK_N"
 
 def decode_block_n(default: int) -> int:
     """Keys per step of decode's attention tiles: `default`, or the A/B
-    override TANDEM_DECODE_BLOCK_N (16, 32, 64 or 128). On the H200 at
-    131,072 tokens (27B shape, int8, 2026-12-02 14:13) 64-key tiles read the
-    KV 17% faster than the 32 used at head_dim 256 (0.256 against 0.307 ms a
-    layer); the default moves once the whole step and the speculative parity
-    tests have run with it on the GPU."""
+    override TANDEM_DECODE_BLOCK_N (16, 32, 64 or 128), the A/B switch of
+    bench.decode and of the GPU parity tests."""
     wanted = os.environ.get(DECODE_BLOCK_N_ENV, "")
     if not wanted:
         return default
@@ -193,15 +190,27 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
     block_n = 64 if head_dim <= 128 else 32
     if decode:  # one token: its GQA group's rows, padded to tl.dot's minimum of 16
         rows = max(16, 1 << (group - 1).bit_length())
-        return Tiles(rows=rows, block_n=decode_block_n(block_n), num_warps=4, num_stages=stages)
+        return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=4,
+                     num_stages=stages)
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
     if chunk and q_dtype == torch.bfloat16 and not rk4p_wide:
         # bench.attention on the H200 (27B shape, 4K new over 32K, 2026-12-01):
         # bf16 dots at 128 x 64 tiles ran 4.1x (int8 pages) and 8.3x (bf16)
         # faster than fp32 dots at 64 x 32, at 216 / 276 TFLOP/s (SDPA: 318)
         return Tiles(rows=128, block_n=64, num_warps=8, dot_bf16=True)
+    if not chunk:  # a verify batch walks the keys in decode's steps (the same sums)
+        block_n = _decode_keys(block_n, rk4p_wide)
     return Tiles(rows=64, block_n=block_n, num_warps=4, num_stages=stages,
                  dot_bf16=chunk and q_dtype == torch.bfloat16)
+
+
+def _decode_keys(block_n: int, rk4p_wide: bool) -> int:
+    """Keys per tile of decode and verify: 64 at head_dim 256 too (H200, 27B
+    shape, int8, 2026-12-02): decode attention alone at 131,072 tokens 0.307
+    -> 0.256 ms a layer, the whole step 18.86 -> 18.44 ms, 4K unchanged; the
+    speculative parity tests pass with it. rk4p's wide tiles keep theirs
+    (registers and shared memory, above)."""
+    return decode_block_n(block_n if rk4p_wide else 64)
 
 
 def _kind_args(fmt: KVFormat, buffers: dict[str, torch.Tensor], rotary=None) -> tuple:
