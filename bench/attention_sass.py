@@ -108,7 +108,7 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
         PAGE_SIZE=PAGE if rk4p else 16, KIND=kind, SCALE_BLOCK=scale_block, E8M0=False,
         ROTARY_DIM=rotary_dim, Q_BF16=True, OUT_BF16=not rk4p, ROWS=tiles.rows,
         BLOCK_N=tiles.block_n, NUM_SPLITS=splits, FOR_LOOP=True,
-        DOT_BF16=1 if tiles.dot_bf16 else 0)
+        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=False)
     params = {p.name for p in kernel.params}
     if "ROPE_PAD" in params:
         constants["ROPE_PAD"] = K.rope_pad(rotary_dim)

@@ -22,7 +22,9 @@ import tempfile
 from bench.common import print_table
 
 
-def _compile(config, bits: int, rows: int):
+def _compile(config, bits: int, rows: int, pdl: bool = False):
+    """pdl: with the dependent-launch prologue (engine/pdl.py); the K loop's
+    counts are the same either way."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,12 +37,13 @@ def _compile(config, bits: int, rows: int):
                      ROW_WORDS="i32", GROUPS="i32", SUPERS="i32", TILES="i32")
     group = 32 if bits == 4 else 16  # Q4_K, Q6_K
     constants = dict(BITS=bits, G=group, S=256, ASYM=bits == 4, HAS_BIAS=False,
-                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=True)
+                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=True, PDL=pdl)
     if config.int8_x:
         kernel = _gemv_x8_kernel
         for name in ("M", "stride_xm", "stride_om"):
             del signature[name]
         del constants["BITS"]
+        constants.update(EARLY=pdl)
     elif config.tensor_cores:
         kernel = _gemv_dot_kernel
         constants.update(IEEE=False)

@@ -39,6 +39,7 @@ import triton.language as tl
 from engine.gdn import causal_conv1d, recurrent_gated_delta_rule
 from engine.kv.kernels import _load_dense, _store_dense
 from engine.kv.kernels import as_kernel_dense as _as_kernel
+from engine.pdl import pdl_launch, pdl_prologue
 
 MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
 
@@ -66,13 +67,14 @@ def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_str
                       write_slots_ptr, channels,
                       KERNEL: tl.constexpr, MAX_T: tl.constexpr, HIST: tl.constexpr,
                       BLOCK_C: tl.constexpr, X_BF16: tl.constexpr, WIN_BF16: tl.constexpr,
-                      W_BF16: tl.constexpr):
+                      W_BF16: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, channel block). The history tile holds, per channel, the
     K-1 window inputs then the new tokens' inputs: column i < K-1 is window
     column i, column K-1+t is token t. It is read whole before the first
     write, so a write slot equal to the input slot (verify's position 0,
     decode's only write) cannot feed back into this program's reads; other
     programs touch other channels or other slots."""
+    pdl_prologue(PDL)
     seq = tl.program_id(0)
     cb = tl.program_id(1)
     lo = tl.load(offsets_ptr + seq)
@@ -132,7 +134,8 @@ def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
         offsets, positions, in_slots, write_slots, channels,
         KERNEL=kernel, MAX_T=_bucket(max_tokens),
         HIST=triton.next_power_of_2(kernel - 1 + _bucket(max_tokens)),
-        BLOCK_C=block_c, X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16)
+        BLOCK_C=block_c, X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16,
+        **pdl_launch(mixed.device))
     return out
 
 
@@ -262,11 +265,13 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
                             HV: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr,
                             DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                             MAX_T: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                            A_LOG_BF16: tl.constexpr, DT_BF16: tl.constexpr):
+                            A_LOG_BF16: tl.constexpr, DT_BF16: tl.constexpr,
+                            PDL: tl.constexpr):
     """One (sequence, value head, block of value columns): the state tile
     [DK, BLOCK_V] stays in registers across the sequence's tokens. It is read
     before the first write, so a write slot equal to the input slot is safe;
     no other program reads or writes this tile of these slots."""
+    pdl_prologue(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     vb = tl.program_id(2)
@@ -352,7 +357,7 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5,
         HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
         BLOCK_V=block_v, MAX_T=_bucket(max_tokens), X_BF16=x_bf16, G_BF16=g_bf16,
-        A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16)
+        A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16, **pdl_launch(v.device))
     return out
 
 

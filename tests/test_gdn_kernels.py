@@ -248,10 +248,11 @@ for t in (1, 4):
     for kernel, sig, consts in (
             (G._conv_step_kernel, CONV,
              dict(KERNEL=4, MAX_T=t, HIST=triton.next_power_of_2(3 + t), BLOCK_C=128,
-                  X_BF16=True, WIN_BF16=False, W_BF16=True)),
+                  X_BF16=True, WIN_BF16=False, W_BF16=True, PDL=True)),
             (G._recurrence_step_kernel, REC, dict(HV=48, GROUPS=3, DK=128, DV=128, DK_PAD=128,
                                                   BLOCK_V=32, MAX_T=t, X_BF16=True, G_BF16=True,
-                                                  A_LOG_BF16=False, DT_BF16=True))):
+                                                  A_LOG_BF16=False, DT_BF16=True,
+                                                  PDL=True))):
         signature = dict(sig, **{k: "constexpr" for k in consts})
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.fused import reference
+from engine.pdl import pdl_launch, pdl_prologue
 
 MAX_ROW = 16384  # widest row one program normalizes (registers: 16 warps x 32 values)
 
@@ -48,10 +49,11 @@ def _scaled(xhat, w_ptr, offs, mask, ZERO_CENTERED: tl.constexpr, DT: tl.constex
 @triton.jit
 def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_stride, sum_stride,
                      out_stride, eps, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: optionally s = x + h (stored, rounded), then RMSNorm(s). The
     Llama product w * round(x̂) is rounded by the store to out's dtype (x's, or
     fp32 when the weight is wider)."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -74,10 +76,12 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_strid
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, H, g_stride_t, g_stride_h, eps,
-                           ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                           ROUND: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     """One head row (x: contiguous rows of N; g: head h of token t at
     t * g_stride_t + h * g_stride_h, H heads): round(w * round(x̂)) * SiLU(g)
     in fp32."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -95,9 +99,11 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, H, g_stride_t, g_str
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     """Row program_id(0), columns block program_id(1); g and u rows may be
     strided (the two halves of one [T, 2n] gate_up output), out is contiguous."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -112,11 +118,12 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.con
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, H, D, R,
                       stride_t, stride_h, cs_stride, eps, HAS_NORM: tl.constexpr,
                       ZERO_CENTERED: tl.constexpr, STORE_NORMED: tl.constexpr,
-                      HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr):
+                      HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One (token, head): optional RMSNorm over the head, then rotate-half
     rotary on its first R dims. The head is loaded as three pieces (first and
     second rotary halves, the unrotated rest) so the rotation pairs lanes
     without shuffles. Products and the sum are rounded like the eager ops."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
     t = pid // H
     head = pid % H
@@ -157,9 +164,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, H, D,
 
 @triton.jit
 def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, H, D, g_stride_t, g_stride_h,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One (token, head): out * round(sigmoid(gate)); the gate is read in place
     from the q projection's [query | gate] layout."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0).to(tl.int64)
     t = pid // H
     head = pid % H
@@ -225,7 +233,8 @@ def _launch_rms_norm(rows, residual, weight, total, out, eps, zero_centered) -> 
     _rms_norm_kernel[(rows.shape[0],)](
         rows, residual, weight, total, out, rows.shape[-1], rows.stride(0),
         residual.stride(0), total.stride(0), out.stride(0), eps, HAS_RESIDUAL=has_residual,
-        ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=warps)
+        ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=warps,
+        **pdl_launch(rows.device))
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
@@ -244,7 +253,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _gated_rms_norm_kernel[(xr.shape[0],)](
         xr, gr, weight, out, n, gr.shape[1], gr.stride(0), gr.stride(1), eps,
         ROUND=torch.promote_types(weight.dtype, x.dtype) == x.dtype, BLOCK=block,
-        num_warps=warps)
+        num_warps=warps, **pdl_launch(x.device))
     return out.view(x.shape)
 
 
@@ -257,7 +266,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = _empty(g.shape, g.dtype, g.device)
     block = 1024
     _silu_mul_kernel[(g.shape[0], triton.cdiv(n, block))](g, u, out, n, g.stride(0), u.stride(0),
-                                                          BLOCK=block, num_warps=4)
+                                                          BLOCK=block, num_warps=4,
+                                                          **pdl_launch(g.device))
     return out.view(gate.shape)
 
 
@@ -282,7 +292,8 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
         x, x if weight is None else weight, cos, sin, out, normed, heads, dim, rotary_dim,
         x.stride(0), x.stride(1), cos.stride(0), eps, HAS_NORM=weight is not None,
         ZERO_CENTERED=zero_centered, STORE_NORMED=keep_normed, HALF_BLOCK=half_block,
-        REST_BLOCK=rest_block, num_warps=1 if dim <= 256 else 2)
+        REST_BLOCK=rest_block, num_warps=1 if dim <= 256 else 2,
+        **pdl_launch(x.device))
     return out, normed if keep_normed else None
 
 
@@ -297,5 +308,6 @@ def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     result = _empty(o.shape, o.dtype, o.device)
     block, warps = _row_block(dim)
     _sigmoid_gate_kernel[(tokens * heads,)](o, gate, result, heads, dim, gate.stride(0),
-                                            gate.stride(1), BLOCK=block, num_warps=warps)
+                                            gate.stride(1), BLOCK=block, num_warps=warps,
+                                            **pdl_launch(o.device))
     return result

@@ -50,6 +50,7 @@ import triton.language as tl
 
 from engine.kv.kernels import (_e8m0_scale, _k_step_decode, _load_dense, _store_dense,
                                as_kernel_dense)
+from engine.pdl import pdl_launch, pdl_prologue
 
 # KV layouts the kernel knows (constexpr KIND).
 DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
@@ -565,7 +566,8 @@ def _paged_attention_kernel(
         ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr):
+        FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row_block = tl.program_id(0)
     seq = tl.program_id(1) // KV_HEADS
     kv_head = tl.program_id(1) % KV_HEADS
@@ -625,8 +627,10 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=("n_rows",))
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, n_rows,
                            D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr):
+                           SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr,
+                           PDL: tl.constexpr):
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2**(lse_s - max lse)."""
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < NUM_SPLITS
@@ -689,12 +693,13 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         ROTARY_DIM=rotary_dim, ROPE_PAD=rope_pad(rotary_dim),
         Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         FOR_LOOP=not _interpreting(),
-        DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0, **extra)
+        DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0, **extra,
+        **pdl_launch(q.device))
     if num_splits > 1:
         _combine_splits_kernel[(tokens * q_heads,)](
             part_out, part_lse, out_arg, tokens * q_heads, D=head_dim, D_PAD=d_pad,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            OUT_BF16=out_bf16)
+            OUT_BF16=out_bf16, **pdl_launch(q.device))
     return out
 
 

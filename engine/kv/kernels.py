@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from engine.kv import formats
+from engine.pdl import pdl_launch, pdl_prologue
 
 # rk4p's e5m3 K step (formats.k_step_encode), as constants kernels may read.
 _K_STEP_BIAS = tl.constexpr(formats.K_STEP_BIAS)
@@ -162,7 +163,8 @@ def _page_slot(page_table_ptr, token, PAGE_SIZE: tl.constexpr, mask):
 @triton.jit(do_not_specialize=("n_rows",))
 def _int8_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows,
                        H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                       ROWS: tl.constexpr):
+                       ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     cols = tl.arange(0, D_PAD)
@@ -225,7 +227,7 @@ def int8_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
     rows = _rows_per_program(d_pad)
     _int8_write_kernel[(triton.cdiv(n_rows, rows),)](
         x.contiguous(), slots.to(torch.int64).contiguous(), codes, scales, n_rows,
-        H=heads, D=head_dim, D_PAD=d_pad, ROWS=rows)
+        H=heads, D=head_dim, D_PAD=d_pad, ROWS=rows, **pdl_launch(x.device))
 
 
 def int8_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor,
@@ -251,11 +253,12 @@ def int8_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tenso
 @triton.jit(do_not_specialize=("n_rows", "slot_limit"))
 def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
                       ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
-                      E8M0: tl.constexpr, ROWS: tl.constexpr):
+                      E8M0: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
     # A row is one block of 2 * HALF channels, loaded contiguously and split
     # into even and odd channels: they go to the low and high nibbles of the
     # same byte. Rows whose slot is >= slot_limit are skipped (rk4p: tokens
     # of staging pages).
+    pdl_prologue(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
@@ -329,7 +332,7 @@ def rk4_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales:
     _rk4_write_kernel[(triton.cdiv(n_rows, rows),)](
         x.to(torch.float32).contiguous(), slots.to(torch.int64).contiguous(), codes, scales,
         n_rows, slot_limit, ROWS_PER_TOKEN=rows_per_token, HALF=block // 2,
-        E8M0=scale_format == "e8m0", ROWS=rows)
+        E8M0=scale_format == "e8m0", ROWS=rows, **pdl_launch(x.device))
 
 
 def rk4_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor, length: int,
@@ -357,9 +360,10 @@ def rk4_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor
 @triton.jit(do_not_specialize=("n_rows", "first_staged_slot"))
 def _staging_write_kernel(x_ptr, slots_ptr, open_ptr, n_rows, first_staged_slot,
                           H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                          ROWS: tl.constexpr):
+                          ROWS: tl.constexpr, PDL: tl.constexpr):
     """Rows (token, head) whose slot is a staging slot go to the bf16 pool,
     rounded to nearest even like torch's cast."""
+    pdl_prologue(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     slot = tl.load(slots_ptr + rows // H, mask=row_ok, other=0)
@@ -374,9 +378,10 @@ def _staging_write_kernel(x_ptr, slots_ptr, open_ptr, n_rows, first_staged_slot,
 @triton.jit(do_not_specialize=("n_tokens", "first_staged_slot"))
 def _k_page_kernel(x_ptr, slots_ptr, codes_ptr, min_ptr, step_ptr, n_tokens, first_staged_slot,
                    H: tl.constexpr, D: tl.constexpr, HALF_PAD: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr):
+                   PAGE_SIZE: tl.constexpr, PDL: tl.constexpr):
     """Program (token t, head h): if tokens t..t+P-1 fill one real page in
     order, quantize that page's K of head h per channel (formats.k_page_quantize)."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     first = tl.load(slots_ptr + t)
@@ -470,10 +475,10 @@ def paged_rk4_write(k: torch.Tensor, v_rot: torch.Tensor, slots: torch.Tensor,
     for x, side in ((k32, "k"), (v32, "v")):
         _staging_write_kernel[(triton.cdiv(n_rows, rows),)](
             x, slots, buffers[f"{side}_open"].view(torch.int16), n_rows, first_staged,
-            H=heads, D=head_dim, D_PAD=d_pad, ROWS=rows)
+            H=heads, D=head_dim, D_PAD=d_pad, ROWS=rows, **pdl_launch(x.device))
     _k_page_kernel[(tokens, heads)](
         k32, slots, buffers["k_codes"], buffers["k_min"], buffers["k_step"], tokens,
         first_staged, H=heads, D=head_dim, HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        PAGE_SIZE=page_size)
+        PAGE_SIZE=page_size, **pdl_launch(k.device))
     rk4_write(v32, slots, buffers["v_codes"], buffers["v_scales"], v_block, "fp16",
               slot_limit=first_staged)

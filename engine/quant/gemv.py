@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.pdl import pdl_launch, pdl_prologue
 from engine.quant.tensor import QuantTensor
 
 GEMV_MAX_ROWS = 8
@@ -138,10 +139,12 @@ def _gemv_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_pt
                  BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+                 EVEN: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr,
+                 PDL: tl.constexpr):
     """ROW_WORDS = K / codes per word, GROUPS = K / G, SUPERS = K / S are
     passed (not derived from K) so Triton sees their divisibility by 16, which
     is what lets it issue 16-byte loads; TILES is BLOCK_K steps per split."""
+    pdl_prologue(PDL)
     _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                   M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
                   BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM, PREFETCH)
@@ -155,8 +158,9 @@ def _gemv_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_
                              ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             PREFETCH: tl.constexpr, PDL: tl.constexpr):
     """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
+    pdl_prologue(PDL)
     _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                   M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
                   BITS, G, S, ASYM, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN, ASM, PREFETCH)
@@ -385,7 +389,9 @@ def _gemv_dot_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
                      M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
                      BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                      ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ASM: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_prologue(PDL)
     _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                       M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
                       BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
@@ -398,7 +404,8 @@ def _gemv_dot_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, 
                                  BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
                                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr,
                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 ASM: tl.constexpr, IEEE: tl.constexpr):
+                                 ASM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     _gemv_dot_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                       M, N, stride_xm, stride_os, stride_om, ROW_WORDS, GROUPS, SUPERS, TILES,
                       BITS, G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, IEEE)
@@ -471,18 +478,56 @@ def _quantize_x(x_ptr, xoff, xmask, NG: tl.constexpr, WPG: tl.constexpr):
 
 
 @triton.jit
+def _x8_tile(x_ptr, words, d, sc, dmin, m, w_ids, w_ok, BLOCK_N: tl.constexpr,
+             NG: tl.constexpr, WPG: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr):
+    """One tile's per-group partial sums [BN, NG] from its loaded weights and
+    the activation slice it quantizes."""
+    even, odd, x_scale, code_sum = _quantize_x(x_ptr, w_ids * 8, w_ok, NG, WPG)
+    low = words & 0x0F0F0F0F
+    high = (words >> 4) & 0x0F0F0F0F
+    dot = _dp4a(high, odd[None, :], _dp4a(low, even[None, :], 0, ASM), ASM)   # [BN, BW]
+    group_dot = tl.sum(tl.reshape(dot, [BLOCK_N, NG, WPG]), axis=2)           # [BN, NG]
+    part = group_dot.to(tl.float32) * (d.to(tl.float32) * sc.to(tl.float32)) \
+        * x_scale[None, :]
+    if ASYM:
+        part -= dmin.to(tl.float32) * m.to(tl.float32) \
+            * (code_sum.to(tl.float32) * x_scale)[None, :]
+    return part
+
+
+@triton.jit
+def _x8_tiles(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, wi, pid_k,
+              FIRST: tl.constexpr, ROW_WORDS, GROUPS, SUPERS, TILES, G: tl.constexpr,
+              S: tl.constexpr, NG: tl.constexpr, BW: tl.constexpr, WPG: tl.constexpr,
+              BLOCK_N: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr):
+    """acc plus the split's tiles FIRST.. (loads, then the tile's sums)."""
+    for tile in range(FIRST, TILES):
+        tile_id = pid_k * TILES + tile
+        w_ids = tile_id * BW + wi
+        words, d, sc, dmin, m = _tile_loads(
+            qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, True,
+            ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
+        acc += _x8_tile(x_ptr, words, d, sc, dmin, m, w_ids, w_ids < ROW_WORDS, BLOCK_N, NG,
+                        WPG, ASYM, ASM)
+    return acc
+
+
+@triton.jit
 def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                      N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
                      G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ASM: tl.constexpr):
+                     ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     """One activation row, 4-bit codes, int8 activations: per word, the low
     nibbles (its even K-elements) and the high ones (odd) each meet their
     activation codes in one DP4A: the sm_90 loop runs ~1.8-2.1 instructions
     per weight at 32-64 x 1024 tiles against the float loop's ~4.5
     (bench.gemv_sass; the activation's quantization is most of what is
     left, amortized over BLOCK_N rows). Per group:
-    s * sx * dot - b * sx * sum(codes) in fp32."""
+    s * sx * dot - b * sx * sum(codes) in fp32.
+    EARLY (with PDL): the first tile's weights are loaded before the
+    dependent-launch wait, while the kernel before still runs (weights are
+    never written by a kernel; only x and the output wait)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     WPG: tl.constexpr = G // 8
@@ -494,24 +539,23 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     wi = tl.arange(0, BW)
     w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
     acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
-    for tile in range(0, TILES):
-        tile_id = pid_k * TILES + tile
-        w_ids = tile_id * BW + wi
-        w_ok = w_ids < ROW_WORDS
+    if EARLY:
+        tile_id = pid_k * TILES
         words, d, sc, dmin, m = _tile_loads(
             qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, True,
             ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
-        even, odd, x_scale, code_sum = _quantize_x(x_ptr, w_ids * 8, w_ok, NG, WPG)
-        low = words & 0x0F0F0F0F
-        high = (words >> 4) & 0x0F0F0F0F
-        dot = _dp4a(high, odd[None, :], _dp4a(low, even[None, :], 0, ASM), ASM)   # [BN, BW]
-        group_dot = tl.sum(tl.reshape(dot, [BLOCK_N, NG, WPG]), axis=2)           # [BN, NG]
-        part = group_dot.to(tl.float32) * (d.to(tl.float32) * sc.to(tl.float32)) \
-            * x_scale[None, :]
-        if ASYM:
-            part -= dmin.to(tl.float32) * m.to(tl.float32) \
-                * (code_sum.to(tl.float32) * x_scale)[None, :]
-        acc += part
+        pdl_prologue(PDL)
+        w_ids = tile_id * BW + wi
+        acc += _x8_tile(x_ptr, words, d, sc, dmin, m, w_ids, w_ids < ROW_WORDS, BLOCK_N, NG,
+                        WPG, ASYM, ASM)
+        acc = _x8_tiles(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, wi,
+                        pid_k, 1, ROW_WORDS, GROUPS, SUPERS, TILES, G, S, NG, BW, WPG, BLOCK_N,
+                        ASYM, ASM)
+    else:
+        pdl_prologue(PDL)
+        acc = _x8_tiles(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, wi,
+                        pid_k, 0, ROW_WORDS, GROUPS, SUPERS, TILES, G, S, NG, BW, WPG, BLOCK_N,
+                        ASYM, ASM)
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -523,10 +567,10 @@ def _gemv_x8_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias
                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
                     G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
     _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                      N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
-                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM)
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY)
 
 
 @triton.jit
@@ -535,11 +579,12 @@ def _gemv_x8_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, o
                                 TILES: tl.constexpr,
                                 G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+                                BLOCK_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+                                EARLY: tl.constexpr):
     """The same with a constant TILES (the interpreter's loops)."""
     _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                      N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
-                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM)
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY)
 
 
 def quantize_activations_reference(x: torch.Tensor, group: int
@@ -563,8 +608,10 @@ def gemv_x8_reference(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
 
 @triton.jit
 def _split_k_sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, stride_ps, stride_om,
-                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                        SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     """out[m, n] = sum over splits of the fp32 partials (+ bias), cast."""
+    pdl_prologue(PDL)
     row = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -657,7 +704,8 @@ TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {
     (4, 32, 12288, 5120, 4): GemvConfig(64, 256, 2, 4, 2, tensor_cores=True),  # 39.2 us
     (4, 32, 1024, 5120, 1): GemvConfig(16, 1024, 8, 4, 1, prefetch=True),  # attn k/v 4.9 us
     (4, 32, 1024, 5120, 4): GemvConfig(64, 256, 16, 4, 2, tensor_cores=True),  # 8.3 us
-    (4, 32, 248320, 5120, 1): GemvConfig(32, 1024, 1, 4, 1),  # lm_head 271.6 us, 64%
+    # lm_head: DP4A, swept on the H200 2026-12-02 16:15 (float 271.7 us)
+    (4, 32, 248320, 5120, 1): GemvConfig(32, 1024, 1, 4, 3, int8_x=True),  # 207.0 us, 84%
     (4, 32, 248320, 5120, 4): GemvConfig(128, 256, 1, 8, 2, tensor_cores=True),  # 579.2 us
 }
 
@@ -756,6 +804,16 @@ def int8_x_override() -> bool | None:
     return None if value == "" else value != "0"
 
 
+def early_weights() -> bool:
+    """TANDEM_GEMV_EARLY=1: the DP4A kernel loads its first weight tile
+    before the dependent-launch wait (engine/pdl.py), while the kernel
+    before it still runs (without PDL: the same loop, its first tile
+    peeled). Off until the H200 has timed it (read per call; inside a CUDA
+    graph, at capture)."""
+    import os
+    return os.environ.get("TANDEM_GEMV_EARLY", "0") == "1"
+
+
 def takes_int8_x(qt: QuantTensor, rows: int) -> bool:
     """The int8-activation kernel's reach: one row, 4-bit codes in groups of
     32 (Q4_K, Q4_0, Q4_1); elsewhere an int8_x config runs the float kernel."""
@@ -820,10 +878,11 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     common = dict(BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
                   HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
                   ASM=not _interpreting(), num_warps=config.num_warps,
-                  num_stages=config.num_stages)
+                  num_stages=config.num_stages, **pdl_launch(x.device))
     if config.int8_x and takes_int8_x(qt, m_rows):
         kernel = _gemv_x8_kernel_interpreted if _interpreting() else _gemv_x8_kernel
         kernel[grid](*pointers, n_dim, stride_os, *sizes,
+                     EARLY=early_weights(),
                      **{k: v for k, v in common.items() if k != "BITS"})
     elif config.tensor_cores:
         kernel = _gemv_dot_kernel_interpreted if _interpreting() else _gemv_dot_kernel
@@ -837,7 +896,7 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
             target, out, bias if bias is not None else target, m_rows, n_dim,
             target.stride(0), out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None,
-            BLOCK=block)
+            BLOCK=block, **pdl_launch(x.device))
     elif bias is not None and not has_bias:
         out += bias
     return out

@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels.
+
+A batch-1 decode step of the 27B shape is ~880 kernels; inside its CUDA
+graph the GPU still idles between two dependent kernels while the next one
+is launched and its programs are placed (1.73 ms of an 8.78 ms int4 step on
+the H200, 2026-12-02, bench.profile_step). On sm_90 and newer a kernel
+launched with PDL may start while the one before it finishes: its programs
+are placed early and wait in `griddepcontrol.wait` until the earlier grid
+has completed and its writes are visible.
+
+The contract every kernel taking `PDL` keeps (`pdl_prologue` first thing):
+each program waits before it reads anything an earlier kernel wrote and
+before it writes anything (the graph's memory pool may hand it a buffer an
+earlier kernel still reads), so ordering holds transitively down the
+stream; it then lets its own dependents launch. Kernels of other libraries
+(cuBLAS, PyTorch) launch as before and wait for full completion.
+
+`TANDEM_PDL=0` turns it off (read per launch; inside a CUDA graph, at
+capture): the A/B switch of bench.decode / bench.quant. Off the GPU (the
+interpreter, CPU tensors) and before sm_90 there is nothing to turn on.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+PDL_ENV = "TANDEM_PDL"
+
+_CAPABLE: dict[int, bool] = {}  # per device index: a fixed fact of the card
+
+
+def pdl_capable(device: torch.device) -> bool:
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABLE:
+        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _CAPABLE[index]
+
+
+def pdl_wanted() -> bool:
+    value = os.environ.get(PDL_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV}={value!r}: give 1 (dependent launches) or 0 (off)")
+    return value == "1"
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """The launch keywords of a kernel taking `PDL: tl.constexpr`."""
+    if pdl_capable(device) and pdl_wanted():
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """Wait for the kernel before (and so for every kernel before it), then
+    let the next one launch: its programs take the SMs this grid's last
+    programs leave, and wait in their own prologue."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
