@@ -147,10 +147,12 @@ def _run_train_mtp(args) -> int:
     save_head(out, loaded.config, head_state(head),
               {"base_model": source.name, "train_steps": str(stats["steps"]),
                "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
-               "held_out_expected_length": f"{stats['expected_length']:.3f}"})
+               "held_out_expected_length": f"{stats['expected_length']:.3f}",
+               "held_out_loop_length": f"{stats['loop_length']:.3f}"})
     print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; on held-out greedy "
           f"answers: draft accuracy by depth {[round(a, 3) for a in stats['accuracy']]}, "
-          f"expected mean accepted length {stats['expected_length']:.2f})")
+          f"expected mean accepted length {stats['expected_length']:.2f}, tokens per verify "
+          f"step in the speculative loop {stats['loop_length']:.2f})")
     return 0
 
 

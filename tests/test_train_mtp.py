@@ -94,6 +94,7 @@ def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus, ba
     assert stats["steps"] == 60 and after < 0.9 * before
     # expected length = 1 + sum over depths of P(all drafts so far right) <= 1 + sum accuracies
     assert 1.0 <= stats["expected_length"] <= 1 + sum(stats["accuracy"]) + 1e-9
+    assert 1.0 <= stats["loop_length"] <= 1 + 3
     again = evaluate(model, head, lm_head, [e for e in examples if e.greedy], 3)
     assert len(again["accuracy"]) == 3 and all(0 <= a <= 1 for a in again["accuracy"])
 
@@ -155,3 +156,18 @@ def test_soft_targets_are_the_bases_distribution(tiny, corpus):
         soft = float(_unrolled_loss(model, head, lm_head, e, 1, soft_targets=True))
         hard = float(_unrolled_loss(model, head, lm_head, e, 1))
     assert soft >= entropy - 1e-4 and abs(soft - hard) > 1e-3
+
+
+def test_speculation_steps_jump_over_accepted_runs():
+    """The loop keeps each step's run of correct drafts plus the target's
+    token and starts the next chain after them; drafts never pass the answer's
+    end. Prompt of 3, answer of 8: the first token from the prefill, then
+    chains start at pair prompt + out - 2."""
+    from engine.speculative.train import speculation_steps
+
+    correct = torch.zeros(3, 12, dtype=torch.bool)
+    correct[:, 2] = True           # out=1: a full run of 3 -> 4 tokens
+    correct[0, 6] = True           # out=5: one draft, then a miss -> 2 tokens
+    correct[:, 8] = True           # out=7: the cap (8 - 7 - 1 = 0) allows none -> 1 token
+    assert speculation_steps(correct, 3, 8, 3) == (3, 4)
+    assert speculation_steps(torch.zeros(3, 12, dtype=torch.bool), 3, 8, 3) == (7, 0)

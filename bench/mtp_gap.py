@@ -1,0 +1,235 @@
+"""`python -m bench.mtp_gap`: why the MTP head's benchmark acceptance
+(bench/speculative.py, engine-measured) differs from train-mtp's held-out
+estimate (engine/speculative/train.py `evaluate`).
+
+On the 12 held-out prompts of bench/speculative.py (HELD_OUT_CHAT/CODE):
+  * the greedy answer without speculation (offline engine, 96 tokens);
+  * train.evaluate on Examples built exactly as train.make_examples does
+    (prompt labels IGNORE) with the shipped head: per-depth accuracy and
+    "expected mean accepted length" (1 + mean run of correct drafts over
+    every answer position);
+  * the same per-position draft chains (evaluate's dense depth-r attention)
+    fed through a simulation of the real loop (start after the first answer
+    token, draft k, keep the matching prefix + the target's token, jump on;
+    draft_cap and EOS as the engine), "sim-dense";
+  * the same loop with the head's attention as the engine runs it (a depth-r
+    draft attends to depth-1 keys for earlier positions, then the chain's own
+    earlier drafts), "sim-engine-kv";
+  * the engine with --speculative mtp k=3: engine.mean_accepted_length, and
+    its drafts compared with sim-engine-kv's at the same positions.
+Prints one line per prompt set; CPU, about 6 minutes on 2 cores.
+
+--corpus PATH (a train-mtp corpus, e.g. the one the shipped head was trained
+on) instead runs evaluate and the two loop simulations on that corpus's
+held-out greedy samples, split as train_head splits them
+(--samples-per-prompt, --new-tokens as it was generated): what the
+"expected mean accepted length" train-mtp printed becomes in the real loop.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from engine.loader import load_model
+from engine.speculative import train
+from engine.speculative.prompts import HELD_OUT_CHAT, HELD_OUT_CODE
+
+
+def _answers(loaded, texts, new_tokens, spec=None):
+    """(prompts, greedy answers, per-prompt (steps, accepted), drafts log) for texts."""
+    from engine.llm import EngineConfig, OfflineEngine
+    from engine.sampling import SamplingParams
+    from engine.speculative import SpeculativeConfig
+
+    config = EngineConfig(max_batch=1, speculative=spec or SpeculativeConfig())
+    engine = OfflineEngine(loaded, config)
+    prompts = [engine.chat_prompt([{"role": "user", "content": t}]) for t in texts]
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens)
+    drafts_log: list[list[tuple[int, list[int]]]] = []
+    if engine.spec is not None:
+        inner = engine.spec.draft
+
+        def draft(seqs):
+            inner(seqs)
+            for s in seqs:
+                if s.spec is not None and s.spec.drafts:
+                    # (tokens so far, drafts for the next positions)
+                    drafts_log[-1].append((len(s.prompt) + len(s.output), list(s.spec.drafts)))
+        engine.spec.draft = draft
+    answers, per_prompt = [], []
+    for prompt in prompts:
+        drafts_log.append([])
+        engine.spec_totals = {key: 0 for key in engine.spec_totals}
+        answers.append(engine.generate_ids(prompt, params))
+        per_prompt.append(dict(engine.spec_totals))
+    return prompts, answers, per_prompt, drafts_log
+
+
+def _layer_attend(layer, x, cos_sin, rotary, keys, values, mask, extra_k=(), extra_v=()):
+    """DecoderLayer on rows x [n, H] whose attention reads a shared bank
+    keys/values [T, kvh, D] under mask [n, T] plus per-row extra keys/values
+    (each [n, kvh, D], the row's own chain); returns (out, own k, own v)."""
+    attn = layer.self_attn
+    n = x.shape[0]
+    q, gate, k, v = attn.project(layer.input_layernorm(x))
+    q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
+    group = attn.num_heads // attn.num_kv_heads
+    ks = [t.repeat_interleave(group, dim=1) for t in (*extra_k, k)]
+    vs = [t.repeat_interleave(group, dim=1) for t in (*extra_v, v)]
+    bank_k, bank_v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scale = attn.head_dim ** -0.5
+    s_bank = torch.einsum("nhd,thd->nht", q, bank_k) * scale
+    s_bank = s_bank.masked_fill(~mask[:, None, :], float("-inf"))
+    s_own = torch.stack([(q * kk).sum(-1) * scale for kk in ks], -1)  # [n, h, E]
+    p = torch.softmax(torch.cat((s_bank, s_own), -1), -1)
+    t = bank_k.shape[0]
+    out = torch.einsum("nht,thd->nhd", p[..., :t], bank_v)
+    out = out + sum(p[..., t + j, None] * vv for j, vv in enumerate(vs))
+    out = out.reshape(n, -1)
+    x = x + attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+
+
+@torch.no_grad()
+def chains(model, head, e: train.Example, depth: int, engine_kv: bool):
+    """preds [depth, n0]: the depth-r draft of the chain starting at pair i
+    (pair (h_i, token i+1) drafts token i+2; depth r is fed the true token
+    i+r, as evaluate does: only full-prefix-correct chains matter)."""
+    lm = model.output_embedding.float()
+    T = len(e.tokens)
+    n0 = T - depth
+    if not engine_kv:
+        preds, h = [], e.hidden[:-1]
+        for r in range(1, depth + 1):
+            n = T - r
+            h = h[:n]
+            out = train.head_forward(model, head, h, e.tokens[r:r + n],
+                                     torch.arange(r - 1, r - 1 + n))
+            preds.append(F.linear(out, lm).argmax(-1)[:n0])
+            h = out
+        return torch.stack(preds)
+    assert len(head.layers) == 1
+    layer = head.layers[0]
+    # depth 1: every pair, causal over depth-1 keys (the engine's catch-up pairs)
+    n = T - 1
+    pos = torch.arange(n)
+    embedded = model.model.embed_tokens(e.tokens[1:]).float()
+    x = head.fc(torch.cat((head.pre_fc_norm_embedding(embedded),
+                           head.pre_fc_norm_hidden(e.hidden[:n])), -1))
+    cs = model.rotary.cos_sin(pos, x.dtype)
+    _, _, k1, v1 = layer.self_attn.project(layer.input_layernorm(x))
+    k1 = model.rotary.apply(k1, *cs)
+    # the row's own key comes in as its "extra" key: the bank is strictly earlier
+    out, _, _ = _layer_attend(layer, x, cs, model.rotary, k1, v1, pos[None, :] < pos[:, None])
+    out = head.norm(out)
+    preds = [F.linear(out, lm).argmax(-1)[:n0]]
+    h = out[:n0]
+    ek, ev = [], []
+    for r in range(2, depth + 1):
+        start = torch.arange(n0)
+        p = start + r - 1
+        x = head.fc(torch.cat((head.pre_fc_norm_embedding(
+            model.model.embed_tokens(e.tokens[r:r + n0]).float()), head.pre_fc_norm_hidden(h)), -1))
+        cs = model.rotary.cos_sin(p, x.dtype)
+        mask = pos[None, :] <= start[:, None]  # depth-1 keys up to the chain's start
+        o, k, v = _layer_attend(layer, x, cs, model.rotary, k1, v1, mask, ek, ev)
+        ek, ev = ek + [k], ev + [v]
+        h = head.norm(o)
+        preds.append(F.linear(h, lm).argmax(-1))
+    return torch.stack(preds)
+
+
+def chain_labels(e: train.Example, depth: int) -> torch.Tensor:
+    """[depth, n0]: the token the depth-r draft of chain i must equal (e.labels[i + r])."""
+    n0 = len(e.tokens) - depth
+    return torch.stack([e.labels[r:r + n0] for r in range(1, depth + 1)])
+
+
+def corpus_gap(model, head, path: str, samples_per_prompt: int, k: int) -> None:
+    corpus = train.Corpus.load(path)
+    n = len(corpus.samples)
+    held = max(n // 10 // samples_per_prompt, 1) * samples_per_prompt
+    keep = [i for i in range(n - held, n) if corpus.greedy[i]]
+    sub = train.Corpus([corpus.samples[i] for i in keep], [corpus.prompt_lengths[i] for i in keep],
+                       [True] * len(keep))
+    examples = train.make_examples(model, sub)
+    stats = train.evaluate(model, head, model.output_embedding.detach().float(), examples, k)
+    sims = {}
+    for variant in ("dense", "engine_kv"):
+        st = ac = 0
+        for e, toks, plen in zip(examples, sub.samples, sub.prompt_lengths):
+            preds = chains(model, head, e, k, variant == "engine_kv")
+            s, c = train.speculation_steps(preds == chain_labels(e, k), plen, len(toks) - plen,
+                                           k)
+            st, ac = st + s, ac + c
+        sims[variant] = (ac + st) / st
+    print(f"corpus held-out ({len(keep)} greedy samples): evaluate expected length "
+          f"{stats['expected_length']:.3f} (its loop {stats['loop_length']:.3f}), depth accuracy "
+          f"{[round(x, 3) for x in stats['accuracy']]}; loop sim-dense {sims['dense']:.3f}, "
+          f"sim-engine-kv {sims['engine_kv']:.3f}", flush=True)
+
+
+def main(argv=None) -> int:
+    from engine.speculative import SpeculativeConfig
+
+    ap = argparse.ArgumentParser(prog="python -m bench.mtp_gap", description=__doc__)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--corpus", default=None)
+    ap.add_argument("--samples-per-prompt", type=int, default=2)
+    a = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    loaded = load_model(None, device="cpu", progress=False)
+    model, head = loaded.model, loaded.model.mtp
+    assert head is not None, "no MTP head loaded"
+    lm = model.output_embedding.detach().float()
+    if a.corpus:
+        corpus_gap(model, head, a.corpus, a.samples_per_prompt, a.k)
+        return 0
+    for kind, texts in (("chat", HELD_OUT_CHAT), ("code", HELD_OUT_CODE)):
+        prompts, answers, _, _ = _answers(loaded, texts, a.new_tokens)
+        _, spec_answers, totals, drafts_log = _answers(
+            loaded, texts, a.new_tokens, SpeculativeConfig("mtp", a.k))
+        same = sum(x == y for x, y in zip(answers, spec_answers))
+        corpus = train.Corpus([p + o for p, o in zip(prompts, answers)],
+                              [len(p) for p in prompts], [True] * len(prompts))
+        examples = train.make_examples(model, corpus)
+        stats = train.evaluate(model, head, lm, examples, a.k)
+        sims = {}
+        agree = [0, 0]
+        for variant in ("dense", "engine_kv"):
+            st = ac = 0
+            for j, e in enumerate(examples):
+                preds = chains(model, head, e, a.k, variant == "engine_kv")
+                labels = chain_labels(e, a.k)
+                s, c = train.speculation_steps(preds == labels, len(prompts[j]), len(answers[j]),
+                                               a.k)
+                st, ac = st + s, ac + c
+                if variant == "engine_kv":  # the engine's drafts vs this simulation's
+                    for length, drafts in drafts_log[j]:
+                        i = length - 2
+                        if i >= preds.shape[1]:
+                            continue
+                        for r, d in enumerate(drafts):
+                            agree[0] += int(preds[r, i]) == d
+                            agree[1] += 1
+                            # the simulation feeds depth r+1 the true token: compare while
+                            # the engine's draft was that token
+                            if d != int(labels[r, i]):
+                                break
+            sims[variant] = (ac + st) / st
+        t = {key: sum(p[key] for p in totals) for key in totals[0]}
+        engine_len = (t["accepted"] + t["steps"]) / t["steps"]
+        print(f"{kind}: evaluate expected length {stats['expected_length']:.3f} (its loop "
+              f"{stats['loop_length']:.3f}), depth accuracy "
+              f"{[round(x, 3) for x in stats['accuracy']]}; loop sim-dense {sims['dense']:.3f}, "
+              f"sim-engine-kv {sims['engine_kv']:.3f}; engine {engine_len:.3f} "
+              f"({t['steps']} steps); spec output == plain {same}/{len(texts)}; engine drafts "
+              f"== sim-engine-kv drafts {agree[0]}/{agree[1]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
