@@ -522,8 +522,9 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     nibbles (its even K-elements) and the high ones (odd) each meet their
     activation codes in one DP4A: the sm_90 loop runs ~1.8-2.1 instructions
     per weight at 32-64 x 1024 tiles against the float loop's ~4.5
-    (bench.gemv_sass; the activation's quantization is most of what is
-    left, amortized over BLOCK_N rows). Per group:
+    (bench.gemv_sass; quantizing the activation in every program costs
+    0.37 of the 2.12 at n32-k1024: a scratch variant loading pre-quantized
+    codes compiled to 1.75, 2026-12-02). Per group:
     s * sx * dot - b * sx * sum(codes) in fp32.
     EARLY (with PDL): the first tile's weights are loaded before the
     dependent-launch wait, while the kernel before still runs (weights are
