@@ -73,7 +73,15 @@ def load_model(spec: str | None = None, device: str | torch.device = "cpu",
                weights: str = AUTO, trained_head: bool = True) -> LoadedModel:
     """trained_head=False ignores a head file from `tandem train-mtp` (the
     trainer itself must see the model as it is, to train a new one)."""
-    device = torch.device(device)
+    loaded = _load(spec, torch.device(device), dtype, progress, seed, weights, trained_head)
+    if loaded.device.type == "cuda":  # (imports triton)
+        from engine.dense_gemv import adopt_dense_gemv
+        adopt_dense_gemv(loaded.model, loaded.device)
+    return loaded
+
+
+def _load(spec: str | None, device: torch.device, dtype: torch.dtype | None, progress: bool,
+          seed: int, weights: str, trained_head: bool) -> LoadedModel:
     dtype = dtype or default_dtype(device)
     spec = spec or EMBEDDED
     check_weights(spec, weights)

@@ -426,6 +426,8 @@ class CausalLM(nn.Module):
             config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTPHead(config) if config.mtp_num_layers else None
         self.rotary = Rotary(config)
+        # the output head's matmul (x, weight): engine/dense_gemv.py may take it over
+        self.head_linear = F.linear
 
     @property
     def embeds_on_host(self) -> bool:
@@ -463,7 +465,7 @@ class CausalLM(nn.Module):
         hidden = run_layers(self.model.layers, x, batch, cache, self.rotary, cos_sin,
                             self.model.norm)
         picked = hidden if all_logits else hidden.index_select(0, batch.last_token_indices())
-        logits = F.linear(picked, self.output_embedding)
+        logits = self.head_linear(picked, self.output_embedding)
         return (logits, hidden) if return_hidden else logits
 
     @torch.inference_mode()
@@ -477,4 +479,4 @@ class CausalLM(nn.Module):
             raise ValueError("this model has no MTP head")
         out = self.mtp(self.embed(batch), hidden, batch, cache, self.rotary)
         picked = out if all_logits else out.index_select(0, batch.last_token_indices())
-        return F.linear(picked, self.output_embedding), out
+        return self.head_linear(picked, self.output_embedding), out

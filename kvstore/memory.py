@@ -185,8 +185,12 @@ def model_on_arena(config: ModelConfig, arenas: StoreArenas, dtype: torch.dtype,
                    source: str) -> CausalLM:
     """A CausalLM whose parameters are views of the weights arenas (zero copy)."""
     device = arenas.weights.buffer.device
-    return build_model(config, arenas.weight_tensors(), device, dtype, source,
-                       host_prefixes=HOST_PREFIXES if arenas.host.layout.names else ())
+    model = build_model(config, arenas.weight_tensors(), device, dtype, source,
+                        host_prefixes=HOST_PREFIXES if arenas.host.layout.names else ())
+    if device.type == "cuda":  # (imports triton)
+        from engine.dense_gemv import adopt_dense_gemv
+        adopt_dense_gemv(model, device)
+    return model
 
 
 def cache_on_arenas(config: ModelConfig, shape: CacheShape, kv_format: KVFormat,

@@ -1,0 +1,225 @@
+"""A Triton GEMV for bf16 (dense) weights at decode widths (1..8 rows).
+
+Why not cuBLAS: a bf16 27B decode step is ~880 kernels, and the dependent
+launches that hide the gaps between them (engine/pdl.py) reach only our own
+kernels; a kernel after a cuBLAS GEMM still waits for its end. This kernel
+takes part (PDL prologue) and reads each weight tile once for all rows.
+
+Each program owns BLOCK_N output features and 1/SPLIT_K of K; the rows are
+padded to 16 for one tensor-core dot per tile (bf16 products are exact in
+fp32; rows never mix, so a row's result does not depend on how many rows
+run beside it: decode and a k+1-row verify compute the same numbers).
+Split-K partials are fp32 and engine/quant/gemv.py's sum kernel adds them.
+
+Opt-in while unmeasured: TANDEM_DENSE_GEMV=1 at load time swaps the
+model's nn.Linear forwards and its output head onto it on a GPU
+(`use_dense_gemv`); the H200 comparison against cuBLAS is
+`python -m bench.dense_gemv`. The reference is `dense_gemv_reference`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from engine.pdl import pdl_launch, pdl_prologue
+
+DENSE_GEMV_ENV = "TANDEM_DENSE_GEMV"
+MAX_ROWS = 8
+MAX_SPLIT_K = 16
+
+
+@dataclass(frozen=True)
+class DenseGemvConfig:
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int | None = None  # None: enough programs to fill the GPU
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 16 and name != "num_warps" or value & (value - 1):
+                raise ValueError(f"DenseGemvConfig.{name} must be a power of two"
+                                 f"{' >= 16' if name != 'num_warps' else ''}, got {value}")
+        if self.split_k is not None and not 1 <= self.split_k <= MAX_SPLIT_K:
+            raise ValueError(f"DenseGemvConfig.split_k must be 1..{MAX_SPLIT_K}, got {self}")
+
+    def key(self) -> str:
+        split = "auto" if self.split_k is None else self.split_k
+        return (f"n{self.block_n}-k{self.block_k}-s{split}-w{self.num_warps}"
+                f"-p{self.num_stages}")
+
+
+# bench.dense_gemv's candidates (each also with split-K 1, 2, 4, 8)
+CANDIDATES = (DenseGemvConfig(32, 256), DenseGemvConfig(64, 256), DenseGemvConfig(64, 512),
+              DenseGemvConfig(128, 256, num_warps=8), DenseGemvConfig(64, 128, num_stages=6))
+
+
+@triton.jit
+def _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
+                        stride_om, TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = tl.arange(0, 16)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for tile in range(0, TILES):
+        offs_k = (pid_k * TILES + tile) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
+                       stride_om, TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
+                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL)
+
+
+@triton.jit
+def _dense_gemv_kernel_interpreted(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                                   stride_os, stride_om, TILES: tl.constexpr,
+                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                   PDL: tl.constexpr):
+    """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
+    _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
+                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: the H200's count, so CPU tests see the GPU's grids
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_split(n: int, k: int, config: DenseGemvConfig, sms: int) -> int:
+    """config.split_k, or the fewest splits that give every SM ~4 programs
+    (each split keeps at least two tiles)."""
+    if config.split_k is not None:
+        return config.split_k
+    blocks = triton.cdiv(n, config.block_n)
+    tiles = triton.cdiv(k, config.block_k)
+    split = 1
+    while blocks * split < 4 * sms and split * 2 <= min(MAX_SPLIT_K, tiles // 2):
+        split *= 2
+    return split
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None, config: DenseGemvConfig | None = None
+               ) -> torch.Tensor:
+    """x [M, K] (1 <= M <= 8) @ weight [N, K].T (+ bias) in x's dtype."""
+    from engine.quant.gemv import _split_k_sum_kernel
+
+    m_rows, k_dim = x.shape
+    n_dim = weight.shape[0]
+    if not 1 <= m_rows <= MAX_ROWS or weight.shape[1] != k_dim or weight.stride(1) != 1:
+        raise ValueError(f"dense_gemv takes 1..{MAX_ROWS} rows and a row-major [N, {k_dim}] "
+                         f"weight, got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    config = config or DenseGemvConfig()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    tiles = triton.cdiv(k_dim, config.block_k)
+    split = min(pick_split(n_dim, k_dim, config, _sm_count(x.device)), tiles)
+    per_split = triton.cdiv(tiles, split)
+    split = triton.cdiv(tiles, per_split)  # no split without a tile
+    if out is None:
+        out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
+    direct = split == 1 and bias is None
+    target = out if direct else torch.empty(split, m_rows, n_dim, dtype=torch.float32,
+                                            device=x.device)
+    stride_os = 0 if direct else target.stride(0)
+    launch = pdl_launch(x.device)
+    kernel = _dense_gemv_kernel_interpreted if _interpreting() else _dense_gemv_kernel
+    kernel[(triton.cdiv(n_dim, config.block_n), split)](
+        x, weight, target, m_rows, n_dim, k_dim, x.stride(0), weight.stride(0), stride_os,
+        target.stride(-2), per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch)
+    if not direct:
+        block = 256
+        _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
+            target, out, bias if bias is not None else target, m_rows, n_dim, target.stride(0),
+            out.stride(0), SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=block, **launch)
+    return out
+
+
+def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 x @ weight.T (+ bias): what the kernel computes before its cast."""
+    y = x.float() @ weight.float().t()
+    return y if bias is None else y + bias.float()
+
+
+def takes_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A plain bf16/fp16 weight on the GPU, at most MAX_ROWS rows."""
+    return (x.is_cuda and weight.is_cuda and type(weight) in (torch.Tensor, nn.Parameter)
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
+            and weight.dim() == 2 and weight.stride(1) == 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through dense_gemv where it takes the call."""
+    if not takes_dense_gemv(x, weight):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    return dense_gemv(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear whose decode-width calls go through dense_gemv."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(x, self.weight, self.bias)
+
+
+def dense_gemv_wanted() -> bool:
+    value = os.environ.get(DENSE_GEMV_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DENSE_GEMV_ENV}={value!r}: give 1 (the Triton GEMV) or 0 (cuBLAS)")
+    return value == "1"
+
+
+def use_dense_gemv(model: nn.Module) -> int:
+    """Every plain nn.Linear of the model becomes a GemvLinear (same
+    parameters, no copy), and the output head goes through dense_linear
+    (CausalLM.head_linear). Returns how many modules changed."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = GemvLinear
+            changed += 1
+    if hasattr(model, "head_linear"):
+        model.head_linear = dense_linear
+        changed += 1
+    return changed
+
+
+def adopt_dense_gemv(model: nn.Module, device: torch.device) -> None:
+    """use_dense_gemv on a GPU model when TANDEM_DENSE_GEMV=1 (read at load)."""
+    if torch.device(device).type == "cuda" and dense_gemv_wanted():
+        changed = use_dense_gemv(model)
+        print(f"tandem: {changed} linear layers on the Triton GEMV ({DENSE_GEMV_ENV}=1)",
+              file=sys.stderr, flush=True)
