@@ -58,9 +58,13 @@ class DenseGemvConfig:
                 f"-p{self.num_stages}")
 
 
-# bench.dense_gemv's candidates (each also with split-K 1, 2, 4, 8)
-CANDIDATES = (DenseGemvConfig(32, 256), DenseGemvConfig(64, 256), DenseGemvConfig(64, 512),
-              DenseGemvConfig(128, 256, num_warps=8), DenseGemvConfig(64, 128, num_stages=6))
+# bench.dense_gemv's candidates (each also with split-K 1, 2, 4, 8). Shared
+# memory per program is stages x (BLOCK_N + 16) x BLOCK_K x 2 bytes (the
+# weight and padded-row tiles of each pipelined load), within sm_90's 227 KB.
+CANDIDATES = (DenseGemvConfig(32, 256), DenseGemvConfig(64, 256),
+              DenseGemvConfig(64, 512, num_stages=2),
+              DenseGemvConfig(128, 256, num_warps=8, num_stages=3),
+              DenseGemvConfig(64, 128, num_stages=6))
 
 
 @triton.jit
