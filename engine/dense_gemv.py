@@ -112,10 +112,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: the H200's count, so CPU tests see the GPU's grids
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pick_split(n: int, k: int, config: DenseGemvConfig, sms: int) -> int:
@@ -135,7 +131,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                out: torch.Tensor | None = None, config: DenseGemvConfig | None = None
                ) -> torch.Tensor:
     """x [M, K] (1 <= M <= 8) @ weight [N, K].T (+ bias) in x's dtype."""
-    from engine.quant.gemv import _split_k_sum_kernel
+    from engine.quant.gemv import _sm_count, _split_k_sum_kernel
 
     m_rows, k_dim = x.shape
     n_dim = weight.shape[0]

@@ -27,18 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-PDL_ENV = "TANDEM_PDL"
+from engine.gpu_facts import capability_major
 
-_CAPABLE: dict[int, bool] = {}  # per device index: a fixed fact of the card
+PDL_ENV = "TANDEM_PDL"
 
 
 def pdl_capable(device: torch.device) -> bool:
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABLE:
-        _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _CAPABLE[index]
+    return capability_major(device) >= 9
 
 
 def pdl_wanted() -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine.gpu_facts import multiprocessors
 from engine.kv.formats import (Bf16Format, Int8Format, KVFormat, PagedRk4Format,
                                RotatedInt4Format)
 from engine.uploads import upload
@@ -278,9 +279,8 @@ def prefill_key_splits(row_programs: int, max_kv_len: int, block_n: int,
 
 
 def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: tests' short prefill chunks leave a wave part-empty
+    # off the GPU: tests' short prefill chunks leave a wave part-empty
+    return multiprocessors(device, off_gpu=8)
 
 
 def _programs_wanted(device: torch.device) -> int:

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.gpu_facts import multiprocessors
 from engine.pdl import pdl_launch, pdl_prologue
 from engine.quant.tensor import QuantTensor
 
@@ -770,16 +771,9 @@ def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> G
 
 # ----------------------------------------------------------------- launcher
 
-_SMS: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    """Off the GPU, the H200's count: the interpreter tests run the GPU's grids."""
+    return multiprocessors(device, off_gpu=132)
 
 
 def _interpreting() -> bool:
