@@ -68,24 +68,55 @@ CANDIDATES = (DenseGemvConfig(32, 256), DenseGemvConfig(64, 256),
 
 
 @triton.jit
+def _weight_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn):
+    return tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
+                   mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _rows_tile(x_ptr, rows, M, offs_k, k_ok, stride_xm):
+    return tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+                   mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _dense_tiles(acc, x_ptr, w_ptr, rows, M, offs_n, n_ok, K, pid_k, stride_xm, stride_wn,
+                 TILES, FIRST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus the split's tiles FIRST.. (one tensor-core dot each)."""
+    for tile in range(FIRST, TILES):
+        offs_k = (pid_k * TILES + tile) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = _rows_tile(x_ptr, rows, M, offs_k, k_ok, stride_xm)
+        w = _weight_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn)
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
 def _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
                         stride_om, TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr):
-    pdl_prologue(PDL)
+                        PDL: tl.constexpr, EARLY: tl.constexpr):
+    """EARLY: the first weight tile is loaded before the dependent-launch wait
+    (weights are never written by a kernel; the rows and the output wait),
+    as engine/quant/gemv.py's DP4A kernel does."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for tile in range(0, TILES):
-        offs_k = (pid_k * TILES + tile) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if EARLY:
+        offs_k = pid_k * TILES * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
-                    mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        w = _weight_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn)
+        pdl_prologue(PDL)
+        acc = tl.dot(_rows_tile(x_ptr, rows, M, offs_k, k_ok, stride_xm), tl.trans(w), acc)
+        acc = _dense_tiles(acc, x_ptr, w_ptr, rows, M, offs_n, n_ok, K, pid_k, stride_xm,
+                           stride_wn, TILES, 1, BLOCK_K)
+    else:
+        pdl_prologue(PDL)
+        acc = _dense_tiles(acc, x_ptr, w_ptr, rows, M, offs_n, n_ok, K, pid_k, stride_xm,
+                           stride_wn, TILES, 0, BLOCK_K)
     out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
 
@@ -93,19 +124,19 @@ def _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
 @triton.jit
 def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
                        stride_om, TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, EARLY: tl.constexpr):
     _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
-                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL)
+                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL, EARLY)
 
 
 @triton.jit
 def _dense_gemv_kernel_interpreted(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                                    stride_os, stride_om, TILES: tl.constexpr,
                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   PDL: tl.constexpr):
+                                   PDL: tl.constexpr, EARLY: tl.constexpr):
     """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
     _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
-                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL)
+                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL, EARLY)
 
 
 def _interpreting() -> bool:
@@ -131,7 +162,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                out: torch.Tensor | None = None, config: DenseGemvConfig | None = None
                ) -> torch.Tensor:
     """x [M, K] (1 <= M <= 8) @ weight [N, K].T (+ bias) in x's dtype."""
-    from engine.quant.gemv import _sm_count, _split_k_sum_kernel
+    from engine.quant.gemv import _sm_count, _split_k_sum_kernel, early_weights
 
     m_rows, k_dim = x.shape
     n_dim = weight.shape[0]
@@ -155,7 +186,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     kernel[(triton.cdiv(n_dim, config.block_n), split)](
         x, weight, target, m_rows, n_dim, k_dim, x.stride(0), weight.stride(0), stride_os,
         target.stride(-2), per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch)
+        EARLY=early_weights(), num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch)
     if not direct:
         block = 256
         _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](

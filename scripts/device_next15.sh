@@ -11,8 +11,9 @@
 #     bench.dense_gemv (every candidate config against cuBLAS per 27B shape),
 #     then the whole bf16 step at 4K and 128K both ways (16:36-16:46:
 #     14.59-14.78 / 17.68-18.04 ms, 83.6-84.7% / 74.1-74.6% against 85% /
-#     75%). If the step is faster, paste the best configs into the picking
-#     and make it the default on sm_90.
+#     75%), and with TANDEM_GEMV_EARLY=1 too (its first weight tile before
+#     the wait, as in 1). If the step is faster, paste the best configs into
+#     the picking and make it the default on sm_90.
 # Then: the EARLY parity tests (tests/test_quant_kernels.py -k "int8 or tuned"
 # with TANDEM_GEMV_EARLY=1), `TANDEM_PDL=0 python -m bench.profile_step
 # --weights int4` (a PDL step cannot be split by the profiler), and the calls
@@ -32,3 +33,6 @@ for d in 1 0; do
   STEP_TAIL=3 step bf16_dense$d 90 env TANDEM_DENSE_GEMV=$d python3 -m bench.decode --model $M \
     --device cuda --kv-format int8 --batch 1 --context 4096 131072 --steps 16
 done
+STEP_TAIL=3 step bf16_dense_early 90 env TANDEM_DENSE_GEMV=1 TANDEM_GEMV_EARLY=1 \
+  python3 -m bench.decode --model $M --device cuda --kv-format int8 --batch 1 \
+  --context 4096 131072 --steps 16

@@ -39,8 +39,11 @@ def _close(y, expected):
 @pytest.mark.parametrize("config", [DenseGemvConfig(16, 32, split_k=1),
                                     DenseGemvConfig(32, 64, split_k=3),
                                     DenseGemvConfig(16, 32)], ids=["one", "split3", "auto"])
-def test_dense_gemv_matches_reference(rows, config):
-    """N = 45 and K = 200: a partial feature block and a partial K tile."""
+@pytest.mark.parametrize("early", ["0", "1"])
+def test_dense_gemv_matches_reference(rows, config, early, monkeypatch):
+    """N = 45 and K = 200: a partial feature block and a partial K tile; with
+    the first weight tile loaded ahead of the loop (TANDEM_GEMV_EARLY) too."""
+    monkeypatch.setenv("TANDEM_GEMV_EARLY", early)
     x, w = _case(rows, 45, 200, seed=rows)
     bias = torch.randn(45).to(DEVICE, DTYPE)
     for b in (None, bias):
@@ -125,9 +128,11 @@ from triton.compiler import ASTSource
 from engine.dense_gemv import _dense_gemv_kernel
 signature = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", K="i32",
                  stride_xm="i32", stride_wn="i32", stride_os="i32", stride_om="i32",
-                 TILES="i32", BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr")
+                 TILES="i32", BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr",
+                 EARLY="constexpr")
 compiled = triton.compile(ASTSource(fn=_dense_gemv_kernel, signature=signature,
-                                    constexprs=dict(BLOCK_N=64, BLOCK_K=256, PDL=True)),
+                                    constexprs=dict(BLOCK_N=64, BLOCK_K=256, PDL=True,
+                                                    EARLY=True)),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
                                                                          num_stages=4))
 ptx = compiled.asm["ptx"]

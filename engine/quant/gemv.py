@@ -800,11 +800,11 @@ def int8_x_override() -> bool | None:
 
 
 def early_weights() -> bool:
-    """TANDEM_GEMV_EARLY=1: the DP4A kernel loads its first weight tile
-    before the dependent-launch wait (engine/pdl.py), while the kernel
-    before it still runs (without PDL: the same loop, its first tile
-    peeled). Off until the H200 has timed it (read per call; inside a CUDA
-    graph, at capture)."""
+    """TANDEM_GEMV_EARLY=1: the DP4A kernel (and engine/dense_gemv.py's)
+    loads its first weight tile before the dependent-launch wait
+    (engine/pdl.py), while the kernel before it still runs (without PDL:
+    the same loop, its first tile peeled). Off until the H200 has timed it
+    (read per call; inside a CUDA graph, at capture)."""
     import os
     return os.environ.get("TANDEM_GEMV_EARLY", "0") == "1"
 
