@@ -23,7 +23,8 @@ from bench.common import print_table
 
 
 def _compile(config, bits: int, rows: int, pdl: bool = False):
-    """pdl: with the dependent-launch prologue (engine/pdl.py); the K loop's
+    """pdl: with the dependent-launch prologue (engine/pdl.py), and for the
+    DP4A kernel its first weight tile loaded before it (EARLY); the K loop's
     counts are the same either way."""
     import triton
     from triton.backends.compiler import GPUTarget

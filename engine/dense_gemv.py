@@ -18,7 +18,6 @@ model's nn.Linear forwards and its output head onto it on a GPU
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
@@ -29,6 +28,8 @@ import triton.language as tl
 from torch import nn
 
 from engine.pdl import pdl_launch, pdl_prologue
+from engine.quant.gemv import _interpreting, _sm_count, _split_k_sum_kernel, early_weights
+from engine.switches import on_off
 
 DENSE_GEMV_ENV = "TANDEM_DENSE_GEMV"
 MAX_ROWS = 8
@@ -139,10 +140,6 @@ def _dense_gemv_kernel_interpreted(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, st
                         stride_om, TILES, BLOCK_N, BLOCK_K, PDL, EARLY)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 
 
 def pick_split(n: int, k: int, config: DenseGemvConfig, sms: int) -> int:
@@ -162,8 +159,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                out: torch.Tensor | None = None, config: DenseGemvConfig | None = None
                ) -> torch.Tensor:
     """x [M, K] (1 <= M <= 8) @ weight [N, K].T (+ bias) in x's dtype."""
-    from engine.quant.gemv import _sm_count, _split_k_sum_kernel, early_weights
-
     m_rows, k_dim = x.shape
     n_dim = weight.shape[0]
     if not 1 <= m_rows <= MAX_ROWS or weight.shape[1] != k_dim or weight.stride(1) != 1:
@@ -228,10 +223,7 @@ class GemvLinear(nn.Linear):
 
 
 def dense_gemv_wanted() -> bool:
-    value = os.environ.get(DENSE_GEMV_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{DENSE_GEMV_ENV}={value!r}: give 1 (the Triton GEMV) or 0 (cuBLAS)")
-    return value == "1"
+    return on_off(DENSE_GEMV_ENV, False, on="the Triton GEMV", off="cuBLAS")
 
 
 def use_dense_gemv(model: nn.Module) -> int:

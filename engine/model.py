@@ -218,10 +218,11 @@ class GatedDeltaNet(nn.Module):
         a second forward of the whole model for the rows after it."""
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.v_dim, dtype=mixed.dtype,
                           device=mixed.device)
-        for part, rows in ((split.before, split.rows_before), (split.after, split.rows_after)):
-            out[rows] = self._mix(mixed[rows], a[rows], b[rows], part, states, windows, weight)
-            if part is split.before:
-                split.take_snapshots(states, windows)
+        rows = split.rows_before
+        out[rows] = self._mix(mixed[rows], a[rows], b[rows], split.before, states, windows, weight)
+        split.take_snapshots(states, windows)
+        rows = split.rows_after
+        out[rows] = self._mix(mixed[rows], a[rows], b[rows], split.after, states, windows, weight)
         return out
 
     def _mix(self, mixed, a, b, batch, states, windows, weight):

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from engine.gpu_facts import capability_major
+from engine.switches import on_off
 
 PDL_ENV = "TANDEM_PDL"
 
@@ -39,10 +40,7 @@ def pdl_capable(device: torch.device) -> bool:
 
 
 def pdl_wanted() -> bool:
-    value = os.environ.get(PDL_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV}={value!r}: give 1 (dependent launches) or 0 (off)")
-    return value == "1"
+    return on_off(PDL_ENV, True, on="dependent launches", off="off")
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -13,6 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 from engine.dense_gemv import (DenseGemvConfig, dense_gemv, dense_gemv_reference,  # noqa: E402
                                dense_gemv_wanted, dense_linear, pick_split, takes_dense_gemv,
                                use_dense_gemv)
+from tests.sm90 import run_sm90_script  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
 if not INTERPRET and not torch.cuda.is_available():
@@ -143,16 +144,5 @@ print("griddepcontrol.wait" in ptx, "mma" in ptx)
 def test_compiles_for_sm90_with_its_dependent_launch_prologue():
     """Triton's own ptxas, no GPU: the kernel builds for the H200 with PDL
     and runs its tile products on tensor cores."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
-        pytest.skip("this triton has no bundled ptxas")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90],
-                          env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["True", "True"], done.stdout
+    out = run_sm90_script(_COMPILE_SM90)
+    assert out.split() == ["True", "True"], out

@@ -11,9 +11,6 @@ one whose first position slot is its own input slot, a fresh one whose input
 slot holds NaN (it must start from zeros), and a third; unused slots and the
 outputs start NaN, so a missed write or a stray read shows."""
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from engine.batch import ForwardBatch, SequenceInput  # noqa: E402
 from engine.cache import CacheShape, PagedKVCache  # noqa: E402
 from engine.kv import make_format  # noqa: E402
 from engine.loader import load_model  # noqa: E402
+from tests.sm90 import run_sm90_script  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] not in ("", "0")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -272,10 +270,4 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90():
-    ptxas = Path(gdn_kernels.triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    if not ptxas.exists():
-        pytest.skip("this triton has no bundled ptxas")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True,
-                          text=True, timeout=240, cwd=Path(__file__).parent.parent)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert "compiled" in run_sm90_script(_COMPILE_SM90, timeout=240)

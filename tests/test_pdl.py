@@ -3,9 +3,6 @@ sm_90 GPU, the switch, the prologue compiled for sm_90 (Triton's own ptxas,
 no GPU needed), and on a GPU a decode step's CUDA graph that gives the same
 numbers with and without it."""
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +10,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 from engine import pdl  # noqa: E402
-
-ROOT = Path(__file__).parent.parent
+from tests.sm90 import run_sm90_script  # noqa: E402
 
 
 def test_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
@@ -47,15 +43,8 @@ def test_the_prologue_compiles_for_sm90_only_when_asked():
     """The DP4A GEMV (most of an int4 decode step's launches) for sm_90: with
     PDL its PTX waits for the grid before and releases the next one; without,
     neither instruction is there (the GDN steps: test_gdn_kernels)."""
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
-        pytest.skip("this triton has no bundled ptxas")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["False False False", "True True True"], done.stdout
+    out = run_sm90_script(_COMPILE)
+    assert out.split("\n")[:2] == ["False False False", "True True True"], out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -37,6 +37,7 @@ import triton.language as tl
 from engine.gpu_facts import multiprocessors
 from engine.pdl import pdl_launch, pdl_prologue
 from engine.quant.tensor import QuantTensor
+from engine.switches import on_off
 
 GEMV_MAX_ROWS = 8
 MAX_SPLIT_K = 16
@@ -805,8 +806,8 @@ def early_weights() -> bool:
     (engine/pdl.py), while the kernel before it still runs (without PDL:
     the same loop, its first tile peeled). Off until the H200 has timed it
     (read per call; inside a CUDA graph, at capture)."""
-    import os
-    return os.environ.get("TANDEM_GEMV_EARLY", "0") == "1"
+    return on_off("TANDEM_GEMV_EARLY", False, on="the first weight tile before the wait",
+                  off="after it")
 
 
 def takes_int8_x(qt: QuantTensor, rows: int) -> bool:
