@@ -67,6 +67,25 @@ CANDIDATES = (DenseGemvConfig(32, 256), DenseGemvConfig(64, 256),
               DenseGemvConfig(128, 256, num_warps=8, num_stages=3),
               DenseGemvConfig(64, 128, num_stages=6))
 
+# The sweep's best one-row config per 27B shape (N, K), from bench.dense_gemv
+# on the H200, 2026-12-02 20:03 (BENCHMARKS.md). Keyed by shape alone, not by
+# row count: a different split-K sums in another order, and decode (1 row)
+# must give the k+1-row verify's numbers. At 4 rows these were within 2-8%
+# of that width's own best.
+TUNED: dict[tuple[int, int], DenseGemvConfig] = {
+    (34816, 5120): DenseGemvConfig(32, 256, split_k=1),  # gate_up 84.9 us, 99% of floor
+    (5120, 17408): DenseGemvConfig(32, 256, split_k=2),  # down 45.6 us, 92%
+    (16480, 5120): DenseGemvConfig(64, 128, split_k=1, num_stages=6),  # gdn in_proj 40.8, 98%
+    (14336, 5120): DenseGemvConfig(64, 256, split_k=1),  # attn qkv 38.2 us, 91%
+    (5120, 6144): DenseGemvConfig(64, 128, split_k=1, num_stages=6),  # gdn out / attn o 18.1
+    (248320, 5120): DenseGemvConfig(64, 128, split_k=1, num_stages=6),  # lm_head 554.4 us
+}
+
+
+def pick_dense_config(n: int, k: int) -> DenseGemvConfig:
+    """TUNED for a swept shape, else the default (split-K by pick_split)."""
+    return TUNED.get((n, k), DenseGemvConfig())
+
 
 @triton.jit
 def _weight_tile(w_ptr, offs_n, n_ok, offs_k, k_ok, stride_wn):
@@ -164,7 +183,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if not 1 <= m_rows <= MAX_ROWS or weight.shape[1] != k_dim or weight.stride(1) != 1:
         raise ValueError(f"dense_gemv takes 1..{MAX_ROWS} rows and a row-major [N, {k_dim}] "
                          f"weight, got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    config = config or DenseGemvConfig()
+    config = config or pick_dense_config(n_dim, k_dim)
     x = x if x.stride(-1) == 1 else x.contiguous()
     tiles = triton.cdiv(k_dim, config.block_k)
     split = min(pick_split(n_dim, k_dim, config, _sm_count(x.device)), tiles)
