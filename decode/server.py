@@ -20,6 +20,7 @@ import torch
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
 from decode.warmup import warm_up
 from engine.compiles import CompileWatch, describe, watch_compiles
+from engine.cuda_context import MiB, ReserveWatch
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
 from engine.streams import WorkerStream
@@ -62,6 +63,7 @@ class StepLoop:
         # one stream for the warm-up and the steps: the caching allocator
         # reuses a block only on the stream it was allocated on
         self.stream = WorkerStream(scheduler.cache.device, high_priority=True)
+        self.reserve = ReserveWatch(scheduler.cache.device)
 
     def start(self) -> None:
         self.thread.start()
@@ -100,6 +102,10 @@ class StepLoop:
         compiled = self.compiles.take() if self.compiles is not None else []
         log(PROCESS, f"warmed up in {done.seconds:.1f} s ({done.tokens} tokens, {done.drafted} "
                      f"drafts verified, {len(compiled)} kernels compiled or loaded)")
+        if done.prefill_reserve:
+            log(PROCESS, f"the warm-up's prefill left PyTorch's reserve at "
+                         f"{done.prefill_reserve / MiB:.0f} MiB")
+        self._report_reserve("the warm-up")
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -124,6 +130,12 @@ class StepLoop:
             self._publish_tokens(outs)
             for seq in finished:
                 self._publish_finished(seq)
+                self._report_reserve(f"the end of {seq.request_id}")
+
+    def _report_reserve(self, where: str) -> None:
+        line = self.reserve.grown(where)
+        if line is not None:
+            log(PROCESS, line)
 
     def _report_compiles(self, batch: int) -> None:
         """Logs a step that waited for Triton compiles (see engine/compiles.py)."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
@@ -33,6 +35,7 @@ class WarmedUp:
     seconds: float
     tokens: int  # the request's output, the prefill's token included
     drafted: int  # drafts its speculative steps verified (0: plain decoding)
+    prefill_reserve: int  # PyTorch's peak reserve after its prefill, bytes (0 off the GPU)
 
 
 def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
@@ -59,6 +62,7 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
                                 PrefillJob(WARM_UP_ID, prompt, 0, pages, state,
                                            open_pages=scratch.open_pages),
                                 page, open_pages=open_pages)
+            prefill_reserve = _peak_reserve(cache.device)
             seq = DecodeSequence(
                 request_id=WARM_UP_ID, prompt=prompt, output=[first.token_ids[0]],
                 params=SamplingParams(max_new_tokens=WARM_UP_TOKENS), pages=list(pages),
@@ -71,4 +75,10 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
                 drafted += sum(out.drafted for out in outs)
         finally:
             scheduler.abort(WARM_UP_ID)  # after a failed step; a no-op once it finished
-    return WarmedUp(time.perf_counter() - started, len(seq.output), drafted)
+    return WarmedUp(time.perf_counter() - started, len(seq.output), drafted, prefill_reserve)
+
+
+def _peak_reserve(device: torch.device) -> int:
+    """What the prefill left reserved, to tell it from what the steps (their
+    CUDA graphs) add in the worker's log."""
+    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0

@@ -1,5 +1,8 @@
-"""The part of a process's GPU memory that lives outside PyTorch's allocator:
-the CUDA context. Its largest piece on a big GPU is the local-memory
+"""A process's GPU memory: the CUDA context outside PyTorch's allocator, and
+a watch on PyTorch's own reserve (ReserveWatch), which the workers log so
+that a measured peak can be set against the plan's lines.
+
+The CUDA context. Its largest piece on a big GPU is the local-memory
 reservation for thread stacks, stack size x resident threads x SMs (1 KiB x
 2,048 x 132 = 264 MiB on an H200), made up front whether or not a kernel
 ever uses a stack. Our kernels (Triton, cuBLAS, PyTorch's) do not, so every
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -42,3 +46,34 @@ def trim_stack_reservation(device: torch.device | str, stack_bytes: int = STACK_
         raise RuntimeError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {stack_bytes}) failed with "
                            f"CUresult {rc}")
     return True
+
+
+MiB = 1 << 20
+
+
+@dataclass
+class ReserveWatch:
+    """Reports PyTorch's peak reserve on a GPU when it has grown by at least
+    `step_bytes` since the last report: the caching allocator never hands
+    memory back, so its peak is what the process costs the plan beside its
+    context. Off the GPU it reports nothing."""
+    device: torch.device
+    step_bytes: int = 64 * MiB
+    reported: int = -1
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        if self.step_bytes <= 0:
+            raise ValueError(f"ReserveWatch.step_bytes must be positive, got {self.step_bytes}")
+
+    def grown(self, where: str) -> str | None:
+        """A line naming `where` the peak was seen, or None."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_reserved(self.device)
+        if self.reported >= 0 and peak < self.reported + self.step_bytes:
+            return None
+        self.reported = peak
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        return (f"PyTorch's reserve peaked at {peak / MiB:.0f} MiB (allocated at most "
+                f"{allocated / MiB:.0f} MiB) by {where}")

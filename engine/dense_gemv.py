@@ -11,10 +11,11 @@ fp32; rows never mix, so a row's result does not depend on how many rows
 run beside it: decode and a k+1-row verify compute the same numbers).
 Split-K partials are fp32 and engine/quant/gemv.py's sum kernel adds them.
 
-Opt-in while unmeasured: TANDEM_DENSE_GEMV=1 at load time swaps the
-model's nn.Linear forwards and its output head onto it on a GPU
-(`use_dense_gemv`); the H200 comparison against cuBLAS is
-`python -m bench.dense_gemv`. The reference is `dense_gemv_reference`.
+At load on sm_90+ the model's nn.Linear forwards and its output head whose
+shapes are in TUNED go onto it (`adopt_dense_gemv`; TANDEM_DENSE_GEMV=1 takes
+every shape, 0 none). The H200 comparison against cuBLAS per shape is
+`python -m bench.dense_gemv`; the whole step, `bench.decode` with
+TANDEM_DENSE_GEMV=0/unset. The reference is `dense_gemv_reference`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from engine.gpu_facts import capability_major
 from engine.pdl import pdl_launch, pdl_prologue
 from engine.quant.gemv import _interpreting, _sm_count, _split_k_sum_kernel, early_weights
 from engine.switches import on_off
@@ -200,7 +202,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     kernel[(triton.cdiv(n_dim, config.block_n), split)](
         x, weight, target, m_rows, n_dim, k_dim, x.stride(0), weight.stride(0), stride_os,
         target.stride(-2), per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EARLY=early_weights(), num_warps=config.num_warps, num_stages=config.num_stages,
+        EARLY=early_weights(default=False), num_warps=config.num_warps, num_stages=config.num_stages,
         **launch)
     if not direct:
         block = 256
@@ -241,28 +243,57 @@ class GemvLinear(nn.Linear):
         return dense_linear(x, self.weight, self.bias)
 
 
-def dense_gemv_wanted() -> bool:
-    return on_off(DENSE_GEMV_ENV, False, on="the Triton GEMV", off="cuBLAS")
+def dense_gemv_forced() -> bool | None:
+    """TANDEM_DENSE_GEMV: 1 every decode-width bf16 matmul, 0 none (cuBLAS),
+    unset the default (dense_gemv_shapes)."""
+    return on_off(DENSE_GEMV_ENV, None, on="the Triton GEMV for every shape",
+                  off="cuBLAS for every shape")
 
 
-def use_dense_gemv(model: nn.Module) -> int:
-    """Every plain nn.Linear of the model becomes a GemvLinear (same
-    parameters, no copy), and the output head goes through dense_linear
-    (CausalLM.head_linear). Returns how many modules changed."""
+def dense_gemv_shapes(device: torch.device) -> frozenset[tuple[int, int]] | None:
+    """The weight shapes (N, K) to swap at load: None means all of them.
+    By default the TUNED shapes on sm_90+, where the H200 measured the whole
+    bf16 27B step faster with them (2026-12-02 20:33: 14.53-14.78 against
+    14.93-15.22 ms at 4K, 17.51-17.70 against 17.99-18.34 at 128K); other
+    shapes and cards keep cuBLAS (the default config lost to it there)."""
+    forced = dense_gemv_forced()
+    if forced is not None:
+        return None if forced else frozenset()
+    device = torch.device(device)
+    if device.type != "cuda" or capability_major(device) < 9:
+        return frozenset()
+    return frozenset(TUNED)
+
+
+def use_dense_gemv(model: nn.Module,
+                   shapes: frozenset[tuple[int, int]] | None = None) -> int:
+    """Every plain nn.Linear of the model whose weight shape is in `shapes`
+    (None: all) becomes a GemvLinear (same parameters, no copy), and so does
+    the output head (CausalLM.head_linear). Returns how many modules changed."""
+    def wanted(weight: torch.Tensor) -> bool:
+        return shapes is None or tuple(weight.shape) in shapes
+
     changed = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and wanted(module.weight):
             module.__class__ = GemvLinear
             changed += 1
-    if hasattr(model, "head_linear"):
+    if hasattr(model, "head_linear") and wanted(model.output_embedding):
         model.head_linear = dense_linear
         changed += 1
     return changed
 
 
 def adopt_dense_gemv(model: nn.Module, device: torch.device) -> None:
-    """use_dense_gemv on a GPU model when TANDEM_DENSE_GEMV=1 (read at load)."""
-    if torch.device(device).type == "cuda" and dense_gemv_wanted():
-        changed = use_dense_gemv(model)
-        print(f"tandem: {changed} linear layers on the Triton GEMV ({DENSE_GEMV_ENV}=1)",
-              file=sys.stderr, flush=True)
+    """use_dense_gemv on a GPU model, on the shapes dense_gemv_shapes picks
+    (read at load)."""
+    if torch.device(device).type != "cuda":
+        return
+    shapes = dense_gemv_shapes(device)
+    if shapes is not None and not shapes:
+        return
+    changed = use_dense_gemv(model, shapes)
+    if changed:
+        which = "every shape" if shapes is None else "the tuned shapes"
+        print(f"tandem: {changed} linear layers on the Triton GEMV ({which}; "
+              f"{DENSE_GEMV_ENV}=0 keeps cuBLAS)", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ from typing import Iterator
 import grpc
 
 from engine.compiles import CompileWatch, describe, watch_compiles
+from engine.cuda_context import ReserveWatch
 from engine.errors import InvalidRequestError, TandemError
 from engine.profiling import profiled
 from engine.streams import WorkerStream, yield_to_decode
@@ -85,6 +86,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self.link = link  # disaggregated topology: how pages reach decode stores
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.stream = WorkerStream(store.cache.device, high_priority=False)
+        self.reserve = ReserveWatch(store.cache.device)
         self.work: dict[str, _Work] = {}
 
     async def Prefill(self, request, context):
@@ -126,6 +128,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                              between_chunks, out.chunk_starts if out else None,
                                              open_pages)
                     self._report_compiles(job, time.perf_counter() - started)
+                    self._report_reserve(f"the prefill of {job.request_id}")
                     held = open_pages.held if open_pages is not None else []
                     if out is None:
                         return result, 0, 0, held
@@ -178,6 +181,11 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         # reading the trace takes longer than a turn's prefill on the 27B: it
         # runs on the worker's thread after this request, not before its reply
         self.gpu.submit(report)
+
+    def _report_reserve(self, where: str) -> None:
+        line = self.reserve.grown(where)
+        if line is not None:
+            log(PROCESS, line)
 
     def _report_compiles(self, job: PrefillJob, seconds: float) -> None:
         """Logs a request that waited for Triton compiles (see engine/compiles.py)."""
@@ -233,6 +241,7 @@ def _warm_up(service: PrefillService, compiles: CompileWatch) -> None:
         return
     done = compiles.take()
     log(PROCESS, f"warmed up in {seconds:.1f} s ({len(done)} kernels compiled or loaded)")
+    service._report_reserve("the warm-up")
 
 
 def _transfer_link(args, store: StoreClient):

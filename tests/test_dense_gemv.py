@@ -10,8 +10,9 @@ from torch import nn
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from engine.dense_gemv import (DenseGemvConfig, dense_gemv, dense_gemv_reference,  # noqa: E402
-                               dense_gemv_wanted, dense_linear, pick_split, takes_dense_gemv,
+from engine.dense_gemv import (TUNED, DenseGemvConfig, dense_gemv,  # noqa: E402
+                               dense_gemv_forced, dense_gemv_reference, dense_gemv_shapes,
+                               dense_linear, pick_dense_config, pick_split, takes_dense_gemv,
                                use_dense_gemv)
 from tests.sm90 import run_sm90_script  # noqa: E402
 
@@ -81,11 +82,38 @@ def test_rejects_what_it_cannot_run():
 
 
 def test_the_switch_reads_0_or_1(monkeypatch):
+    monkeypatch.delenv("TANDEM_DENSE_GEMV", raising=False)
+    assert dense_gemv_forced() is None
+    assert dense_gemv_shapes(torch.device("cpu")) == frozenset()  # never off the GPU
     monkeypatch.setenv("TANDEM_DENSE_GEMV", "1")
-    assert dense_gemv_wanted()
+    assert dense_gemv_forced() is True and dense_gemv_shapes(torch.device("cpu")) is None
+    monkeypatch.setenv("TANDEM_DENSE_GEMV", "0")
+    assert dense_gemv_shapes(torch.device("cpu")) == frozenset()
     monkeypatch.setenv("TANDEM_DENSE_GEMV", "on")
     with pytest.raises(ValueError, match="TANDEM_DENSE_GEMV='on'"):
-        dense_gemv_wanted()
+        dense_gemv_forced()
+
+
+def test_tuned_shapes_pick_their_config_and_others_the_default():
+    assert pick_dense_config(5120, 17408) == TUNED[(5120, 17408)]
+    assert pick_dense_config(4096, 4096) == DenseGemvConfig()
+
+
+def test_a_shape_filter_swaps_only_those_layers():
+    """The default on sm_90 swaps only the tuned shapes: a tiny Qwen3.5 with
+    one shape named keeps every other layer (and its head) on nn.Linear."""
+    from engine.loader import load_model
+
+    model = load_model("tiny-qwen3.5", device="cpu", dtype=torch.float32, seed=4).model
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    shape = tuple(linears[0].weight.shape)
+    same = sum(tuple(m.weight.shape) == shape for m in linears)
+    head = tuple(model.output_embedding.shape) == shape
+    assert 0 < same < len(linears)
+    assert use_dense_gemv(model, frozenset({shape})) == same + head
+    assert all((type(m).__name__ == "GemvLinear") == (tuple(m.weight.shape) == shape)
+               for m in linears)
+    assert (model.head_linear is dense_linear) == head
 
 
 def test_the_swap_reaches_every_projection_and_the_head(monkeypatch):

@@ -800,13 +800,15 @@ def int8_x_override() -> bool | None:
     return None if value == "" else value != "0"
 
 
-def early_weights() -> bool:
-    """TANDEM_GEMV_EARLY=1: the DP4A kernel (and engine/dense_gemv.py's)
-    loads its first weight tile before the dependent-launch wait
-    (engine/pdl.py), while the kernel before it still runs (without PDL:
-    the same loop, its first tile peeled). Off until the H200 has timed it
-    (read per call; inside a CUDA graph, at capture)."""
-    return on_off("TANDEM_GEMV_EARLY", False, on="the first weight tile before the wait",
+def early_weights(default: bool = True) -> bool:
+    """Whether the DP4A kernel (and engine/dense_gemv.py's) loads its first
+    weight tile before the dependent-launch wait (engine/pdl.py), while the
+    kernel before it still runs (without PDL: the same loop, its first tile
+    peeled). TANDEM_GEMV_EARLY=1/0 sets it for both; unset, each kernel's
+    default: on for DP4A (the H200's int4 step, 2026-12-02, two alternating
+    pairs: 7.30 / 7.00 ms against 7.40-7.59 / 7.17-8.90), off for the dense
+    GEMV (one untuned run lost). Read per call; in a CUDA graph, at capture."""
+    return on_off("TANDEM_GEMV_EARLY", default, on="the first weight tile before the wait",
                   off="after it")
 
 
