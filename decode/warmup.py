@@ -3,7 +3,9 @@ through the worker's own scheduler on scratch pages (a one-page prompt
 prefilled here, then a few decode steps), so the first real request's first
 step replays a captured CUDA graph instead of loading or compiling its
 kernels and capturing one: on the H200 that step waited 0.47 s (12-02 14:15;
-11 Triton kernels, `_rms_norm_kernel` 0.42 s). Batch size 1, the one-user
+11 Triton kernels, `_rms_norm_kernel` 0.42 s). Its prompt is prefilled in
+chunks of the decode steps' width, so the worker loads no prefill-only
+kernels (fla-core's) it would never run again. Batch size 1, the one-user
 case this engine is for: each other batch size captures its graph on first
 use (the worker logs a step that waited for a compile). With speculation on,
 the drafter and the verify graph at batch 1 warm up the same way.
@@ -61,7 +63,7 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
             first = run_prefill(store.model, cache,
                                 PrefillJob(WARM_UP_ID, prompt, 0, pages, state,
                                            open_pages=scratch.open_pages),
-                                page, open_pages=open_pages)
+                                _prefill_chunk(page), open_pages=open_pages)
             prefill_reserve = _peak_reserve(cache.device)
             seq = DecodeSequence(
                 request_id=WARM_UP_ID, prompt=prompt, output=[first.token_ids[0]],
@@ -76,6 +78,17 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
         finally:
             scheduler.abort(WARM_UP_ID)  # after a failed step; a no-op once it finished
     return WarmedUp(time.perf_counter() - started, len(seq.output), drafted, prefill_reserve)
+
+
+def _prefill_chunk(page: int) -> int:
+    """Chunks the fused GDN steps take, as the decode steps do: a longer one
+    would run fla-core's chunked kernels, whose first call autotunes through
+    Triton's benchmark and leaves its 256 MiB L2-flush buffer (and fla's
+    temporaries) in this worker's reserve for good, for kernels it never
+    runs again."""
+    from engine.gdn_kernels import MAX_TOKENS
+
+    return min(page, MAX_TOKENS)
 
 
 def _peak_reserve(device: torch.device) -> int:

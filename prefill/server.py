@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import grpc
+import torch
 
 from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.cuda_context import ReserveWatch
@@ -242,6 +243,15 @@ def _warm_up(service: PrefillService, compiles: CompileWatch) -> None:
     done = compiles.take()
     log(PROCESS, f"warmed up in {seconds:.1f} s ({len(done)} kernels compiled or loaded)")
     service._report_reserve("the warm-up")
+    # fla-core's first calls autotune through Triton's benchmark, whose 256
+    # MiB L2-flush buffer would stay in the reserve for good; what requests
+    # need is allocated again (and reported) as they run
+    device = service.store.cache.device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        service.reserve = ReserveWatch(device)
+        service._report_reserve("the warm-up's cached blocks going back")
 
 
 def _transfer_link(args, store: StoreClient):
