@@ -219,12 +219,19 @@ def dense_gemv_reference(x: torch.Tensor, weight: torch.Tensor,
     return y if bias is None else y + bias.float()
 
 
+def is_dense_weight(weight: torch.Tensor) -> bool:
+    """A plain matrix (not a quantized module's). The type is checked first: a quantized
+    module's QuantWeight answers most other questions (is_cuda, stride) by
+    dequantizing the whole matrix (2.4 GiB for the 27B's head on each call;
+    the H200's 24 GiB run of 2026-12-02 21:58 held 10-20 GiB more that way)."""
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dim() == 2
+
+
 def takes_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A plain bf16/fp16 weight on the GPU, at most MAX_ROWS rows."""
-    return (x.is_cuda and weight.is_cuda and type(weight) in (torch.Tensor, nn.Parameter)
+    return (is_dense_weight(weight) and x.is_cuda and weight.is_cuda
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
-            and weight.dim() == 2 and weight.stride(1) == 1
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+            and weight.stride(1) == 1            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -267,11 +274,12 @@ def dense_gemv_shapes(device: torch.device) -> frozenset[tuple[int, int]] | None
 
 def use_dense_gemv(model: nn.Module,
                    shapes: frozenset[tuple[int, int]] | None = None) -> int:
-    """Every plain nn.Linear of the model whose weight shape is in `shapes`
-    (None: all) becomes a GemvLinear (same parameters, no copy), and so does
-    the output head (CausalLM.head_linear). Returns how many modules changed."""
+    """Every plain nn.Linear of the model with a dense weight whose shape is
+    in `shapes` (None: all) becomes a GemvLinear (same parameters, no copy),
+    and so does the output head (CausalLM.head_linear); quantized ones keep
+    their own GEMV. Returns how many modules changed."""
     def wanted(weight: torch.Tensor) -> bool:
-        return shapes is None or tuple(weight.shape) in shapes
+        return is_dense_weight(weight) and (shapes is None or tuple(weight.shape) in shapes)
 
     changed = 0
     for module in model.modules():

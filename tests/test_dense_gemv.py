@@ -174,3 +174,23 @@ def test_compiles_for_sm90_with_its_dependent_launch_prologue():
     and runs its tile products on tensor cores."""
     out = run_sm90_script(_COMPILE_SM90)
     assert out.split() == ["True", "True"], out
+
+
+def test_quantized_weights_are_never_swapped_nor_dequantized(monkeypatch):
+    """A 4-bit model keeps its own GEMV everywhere, the head included, and
+    asking whether a QuantWeight takes the kernel must not dequantize it (it
+    did, per call, on the H200: 10-20 GiB more in each worker)."""
+    from engine.loader import load_model
+    from engine.quant.tensor import QuantTensor
+
+    model = load_model("tiny-qwen3.5", weights="q4_k_m", progress=False).model
+
+    def no_dequantize(*args, **kwargs):
+        raise AssertionError("a QuantWeight was dequantized")
+
+    monkeypatch.setattr(QuantTensor, "dequantize", no_dequantize)
+    head = model.output_embedding
+    assert type(head).__name__ == "QuantWeight"
+    assert not takes_dense_gemv(torch.zeros(1, head.shape[1]), head)
+    assert use_dense_gemv(model) == sum(type(m) is nn.Linear for m in model.modules())
+    assert model.head_linear is not dense_linear
