@@ -25,5 +25,7 @@ for run in "8192 2" "32768 4"; do
   timeout 200 python -m bench.memory "${COMMON[@]}" --device cuda --max-context-tokens 262144 \
     --prefill-chunk 512 --gpu-memory-budget 24GiB --prompt-tokens "$1" --new-tokens 64 \
     --serve-args "--live-slots 1 --snapshot-slots $2 --max-batch 1" --json "$OUT/memory_$1.json" \
-    2>&1 | grep -v "^\[" | tee "$OUT/memory_$1.log" | tail -12
+    > "$OUT/memory_$1.log" 2>&1
+  # the table, and the workers' lines saying where their PyTorch reserve peaked
+  grep -e "reserve" -e "GEMV" "$OUT/memory_$1.log"; grep -v "^\[" "$OUT/memory_$1.log" | tail -12
 done

@@ -17,18 +17,9 @@
 # loop), bench.profile_step --weights int4 with TANDEM_PDL=0, and the
 # embedded MTP with the GGUF in three chained calls.
 set -uo pipefail
-source scripts/device_env.sh
 M=qwen3.5-27b
-for run in "8192 2" "32768 4"; do
-  set -- $run
-  timeout 200 python -m bench.memory --model $M --weights int4 --kv-format rk4 \
-    --speculative mtp --draft-tokens 3 --device cuda --max-context-tokens 262144 \
-    --prefill-chunk 512 --gpu-memory-budget 24GiB --prompt-tokens "$1" --new-tokens 64 \
-    --serve-args "--live-slots 1 --snapshot-slots $2 --max-batch 1" \
-    --json "$OUT/memory_$1.json" > "$OUT/memory_$1.log" 2>&1
-  grep -e "reserve" -e "warmed" -e "GEMV" -e "total" -e "decode  " -e "prefill  " -e "kvstore  " \
-    "$OUT/memory_$1.log" | tail -16
-done
+bash scripts/device_memory24.sh
+source scripts/device_env.sh
 STEP_TAIL=1 step int4_warm 120 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
 STEP_TAIL=1 step int4_step 70 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
 for d in "" 0; do
@@ -36,3 +27,5 @@ for d in "" 0; do
     --model $M --device cuda --kv-format int8 --batch 1 --context 4096 131072 --steps 16
 done
 SHARES="100" bash scripts/device_mps.sh
+# more than the 8 files a call brings back: one archive
+tar czf /tmp/next18.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/next18.tgz "$OUT/"
