@@ -202,8 +202,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     kernel[(triton.cdiv(n_dim, config.block_n), split)](
         x, weight, target, m_rows, n_dim, k_dim, x.stride(0), weight.stride(0), stride_os,
         target.stride(-2), per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EARLY=early_weights(default=False), num_warps=config.num_warps, num_stages=config.num_stages,
-        **launch)
+        EARLY=early_weights(default=False), num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch)
     if not direct:
         block = 256
         _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
@@ -231,7 +231,8 @@ def takes_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A plain bf16/fp16 weight on the GPU, at most MAX_ROWS rows."""
     return (is_dense_weight(weight) and x.is_cuda and weight.is_cuda
             and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
-            and weight.stride(1) == 1            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+            and weight.stride(1) == 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor,
