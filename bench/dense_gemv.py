@@ -68,9 +68,9 @@ def compare(rows_list, device, bandwidth: float) -> list[dict]:
                     continue
                 timed.append((t, config))
             best_t, best = min(timed, key=lambda tc: tc[0])
-            default_t = timed[0][0] if timed and timed[0][1] == configs[0] else float("nan")
+            picked_t = timed[0][0] if timed and timed[0][1] == configs[0] else float("nan")
             out.append({"matrix": name, "N": n, "K": k, "rows": rows, "per_step": per_step,
-                        "cublas_us": cublas * 1e6, "triton_picked_us": default_t * 1e6,
+                        "cublas_us": cublas * 1e6, "triton_picked_us": picked_t * 1e6,
                         "triton_best_us": best_t * 1e6, "best": best.key(),
                         "floor_us": floor * 1e6, "cublas_of_floor": floor / cublas,
                         "best_of_floor": floor / best_t})

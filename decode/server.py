@@ -20,7 +20,7 @@ import torch
 from decode.scheduler import DecodeScheduler, DecodeSequence, TokenOut
 from decode.warmup import warm_up
 from engine.compiles import CompileWatch, describe, watch_compiles
-from engine.cuda_context import MiB, ReserveWatch
+from engine.cuda_context import ReserveWatch
 from engine.errors import InvalidRequestError, TandemError
 from engine.stopping import FinishReason
 from engine.streams import WorkerStream
@@ -63,7 +63,7 @@ class StepLoop:
         # one stream for the warm-up and the steps: the caching allocator
         # reuses a block only on the stream it was allocated on
         self.stream = WorkerStream(scheduler.cache.device, high_priority=True)
-        self.reserve = ReserveWatch(scheduler.cache.device)
+        self.reserve = ReserveWatch(scheduler.cache.device, lambda line: log(PROCESS, line))
 
     def start(self) -> None:
         self.thread.start()
@@ -95,17 +95,15 @@ class StepLoop:
         captured graph; a failure costs only the warm-up."""
         try:
             with self.stream.active():
-                done = warm_up(store, self.scheduler)
+                done = warm_up(store, self.scheduler,
+                               after_prefill=lambda: self.reserve.check("the warm-up's prefill"))
         except (TandemError, RuntimeError) as e:
             log(PROCESS, f"warm-up failed, the first requests will compile and capture: {e!r}")
             return
         compiled = self.compiles.take() if self.compiles is not None else []
         log(PROCESS, f"warmed up in {done.seconds:.1f} s ({done.tokens} tokens, {done.drafted} "
                      f"drafts verified, {len(compiled)} kernels compiled or loaded)")
-        if done.prefill_reserve:
-            log(PROCESS, f"the warm-up's prefill left PyTorch's reserve at "
-                         f"{done.prefill_reserve / MiB:.0f} MiB")
-        self._report_reserve("the warm-up")
+        self.reserve.check("the warm-up")
 
     @torch.inference_mode()
     def _run(self) -> None:
@@ -130,12 +128,7 @@ class StepLoop:
             self._publish_tokens(outs)
             for seq in finished:
                 self._publish_finished(seq)
-                self._report_reserve(f"the end of {seq.request_id}")
-
-    def _report_reserve(self, where: str) -> None:
-        line = self.reserve.grown(where)
-        if line is not None:
-            log(PROCESS, line)
+                self.reserve.check(f"the end of {seq.request_id}")
 
     def _report_compiles(self, batch: int) -> None:
         """Logs a step that waited for Triton compiles (see engine/compiles.py)."""

@@ -14,9 +14,8 @@ Every page and slot goes back to the store, whatever happens."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence
 from engine.sampling import SamplingParams
@@ -37,12 +36,13 @@ class WarmedUp:
     seconds: float
     tokens: int  # the request's output, the prefill's token included
     drafted: int  # drafts its speculative steps verified (0: plain decoding)
-    prefill_reserve: int  # PyTorch's peak reserve after its prefill, bytes (0 off the GPU)
 
 
-def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
+def warm_up(store: StoreClient, scheduler: DecodeScheduler,
+            after_prefill: Callable[[], None] = lambda: None) -> WarmedUp:
     """Runs the warm-up request on pages and slots taken from the store and
-    given back."""
+    given back; `after_prefill` runs between its prefill and its steps (the
+    worker reports its memory there, to tell the two apart)."""
     if scheduler.has_work:
         raise RuntimeError("the decode warm-up runs before the worker takes requests")
     info, cache = store.info, store.cache
@@ -64,7 +64,7 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
                                 PrefillJob(WARM_UP_ID, prompt, 0, pages, state,
                                            open_pages=scratch.open_pages),
                                 _prefill_chunk(page), open_pages=open_pages)
-            prefill_reserve = _peak_reserve(cache.device)
+            after_prefill()
             seq = DecodeSequence(
                 request_id=WARM_UP_ID, prompt=prompt, output=[first.token_ids[0]],
                 params=SamplingParams(max_new_tokens=WARM_UP_TOKENS), pages=list(pages),
@@ -77,7 +77,7 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler) -> WarmedUp:
                 drafted += sum(out.drafted for out in outs)
         finally:
             scheduler.abort(WARM_UP_ID)  # after a failed step; a no-op once it finished
-    return WarmedUp(time.perf_counter() - started, len(seq.output), drafted, prefill_reserve)
+    return WarmedUp(time.perf_counter() - started, len(seq.output), drafted)
 
 
 def _prefill_chunk(page: int) -> int:
@@ -90,8 +90,3 @@ def _prefill_chunk(page: int) -> int:
 
     return min(page, MAX_TOKENS)
 
-
-def _peak_reserve(device: torch.device) -> int:
-    """What the prefill left reserved, to tell it from what the steps (their
-    CUDA graphs) add in the worker's log."""
-    return torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0

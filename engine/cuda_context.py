@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +54,12 @@ MiB = 1 << 20
 
 @dataclass
 class ReserveWatch:
-    """Reports PyTorch's peak reserve on a GPU when it has grown by at least
-    `step_bytes` since the last report: the caching allocator never hands
-    memory back, so its peak is what the process costs the plan beside its
-    context. Off the GPU it reports nothing."""
+    """Reports (through `report`) PyTorch's peak reserve on a GPU when it has
+    grown by at least `step_bytes` since the last report: the caching
+    allocator never hands memory back by itself, so its peak is what the
+    process costs the plan beside its context. Off the GPU it reports nothing."""
     device: torch.device
+    report: Callable[[str], None]
     step_bytes: int = 64 * MiB
     reported: int = -1
 
@@ -66,14 +68,24 @@ class ReserveWatch:
         if self.step_bytes <= 0:
             raise ValueError(f"ReserveWatch.step_bytes must be positive, got {self.step_bytes}")
 
-    def grown(self, where: str) -> str | None:
-        """A line naming `where` the peak was seen, or None."""
+    def check(self, where: str) -> None:
+        """Reports the peak, naming `where` it was seen, if it grew enough."""
         if self.device.type != "cuda":
-            return None
+            return
         peak = torch.cuda.max_memory_reserved(self.device)
         if self.reported >= 0 and peak < self.reported + self.step_bytes:
-            return None
+            return
         self.reported = peak
         allocated = torch.cuda.max_memory_allocated(self.device)
-        return (f"PyTorch's reserve peaked at {peak / MiB:.0f} MiB (allocated at most "
-                f"{allocated / MiB:.0f} MiB) by {where}")
+        self.report(f"PyTorch's reserve peaked at {peak / MiB:.0f} MiB (allocated at most "
+                    f"{allocated / MiB:.0f} MiB) by {where}")
+
+    def release(self, where: str) -> None:
+        """Hands the cached blocks back to the driver and starts the peak
+        over (reported as `where`): for memory a one-off phase reserved."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.reported = -1
+        self.check(where)

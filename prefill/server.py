@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import grpc
-import torch
 
 from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.cuda_context import ReserveWatch
@@ -87,7 +86,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self.link = link  # disaggregated topology: how pages reach decode stores
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill")
         self.stream = WorkerStream(store.cache.device, high_priority=False)
-        self.reserve = ReserveWatch(store.cache.device)
+        self.reserve = ReserveWatch(store.cache.device, lambda line: log(PROCESS, line))
         self.work: dict[str, _Work] = {}
 
     async def Prefill(self, request, context):
@@ -129,7 +128,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                              between_chunks, out.chunk_starts if out else None,
                                              open_pages)
                     self._report_compiles(job, time.perf_counter() - started)
-                    self._report_reserve(f"the prefill of {job.request_id}")
+                    self.reserve.check(f"the prefill of {job.request_id}")
                     held = open_pages.held if open_pages is not None else []
                     if out is None:
                         return result, 0, 0, held
@@ -182,11 +181,6 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         # reading the trace takes longer than a turn's prefill on the 27B: it
         # runs on the worker's thread after this request, not before its reply
         self.gpu.submit(report)
-
-    def _report_reserve(self, where: str) -> None:
-        line = self.reserve.grown(where)
-        if line is not None:
-            log(PROCESS, line)
 
     def _report_compiles(self, job: PrefillJob, seconds: float) -> None:
         """Logs a request that waited for Triton compiles (see engine/compiles.py)."""
@@ -242,16 +236,11 @@ def _warm_up(service: PrefillService, compiles: CompileWatch) -> None:
         return
     done = compiles.take()
     log(PROCESS, f"warmed up in {seconds:.1f} s ({len(done)} kernels compiled or loaded)")
-    service._report_reserve("the warm-up")
+    service.reserve.check("the warm-up")
     # fla-core's first calls autotune through Triton's benchmark, whose 256
     # MiB L2-flush buffer would stay in the reserve for good; what requests
     # need is allocated again (and reported) as they run
-    device = service.store.cache.device
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        service.reserve = ReserveWatch(device)
-        service._report_reserve("the warm-up's cached blocks going back")
+    service.reserve.release("the warm-up's cached blocks going back")
 
 
 def _transfer_link(args, store: StoreClient):

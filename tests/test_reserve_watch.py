@@ -7,21 +7,31 @@ from engine.cuda_context import ReserveWatch
 
 
 def test_off_the_gpu_it_reports_nothing():
-    assert ReserveWatch(torch.device("cpu")).grown("a request") is None
+    lines = []
+    watch = ReserveWatch(torch.device("cpu"), lines.append)
+    watch.check("a request")
+    watch.release("a release")
+    assert lines == []
 
 
 def test_a_step_must_be_positive():
     with pytest.raises(ValueError, match="step_bytes"):
-        ReserveWatch(torch.device("cpu"), step_bytes=0)
+        ReserveWatch(torch.device("cpu"), print, step_bytes=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_it_reports_first_then_only_growth_past_its_step():
+def test_it_reports_first_then_only_growth_past_its_step_and_after_a_release():
     device = torch.device("cuda")
-    watch = ReserveWatch(device, step_bytes=256 << 20)
-    assert "by the start" in watch.grown("the start")
-    assert watch.grown("a small step") is None
+    lines = []
+    watch = ReserveWatch(device, lines.append, step_bytes=256 << 20)
+    watch.check("the start")
+    assert len(lines) == 1 and "by the start" in lines[0]
+    watch.check("a small step")
+    assert len(lines) == 1
     block = torch.empty(512 << 20, dtype=torch.uint8, device=device)
-    line = watch.grown("a big allocation")
-    assert line is not None and "a big allocation" in line
+    watch.check("a big allocation")
+    assert len(lines) == 2 and "a big allocation" in lines[1]
     del block
+    watch.release("the release")
+    assert len(lines) == 3 and "by the release" in lines[2]
+    assert torch.cuda.memory_reserved(device) < 512 << 20
