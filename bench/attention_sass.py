@@ -1,14 +1,16 @@
 """Static facts of the paged attention kernel's sm_90 build, no GPU needed:
 registers per thread, stack bytes (spills and local arrays), shared memory,
 and the machine instructions of the key loop (per key tile: all of them,
-and those on its longest path, which a tile over a real page runs), for the 27B's
-attention shape (head_dim 256, rotary_dim 64, 4 KV heads, GQA group 6) over
-int8 and rk4p pages, with the tiles tiles_for picks for a decode step, a
-speculative verify (5 new tokens) or a bf16 prefill chunk, at the stage
-counts asked for.
+and those on its longest path, which a tile over a real page runs), for the
+27B's attention shape (head_dim 256, rotary_dim 64, 4 KV heads, GQA group 6)
+over int8, rk4 and rk4p pages, with the tiles tiles_for picks (or --block-n /
+--rows / --warps instead) for a decode step, a speculative verify (5 new
+tokens) or a bf16 prefill chunk, at the stage counts asked for. A stack
+above the service's trimmed 64 bytes raises a process's local-memory
+reservation by stack x 2,048 x 132 SMs (engine/cuda_context.py).
 
-    python -m bench.attention_sass [--kv-format int8 rk4p] [--step decode verify]
-                                   [--stages 1 2 default]
+    python -m bench.attention_sass [--kv-format int8 rk4 rk4p] [--step decode verify]
+                                   [--stages 1 2 default] [--block-n 32 64] [--rows R] [--warps W]
 
 Compiles with Triton for GPUTarget("cuda", 90) and reads the cubin with the
 cuobjdump that ships in Triton's wheel (the approach of bench.gemv_sass)."""
@@ -100,15 +102,16 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
 
     kernel = K._paged_attention_kernel
     rk4p = kv_format == "rk4p"
-    kind = K.RK4P if rk4p else K.INT8
-    scale_block = make_format("rk4p").v_block_for(HEAD_DIM) if rk4p else 1
+    kind = {"rk4p": K.RK4P, "rk4": K.RK4, "int8": K.INT8}[kv_format]
+    scale_block = (make_format("rk4p").v_block_for(HEAD_DIM) if rk4p
+                   else make_format("rk4").block if kind == K.RK4 else 1)
     rotary_dim = ROTARY_DIM if rk4p else 0
     constants = dict(
         Q_HEADS=KV_HEADS * GROUP, KV_HEADS=KV_HEADS, GROUP=GROUP, D=HEAD_DIM, D_PAD=HEAD_DIM,
         PAGE_SIZE=PAGE if rk4p else 16, KIND=kind, SCALE_BLOCK=scale_block, E8M0=False,
         ROTARY_DIM=rotary_dim, Q_BF16=True, OUT_BF16=not rk4p, ROWS=tiles.rows,
         BLOCK_N=tiles.block_n, NUM_SPLITS=splits, FOR_LOOP=True,
-        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=False)
+        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=True)
     params = {p.name for p in kernel.params}
     if "ROPE_PAD" in params:
         constants["ROPE_PAD"] = K.rope_pad(rotary_dim)
@@ -124,7 +127,10 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def describe(kv_format: str, step: str, stages: int | None) -> list:
+def describe(kv_format: str, step: str, stages: int | None, block_n: int | None = None,
+             rows: int | None = None, warps: int | None = None) -> list:
+    import dataclasses
+
     import torch
 
     from engine.kv.attention import tiles_for
@@ -133,8 +139,10 @@ def describe(kv_format: str, step: str, stages: int | None) -> list:
     new = STEPS[step]
     tiles = tiles_for(HEAD_DIM, GROUP, decode=new == 1, on_gpu=True, fmt=make_format(kv_format),
                       q_dtype=torch.bfloat16, new_tokens=new)
-    # decode at 131K context, batch 1: splits_for's 64 key splits
-    compiled = _compile(kv_format, stages, tiles, 64 if new == 1 else 1)
+    tiles = dataclasses.replace(tiles, block_n=block_n or tiles.block_n, rows=rows or tiles.rows,
+                                num_warps=warps or tiles.num_warps)
+    # decode and verify at 131K context, batch 1: splits_for's 64 key splits
+    compiled = _compile(kv_format, stages, tiles, 64 if step != "prefill" else 1)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     regs, stack, _, local = (int(v) for v in m.groups()) if m else (0, 0, 0, 0)
@@ -151,7 +159,12 @@ def describe(kv_format: str, step: str, stages: int | None) -> list:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention_sass",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--kv-format", nargs="+", default=["int8", "rk4p"])
+    p.add_argument("--kv-format", nargs="+", default=["int8", "rk4p"],
+                   choices=["int8", "rk4", "rk4p"])
+    p.add_argument("--block-n", type=int, nargs="+", default=[None],
+                   help="keys per tile instead of tiles_for's")
+    p.add_argument("--rows", type=int, default=None, help="rows per tile instead of tiles_for's")
+    p.add_argument("--warps", type=int, default=None, help="warps instead of tiles_for's")
     p.add_argument("--step", nargs="+", default=["decode"], choices=list(STEPS))
     p.add_argument("--stages", nargs="+", default=["1", "2", "default"],
                    help="num_stages values ('default': Triton's)")
@@ -161,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         for step in args.step:
             for s in args.stages:
                 stages = None if s == "default" else int(s)
-                try:
-                    table.append(describe(kv_format, step, stages))
-                except Exception as exc:  # report and go on: one config must not hide the rest
-                    print(f"{kv_format} {step} stages={s}: {type(exc).__name__}: {exc}"[:400],
-                          file=sys.stderr)
+                for block_n in args.block_n:
+                    try:
+                        table.append(describe(kv_format, step, stages, block_n, args.rows,
+                                              args.warps))
+                    except Exception as exc:  # report and go on: one must not hide the rest
+                        print(f"{kv_format} {step} stages={s} block_n={block_n}: "
+                              f"{type(exc).__name__}: {exc}"[:400], file=sys.stderr)
     print_table("Paged attention sm_90 build, 27B attention shape (static)",
                 ["format", "step", "tile (rows x keys/warps)", "stages", "regs", "stack",
                  "local", "STL/LDL", "smem", "loop instr", "longest path", "top loop opcodes"],

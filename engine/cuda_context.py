@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,19 +50,55 @@ def trim_stack_reservation(device: torch.device | str, stack_bytes: int = STACK_
     return True
 
 
+def stack_limit(device: torch.device | str) -> int | None:
+    """The per-thread stack limit of `device`'s context now (bytes): above
+    the trimmed STACK_BYTES it names a kernel that raised it, and with it
+    the local-memory reservation (limit x resident threads x SMs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    limit = ctypes.c_size_t()
+    with torch.cuda.device(device):
+        try:
+            rc = _libcuda().cuCtxGetLimit(ctypes.byref(limit), ctypes.c_int(_CU_LIMIT_STACK_SIZE))
+        except OSError:
+            return None
+    return limit.value if rc == 0 else None
+
+
+def process_gpu_bytes(device: torch.device | str) -> int | None:
+    """What NVML says this process holds on `device` (context, modules,
+    local memory and PyTorch's reserve together); None where NVML cannot say."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # no NVML library, or a driver that does not answer
+        return None
+    return next((p.usedGpuMemory for p in processes if p.pid == os.getpid()), None)
+
+
 MiB = 1 << 20
 
 
 @dataclass
 class ReserveWatch:
     """Reports (through `report`) PyTorch's peak reserve on a GPU when it has
-    grown by at least `step_bytes` since the last report: the caching
-    allocator never hands memory back by itself, so its peak is what the
-    process costs the plan beside its context. Off the GPU it reports nothing."""
+    grown by at least `step_bytes` since the last report, or when a kernel
+    has raised the context's stack limit: the caching allocator never hands
+    memory back by itself, and the driver never lowers the limit, so both
+    peaks are what the process costs the plan. Each line also gives NVML's
+    figure for the whole process. Off the GPU it reports nothing."""
     device: torch.device
     report: Callable[[str], None]
     step_bytes: int = 64 * MiB
     reported: int = -1
+    reported_stack: int = 0
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
@@ -73,12 +110,22 @@ class ReserveWatch:
         if self.device.type != "cuda":
             return
         peak = torch.cuda.max_memory_reserved(self.device)
-        if self.reported >= 0 and peak < self.reported + self.step_bytes:
+        stack = stack_limit(self.device) or 0
+        if self.reported >= 0 and peak < self.reported + self.step_bytes \
+                and stack <= self.reported_stack:
             return
-        self.reported = peak
+        self.reported, self.reported_stack = peak, stack
         allocated = torch.cuda.max_memory_allocated(self.device)
         self.report(f"PyTorch's reserve peaked at {peak / MiB:.0f} MiB (allocated at most "
-                    f"{allocated / MiB:.0f} MiB) by {where}")
+                    f"{allocated / MiB:.0f} MiB) by {where}{self._outside_pytorch()}")
+
+    def _outside_pytorch(self) -> str:
+        """What the process holds beside the reserve: NVML's total for it and
+        the stack limit (a kernel that spills raises it for the whole context)."""
+        held, stack = process_gpu_bytes(self.device), stack_limit(self.device)
+        parts = ([f"the process holds {held / MiB:.0f} MiB (NVML)"] if held is not None else []) \
+            + ([f"stack limit {stack} B"] if stack is not None else [])
+        return "; " + ", ".join(parts) if parts else ""
 
     def release(self, where: str) -> None:
         """Hands the cached blocks back to the driver and starts the peak

@@ -205,7 +205,7 @@ def _conv_chunk_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_st
 def conv_chunk(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
                row_seq: torch.Tensor, seq_offsets: torch.Tensor, positions: torch.Tensor,
                seq_slots: torch.Tensor, offsets: list[int], slots: list[int],
-               fresh: list[bool], block_t: int = 64, block_c: int = 128) -> torch.Tensor:
+               fresh: list[bool], block_t: int = 8, block_c: int = 256) -> torch.Tensor:
     """The prefill's conv + SiLU: mixed [T, C], sequence i owning rows
     [offsets[i], offsets[i+1]) and reading the window of slots[i] (zeros
     where fresh[i]); windows [S, C, K-1] then hold each sequence's last K-1
@@ -213,7 +213,12 @@ def conv_chunk(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
     sequence. The device indices are the batch's, built once for all layers:
     row_seq [T] int32 (each row's sequence), seq_offsets [B+1] int32,
     positions [T] long, seq_slots [B] long; the host lists say the same for
-    the window update. Returns [T, C] in mixed's dtype."""
+    the window update. Returns [T, C] in mixed's dtype.
+
+    8 x 256 tiles: every tap's int64 addresses are live at once, and 64 x 128
+    tiles spilled them (sm_90 build: 4,920 B of stack a thread; on the H200
+    1,048 B, which raised the prefill worker's stack reservation to 270 MiB);
+    8 x 256 needs 168-190 registers and no stack."""
     tokens, channels = mixed.shape
     kernel = weight.shape[-1]
     if mixed.stride(1) != 1 or windows.stride(2) != 1 or not weight.is_contiguous():

@@ -26,6 +26,7 @@ def test_it_reports_first_then_only_growth_past_its_step_and_after_a_release():
     watch = ReserveWatch(device, lines.append, step_bytes=256 << 20)
     watch.check("the start")
     assert len(lines) == 1 and "by the start" in lines[0]
+    assert "(NVML)" in lines[0] and "stack limit" in lines[0], lines[0]
     watch.check("a small step")
     assert len(lines) == 1
     block = torch.empty(512 << 20, dtype=torch.uint8, device=device)
@@ -35,3 +36,19 @@ def test_it_reports_first_then_only_growth_past_its_step_and_after_a_release():
     watch.release("the release")
     assert len(lines) == 3 and "by the release" in lines[2]
     assert torch.cuda.memory_reserved(device) < 512 << 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_stack_limit_it_reports_is_the_contexts():
+    from engine.cuda_context import stack_limit, trim_stack_reservation
+    device = torch.device("cuda")
+    assert trim_stack_reservation(device, 128)
+    assert stack_limit(device) == 128
+    lines = []
+    ReserveWatch(device, lines.append).check("the trim")
+    assert "stack limit 128 B" in lines[0]
+
+
+def test_off_the_gpu_there_is_no_stack_limit_nor_nvml_figure():
+    from engine.cuda_context import process_gpu_bytes, stack_limit
+    assert stack_limit("cpu") is None and process_gpu_bytes("cpu") is None

@@ -151,6 +151,14 @@ class Tiles:
 # Batches with more new tokens per sequence than this are prefill chunks
 # (speculative verify runs at most 9: GEMV_MAX_ROWS + 1).
 PREFILL_DOT_BF16_FROM = 16
+# A verify batch's (and a prefill's short tail's) tiles: 32 (token, head)
+# rows on 8 warps, which hold a k=4 verify's 5 x 6 rows of a 27B KV head.
+# At 64 rows on 4 warps the fp32 tiles spilled at head_dim 256 (sm_90 build,
+# bench.attention_sass: 416 B a thread over int8 pages, 1,568 B over rk4,
+# 440 B over rk4p; 8 / 0 / 0 B now), and a spilling kernel raises its
+# context's stack limit for good: the H200's 24 GiB run (2026-12-03) found
+# the decode worker's at 2,448 B, a 631 MiB local-memory reservation.
+VERIFY_ROWS, VERIFY_WARPS = 32, 8
 
 
 DECODE_BLOCK_N_ENV = "TANDEM_DECODE_BLOCK_N"
@@ -191,7 +199,10 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
     block_n = 64 if head_dim <= 128 else 32
     if decode:  # one token: its GQA group's rows, padded to tl.dot's minimum of 16
         rows = max(16, 1 << (group - 1).bit_length())
-        return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=4,
+        # rk4's nibbles and per-channel-block scales spilled 288 B a thread on
+        # 4 warps (bench.attention_sass, sm_90): 8 warps need no stack
+        warps = 8 if isinstance(fmt, RotatedInt4Format) and head_dim > 128 else 4
+        return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=warps,
                      num_stages=stages)
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
     if chunk and q_dtype == torch.bfloat16 and not rk4p_wide:
@@ -200,9 +211,10 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
         # faster than fp32 dots at 64 x 32, at 216 / 276 TFLOP/s (SDPA: 318)
         return Tiles(rows=128, block_n=64, num_warps=8, dot_bf16=True)
     if not chunk:  # a verify batch walks the keys in decode's steps (the same sums)
-        block_n = _decode_keys(block_n, rk4p_wide)
+        return Tiles(rows=VERIFY_ROWS, block_n=_decode_keys(block_n, rk4p_wide),
+                     num_warps=VERIFY_WARPS, num_stages=stages)
     return Tiles(rows=64, block_n=block_n, num_warps=4, num_stages=stages,
-                 dot_bf16=chunk and q_dtype == torch.bfloat16)
+                 dot_bf16=q_dtype == torch.bfloat16)
 
 
 def _decode_keys(block_n: int, rk4p_wide: bool) -> int:

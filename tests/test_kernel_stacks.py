@@ -1,0 +1,62 @@
+"""Kernels that run in every GPU worker must need no thread stack on sm_90:
+a launch of one that spills raises its context's stack limit for good, and
+with it the local-memory reservation (stack x 2,048 threads x 132 SMs on an
+H200). The 24 GiB run of 2026-12-03 found the decode worker's limit at
+2,448 B (631 MiB) from the 64-row verify tiles, and the prefill worker's at
+1,776 B. Compiled for sm_90 with Triton's own ptxas (no GPU needed) and read
+with its cuobjdump, as bench.attention_sass does, in a child process: the
+tests' interpreter mode (conftest) has no compiler."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine.cuda_context import STACK_BYTES
+
+pytest.importorskip("triton")
+
+_STACKS = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from bench.attention_sass import describe
+from bench.gemv_sass import _cuobjdump
+from engine import gdn_kernels
+
+stacks = {f"attention {f} {s}": describe(f, s, stages=None)[5]
+          for f in ("int8", "rk4", "rk4p") for s in ("decode", "verify")}
+kernel = gdn_kernels._conv_chunk_kernel
+block_t, block_c = gdn_kernels.conv_chunk.__defaults__[-2:]
+pointers = dict(row_seq_ptr="*i32", offsets_ptr="*i32", slots_ptr="*i64", positions_ptr="*i64")
+constants = dict(KERNEL=4, BLOCK_T=block_t, BLOCK_C=block_c, X_BF16=True, WIN_BF16=False,
+                 W_BF16=True)
+signature = {p.name: "constexpr" if p.name in constants
+             else pointers.get(p.name, "*i16") if p.name.endswith("_ptr") else "i32"
+             for p in kernel.params}
+names = list(signature)
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+         if signature[n].startswith("*")}
+compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants,
+                                    attrs=attrs), target=GPUTarget("cuda", 90, 32))
+usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+stacks["gdn conv chunk"] = int(re.search(r"STACK:(\d+)", usage).group(1))
+print(json.dumps(stacks))
+"""
+
+
+@pytest.fixture(scope="module")
+def stacks() -> dict[str, int]:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _STACKS], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernel", [f"attention {f} {s}" for f in ("int8", "rk4", "rk4p")
+                                    for s in ("decode", "verify")] + ["gdn conv chunk"])
+def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
+    assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"
