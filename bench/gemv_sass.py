@@ -43,8 +43,14 @@ def _compile(config, bits: int, rows: int, pdl: bool = False):
         kernel = _gemv_x8_kernel
         for name in ("M", "stride_xm", "stride_om"):
             del signature[name]
+        # the split-K fix-up's pointers come after bias_ptr (off here: its
+        # loop is the same, the fix-up runs once after it)
+        at = list(signature).index("bias_ptr") + 1
+        items = list(signature.items())
+        signature = dict(items[:at] + [("final_ptr", "*bf16"), ("counter_ptr", "*i32")]
+                         + items[at:])
         del constants["BITS"]
-        constants.update(EARLY=pdl)
+        constants.update(EARLY=pdl, SPLIT_K=1, FIXUP=False)
     elif config.tensor_cores:
         kernel = _gemv_dot_kernel
         constants.update(IEEE=False)

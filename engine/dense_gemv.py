@@ -9,7 +9,8 @@ Each program owns BLOCK_N output features and 1/SPLIT_K of K; the rows are
 padded to 16 for one tensor-core dot per tile (bf16 products are exact in
 fp32; rows never mix, so a row's result does not depend on how many rows
 run beside it: decode and a k+1-row verify compute the same numbers).
-Split-K partials are fp32 and engine/quant/gemv.py's sum kernel adds them.
+Split-K partials are fp32 and engine/quant/gemv.py's sum kernel adds them,
+or with TANDEM_SPLIT_FIXUP=1 the last program of each tile does (split_fixup).
 
 At load on sm_90+ the model's nn.Linear forwards and its output head whose
 shapes are in TUNED go onto it (`adopt_dense_gemv`; TANDEM_DENSE_GEMV=1 takes
@@ -30,7 +31,8 @@ from torch import nn
 
 from engine.gpu_facts import capability_major
 from engine.pdl import pdl_launch, pdl_prologue
-from engine.quant.gemv import _interpreting, _sm_count, _split_k_sum_kernel, early_weights
+from engine.quant.gemv import (MAX_FIXUP_TILES, _interpreting, _sm_count, _split_k_sum_kernel,
+                               _sum_splits_if_last, early_weights, split_counters, split_fixup)
 from engine.switches import on_off
 
 DENSE_GEMV_ENV = "TANDEM_DENSE_GEMV"
@@ -115,12 +117,15 @@ def _dense_tiles(acc, x_ptr, w_ptr, rows, M, offs_n, n_ok, K, pid_k, stride_xm, 
 
 
 @triton.jit
-def _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
-                        stride_om, TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr, EARLY: tl.constexpr):
+def _dense_gemv_program(x_ptr, w_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, stride_xm,
+                        stride_wn, stride_os, stride_om, stride_fm, TILES,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                        EARLY: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
     """EARLY: the first weight tile is loaded before the dependent-launch wait
     (weights are never written by a kernel; the rows and the output wait),
-    as engine/quant/gemv.py's DP4A kernel does."""
+    as engine/quant/gemv.py's DP4A kernel does. FIXUP: out_ptr holds SPLIT_K
+    fp32 partials, and the last program of each tile sums them into
+    final_ptr (engine/quant/gemv.py's _sum_splits_if_last)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, 16)
@@ -139,26 +144,36 @@ def _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         pdl_prologue(PDL)
         acc = _dense_tiles(acc, x_ptr, w_ptr, rows, M, offs_n, n_ok, K, pid_k, stride_xm,
                            stride_wn, TILES, 0, BLOCK_K)
+    tile = (rows < M)[:, None] & n_ok[None, :]
     out = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile)
+    if FIXUP:
+        _sum_splits_if_last(out_ptr, final_ptr, counter_ptr, pid_n,
+                            rows[:, None] * stride_om + offs_n[None, :],
+                            rows[:, None] * stride_fm + offs_n[None, :], tile, stride_os, SPLIT_K)
 
 
 @triton.jit
-def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
-                       stride_om, TILES, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr, EARLY: tl.constexpr):
-    _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
-                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL, EARLY)
+def _dense_gemv_kernel(x_ptr, w_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, stride_xm,
+                       stride_wn, stride_os, stride_om, stride_fm, TILES,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                       EARLY: tl.constexpr, SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
+    _dense_gemv_program(x_ptr, w_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, stride_xm,
+                        stride_wn, stride_os, stride_om, stride_fm, TILES, BLOCK_N, BLOCK_K,
+                        PDL, EARLY, SPLIT_K, FIXUP)
 
 
 @triton.jit
-def _dense_gemv_kernel_interpreted(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                                   stride_os, stride_om, TILES: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                   PDL: tl.constexpr, EARLY: tl.constexpr):
+def _dense_gemv_kernel_interpreted(x_ptr, w_ptr, out_ptr, final_ptr, counter_ptr, M, N, K,
+                                   stride_xm, stride_wn, stride_os, stride_om, stride_fm,
+                                   TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                                   EARLY: tl.constexpr, SPLIT_K: tl.constexpr,
+                                   FIXUP: tl.constexpr):
     """The same with a constant TILES: the interpreter cannot loop over a runtime count."""
-    _dense_gemv_program(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_os,
-                        stride_om, TILES, BLOCK_N, BLOCK_K, PDL, EARLY)
+    _dense_gemv_program(x_ptr, w_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, stride_xm,
+                        stride_wn, stride_os, stride_om, stride_fm, TILES, BLOCK_N, BLOCK_K,
+                        PDL, EARLY, SPLIT_K, FIXUP)
 
 
 
@@ -198,13 +213,17 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
                                             device=x.device)
     stride_os = 0 if direct else target.stride(0)
     launch = pdl_launch(x.device)
+    grid = (triton.cdiv(n_dim, config.block_n), split)
+    fixup = split > 1 and bias is None and split_fixup() and grid[0] <= MAX_FIXUP_TILES
+    counters = split_counters(x.device) if fixup else target
     kernel = _dense_gemv_kernel_interpreted if _interpreting() else _dense_gemv_kernel
-    kernel[(triton.cdiv(n_dim, config.block_n), split)](
-        x, weight, target, m_rows, n_dim, k_dim, x.stride(0), weight.stride(0), stride_os,
-        target.stride(-2), per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EARLY=early_weights(default=False), num_warps=config.num_warps,
+    kernel[grid](
+        x, weight, target, out, counters, m_rows, n_dim, k_dim, x.stride(0), weight.stride(0),
+        stride_os, target.stride(-2), out.stride(0), per_split, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, EARLY=early_weights(default=False),
+        SPLIT_K=split if fixup else 1, FIXUP=fixup, num_warps=config.num_warps,
         num_stages=config.num_stages, **launch)
-    if not direct:
+    if not direct and not fixup:
         block = 256
         _split_k_sum_kernel[(triton.cdiv(n_dim, block), m_rows)](
             target, out, bias if bias is not None else target, m_rows, n_dim, target.stride(0),

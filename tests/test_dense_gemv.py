@@ -65,6 +65,27 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it():
         assert torch.equal(dense_gemv(x[i:i + 1], w, config=config), together[i:i + 1])
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("split", [2, 5])
+def test_split_fixup_gives_the_sum_kernels_numbers_and_leaves_its_counters_zero(
+        rows, split, monkeypatch):
+    """TANDEM_SPLIT_FIXUP=1: the last program per tile adds the partials in
+    the sum kernel's order (bitwise its numbers), writes a strided output's
+    rows where they belong, and leaves every counter at zero."""
+    from engine.quant.gemv import split_counters
+
+    x, w = _case(rows, 45, 320, seed=31)
+    config = DenseGemvConfig(16, 32, split_k=split)
+    monkeypatch.setenv("TANDEM_SPLIT_FIXUP", "0")
+    summed = dense_gemv(x, w, config=config)
+    monkeypatch.setenv("TANDEM_SPLIT_FIXUP", "1")
+    for _ in range(2):
+        wide = torch.full((rows, 64), float("nan"), dtype=DTYPE, device=DEVICE)
+        fixed = dense_gemv(x, w, out=wide[:, :45], config=config)
+        assert torch.equal(fixed, summed) and wide[:, 45:].isnan().all()
+    assert not split_counters(torch.device(DEVICE)).any()
+
+
 def test_split_k_fills_the_gpu_and_keeps_two_tiles_per_split():
     # 27B down projection: 80 blocks of 64 features, 68 tiles of 256
     assert pick_split(5120, 17408, DenseGemvConfig(64, 256), 132) == 8
@@ -155,25 +176,28 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from engine.dense_gemv import _dense_gemv_kernel
-signature = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", M="i32", N="i32", K="i32",
-                 stride_xm="i32", stride_wn="i32", stride_os="i32", stride_om="i32",
+signature = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", final_ptr="*bf16",
+                 counter_ptr="*i32", M="i32", N="i32", K="i32", stride_xm="i32",
+                 stride_wn="i32", stride_os="i32", stride_om="i32", stride_fm="i32",
                  TILES="i32", BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr",
-                 EARLY="constexpr")
+                 EARLY="constexpr", SPLIT_K="constexpr", FIXUP="constexpr")
 compiled = triton.compile(ASTSource(fn=_dense_gemv_kernel, signature=signature,
                                     constexprs=dict(BLOCK_N=64, BLOCK_K=256, PDL=True,
-                                                    EARLY=True)),
+                                                    EARLY=True, SPLIT_K=2, FIXUP=True)),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4,
                                                                          num_stages=4))
 ptx = compiled.asm["ptx"]
-print("griddepcontrol.wait" in ptx, "mma" in ptx)
+print("griddepcontrol.wait" in ptx, "mma" in ptx, "atom.global.gpu.acq_rel.add" in ptx,
+      "ld.global.cg" in ptx)
 """
 
 
 def test_compiles_for_sm90_with_its_dependent_launch_prologue():
-    """Triton's own ptxas, no GPU: the kernel builds for the H200 with PDL
-    and runs its tile products on tensor cores."""
+    """Triton's own ptxas, no GPU: the kernel builds for the H200 with PDL,
+    runs its tile products on tensor cores, and its split-K fix-up counts
+    arrivals with an acquire-release atomic and reads partials through L2."""
     out = run_sm90_script(_COMPILE_SM90)
-    assert out.split() == ["True", "True"], out
+    assert out.split() == ["True"] * 4, out
 
 
 def test_quantized_weights_are_never_swapped_nor_dequantized(monkeypatch):

@@ -105,6 +105,29 @@ def test_int8_activation_gemv_matches_its_reference(fmt, config, early, monkeypa
     torch.testing.assert_close(y / scale, expected / scale, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("fmt", X8_FORMATS[:2], ids=["q4_k", "q4_1"])
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_fixup_gives_the_sum_kernels_numbers_and_leaves_its_counters_zero(
+        fmt, split, monkeypatch):
+    """TANDEM_SPLIT_FIXUP=1: the last program of each output tile sums the
+    split-K partials in the sum kernel's order, so the numbers are bitwise
+    those of the two-launch path (a decode and its verify must agree), and
+    every arrival counter is back at zero for the next launch."""
+    from engine.quant.gemv import split_counters
+
+    qt = random_quant(45, 768, *fmt, seed=21)
+    x = _activation_with_outliers(768, seed=22)
+    config = GemvConfig(8, 64, split, int8_x=True)
+    monkeypatch.setenv("TANDEM_SPLIT_FIXUP", "0")
+    summed = gemv(x, qt, config=config)
+    monkeypatch.setenv("TANDEM_SPLIT_FIXUP", "1")
+    for _ in range(2):  # a second launch reads the counters the first left
+        out = torch.full((1, 45), float("nan"), device=DEVICE)
+        fixed = gemv(x, qt, out=out, config=config)
+        assert fixed.data_ptr() == out.data_ptr() and torch.equal(fixed, summed)
+    assert not split_counters(torch.device(DEVICE)).any()
+
+
 def test_int8_activations_err_within_half_a_code_per_element():
     """The reference's only error against the exact product: each activation
     moves by at most half its group's step, so |err| <= sum over K of

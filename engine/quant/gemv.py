@@ -28,6 +28,7 @@ Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from TUNED
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -516,10 +517,11 @@ def _x8_tiles(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe,
 
 @triton.jit
 def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
-                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
                      G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                     ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                     SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
     """One activation row, 4-bit codes, int8 activations: per word, the low
     nibbles (its even K-elements) and the high ones (odd) each meet their
     activation codes in one DP4A: the sm_90 loop runs ~1.8-2.1 instructions
@@ -530,7 +532,9 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     s * sx * dot - b * sx * sum(codes) in fp32.
     EARLY (with PDL): the first tile's weights are loaded before the
     dependent-launch wait, while the kernel before still runs (weights are
-    never written by a kernel; only x and the output wait)."""
+    never written by a kernel; only x and the output wait).
+    FIXUP: out_ptr holds SPLIT_K fp32 partials and the last program of each
+    tile sums them into final_ptr (_sum_splits_if_last)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     WPG: tl.constexpr = G // 8
@@ -563,31 +567,36 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid_k * stride_os + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if FIXUP:
+        _sum_splits_if_last(out_ptr, final_ptr, counter_ptr, pid_n, offs_n, offs_n, n_ok,
+                            stride_os, SPLIT_K)
 
 
 @triton.jit
 def _gemv_x8_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
-                    N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                    final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
                     G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                    ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+                    SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
     _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
-                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
-                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY)
+                     final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY, SPLIT_K, FIXUP)
 
 
 @triton.jit
 def _gemv_x8_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
-                                bias_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS,
-                                TILES: tl.constexpr,
+                                bias_ptr, final_ptr, counter_ptr, N, stride_os, ROW_WORDS,
+                                GROUPS, SUPERS, TILES: tl.constexpr,
                                 G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
-                                EARLY: tl.constexpr):
+                                EARLY: tl.constexpr, SPLIT_K: tl.constexpr,
+                                FIXUP: tl.constexpr):
     """The same with a constant TILES (the interpreter's loops)."""
     _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
-                     N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
-                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY)
+                     final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY, SPLIT_K, FIXUP)
 
 
 def quantize_activations_reference(x: torch.Tensor, group: int
@@ -607,6 +616,27 @@ def gemv_x8_reference(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     codes, scales = quantize_activations_reference(x, qt.group)
     x_dq = (codes.reshape(x.shape[0], -1, qt.group) * scales[..., None]).reshape(x.shape)
     return x_dq @ qt.dequantize(torch.float32).t()
+
+
+@triton.jit
+def _sum_splits_if_last(part_ptr, final_ptr, counter_ptr, tile, part_offs, final_offs, ok,
+                        stride_ps, SPLIT_K: tl.constexpr):
+    """The split-K fix-up at the end of a GEMV program (split_fixup): each of
+    the SPLIT_K programs of output tile `tile` has stored its fp32 partial;
+    the last to arrive (one counter per tile) adds all of them in split
+    order, as _split_k_sum_kernel does, stores the result and sets the
+    counter back to zero for the next launch. That saves the sum's launch.
+    The barrier orders every thread's partial before the release; the sum
+    reads through L2 (.cg), since L1 does not see other SMs' stores."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        total = tl.load(part_ptr + part_offs, mask=ok, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(part_ptr + s * stride_ps + part_offs, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        tl.store(final_ptr + final_offs, total.to(final_ptr.dtype.element_ty), mask=ok)
+        tl.store(counter_ptr + tile, 0)
 
 
 @triton.jit
@@ -812,6 +842,34 @@ def early_weights(default: bool = True) -> bool:
                   off="after it")
 
 
+SPLIT_FIXUP_ENV = "TANDEM_SPLIT_FIXUP"
+# Output tiles a fix-up launch may count: the 27B's widest, its output head
+# (248,320 features), is 15,520 tiles of 16.
+MAX_FIXUP_TILES = 1 << 16
+
+
+def split_fixup() -> bool:
+    """Whether a split-K GEMV (the DP4A kernel's and engine/dense_gemv.py's)
+    sums its partials in its own last program per tile instead of a second
+    launch (_sum_splits_if_last). TANDEM_SPLIT_FIXUP=1/0; off by default
+    until the H200 times it (the 27B int4 step has 128 such sums, the bf16
+    one 64: 0.15 / 0.07 ms of kernels, 2026-12-03, plus a launch each).
+    Read per call; in a CUDA graph, at capture."""
+    return on_off(SPLIT_FIXUP_ENV, False, on="the last program of a tile sums the splits",
+                  off="a sum kernel after the GEMV")
+
+
+@functools.lru_cache(maxsize=None)
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The fix-up's arrival counters on `device`, one per output tile, zero
+    between launches (each tile's last program resets its own). One set per
+    device serves every GEMV of the process: launches on one stream run one
+    after the other (with PDL a kernel's programs pass griddepcontrol.wait,
+    which waits for the launch before to finish, before they count), and a
+    worker runs its model on one stream."""
+    return torch.zeros(MAX_FIXUP_TILES, dtype=torch.int32, device=device)
+
+
 def takes_int8_x(qt: QuantTensor, rows: int) -> bool:
     """The int8-activation kernel's reach: one row, 4-bit codes in groups of
     32 (Q4_K, Q4_0, Q4_1); elsewhere an int8_x config runs the float kernel."""
@@ -878,10 +936,14 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                   ASM=not _interpreting(), num_warps=config.num_warps,
                   num_stages=config.num_stages, **pdl_launch(x.device))
     if config.int8_x and takes_int8_x(qt, m_rows):
+        fixup = split > 1 and bias is None and split_fixup() and grid[0] <= MAX_FIXUP_TILES
+        counters = split_counters(x.device) if fixup else target
         kernel = _gemv_x8_kernel_interpreted if _interpreting() else _gemv_x8_kernel
-        kernel[grid](*pointers, n_dim, stride_os, *sizes,
-                     EARLY=early_weights(),
+        kernel[grid](*pointers, out, counters, n_dim, stride_os, *sizes,
+                     EARLY=early_weights(), SPLIT_K=split if fixup else 1, FIXUP=fixup,
                      **{k: v for k, v in common.items() if k != "BITS"})
+        if fixup:
+            return out
     elif config.tensor_cores:
         kernel = _gemv_dot_kernel_interpreted if _interpreting() else _gemv_dot_kernel
         kernel[grid](*args, IEEE=x.dtype == torch.float32 or _interpreting(), **common)
