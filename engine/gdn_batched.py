@@ -143,13 +143,16 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, fresh, offsets: li
     if fla_available():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+        from engine import gdn_kernels
         from engine.batch import VarlenIndex
 
         varlen = varlen or VarlenIndex.build(offsets, q.device)
+        # our own q/k norm: fla's autotunes through spilling configs (gdn_kernels)
+        q, k = gdn_kernels.l2_normalize_heads(q), gdn_kernels.l2_normalize_heads(k)
         o, final = chunk_gated_delta_rule(
             q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None],
             scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
-            use_qk_l2norm_in_kernel=True, cu_seqlens=varlen.cu_seqlens,
+            use_qk_l2norm_in_kernel=False, cu_seqlens=varlen.cu_seqlens,
             cu_seqlens_cpu=varlen.host_cu_seqlens, chunk_indices=varlen.chunk_indices)
         o = o[0]
     else:

@@ -13,6 +13,10 @@ PyTorch path (engine/gdn_batched.py):
   input slot (zeros when fresh) and writing the state after token j to that
   token's write slot.
 
+And for the chunked prefill (longer runs): `conv_chunk`, the conv + SiLU of
+a whole batch in one launch, and `l2_normalize_heads`, q/k's L2 norm ahead
+of fla-core's chunked rule.
+
 The batch layout is the model's: tokens packed along rows, sequence i owns
 rows [offsets[i], offsets[i+1]) with at most `max_tokens` rows. Per token a
 write slot says where the state (and conv window) after it goes, -1 for
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.gdn import causal_conv1d, recurrent_gated_delta_rule
+from engine.gdn import causal_conv1d, l2_normalize, recurrent_gated_delta_rule
 from engine.kv.kernels import _load_dense, _store_dense
 from engine.kv.kernels import as_kernel_dense as _as_kernel
 from engine.pdl import pdl_launch, pdl_prologue
@@ -234,6 +238,48 @@ def conv_chunk(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
         X_BF16=x_bf16, WIN_BF16=win_bf16, W_BF16=w_bf16)
     _keep_last_inputs(mixed, windows, offsets, slots, fresh)
     return out
+
+
+@triton.jit(do_not_specialize=("rows",))
+def _l2_normalize_kernel(x_ptr, out_ptr, rows, token_stride, HEADS: tl.constexpr,
+                         D: tl.constexpr, ROWS: tl.constexpr, X_BF16: tl.constexpr):
+    """ROWS (token, head) rows of D channels each: x * rsqrt(sum(x^2) + 1e-6)
+    in fp32, stored in x's dtype into a contiguous [tokens, HEADS, D]."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ok = r < rows
+    token, head = (r // HEADS).to(tl.int64), r % HEADS
+    d = tl.arange(0, D)
+    x = _load_dense(x_ptr, (token * token_stride + head * D)[:, None] + d[None, :],
+                    ok[:, None], X_BF16)
+    y = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+    _store_dense(out_ptr, r.to(tl.int64)[:, None] * D + d[None, :], y, ok[:, None], X_BF16)
+
+
+def l2_normalize_heads(x: torch.Tensor, rows_per_program: int = 16) -> torch.Tensor:
+    """GDN's q/k L2 norm for the prefill's chunked rule: x [T, H, D] (heads
+    and channels contiguous, tokens at any stride: a column block of the conv
+    output) -> a new contiguous tensor in x's dtype. fla-core's own norm
+    (use_qk_l2norm_in_kernel) autotunes through configs that spill (808 B of
+    stack a thread on the H200, 2026-12-03), and one launch of a spilling
+    kernel keeps the prefill worker's local-memory reservation up by
+    ~210 MiB for good (engine/cuda_context.py); the same arithmetic here
+    needs no stack."""
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim or dim & (dim - 1):
+        raise ValueError(f"l2_normalize_heads needs contiguous heads of a power-of-two "
+                         f"width, got shape {tuple(x.shape)}, strides {x.stride()}")
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    rows = tokens * heads
+    if rows:
+        (xk, x_bf16), (ok_, _) = _as_kernel(x), _as_kernel(out)
+        _l2_normalize_kernel[(triton.cdiv(rows, rows_per_program),)](
+            xk, ok_, rows, x.stride(0), HEADS=heads, D=dim, ROWS=rows_per_program,
+            X_BF16=x_bf16)
+    return out
+
+
+def l2_normalize_heads_reference(x: torch.Tensor) -> torch.Tensor:
+    return l2_normalize(x.float()).to(x.dtype)
 
 
 def _keep_last_inputs(mixed, windows, offsets, slots, fresh) -> None:

@@ -9,13 +9,21 @@
 #     pairs win; the 4K bf16 step stood at 14.42 ms = 84.93% (85% = 14.41).
 #  2. where the rk4p decode step's time goes (never profiled; 4K 75.7%, 128K
 #     54% on 12-02 05:13, before PDL), and its step now.
-# Then: the rk4p prefill at 99K and agent loop (device_next13.sh's header),
-# the embedded MTP with the GGUF in three chained calls (device_mtp.sh).
+#  3. the GPU tests of the prefill's own q/k L2 norm ahead of fla-core's
+#     chunked rule (gdn_kernels.l2_normalize_heads: fla's norm autotuned
+#     through configs with 808 B of stack, which kept the prefill worker's
+#     local memory ~210 MiB up; the 32K run of 03:55, at 192 B, most likely
+#     found fla's autotune results cached by the 8K run before it).
+# Second call: `bash scripts/device_memory24.sh` (the prefill worker's stack
+# line should stay <= 224 B in both runs), then the rk4p prefill at 99K and
+# agent loop (device_next13.sh's header), the embedded MTP with the GGUF in
+# three chained calls (device_mtp.sh).
 set -uo pipefail
 M=qwen3.5-27b
 source scripts/device_env.sh
 STEP_TAIL=4 step fixup_tests 150 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_dense_gemv.py tests/test_quant_kernels.py -k "fixup or split or int8_activation or tuned"
+  tests/test_dense_gemv.py tests/test_quant_kernels.py tests/test_gdn_fla.py \
+  tests/test_gdn_kernels.py -k "fixup or split or int8_activation or tuned or fla or l2"
 for pair in 1 2; do
   for f in 0 1; do
     STEP_TAIL=1 step int4_fixup${f}_$pair 120 env TANDEM_SPLIT_FIXUP=$f python3 -m bench.quant \

@@ -139,6 +139,26 @@ def test_conv_chunk_matches_reference(dtype):
     assert all(windows[s].isnan().all() for s in range(SLOTS) if s not in slots + [0, 2, 3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_normalize_heads_matches_reference(dtype):
+    """q's column block of a conv output (tokens strided by the whole row), a
+    row count that leaves the last program part-empty, an all-zero head (eps
+    keeps it zero, not NaN), NaN-poisoned output."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, dim = 37, 3, 32
+    rows = torch.randn(tokens, heads * dim + 24, generator=gen).to(dtype).to(DEVICE)
+    rows[4, :dim] = 0.0
+    q = rows[:, :heads * dim].view(tokens, heads, dim)
+    got = gdn_kernels.l2_normalize_heads(q, rows_per_program=16)
+    assert got.is_contiguous() and got.dtype == dtype and not got.isnan().any()
+    assert not got[4, 0].any()
+    ref = gdn_kernels.l2_normalize_heads_reference(q.cpu())
+    tol = dict(rtol=1e-2, atol=4e-3) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.float().cpu(), ref.float(), **tol)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        gdn_kernels.l2_normalize_heads(rows[:, :90].view(tokens, 3, 30))
+
+
 @pytest.mark.parametrize("counts,verify", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_recurrence_step_matches_reference(counts, verify, dtype):
@@ -259,9 +279,17 @@ CHUNK = dict(mixed_ptr="*i16", mixed_stride="i32", windows_ptr="*fp32", w_stride
              w_stride_c="i32", weight_ptr="*i16", out_ptr="*i16", row_seq_ptr="*i32",
              offsets_ptr="*i32", slots_ptr="*i64", positions_ptr="*i64", tokens="i32",
              channels="i32")
-consts = dict(KERNEL=4, BLOCK_T=64, BLOCK_C=128, X_BF16=True, WIN_BF16=False, W_BF16=True)
+consts = dict(KERNEL=4, BLOCK_T=8, BLOCK_C=256, X_BF16=True, WIN_BF16=False, W_BF16=True)
 compiled = triton.compile(ASTSource(fn=G._conv_chunk_kernel,
                                     signature=dict(CHUNK, **{k: "constexpr" for k in consts}),
+                                    constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+assert compiled.asm["cubin"]
+consts = dict(HEADS=16, D=128, ROWS=16, X_BF16=True)
+compiled = triton.compile(ASTSource(fn=G._l2_normalize_kernel,
+                                    signature=dict(x_ptr="*i16", out_ptr="*i16", rows="i32",
+                                                   token_stride="i32",
+                                                   **{k: "constexpr" for k in consts}),
                                     constexprs=consts),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
 assert compiled.asm["cubin"]

@@ -3,7 +3,8 @@ a launch of one that spills raises its context's stack limit for good, and
 with it the local-memory reservation (stack x 2,048 threads x 132 SMs on an
 H200). The 24 GiB run of 2026-12-03 found the decode worker's limit at
 2,448 B (631 MiB) from the 64-row verify tiles, and the prefill worker's at
-1,776 B. Compiled for sm_90 with Triton's own ptxas (no GPU needed) and read
+1,776 B (fla-core's q/k norm autotune among its causes: 808 B, so the
+prefill norms q/k itself). Compiled for sm_90 with Triton's own ptxas (no GPU needed) and read
 with its cuobjdump, as bench.attention_sass does, in a child process: the
 tests' interpreter mode (conftest) has no compiler."""
 import json
@@ -43,6 +44,14 @@ compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=c
                                     attrs=attrs), target=GPUTarget("cuda", 90, 32))
 usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
 stacks["gdn conv chunk"] = int(re.search(r"STACK:(\d+)", usage).group(1))
+consts = dict(HEADS=16, D=128, ROWS=16, X_BF16=True)
+compiled = triton.compile(ASTSource(fn=gdn_kernels._l2_normalize_kernel,
+                                    signature=dict(x_ptr="*i16", out_ptr="*i16", rows="i32",
+                                                   token_stride="i32",
+                                                   **{k: "constexpr" for k in consts}),
+                                    constexprs=consts), target=GPUTarget("cuda", 90, 32))
+usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+stacks["gdn q/k l2 norm"] = int(re.search(r"STACK:(\d+)", usage).group(1))
 print(json.dumps(stacks))
 """
 
@@ -57,6 +66,6 @@ def stacks() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("kernel", [f"attention {f} {s}" for f in ("int8", "rk4", "rk4p")
-                                    for s in ("decode", "verify")] + ["gdn conv chunk"])
+                                    for s in ("decode", "verify")] + ["gdn conv chunk", "gdn q/k l2 norm"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"
