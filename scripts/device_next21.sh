@@ -15,7 +15,8 @@
 #     local memory ~210 MiB up; the 32K run of 03:55, at 192 B, most likely
 #     found fla's autotune results cached by the 8K run before it).
 # Second call: `bash scripts/device_memory24.sh` (the prefill worker's stack
-# line should stay <= 224 B in both runs), then the rk4p prefill at 99K and
+# line should stay <= 224 B in both runs) and `bash scripts/device_ncu_attention.sh`
+# (why decode attention at 128K runs at a third of the bandwidth), then the rk4p prefill at 99K and
 # agent loop (device_next13.sh's header), the embedded MTP with the GGUF in
 # three chained calls (device_mtp.sh).
 set -uo pipefail
