@@ -9,6 +9,9 @@
 #     pairs win; the 4K bf16 step stood at 14.42 ms = 84.93% (85% = 14.41).
 #  2. where the rk4p decode step's time goes (never profiled; 4K 75.7%, 128K
 #     54% on 12-02 05:13, before PDL), and its step now.
+#  2b. rk4 decode with its bytes and scales loaded once per tile (sm_90
+#     build: 1,267 loop instructions per 64-key tile and thread, was 2,191;
+#     128 registers, was 255; 03:56: 15.72 / 47.60 ms at 4K / 128K);
 #  3. the GPU tests of the prefill's own q/k L2 norm ahead of fla-core's
 #     chunked rule (gdn_kernels.l2_normalize_heads: fla's norm autotuned
 #     through configs with 808 B of stack, which kept the prefill worker's
@@ -24,7 +27,8 @@ M=qwen3.5-27b
 source scripts/device_env.sh
 STEP_TAIL=4 step fixup_tests 150 python3 -m pytest -q -p no:cacheprovider \
   tests/test_dense_gemv.py tests/test_quant_kernels.py tests/test_gdn_fla.py \
-  tests/test_gdn_kernels.py -k "fixup or split or int8_activation or tuned or fla or l2"
+  tests/test_gdn_kernels.py tests/test_attention.py \
+  -k "fixup or split or int8_activation or tuned or fla or l2 or rk4 or decode"
 for pair in 1 2; do
   for f in 0 1; do
     STEP_TAIL=1 step int4_fixup${f}_$pair 120 env TANDEM_SPLIT_FIXUP=$f python3 -m bench.quant \
@@ -39,6 +43,8 @@ for pair in 1 2; do
 done
 STEP_TAIL=30 step profile_rk4p 150 env TANDEM_PDL=0 python3 -m bench.profile_step \
   --weights bf16 --kv-format rk4p --context 4096
-STEP_TAIL=3 step rk4p_decode 120 python3 -m bench.decode --model $M --device cuda \
-  --kv-format rk4p --batch 1 --context 4096 131072 --steps 16
+for kv in rk4p rk4; do
+  STEP_TAIL=3 step ${kv}_decode 120 python3 -m bench.decode --model $M --device cuda \
+    --kv-format $kv --batch 1 --context 4096 131072 --steps 16
+done
 tar czf /tmp/next21.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/next21.tgz "$OUT/"

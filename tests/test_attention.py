@@ -89,6 +89,19 @@ def test_decode_matches_reference(name, options, page_size):
         torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("options", [{}, dict(scale_format="e8m0", block=16)],
+                         ids=["fp16", "e8m0-16"])
+def test_rk4_decode_with_a_padded_head_dim_matches_reference(options):
+    """head_dim 96 pads to 128 channels in the kernel: rk4's nibble pairs and
+    per-block scales past the real channels must stay masked."""
+    fmt = make_format("rk4", **options)
+    buffers, q, meta = build_case(fmt, [(4, 1), (37, 1)], q_heads=4, kv_heads=2, head_dim=96,
+                                  page_size=16, q_dtype=torch.float32, seed=3)
+    actual, expected = run_both(fmt, buffers, q, meta, num_splits=2)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
 def test_decode_and_verify_share_key_tiles_at_head_dim_256(monkeypatch):
     """64-key tiles for decode and verify at the 27B's head_dim (rk4p's wide
     tiles keep 32); a prefill chunk keeps its own."""

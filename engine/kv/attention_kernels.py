@@ -107,15 +107,27 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
         scale = tl.load(scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
         return codes.to(tl.float32) * scale[:, None]
     else:
-        packed = tl.load(codes_ptr + row[:, None] * (D // 2) + cols[None, :] // 2, mask=mask,
-                         other=0).to(tl.int32)
-        nibble = (packed >> ((cols[None, :] % 2) * 4)) & 0xF
-        scale_at = scales_ptr + row[:, None] * (D // SCALE_BLOCK) + cols[None, :] // SCALE_BLOCK
+        # each byte loaded once, split into its two nibbles (interleaved back
+        # to channel order), and one scale load per block of channels,
+        # broadcast: per element the sm_90 build loaded byte and scale again
+        # (bench.attention_sass: 513 LDG per 64-key tile and thread)
+        BLOCK_N: tl.constexpr = row.shape[0]
+        D_PAD: tl.constexpr = cols.shape[0]
+        NB: tl.constexpr = D_PAD // SCALE_BLOCK
+        half = tl.arange(0, D_PAD // 2)
+        packed = tl.load(codes_ptr + row[:, None] * (D // 2) + half[None, :],
+                         mask=key_ok[:, None] & (half < D // 2)[None, :], other=0).to(tl.int32)
+        codes = tl.interleave((packed & 0xF) - 8, (packed >> 4) - 8).to(tl.float32)
+        blocks = tl.arange(0, NB)
+        scale_at = scales_ptr + row[:, None] * (D // SCALE_BLOCK) + blocks[None, :]
+        block_ok = key_ok[:, None] & (blocks < D // SCALE_BLOCK)[None, :]
         if E8M0:
-            scale = _e8m0_scale(tl.load(scale_at, mask=mask, other=127))
+            scale = _e8m0_scale(tl.load(scale_at, mask=block_ok, other=127))
         else:
-            scale = tl.load(scale_at, mask=mask, other=0.0).to(tl.float32)
-        return (nibble - 8).to(tl.float32) * scale
+            scale = tl.load(scale_at, mask=block_ok, other=0.0).to(tl.float32)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NB, SCALE_BLOCK)),
+                           (BLOCK_N, D_PAD))
+        return codes * scale
 
 
 @triton.jit
