@@ -17,6 +17,7 @@ for kv in int8 rk4p; do
     --kernel-name regex:_paged_attention_kernel --launch-skip 40 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --section ComputeWorkloadAnalysis --section InstructionStats \
     python3 -m bench.decode --model qwen3.5-27b --device cuda --kv-format $kv --batch 1 \
     --context 131072 --steps 4 --no-cuda-graphs
 done
