@@ -9,8 +9,9 @@ Each program owns BLOCK_N output features and 1/SPLIT_K of K; the rows are
 padded to 16 for one tensor-core dot per tile (bf16 products are exact in
 fp32; rows never mix, so a row's result does not depend on how many rows
 run beside it: decode and a k+1-row verify compute the same numbers).
-Split-K partials are fp32 and engine/quant/gemv.py's sum kernel adds them,
-or with TANDEM_SPLIT_FIXUP=1 the last program of each tile does (split_fixup).
+Split-K partials are fp32 and the last program of each tile adds them
+(engine/quant/gemv.py's split_fixup; TANDEM_SPLIT_FIXUP=0 leaves it to a
+second launch, the sum kernel, with the same numbers).
 
 At load on sm_90+ the model's nn.Linear forwards and its output head whose
 shapes are in TUNED go onto it (`adopt_dense_gemv`; TANDEM_DENSE_GEMV=1 takes

@@ -851,11 +851,12 @@ MAX_FIXUP_TILES = 1 << 16
 def split_fixup() -> bool:
     """Whether a split-K GEMV (the DP4A kernel's and engine/dense_gemv.py's)
     sums its partials in its own last program per tile instead of a second
-    launch (_sum_splits_if_last). TANDEM_SPLIT_FIXUP=1/0; off by default
-    until the H200 times it (the 27B int4 step has 128 such sums, the bf16
-    one 64: 0.15 / 0.07 ms of kernels, 2026-12-03, plus a launch each).
-    Read per call; in a CUDA graph, at capture."""
-    return on_off(SPLIT_FIXUP_ENV, False, on="the last program of a tile sums the splits",
+    launch (_sum_splits_if_last). TANDEM_SPLIT_FIXUP=1/0; on by default:
+    the 27B int4 step has 128 such sums, the bf16 one 64, and two A/B pairs
+    on the H200 (2026-12-03 05:56) gave int4 7.68 -> 7.65 and 7.32 -> 7.14 ms,
+    bf16 4K 14.34 -> 14.22 and 14.35 -> 14.30 ms (128K: 17.23 -> 17.10,
+    17.30 -> 17.19). Read per call; in a CUDA graph, at capture."""
+    return on_off(SPLIT_FIXUP_ENV, True, on="the last program of a tile sums the splits",
                   off="a sum kernel after the GEMV")
 
 
