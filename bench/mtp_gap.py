@@ -2,7 +2,8 @@
 (bench/speculative.py, engine-measured) differs from train-mtp's held-out
 estimate (engine/speculative/train.py `evaluate`).
 
-On the 12 held-out prompts of bench/speculative.py (HELD_OUT_CHAT/CODE):
+On the 12 held-out prompts of bench/speculative.py (HELD_OUT_CHAT/CODE; with
+--prompts dev the 36 of prompts.DEV_CHAT/CODE instead):
   * the greedy answer without speculation (offline engine, 96 tokens);
   * train.evaluate on Examples built exactly as train.make_examples does
     (prompt labels IGNORE) with the shipped head: per-depth accuracy and
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 
 from engine.loader import load_model
 from engine.speculative import train
-from engine.speculative.prompts import HELD_OUT_CHAT, HELD_OUT_CODE
+from engine.speculative.prompts import DEV_CHAT, DEV_CODE, HELD_OUT_CHAT, HELD_OUT_CODE
 
 
 def _answers(loaded, texts, new_tokens, spec=None):
@@ -179,6 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--corpus", default=None)
     ap.add_argument("--samples-per-prompt", type=int, default=2)
+    ap.add_argument("--prompts", choices=("bench", "dev"), default="bench",
+                    help="the benchmark's 12 prompts, or the 36 dev prompts (prompts.DEV_*) "
+                         "that recipes are compared on, keeping the benchmark's for the test")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     loaded = load_model(None, device="cpu", progress=False)
@@ -188,7 +192,9 @@ def main(argv=None) -> int:
     if a.corpus:
         corpus_gap(model, head, a.corpus, a.samples_per_prompt, a.k)
         return 0
-    for kind, texts in (("chat", HELD_OUT_CHAT), ("code", HELD_OUT_CODE)):
+    sets = ((("chat", HELD_OUT_CHAT), ("code", HELD_OUT_CODE)) if a.prompts == "bench" else
+            (("dev chat", DEV_CHAT), ("dev code", DEV_CODE)))
+    for kind, texts in sets:
         prompts, answers, _, _ = _answers(loaded, texts, a.new_tokens)
         _, spec_answers, totals, drafts_log = _answers(
             loaded, texts, a.new_tokens, SpeculativeConfig("mtp", a.k))

@@ -103,6 +103,9 @@ def _add_train_mtp(sub) -> None:
                    help="file of generated samples: read when it exists, else written")
     p.add_argument("--self-instruct", type=int, default=0, metavar="N",
                    help="also answer N questions the model writes itself (varied phrasing)")
+    p.add_argument("--varied", type=int, default=0, metavar="N",
+                   help="also answer N naturally phrased prompts of many shapes (questions, "
+                        "how-tos, emails, stories; code requests in several phrasings)")
     p.add_argument("--batch-samples", type=int, default=8,
                    help="samples packed into one sequence per optimizer step (default 8)")
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=True,
@@ -126,6 +129,7 @@ def _run_train_mtp(args) -> int:
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
                           seed=args.seed, max_batch=args.max_batch, max_prompts=args.max_prompts,
                           corpus_path=args.corpus, self_instruct=args.self_instruct,
+                          varied=args.varied,
                           batch_samples=args.batch_samples, soft_targets=args.soft_targets)
     except ValueError as e:
         raise TandemError(str(e)) from e

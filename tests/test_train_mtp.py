@@ -5,7 +5,8 @@ import torch
 
 from bench.speculative import CHAT, CODE
 from engine.loader import load_model
-from engine.speculative.prompts import extract_question, question_requests, training_prompts
+from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, extract_question, question_requests,
+                                        training_prompts, varied_prompts)
 from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
                                       generate_corpus, head_forward, init_head, make_examples,
                                       pack_examples, pairs_at_depth, train_head)
@@ -15,6 +16,27 @@ def test_benchmark_prompts_are_held_out_of_training():
     prompts = set(training_prompts())
     assert len(prompts) == len(training_prompts()) > 500
     assert not prompts & set(CHAT + CODE)
+
+
+def test_dev_prompts_are_held_out_too():
+    dev = set(DEV_CHAT + DEV_CODE)
+    assert len(dev) == 36 and not dev & set(CHAT + CODE) and not dev & set(training_prompts())
+
+
+def test_varied_prompts_are_distinct_seeded_mixed_and_never_a_benchmark_prompt():
+    every = varied_prompts(100_000)
+    assert len(set(every)) == len(every) > 2000
+    assert not set(every) & set(CHAT + CODE)
+    # no benchmark subject either (exercise, rainbows, autumn leaves, leaders,
+    # flight, lighthouses; Fibonacci, stacks, debouncing, ...)
+    for word in ("exercise", "rainbow", "autumn", "leader", "airplane", "lighthouse",
+                 "fibonacci", "stack", "debounce", "longest line", "buffer", "first letter"):
+        assert not [p for p in every if word in p.lower()], word
+    assert not set(every) & set(DEV_CHAT + DEV_CODE)
+    first = varied_prompts(200)
+    assert first == every[:200] == varied_prompts(200, seed=0) != varied_prompts(200, seed=1)
+    code = sum(("function" in p or "class" in p or " code " in p) for p in first)
+    assert 0.25 * len(first) < code < 0.6 * len(first)
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +193,16 @@ def test_speculation_steps_jump_over_accepted_runs():
     correct[:, 8] = True           # out=7: the cap (8 - 7 - 1 = 0) allows none -> 1 token
     assert speculation_steps(correct, 3, 8, 3) == (3, 4)
     assert speculation_steps(torch.zeros(3, 12, dtype=torch.bool), 3, 8, 3) == (7, 0)
+
+
+def test_varied_prompts_join_the_corpus_after_the_built_in_ones(tiny):
+    """--varied N: N more prompts answered, after the built-in ones (so the
+    held-out tenth of the samples is theirs)."""
+    with pytest.raises(ValueError):
+        TrainConfig(varied=-1)
+    cfg = TrainConfig(samples_per_prompt=1, new_tokens=8, max_prompts=10, varied=4,
+                      corpus_path=None)
+    corpus = generate_corpus(tiny, cfg)
+    assert len(corpus.samples) == 14
+    for sample, n, text in zip(corpus.samples[10:], corpus.prompt_lengths[10:], varied_prompts(4)):
+        assert text in tiny.tokenizer.decode(sample[:n])

@@ -42,8 +42,9 @@ import torch.nn.functional as F
 
 from engine.loader import LoadedModel
 from engine.model import CausalLM, DecoderLayer, MTPHead
-from engine.speculative.prompts import (HELD_OUT_CHAT, HELD_OUT_CODE, extract_question,
-                                        question_requests, training_prompts)
+from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, HELD_OUT_CHAT, HELD_OUT_CODE,
+                                        extract_question, question_requests, training_prompts,
+                                        varied_prompts)
 
 
 
@@ -62,6 +63,9 @@ class TrainConfig:
     # questions the model writes itself (prompts.question_requests), answered
     # beside the built-in prompts: phrasing the fixed templates do not have
     self_instruct: int = 0
+    # naturally phrased prompts of many shapes (prompts.varied_prompts),
+    # answered beside the others (after them: the held-out tenth is theirs)
+    varied: int = 0
     # samples packed into one sequence per optimizer step (pack_examples);
     # with soft_targets, the shipped head's recipe: on the H200 (12-02 14:18)
     # 8 packed samples on soft targets reached 1.51 chat / 1.82 code in 150 s
@@ -74,7 +78,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
                 or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10) \
-                or self.self_instruct < 0 or self.batch_samples < 1:
+                or self.self_instruct < 0 or self.batch_samples < 1 or self.varied < 0:
             raise ValueError(f"train-mtp: bad settings {self}")
 
 
@@ -117,7 +121,11 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
     texts = training_prompts()[:cfg.max_prompts]
     if cfg.self_instruct:
         texts += self_instructed_prompts(engine, cfg.self_instruct, cfg.seed,
-                                         exclude={*texts, *HELD_OUT_CHAT, *HELD_OUT_CODE})
+                                         exclude={*texts, *HELD_OUT_CHAT, *HELD_OUT_CODE,
+                                                  *DEV_CHAT, *DEV_CODE})
+    if cfg.varied:
+        known = set(texts)
+        texts += [t for t in varied_prompts(cfg.varied, cfg.seed) if t not in known]
     prompts, params = [], []
     for i, text in enumerate(texts):
         prompt = engine.chat_prompt([{"role": "user", "content": text}])
