@@ -36,7 +36,12 @@ CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, Non
               (16, 32, 4, None, False),  # 13: decode's tiles at the 27B's shape (--new 1)
               # 14-19: decode alternatives (128K int8 decode read its KV at ~0.9 TB/s)
               (16, 64, 4, None, False), (16, 64, 8, None, False), (16, 32, 4, 4, False),
-              (16, 32, 8, 3, False), (16, 128, 8, 3, False), (16, 64, 4, None, True))
+              (16, 32, 8, 3, False), (16, 128, 8, 3, False), (16, 64, 4, None, True),
+              # 20-24: rk4's decode tiles (20; 8 warps) and bf16 dot operands on
+              # them (Nsight Compute, 12-03: rk4's 128K decode is bound by shared
+              # memory, where the fp32 K and V tiles pass into the dots)
+              (16, 64, 8, None, False), (16, 64, 8, None, True), (16, 64, 8, 1, True),
+              (16, 128, 8, 2, True), (16, 64, 8, 1, False))
 
 
 def visible_pairs(context: int, new: int) -> int:

@@ -203,6 +203,34 @@ def test_prefill_with_bf16_dot_operands_matches_reference(name, options):
     assert (actual.float() - expected).abs().mean() < 4e-3
 
 
+@pytest.mark.parametrize("name, options", FORMATS[2:4], ids=FORMAT_IDS[2:4])
+def test_decode_and_verify_with_bf16_dots_match_reference(name, options, monkeypatch):
+    """TANDEM_DECODE_DOT_BF16=1 (the A/B of decode's dot operands): decode and
+    verify tiles both take bf16 dots (speculative parity needs the same sums),
+    and a decode and a verify batch at the 27B's head_dim and GQA group stay
+    within bf16 tolerance of the reference; on a GPU through tiles_for's own
+    tiles."""
+    from engine.kv.attention import Tiles, tiles_for
+
+    fmt = make_format(name, **options)
+    monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "1")
+    assert tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt).dot_bf16
+    assert tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4).dot_bf16
+    monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "0")
+    assert not tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt).dot_bf16
+    monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "1")
+    for seqs in ([(70, 1), (200, 1)], [(70, 4), (131, 3)]):
+        buffers, q, meta = build_case(fmt, seqs, q_heads=12, kv_heads=2, head_dim=256,
+                                      page_size=16, q_dtype=torch.bfloat16, seed=len(seqs))
+        scale = q.shape[-1] ** -0.5
+        expected = paged_attention_reference(fmt, buffers, q.float(), meta, scale)
+        tiles = Tiles(rows=16, block_n=16, dot_bf16=True) if DEVICE == "cpu" else None
+        actual = paged_attention_triton(fmt, buffers, q, meta, scale, tiles=tiles)
+        assert not actual.isnan().any()
+        torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+        assert (actual.float() - expected).abs().mean() < 4e-3
+
+
 def test_prefill_key_splits_fill_the_last_wave_of_programs():
     """The H200 case the policy was measured on (27B, 1,100 queries x 100K
     keys: 208 programs on 132 SMs) splits; 2K and 4K chunks' programs

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from engine.gpu_facts import multiprocessors
 from engine.kv.formats import (Bf16Format, Int8Format, KVFormat, PagedRk4Format,
                                RotatedInt4Format)
+from engine.switches import on_off
 from engine.uploads import upload
 
 
@@ -176,6 +177,20 @@ def decode_block_n(default: int) -> int:
     return int(wanted)
 
 
+DECODE_DOT_BF16_ENV = "TANDEM_DECODE_DOT_BF16"
+
+
+def decode_dot_bf16() -> bool:
+    """Whether decode's and verify's tiles take bf16 dot operands (both or
+    neither: speculative parity). Off until timed: Nsight Compute on the
+    H200 (2026-12-03 06:09) found the 128K rk4 decode attention bound by its
+    shared memory (L1/TEX 92% busy, DRAM 8%), where fp32 K and V tiles pass
+    on their way into the tensor-core dots; bf16 operands halve that traffic.
+    TANDEM_DECODE_DOT_BF16=1/0, read when tiles are chosen (graph capture)."""
+    return on_off(DECODE_DOT_BF16_ENV, False, on="bf16 dot operands in decode and verify",
+                  off="fp32 (tf32) dot operands in decode and verify")
+
+
 def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
               fmt: KVFormat | None = None, q_dtype: torch.dtype | None = None,
               new_tokens: int = 0) -> Tiles:
@@ -203,7 +218,7 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
         # 4 warps (bench.attention_sass, sm_90): 8 warps need no stack
         warps = 8 if isinstance(fmt, RotatedInt4Format) and head_dim > 128 else 4
         return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=warps,
-                     num_stages=stages)
+                     num_stages=stages, dot_bf16=decode_dot_bf16())
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
     if chunk and q_dtype == torch.bfloat16 and not rk4p_wide:
         # bench.attention on the H200 (27B shape, 4K new over 32K, 2026-12-01):
@@ -212,7 +227,7 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
         return Tiles(rows=128, block_n=64, num_warps=8, dot_bf16=True)
     if not chunk:  # a verify batch walks the keys in decode's steps (the same sums)
         return Tiles(rows=VERIFY_ROWS, block_n=_decode_keys(block_n, rk4p_wide),
-                     num_warps=VERIFY_WARPS, num_stages=stages)
+                     num_warps=VERIFY_WARPS, num_stages=stages, dot_bf16=decode_dot_bf16())
     return Tiles(rows=64, block_n=block_n, num_warps=4, num_stages=stages,
                  dot_bf16=q_dtype == torch.bfloat16)
 
