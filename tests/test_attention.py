@@ -205,15 +205,15 @@ def test_prefill_with_bf16_dot_operands_matches_reference(name, options):
 
 @pytest.mark.parametrize("name, options", FORMATS[2:4], ids=FORMAT_IDS[2:4])
 def test_decode_and_verify_with_bf16_dots_match_reference(name, options, monkeypatch):
-    """TANDEM_DECODE_DOT_BF16=1 (the A/B of decode's dot operands): decode and
-    verify tiles both take bf16 dots (speculative parity needs the same sums),
+    """Decode's bf16 dot operands (TANDEM_DECODE_DOT_BF16, on unless 0):
+    decode and verify tiles both take them (speculative parity needs the same sums),
     and a decode and a verify batch at the 27B's head_dim and GQA group stay
     within bf16 tolerance of the reference; on a GPU through tiles_for's own
     tiles."""
     from engine.kv.attention import Tiles, tiles_for
 
     fmt = make_format(name, **options)
-    monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "1")
+    monkeypatch.delenv("TANDEM_DECODE_DOT_BF16", raising=False)
     assert tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt).dot_bf16
     assert tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4).dot_bf16
     monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "0")

@@ -182,12 +182,16 @@ DECODE_DOT_BF16_ENV = "TANDEM_DECODE_DOT_BF16"
 
 def decode_dot_bf16() -> bool:
     """Whether decode's and verify's tiles take bf16 dot operands (both or
-    neither: speculative parity). Off until timed: Nsight Compute on the
-    H200 (2026-12-03 06:09) found the 128K rk4 decode attention bound by its
-    shared memory (L1/TEX 92% busy, DRAM 8%), where fp32 K and V tiles pass
-    on their way into the tensor-core dots; bf16 operands halve that traffic.
-    TANDEM_DECODE_DOT_BF16=1/0, read when tiles are chosen (graph capture)."""
-    return on_off(DECODE_DOT_BF16_ENV, False, on="bf16 dot operands in decode and verify",
+    neither: speculative parity). Nsight Compute on the H200 (2026-12-03
+    06:09) found the 128K rk4 decode attention bound by its shared memory
+    (L1/TEX 92% busy, DRAM 8%), where the fp32 K and V tiles pass on their
+    way into the tf32 dots; bf16 operands halve that traffic. At 06:19 one
+    128K layer took 0.392 -> 0.190 ms (rk4) and 0.203 -> 0.185 ms (int8), the
+    rk4 step 21.04 -> 18.66 ms (60.2 -> 68.5% of the roofline). The softmax
+    and accumulators stay fp32; K, V, q and P round to bf16, well inside
+    4-bit or int8 KV's own error. TANDEM_DECODE_DOT_BF16=0 gives fp32 back;
+    read when tiles are chosen (at graph capture)."""
+    return on_off(DECODE_DOT_BF16_ENV, True, on="bf16 dot operands in decode and verify",
                   off="fp32 (tf32) dot operands in decode and verify")
 
 
@@ -195,8 +199,9 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
               fmt: KVFormat | None = None, q_dtype: torch.dtype | None = None,
               new_tokens: int = 0) -> Tiles:
     """new_tokens: the most new tokens of a sequence in the batch. Verify
-    batches (a few tokens) keep fp32 dots like decode, so that speculative
-    and plain decoding read the same numbers; prefill chunks take bf16 dots."""
+    batches (a few tokens) take decode's key tiles and dot operands, so that
+    speculative and plain decoding read the same numbers; prefill chunks
+    take their own tiles."""
     if not on_gpu:  # the interpreter: the smallest tiles tl.dot takes
         return Tiles(rows=16, block_n=16)
     # rk4p at head_dim 256 (the 27B) asked for 248 KB of shared memory at
