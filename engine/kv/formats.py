@@ -437,11 +437,16 @@ class Int8Format(KVFormat):
             buffers[f"{side}_scales"] = torch.zeros(token_shape, dtype=torch.float16, device=device)
         return buffers
 
-    def _write_side(self, buffers, side, slots, x, triton):
-        codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
-        if triton:
-            _kernels().int8_write(x, slots, codes, scales)
+    def write(self, buffers, slots, k, v, use_triton=None):
+        _check_write_args(slots, k, v)
+        if self._wants_triton(k, use_triton):
+            _kernels().int8_write(k, v, slots, buffers)  # K and V in one launch
             return
+        super().write(buffers, slots, k, v, use_triton=False)
+
+    def _write_side(self, buffers, side, slots, x, triton):
+        # the reference path only: write() takes the Triton one, K and V together
+        codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
         c, s = int8_quantize(x)
         codes.view(-1, *codes.shape[2:])[slots] = c
         scales.view(-1, scales.shape[2])[slots] = s
