@@ -12,7 +12,7 @@
 # step says whether this one does.
 set -uo pipefail
 source scripts/device_env.sh
-for kv in int8 rk4p; do
+for kv in ${KVS:-int8 rk4p}; do  # KVS="rk4 int8": other formats
   STEP_TAIL=60 step ncu_attention_$kv 240 ncu --clock-control none \
     --kernel-name regex:_paged_attention_kernel --launch-skip 40 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats \

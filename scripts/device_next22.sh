@@ -20,12 +20,4 @@ for kv in rk4 rk4p int8; do
     --kv-format $kv --batch 1 --context 4096 131072 --steps 16
 done
 STEP_TAIL=1 step int4_step 120 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
-for kv in rk4 int8; do
-  STEP_TAIL=80 step ncu_attention_$kv 150 ncu --clock-control none \
-    --kernel-name regex:_paged_attention_kernel --launch-skip 40 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis --section InstructionStats \
-    python3 -m bench.decode --model $M --device cuda --kv-format $kv --batch 1 \
-    --context 131072 --steps 4 --no-cuda-graphs
-done
+KVS="rk4 int8" bash scripts/device_ncu_attention.sh  # STEP_TAIL 80 and a 150 s limit when run
