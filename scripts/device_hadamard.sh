@@ -5,9 +5,11 @@
 # 15 ms step). Carry .whl.
 #  1. GPU tests: the compiled kernel against the PyTorch reference bit for
 #     bit, the formats' wiring, rk4 attention (~1-2 min);
-#  2. the decode step with the kernel off / on in alternating pairs (PAIRS,
+#  2. bench.hadamard: the rotation alone, matmul against the kernel by rows
+#     per program, at 4 / 24 / 96 / 49,152 rows (~1 min; with the tests);
+#  3. the decode step with the kernel off / on in alternating pairs (PAIRS,
 #     default 2), 4K and 128K, bf16 weights (~1 min a run), for KV (rk4).
-# Two calls (~6 and ~5 min; both formats in one would pass the 10-minute
+# Two calls (~7 and ~5 min; both formats in one would pass the 10-minute
 # call and the 8 files that come back): `bash scripts/device_hadamard.sh`,
 # then `KV=rk4p TESTS=0 bash scripts/device_hadamard.sh`. Turn the kernel on
 # by default only if every pair agrees that it is faster.
@@ -17,6 +19,7 @@ source scripts/device_env.sh
 if [ "${TESTS:-1}" = "1" ]; then
   STEP_TAIL=4 step hadamard_tests 150 python3 -m pytest -q -p no:cacheprovider \
     tests/test_hadamard.py tests/test_attention.py -k "rk4 or hadamard"
+  STEP_TAIL=16 step hadamard_bench 120 python3 -m bench.hadamard
 fi
 for kv in ${KV:-rk4}; do
   for pair in $(seq "${PAIRS:-2}"); do

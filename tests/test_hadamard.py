@@ -129,6 +129,19 @@ def test_kernel_takes_strided_rows_and_leading_dims():
 
 
 @needs_triton
+def test_rows_per_program_changes_no_bit():
+    """bench.hadamard's sweep: any tiling of the rows gives the same numbers."""
+    x = rows_with_outliers(11, 64, seed=12, dtype=torch.bfloat16)
+    s = signs_of(64)
+    expected = rotation.hadamard_rotate(x, s, True)
+    for per_program in (1, 4, 128):
+        got = kernel().hadamard_rotate_rows(x, s, True, torch.float32, per_program)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        kernel().hadamard_rotate_rows(x, s, True, torch.float32, 3)
+
+
+@needs_triton
 def test_kernel_refuses_what_it_cannot_rotate():
     x = torch.zeros(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="power-of-two"):

@@ -94,15 +94,21 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def hadamard_rotate_rows(x: torch.Tensor, signs: torch.Tensor, inverse: bool,
-                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                         out_dtype: torch.dtype = torch.float32,
+                         rows_per_program: int | None = None) -> torch.Tensor:
     """x @ R (inverse: x @ R.T) over the last dim, R = H diag(signs) / sqrt(D),
     as a new tensor of x's shape in out_dtype (fp32 or bf16). x: fp32, bf16 or
     fp16; signs: the ±1 vector [D] (rotation.hadamard_signs), fp32 on x's
-    device."""
+    device. rows_per_program (a power of two; default 4096 / D elements'
+    worth) is for bench.hadamard's sweep: decode rotates only 4-24 rows, so
+    fewer rows a program may finish sooner."""
     head_dim = x.shape[-1]
     if not supports_dim(head_dim):
         raise ValueError(f"the Hadamard kernel takes power-of-two rows of {MIN_DIM}.."
                          f"{MAX_DIM}, got {head_dim}")
+    per_program = rows_per_program or _rows_per_program(head_dim)
+    if not is_power_of_two(per_program):
+        raise ValueError(f"rows_per_program must be a power of two, got {per_program}")
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"the Hadamard kernel stores fp32 or bf16, not {out_dtype}")
     if signs.shape != (head_dim,) or signs.dtype != torch.float32 \
@@ -116,7 +122,6 @@ def hadamard_rotate_rows(x: torch.Tensor, signs: torch.Tensor, inverse: bool,
         return out
     x_kernel, x_bits = as_kernel_dense(rows)
     out_kernel, out_bits = as_kernel_dense(out)
-    per_program = _rows_per_program(head_dim)
     _hadamard_rows_kernel[(triton.cdiv(n_rows, per_program),)](
         x_kernel, signs.contiguous(), out_kernel, n_rows, rows.stride(0),
         D=head_dim, LOG2_D=head_dim.bit_length() - 1, ROWS=per_program,
