@@ -73,9 +73,10 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last dim (Sylvester's H, n a power of two), by butterflies.
 
     Stage order (the kernel's, so the two round alike): half-width h = 1, 2,
-    4, ..., n/2; at each stage every index i with bit h clear pairs with
-    i + h: (a, b) -> (a + b, a - b). Each stage is exact elementwise IEEE
-    arithmetic, so a fixed order gives one fixed result."""
+    4, ..., n/2; at each stage every index i with i & h == 0 pairs with
+    i + h: (a, b) -> (a + b, a - b). Within a stage each output is one
+    correctly rounded IEEE add or sub of fixed operands, so a fixed stage
+    order gives one fixed result on any device."""
     n = x.shape[-1]
     if not is_power_of_two(n):
         raise ValueError(f"FWHT needs a power-of-two last dim, got {n}")
