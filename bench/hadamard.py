@@ -7,8 +7,8 @@ head_dim 256 and the row counts its attention layers rotate.
 GPU only. Each way is timed inside a CUDA graph of 16 back-to-back calls
 (bench.quant's method), through the format's own methods so the matmul side
 includes its dtype casts: rotate_query on a bf16 query (cast, GEMM, cast),
-unrotate_output on the kernel's fp32 output, to_stored_space on a bf16 K/V
-write. The kernel side sweeps its rows per program. If the kernel wins at
+unrotate_output on the attention kernel's fp32 output to bf16 (GEMM, cast),
+to_stored_space on a bf16 query or K/V write to fp32 (cast, GEMM). The kernel side sweeps its rows per program. If the kernel wins at
 the decode rows (4 KV heads, 24 query heads), `TANDEM_HADAMARD_KERNEL=1` is
 the A/B for the whole step (scripts/device_hadamard.sh)."""
 from __future__ import annotations
@@ -22,21 +22,23 @@ from bench.quant import _time_graph
 
 HEAD_DIM = 256
 ROWS_PER_PROGRAM = (1, 2, 4, 8, 16)
-# (method, input dtype): what one attention layer rotates.
-CASES = (("rotate_query", torch.bfloat16), ("unrotate_output", torch.float32),
-         ("to_stored_space", torch.bfloat16))
+# (method, input dtype, output dtype): what one attention layer rotates.
+CASES = (("rotate_query", torch.bfloat16, torch.bfloat16),
+         ("unrotate_output", torch.float32, torch.bfloat16),
+         ("to_stored_space", torch.bfloat16, torch.float32))
 
 
-def _rotation_of(fmt, method: str, rows_per_program: int | None):
-    """The rotation `method` of fmt, or the kernel as that method calls it."""
+def _rotation_of(fmt, method: str, out_dtype: torch.dtype, rows_per_program: int | None):
+    """The rotation `method` of fmt (the matmul), or the kernel as that
+    method calls it with the given rows per program."""
+    inverse = method == "unrotate_output"
     if rows_per_program is None:
+        if inverse:
+            return lambda x: fmt.unrotate_output(x, dtype=out_dtype)
         return getattr(fmt, method)
     from engine.kv.hadamard_kernels import hadamard_rotate_rows
 
-    inverse = method == "unrotate_output"
-
     def kernel(x):
-        out_dtype = torch.float32 if method == "to_stored_space" else x.dtype
         signs = fmt._hadamard_signs(x.shape[-1], x.device)
         return hadamard_rotate_rows(x, signs, inverse, out_dtype, rows_per_program)
     return kernel
@@ -51,11 +53,11 @@ def compare(rows_list: list[int], device) -> list[dict]:
     default = _rows_per_program(HEAD_DIM)
     out = []
     for rows in rows_list:
-        for method, dtype in CASES:
-            x = torch.randn(rows, HEAD_DIM, device=device).to(dtype)
+        for method, in_dtype, out_dtype in CASES:
+            x = torch.randn(rows, HEAD_DIM, device=device).to(in_dtype)
             timed = {}
             for per_program in (None,) + ROWS_PER_PROGRAM:
-                fn = _rotation_of(fmt, method, per_program)
+                fn = _rotation_of(fmt, method, out_dtype, per_program)
                 timed[per_program] = _time_graph([lambda fn=fn: fn(x)] * 16)
             best = min(ROWS_PER_PROGRAM, key=lambda r: timed[r])
             out.append(dict(method=method, rows=rows, matmul_us=timed[None] * 1e6,

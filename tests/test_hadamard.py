@@ -195,13 +195,15 @@ def test_rk4_methods_take_the_kernel_when_switched_on(dtype, monkeypatch, kernel
     assert torch.equal(fmt.to_stored_space(x), forward)
     assert torch.equal(fmt.rotate_query(x), forward.to(dtype))
     assert torch.equal(fmt.unrotate_output(x), inverse.to(dtype))
-    assert kernel_calls == [False, False, True]
+    # attention's fp32 output, back and cast to the query's dtype in one store
+    assert torch.equal(fmt.unrotate_output(x, dtype=torch.bfloat16), inverse.to(torch.bfloat16))
+    assert kernel_calls == [False, False, True, True]
 
     rk4p = make_format("rk4p", use_triton=True)
     assert torch.equal(rk4p.rotate_v(x), forward)
     assert torch.equal(rk4p.unrotate_output(x), inverse.to(dtype))
     assert torch.equal(rk4p.rotate_query(x), x)  # K is not rotated
-    assert kernel_calls[3:] == [False, True]
+    assert kernel_calls[4:] == [False, True]
 
 
 @needs_triton

@@ -371,9 +371,11 @@ class KVFormat(ABC):
         """Map a query into the stored space (identity unless rotated)."""
         return q
 
-    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
-        """Map attention output over stored V back (identity unless rotated)."""
-        return o
+    def unrotate_output(self, o: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+        """Map attention output over stored V back (identity unless rotated),
+        in `dtype` (default o's): the caller's cast, done in the same pass."""
+        return o if dtype is None else o.to(dtype)
 
     def _read_both(self, buffers, page_table, length, dtype, use_triton, rotated):
         triton = self._wants_triton(page_table, use_triton)
@@ -583,10 +585,11 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
             return q
         return self._rotate_rows(q, inverse=False, out_dtype=q.dtype)
 
-    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
+    def unrotate_output(self, o: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
         if not self.rotate:
-            return o
-        return self._rotate_rows(o, inverse=True, out_dtype=o.dtype)
+            return o if dtype is None else o.to(dtype)
+        return self._rotate_rows(o, inverse=True, out_dtype=dtype or o.dtype)
 
     def to_stored_space(self, x: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
         """fp32 x @ R (or x itself, unrotated): the quantizer's input."""
@@ -745,8 +748,9 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         return q  # K is not rotated
 
-    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
-        return self._rotate_rows(o, inverse=True, out_dtype=o.dtype)
+    def unrotate_output(self, o: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+        return self._rotate_rows(o, inverse=True, out_dtype=dtype or o.dtype)
 
     def rotate_v(self, v: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
         """fp32 v @ R: V as stored."""
