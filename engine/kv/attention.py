@@ -362,7 +362,8 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
              tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages,
              tiles.dot_bf16 and q.dtype == torch.bfloat16)
     if rotated:
-        return fmt.unrotate_output(out).to(q.dtype)
+        # fp32 out: the rotation back and the cast to q's dtype in one pass
+        return fmt.unrotate_output(out, dtype=q.dtype)
     return out
 
 

@@ -31,6 +31,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.kv import rotation
+from engine.switches import on_off
 
 INT8_QMAX = 127.0
 # Symmetric int4 codes in [-7, 7]: zero is exact and both signs get the same
@@ -370,9 +371,11 @@ class KVFormat(ABC):
         """Map a query into the stored space (identity unless rotated)."""
         return q
 
-    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
-        """Map attention output over stored V back (identity unless rotated)."""
-        return o
+    def unrotate_output(self, o: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+        """Map attention output over stored V back (identity unless rotated),
+        in `dtype` (default o's): the caller's cast, done in the same pass."""
+        return o if dtype is None else o.to(dtype)
 
     def _read_both(self, buffers, page_table, length, dtype, use_triton, rotated):
         triton = self._wants_triton(page_table, use_triton)
@@ -463,17 +466,68 @@ class Int8Format(KVFormat):
         return int8_dequantize(flat_codes[slots], flat_scales[slots]).to(dtype)
 
 
+HADAMARD_KERNEL_ENV = "TANDEM_HADAMARD_KERNEL"
+
+
+def hadamard_kernel_wanted() -> bool:
+    """TANDEM_HADAMARD_KERNEL=1: rotate rk4/rk4p rows with the Triton FWHT
+    (hadamard_kernels.py) instead of an fp32 matmul by R. Off by default
+    until an H200 A/B has timed it (scripts/device_hadamard.sh)."""
+    return on_off(HADAMARD_KERNEL_ENV, False, on="the Triton Hadamard kernel",
+                  off="an fp32 matmul by R")
+
+
+def _hadamard_kernels():
+    # Imported on first use, like _kernels().
+    from engine.kv import hadamard_kernels
+    return hadamard_kernels
+
+
 class _SeededRotation:
     """The fixed orthogonal rotation of a rotated format (its `seed`), built
-    once per head size and device."""
+    once per head size and device, and how rows get rotated by it: today's
+    fp32 matmul by R, or, on the format's Triton path with a power-of-two
+    head_dim and TANDEM_HADAMARD_KERNEL=1, the Hadamard kernel, which never
+    builds R (the two agree to fp32 rounding)."""
     seed: int
     _rotations: dict[tuple[int, str], torch.Tensor]
+    _signs: dict[tuple[int, str], torch.Tensor]
 
     def _rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
         key = (head_dim, str(device))
         if key not in self._rotations:
             self._rotations[key] = rotation.rotation_matrix(head_dim, self.seed, device)
         return self._rotations[key]
+
+    def _hadamard_signs(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """R's seeded ±1 vector, fp32: all the kernel needs of R."""
+        key = (head_dim, str(device))
+        if key not in self._signs:
+            self._signs[key] = rotation.hadamard_signs(head_dim, self.seed).to(
+                device=device, dtype=torch.float32)
+        return self._signs[key]
+
+    def _uses_hadamard_kernel(self, x: torch.Tensor, use_triton: bool | None) -> bool:
+        # The switch is read last, so the CPU path never looks at it.
+        return (self._wants_triton(x, use_triton)
+                and rotation.is_power_of_two(x.shape[-1])
+                and hadamard_kernel_wanted()
+                and _hadamard_kernels().supports_dim(x.shape[-1]))
+
+    def _rotate_rows(self, x: torch.Tensor, inverse: bool, out_dtype: torch.dtype,
+                     use_triton: bool | None = None) -> torch.Tensor:
+        """x @ R (inverse: x @ R.T) over the last dim, computed in fp32 and
+        returned in out_dtype. The kernel stores bf16 itself (rounded to
+        nearest even, as .to() does); other dtypes go through fp32."""
+        head_dim = x.shape[-1]
+        if self._uses_hadamard_kernel(x, use_triton):
+            signs = self._hadamard_signs(head_dim, x.device)
+            direct = out_dtype in (torch.float32, torch.bfloat16)
+            out = _hadamard_kernels().hadamard_rotate_rows(
+                x, signs, inverse, out_dtype if direct else torch.float32)
+            return out.to(out_dtype)
+        r = self._rotation(head_dim, x.device)
+        return (rotation.unrotate(x, r) if inverse else rotation.rotate(x, r)).to(out_dtype)
 
 
 class RotatedInt4Format(_SeededRotation, KVFormat):
@@ -505,6 +559,7 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
                              f"{self.bits_per_element()} bits per element, over the "
                              f"{RK4_BITS_BUDGET}-bit budget; use a larger block or e8m0")
         self._rotations: dict[tuple[int, str], torch.Tensor] = {}
+        self._signs: dict[tuple[int, str], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return (f"RotatedInt4Format(block={self.block}, scale_format={self.scale_format!r}, "
@@ -533,23 +588,25 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         if not self.rotate:
             return q
-        return rotation.rotate(q, self._rotation(q.shape[-1], q.device)).to(q.dtype)
+        return self._rotate_rows(q, inverse=False, out_dtype=q.dtype)
 
-    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
+    def unrotate_output(self, o: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
         if not self.rotate:
-            return o
-        return rotation.unrotate(o, self._rotation(o.shape[-1], o.device)).to(o.dtype)
+            return o if dtype is None else o.to(dtype)
+        return self._rotate_rows(o, inverse=True, out_dtype=dtype or o.dtype)
 
-    def to_stored_space(self, x: torch.Tensor) -> torch.Tensor:
+    def to_stored_space(self, x: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
         """fp32 x @ R (or x itself, unrotated): the quantizer's input."""
         if not self.rotate:
             return x.to(torch.float32)
-        return rotation.rotate(x, self._rotation(x.shape[-1], x.device))
+        return self._rotate_rows(x, inverse=False, out_dtype=torch.float32,
+                                 use_triton=use_triton)
 
     def _write_side(self, buffers, side, slots, x, triton):
         self._check_head_dim(x.shape[-1])
         codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
-        stored = self.to_stored_space(x)
+        stored = self.to_stored_space(x, use_triton=triton)
         if triton:
             _kernels().rk4_write(stored, slots, codes, scales, self.block, self.scale_format)
             return
@@ -640,6 +697,7 @@ class PagedRk4Format(_SeededRotation, KVFormat):
                              f"{self.bits_per_element():g} bits per element, over the "
                              f"{RK4_BITS_BUDGET}-bit budget; use larger pages or blocks")
         self._rotations: dict[tuple[int, str], torch.Tensor] = {}
+        self._signs: dict[tuple[int, str], torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return (f"PagedRk4Format(page_size={self.page_size}, v_block={self.v_block}, "
@@ -695,12 +753,14 @@ class PagedRk4Format(_SeededRotation, KVFormat):
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         return q  # K is not rotated
 
-    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
-        return rotation.unrotate(o, self._rotation(o.shape[-1], o.device)).to(o.dtype)
+    def unrotate_output(self, o: torch.Tensor, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+        return self._rotate_rows(o, inverse=True, out_dtype=dtype or o.dtype)
 
-    def rotate_v(self, v: torch.Tensor) -> torch.Tensor:
+    def rotate_v(self, v: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
         """fp32 v @ R: V as stored."""
-        return rotation.rotate(v, self._rotation(v.shape[-1], v.device))
+        return self._rotate_rows(v, inverse=False, out_dtype=torch.float32,
+                                 use_triton=use_triton)
 
     # --- write ------------------------------------------------------------
     def write(self, buffers, slots, k, v, use_triton=None):
@@ -710,7 +770,7 @@ class PagedRk4Format(_SeededRotation, KVFormat):
         self._check_head_dim(k.shape[-1])
         triton = self._wants_triton(k, use_triton)
         slots = slots.to(torch.long)
-        v_rot = self.rotate_v(v)
+        v_rot = self.rotate_v(v, use_triton=triton)
         if triton:
             _kernels().paged_rk4_write(k, v_rot, slots, buffers, self.v_block_for(k.shape[-1]))
             return

@@ -2,8 +2,9 @@
 
 Owns the device side of formats.py: quantize-and-scatter of new tokens into
 their page slots, and gather-and-dequantize of a page table into a dense
-[length, H, D] tensor, for int8 and rk4. The rk4 rotation is a torch matmul
-done by the caller (formats.py); these kernels see the stored space only.
+[length, H, D] tensor, for int8 and rk4. The rk4 rotation is done by the
+caller (formats.py: a torch matmul, or hadamard_kernels.py's FWHT); these
+kernels see the stored space only.
 
 Each kernel mirrors the reference in formats.py operation for operation, so
 codes and scales come out bit-identical:
