@@ -603,13 +603,21 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
         return self._rotate_rows(x, inverse=False, out_dtype=torch.float32,
                                  use_triton=use_triton)
 
+    def write(self, buffers, slots, k, v, use_triton=None):
+        _check_write_args(slots, k, v)
+        if not self._wants_triton(k, use_triton):
+            super().write(buffers, slots, k, v, use_triton=False)
+            return
+        self._check_head_dim(k.shape[-1])
+        _kernels().rk4_write_kv(self.to_stored_space(k, use_triton=True),
+                                self.to_stored_space(v, use_triton=True), slots, buffers,
+                                self.block, self.scale_format)  # K and V in one launch
+
     def _write_side(self, buffers, side, slots, x, triton):
+        # the reference path only: write() takes the Triton one, K and V together
         self._check_head_dim(x.shape[-1])
         codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
         stored = self.to_stored_space(x, use_triton=triton)
-        if triton:
-            _kernels().rk4_write(stored, slots, codes, scales, self.block, self.scale_format)
-            return
         c, s = rk4_quantize(stored, self.block, self.scale_format)
         codes.view(-1, *codes.shape[2:])[slots] = c
         scales.view(-1, *scales.shape[2:])[slots] = s

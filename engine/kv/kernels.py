@@ -267,14 +267,30 @@ def int8_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tenso
 
 
 @triton.jit(do_not_specialize=("n_rows", "slot_limit"))
-def _rk4_write_kernel(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
+def _rk4_write_kernel(k_ptr, v_ptr, slots_ptr, k_codes_ptr, k_scales_ptr, v_codes_ptr,
+                      v_scales_ptr, n_rows, slot_limit,
                       ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
                       E8M0: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr):
+    """K and V in one launch (grid axis 1: 0 for K, 1 for V; rk4p's V-only
+    write launches axis 0 alone): a decode step writes one token a layer, so
+    a second launch was all latency."""
+    pdl_prologue(PDL)
+    if tl.program_id(1) == 0:
+        _rk4_write_rows(k_ptr, slots_ptr, k_codes_ptr, k_scales_ptr, n_rows, slot_limit,
+                        ROWS_PER_TOKEN, HALF, E8M0, ROWS)
+    else:
+        _rk4_write_rows(v_ptr, slots_ptr, v_codes_ptr, v_scales_ptr, n_rows, slot_limit,
+                        ROWS_PER_TOKEN, HALF, E8M0, ROWS)
+
+
+@triton.jit
+def _rk4_write_rows(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
+                    ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr, E8M0: tl.constexpr,
+                    ROWS: tl.constexpr):
     # A row is one block of 2 * HALF channels, loaded contiguously and split
     # into even and odd channels: they go to the low and high nibbles of the
     # same byte. Rows whose slot is >= slot_limit are skipped (rk4p: tokens
     # of staging pages).
-    pdl_prologue(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
@@ -337,6 +353,23 @@ def rk4_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales:
               block: int, scale_format: str, slot_limit: int | None = None) -> None:
     """Quantize x [T, H, D] (stored space, fp32) into codes [P, S, H, D/2] and
     scales [P, S, H, D/block] at the given slots (those below slot_limit)."""
+    _launch_rk4_write([(x, codes, scales)], slots, block, scale_format, slot_limit)
+
+
+def rk4_write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                 buffers: dict[str, torch.Tensor], block: int, scale_format: str) -> None:
+    """rk4_write of k and v (stored space, fp32) into buffers' {k,v}_codes and
+    {k,v}_scales, in one launch."""
+    _launch_rk4_write([(k, buffers["k_codes"], buffers["k_scales"]),
+                       (v, buffers["v_codes"], buffers["v_scales"])],
+                      slots, block, scale_format, None)
+
+
+def _launch_rk4_write(sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                      slots: torch.Tensor, block: int, scale_format: str,
+                      slot_limit: int | None) -> None:
+    """One launch over one or two (x, codes, scales) sides of one shape."""
+    x, codes, _ = sides[0]
     if slot_limit is None:
         slot_limit = codes.shape[0] * codes.shape[1]
     tokens, heads, head_dim = x.shape
@@ -345,10 +378,12 @@ def rk4_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales:
     if n_rows == 0:
         return
     rows = _rows_per_program(block)
-    _rk4_write_kernel[(triton.cdiv(n_rows, rows),)](
-        x.to(torch.float32).contiguous(), slots.to(torch.int64).contiguous(), codes, scales,
-        n_rows, slot_limit, ROWS_PER_TOKEN=rows_per_token, HALF=block // 2,
-        E8M0=scale_format == "e8m0", ROWS=rows, **pdl_launch(x.device))
+    xs = [side[0].to(torch.float32).contiguous() for side in sides]
+    last = sides[-1]  # with one side, axis 1 has one program and never reads the second
+    _rk4_write_kernel[(triton.cdiv(n_rows, rows), len(sides))](
+        xs[0], xs[-1], slots.to(torch.int64).contiguous(), sides[0][1], sides[0][2],
+        last[1], last[2], n_rows, slot_limit, ROWS_PER_TOKEN=rows_per_token,
+        HALF=block // 2, E8M0=scale_format == "e8m0", ROWS=rows, **pdl_launch(x.device))
 
 
 def rk4_read(codes: torch.Tensor, scales: torch.Tensor, page_table: torch.Tensor, length: int,
