@@ -216,8 +216,13 @@ def test_decode_and_verify_with_bf16_dots_match_reference(name, options, monkeyp
     monkeypatch.delenv("TANDEM_DECODE_DOT_BF16", raising=False)
     assert tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt).dot_bf16
     assert tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4).dot_bf16
+    # rk4 decode at head_dim 256: 4 warps with bf16 operands, 8 with fp32 ones
+    # (which spilled on 4: tests/test_kernel_stacks.py compiles the default)
+    warps = {"int8": (4, 4), "rk4": (4, 8)}[name]
+    assert tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt).num_warps == warps[0]
     monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "0")
-    assert not tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt).dot_bf16
+    decode_fp32 = tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
+    assert not decode_fp32.dot_bf16 and decode_fp32.num_warps == warps[1]
     monkeypatch.setenv("TANDEM_DECODE_DOT_BF16", "1")
     for seqs in ([(70, 1), (200, 1)], [(70, 4), (131, 3)]):
         buffers, q, meta = build_case(fmt, seqs, q_heads=12, kv_heads=2, head_dim=256,

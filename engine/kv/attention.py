@@ -219,11 +219,16 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
     block_n = 64 if head_dim <= 128 else 32
     if decode:  # one token: its GQA group's rows, padded to tl.dot's minimum of 16
         rows = max(16, 1 << (group - 1).bit_length())
-        # rk4's nibbles and per-channel-block scales spilled 288 B a thread on
-        # 4 warps (bench.attention_sass, sm_90): 8 warps need no stack
-        warps = 8 if isinstance(fmt, RotatedInt4Format) and head_dim > 128 else 4
+        # rk4's nibbles and per-channel-block scales with fp32 dot operands
+        # spilled 288 B a thread on 4 warps (bench.attention_sass, sm_90), so
+        # those take 8; with bf16 operands 4 warps need no stack (188
+        # registers) and ran a 128K layer in 0.185-0.188 ms against 8 warps'
+        # 0.190-0.192 (H200, 2026-12-03 06:19 and 06:28)
+        dot_bf16 = decode_dot_bf16()
+        wide_rk4 = isinstance(fmt, RotatedInt4Format) and head_dim > 128
+        warps = 8 if wide_rk4 and not dot_bf16 else 4
         return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=warps,
-                     num_stages=stages, dot_bf16=decode_dot_bf16())
+                     num_stages=stages, dot_bf16=dot_bf16)
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
     if chunk and q_dtype == torch.bfloat16 and not rk4p_wide:
         # bench.attention on the H200 (27B shape, 4K new over 32K, 2026-12-01):
