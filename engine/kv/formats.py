@@ -338,9 +338,17 @@ class KVFormat(ABC):
         """Quantize k, v [T, H, D] and store token i at slots[i] (slots unique)."""
         _check_write_args(slots, k, v)
         triton = self._wants_triton(k, use_triton)
+        if triton and self._write_pair_triton(buffers, slots, k, v):
+            return
         slots = slots.to(torch.long)
         for side, x in (("k", k), ("v", v)):
             self._write_side(buffers, side, slots, x, triton)
+
+    def _write_pair_triton(self, buffers, slots, k, v) -> bool:
+        """K and V in one kernel launch, where the format has one (a decode
+        step writes one token a layer, so a launch per side was latency, not
+        work); False sends the write through _write_side per side."""
+        return False
 
     def read(self, buffers: dict[str, torch.Tensor], page_table: torch.Tensor, length: int,
              dtype: torch.dtype, use_triton: bool | None = None
@@ -440,15 +448,12 @@ class Int8Format(KVFormat):
             buffers[f"{side}_scales"] = torch.zeros(token_shape, dtype=torch.float16, device=device)
         return buffers
 
-    def write(self, buffers, slots, k, v, use_triton=None):
-        _check_write_args(slots, k, v)
-        if self._wants_triton(k, use_triton):
-            _kernels().int8_write(k, v, slots, buffers)  # K and V in one launch
-            return
-        super().write(buffers, slots, k, v, use_triton=False)
+    def _write_pair_triton(self, buffers, slots, k, v) -> bool:
+        _kernels().int8_write(k, v, slots, buffers)
+        return True
 
     def _write_side(self, buffers, side, slots, x, triton):
-        # the reference path only: write() takes the Triton one, K and V together
+        # the reference path only: the Triton one writes K and V together
         codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
         c, s = int8_quantize(x)
         codes.view(-1, *codes.shape[2:])[slots] = c
@@ -510,9 +515,8 @@ class _SeededRotation:
     def _uses_hadamard_kernel(self, x: torch.Tensor, use_triton: bool | None) -> bool:
         # The switch is read last, so the CPU path never looks at it.
         return (self._wants_triton(x, use_triton)
-                and rotation.is_power_of_two(x.shape[-1])
-                and hadamard_kernel_wanted()
-                and _hadamard_kernels().supports_dim(x.shape[-1]))
+                and _hadamard_kernels().supports_dim(x.shape[-1])
+                and hadamard_kernel_wanted())
 
     def _rotate_rows(self, x: torch.Tensor, inverse: bool, out_dtype: torch.dtype,
                      use_triton: bool | None = None) -> torch.Tensor:
@@ -603,21 +607,18 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
         return self._rotate_rows(x, inverse=False, out_dtype=torch.float32,
                                  use_triton=use_triton)
 
-    def write(self, buffers, slots, k, v, use_triton=None):
-        _check_write_args(slots, k, v)
-        if not self._wants_triton(k, use_triton):
-            super().write(buffers, slots, k, v, use_triton=False)
-            return
+    def _write_pair_triton(self, buffers, slots, k, v) -> bool:
         self._check_head_dim(k.shape[-1])
         _kernels().rk4_write_kv(self.to_stored_space(k, use_triton=True),
                                 self.to_stored_space(v, use_triton=True), slots, buffers,
-                                self.block, self.scale_format)  # K and V in one launch
+                                self.block, self.scale_format)
+        return True
 
     def _write_side(self, buffers, side, slots, x, triton):
-        # the reference path only: write() takes the Triton one, K and V together
+        # the reference path only: the Triton one writes K and V together
         self._check_head_dim(x.shape[-1])
         codes, scales = buffers[f"{side}_codes"], buffers[f"{side}_scales"]
-        stored = self.to_stored_space(x, use_triton=triton)
+        stored = self.to_stored_space(x, use_triton=False)
         c, s = rk4_quantize(stored, self.block, self.scale_format)
         codes.view(-1, *codes.shape[2:])[slots] = c
         scales.view(-1, *scales.shape[2:])[slots] = s
