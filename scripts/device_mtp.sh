@@ -34,11 +34,23 @@ if [ "${OLD_HEAD:-1}" = 1 ]; then  # the shipped head on the held-out prompts, b
   python -m bench.speculative --device cuda --tokens-model embedded --methods mtp --ks 3 \
     --new-tokens 96 --json "$OUT/spec_old_head.json" 2>&1 | tail -3
 fi
-# BATCH_SAMPLES=N packs N samples per step (default 8); SOFT=0 trains on greedy labels
-python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
-  --batch-samples "${BATCH_SAMPLES:-8}" $([ "${SOFT:-1}" = 0 ] && echo --no-soft-targets) \
-  --new-tokens "$NEW" --time-budget "$BUDGET" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
-  --out "$OUT/head.safetensors" 2>&1 | grep -v "^train-mtp: step" | tee "$OUT/train.log" | tail -8
-cp "$OUT/head.safetensors" engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
+# BATCH_SAMPLES=N packs N samples per step (default 8); SOFT=0 trains on greedy labels;
+# VARIED=N adds N naturally phrased prompts (prompts.varied_prompts); MAX_PROMPTS=N keeps
+# only the first N templated ones
+# BUDGETS="60 150": one head per training budget on the same corpus; the one
+# with the best loop length on train-mtp's held-out tenth is benchmarked
+best=""; best_len=0
+for budget in ${BUDGETS:-$BUDGET}; do
+  python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
+    --batch-samples "${BATCH_SAMPLES:-8}" $([ "${SOFT:-1}" = 0 ] && echo --no-soft-targets) \
+    --new-tokens "$NEW" --time-budget "$budget" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
+    --varied "${VARIED:-0}" $([ -n "${MAX_PROMPTS:-}" ] && echo --max-prompts "$MAX_PROMPTS") \
+    --out "$OUT/head_$budget.safetensors" 2>&1 | grep -v "^train-mtp: step" \
+    | tee "$OUT/train_$budget.log" | tail -6
+  len=$(grep -o "in the speculative loop [0-9.]*" "$OUT/train_$budget.log" | awk '{print $NF}')
+  if [ -n "$len" ] && awk "BEGIN{exit !($len > $best_len)}"; then best=$budget; best_len=$len; fi
+done
+echo "chosen: the ${best}s head (held-out loop length $best_len)"
+cp "$OUT/head_$best.safetensors" engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
 python -m bench.speculative --device cuda --tokens-model embedded --methods ${METHODS:-none mtp ngram} \
   --ks ${KS:-1 2 3} --new-tokens 96 --json "$OUT/spec_new_head.json" 2>&1 | tail -16

@@ -158,11 +158,11 @@ def test_kernel_refuses_what_it_cannot_rotate():
 # ------------------------------------------------------ the formats' wiring
 
 
-def test_switch_is_off_by_default_and_rejects_other_values(monkeypatch):
+def test_switch_is_on_by_default_and_rejects_other_values(monkeypatch):
     monkeypatch.delenv(F.HADAMARD_KERNEL_ENV, raising=False)
-    assert not F.hadamard_kernel_wanted()
-    monkeypatch.setenv(F.HADAMARD_KERNEL_ENV, "1")
     assert F.hadamard_kernel_wanted()
+    monkeypatch.setenv(F.HADAMARD_KERNEL_ENV, "0")
+    assert not F.hadamard_kernel_wanted()
     monkeypatch.setenv(F.HADAMARD_KERNEL_ENV, "yes")
     with pytest.raises(ValueError, match="TANDEM_HADAMARD_KERNEL='yes'"):
         F.hadamard_kernel_wanted()

@@ -121,7 +121,10 @@ def test_rk4p_bits_and_budget():
 
 
 @pytest.mark.parametrize("heads,dim", [(2, 64), (1, 128)])
-def test_write_kernel_matches_reference_bit_for_bit(heads, dim):
+def test_write_kernel_matches_reference_bit_for_bit(heads, dim, monkeypatch):
+    # bit for bit needs the reference's rotation: the Hadamard kernel agrees
+    # with the matmul by R to fp32 rounding only (tests/test_hadamard.py)
+    monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")
     fmt = make_format("rk4p", use_triton=False)
     k = _k_like(2 * PAGE + 7, heads, dim, seed=1)
     v = torch.randn(2 * PAGE + 7, heads, dim)
