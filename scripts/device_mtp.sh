@@ -41,6 +41,10 @@ fi
 # with the best loop length on train-mtp's held-out tenth is benchmarked
 best=""; best_len=0
 for budget in ${BUDGETS:-$BUDGET}; do
+  # a later budget only if it and the benchmark still fit in the call (DEADLINE s)
+  if [ -n "$best" ] && [ $((SECONDS + budget + 100)) -gt "${DEADLINE:-540}" ]; then
+    echo "skipping the ${budget}s head: ${SECONDS}s gone"; continue
+  fi
   python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
     --batch-samples "${BATCH_SAMPLES:-8}" $([ "${SOFT:-1}" = 0 ] && echo --no-soft-targets) \
     --new-tokens "$NEW" --time-budget "$budget" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
