@@ -7,9 +7,9 @@
 #     attention alone at 131,072 tokens with today's tiles (16 rows, 64 keys,
 #     4 warps, bf16 dots; 0.185 ms a layer, ~4x its bytes' time): which pipe
 #     bounds it now that the dots take bf16 (the fp32 tiles were L1-bound);
-#   call 2 (part ab): the 27B prefill at 4K and 32K with rk4 and rk4p KV, today's
-#     code (12-02: 57.1% / 48.9% MFU at 32K; the Hadamard kernel now rotates
-#     every prefill chunk's K/V writes);
+#   call 2 (part ab): the 27B prefill at 32K with rk4 KV (KVS="rk4 rk4p": both),
+#     today's code (12-02: 57.1% MFU, rk4p 48.9%; the Hadamard kernel now
+#     rotates every prefill chunk's K/V writes);
 #   call 3 (part ac): scripts/device_mtp.sh with the varied prompts (~9 min).
 #   bash scripts/device_chain_mtp.sh 1|2|3
 set -uo pipefail
@@ -27,14 +27,14 @@ case "${1:?call 1, 2 or 3}" in
       --splits 64 --repeats 2
     ;;
   2)
-    for kv in rk4 rk4p; do
+    for kv in ${KVS:-rk4}; do
       STEP_TAIL=8 step prefill_$kv 150 python3 -m bench.prefill --model $M --device cuda \
-        --kv-format $kv --tokens 4096 32768 --chunk 4096 --repeats 1
+        --kv-format $kv --tokens 32768 --chunk 4096 --repeats 1
     done
     ;;
   3)
     VARIED=${VARIED:-2000} MAX_PROMPTS=${MAX_PROMPTS:-100} SAMPLES=${SAMPLES:-1} NEW=${NEW:-160} \
-      BUDGETS=${BUDGETS:-"60 150"} OLD_HEAD=0 METHODS=mtp KS=3 CORPUS=/tmp/mtp_corpus.pt \
+      BUDGETS=${BUDGETS:-"30 90"} OLD_HEAD=0 METHODS=mtp KS=3 CORPUS=/tmp/mtp_corpus.pt \
       bash scripts/device_mtp.sh
     cp /tmp/mtp_corpus.pt "$OUT/" 2>/dev/null
     ;;
