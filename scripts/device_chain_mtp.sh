@@ -10,7 +10,9 @@
 #   call 2 (part ab): the 27B prefill at 32K with rk4 KV (KVS="rk4 rk4p": both),
 #     today's code (12-02: 57.1% MFU, rk4p 48.9%; the Hadamard kernel now
 #     rotates every prefill chunk's K/V writes);
-#   call 3 (part ac): scripts/device_mtp.sh with the varied prompts (~9 min).
+#   call 3 (part ac): scripts/device_mtp.sh on all 2,514 varied prompts and the
+#     first 100 templated ones, greedy, 160 tokens (~2.6K tok/s: ~160 s), heads
+#     trained 30 s and 90 s, both returned for the dev set (bench.mtp_gap, CPU).
 #   bash scripts/device_chain_mtp.sh 1|2|3
 set -uo pipefail
 M=qwen3.5-27b
@@ -33,7 +35,7 @@ case "${1:?call 1, 2 or 3}" in
     done
     ;;
   3)
-    VARIED=${VARIED:-2000} MAX_PROMPTS=${MAX_PROMPTS:-100} SAMPLES=${SAMPLES:-1} NEW=${NEW:-160} \
+    VARIED=${VARIED:-2514} MAX_PROMPTS=${MAX_PROMPTS:-100} SAMPLES=${SAMPLES:-1} NEW=${NEW:-160} \
       BUDGETS=${BUDGETS:-"30 90"} OLD_HEAD=0 METHODS=mtp KS=3 CORPUS=/tmp/mtp_corpus.pt \
       bash scripts/device_mtp.sh
     cp /tmp/mtp_corpus.pt "$OUT/" 2>/dev/null
