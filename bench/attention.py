@@ -16,6 +16,12 @@ dedicated flash kernel sets. CUDA only.
 With `--new 1 --candidates 13` it times decode's attention (one query per
 KV-head group over the whole context) by key splits: the GB/s column is the
 layer's KV bytes over the time, against the card's ~4.2 TB/s.
+
+The kernel's A/B switches are read at each launch, so they apply here from
+the environment, e.g. rk4's channel-pair program and int8 without I2F:
+
+    TANDEM_RK4_PAIRS=0 TANDEM_INT8_NO_I2F=0 python -m bench.attention --new 1 \
+        --context 131072 --kv-format rk4 int8 --candidates 19 21 25 --splits 64
 """
 from __future__ import annotations
 
@@ -41,7 +47,10 @@ CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, Non
               # them (Nsight Compute, 12-03: rk4's 128K decode is bound by shared
               # memory, where the fp32 K and V tiles pass into the dots)
               (16, 64, 8, None, False), (16, 64, 8, None, True), (16, 64, 8, 1, True),
-              (16, 128, 8, 2, True), (16, 64, 8, 1, False))
+              (16, 128, 8, 2, True), (16, 64, 8, 1, False),
+              # 25: rk4's pair program's decode tiles (TANDEM_RK4_PAIRS, one
+              # stage: Triton's default three spilled, static sm_90 build)
+              (16, 64, 4, 1, True))
 
 
 def visible_pairs(context: int, new: int) -> int:
@@ -181,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                             "tflops": flops / ms / 1e9})
         except Exception as e:
             rows.append([context, "sdpa bf16", "torch", "failed", str(e)[:60], "", ""])
-    print_table(f"attention, {args.new} new tokens ({args.model})",
+    from engine.kv.attention import int8_no_i2f, rk4_pairs
+
+    switches = f"TANDEM_RK4_PAIRS={int(rk4_pairs())} TANDEM_INT8_NO_I2F={int(int8_no_i2f())}"
+    print_table(f"attention, {args.new} new tokens ({args.model}; {switches})",
                 ["context", "kv", "rows, block_n, warps, stages, bf16", "ms", "TFLOP/s",
                  "KV GB/s", "max diff"], rows)
     write_json(args.json, {"args": vars(args), "results": results})

@@ -10,7 +10,12 @@ above the service's trimmed 64 bytes raises a process's local-memory
 reservation by stack x 2,048 x 132 SMs (engine/cuda_context.py).
 
     python -m bench.attention_sass [--kv-format int8 rk4 rk4p] [--step decode verify]
-                                   [--stages 1 2 default] [--block-n 32 64] [--rows R] [--warps W]
+                                   [--stages 1 2 default tiles] [--block-n 32 64] [--rows R]
+                                   [--warps W]
+
+The kernel's A/B switches come from the environment as at a launch
+(TANDEM_RK4_PAIRS=0 builds rk4's channel-order tiles, TANDEM_INT8_NO_I2F=0
+int8's I2F; attention_kernels.program_switches).
 
 Compiles with Triton for GPUTarget("cuda", 90) and reads the cubin with the
 cuobjdump that ships in Triton's wheel (the approach of bench.gemv_sass)."""
@@ -111,7 +116,7 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
         PAGE_SIZE=PAGE if rk4p else 16, KIND=kind, SCALE_BLOCK=scale_block, E8M0=False,
         ROTARY_DIM=rotary_dim, Q_BF16=True, OUT_BF16=not rk4p, ROWS=tiles.rows,
         BLOCK_N=tiles.block_n, NUM_SPLITS=splits, FOR_LOOP=True,
-        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=True)
+        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=True, **K.program_switches(kind, HEAD_DIM))
     params = {p.name for p in kernel.params}
     if "ROPE_PAD" in params:
         constants["ROPE_PAD"] = K.rope_pad(rotary_dim)
@@ -127,7 +132,11 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def describe(kv_format: str, step: str, stages: int | None, block_n: int | None = None,
+# --stages value for the stage count tiles_for picks (None there: Triton's)
+TILES = "tiles"
+
+
+def describe(kv_format: str, step: str, stages: int | str | None, block_n: int | None = None,
              rows: int | None = None, warps: int | None = None) -> list:
     import dataclasses
 
@@ -142,6 +151,10 @@ def describe(kv_format: str, step: str, stages: int | None, block_n: int | None 
     tiles = dataclasses.replace(tiles, block_n=block_n or tiles.block_n, rows=rows or tiles.rows,
                                 num_warps=warps or tiles.num_warps)
     # decode and verify at 131K context, batch 1: splits_for's 64 key splits
+    label = "default" if stages is None else stages
+    if stages == TILES:
+        stages = tiles.num_stages
+        label = f"tiles ({'default' if stages is None else stages})"
     compiled = _compile(kv_format, stages, tiles, 64 if step != "prefill" else 1)
     usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
@@ -151,7 +164,7 @@ def describe(kv_format: str, step: str, stages: int | None, block_n: int | None 
     spills = len(re.findall(r"\bSTL\b", sass)), len(re.findall(r"\bLDL\b", sass))
     top = " ".join(f"{k}:{v}" for k, v in ops.most_common(8))
     tile = f"{tiles.rows}x{tiles.block_n}/{tiles.num_warps}w" + (" bf16" if tiles.dot_bf16 else "")
-    return [kv_format, step, tile, "default" if stages is None else stages,
+    return [kv_format, step, tile, label,
             regs, stack, local, f"{spills[0]}/{spills[1]}", compiled.metadata.shared,
             sum(ops.values()), _loop_path(sass), top]
 
@@ -167,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warps", type=int, default=None, help="warps instead of tiles_for's")
     p.add_argument("--step", nargs="+", default=["decode"], choices=list(STEPS))
     p.add_argument("--stages", nargs="+", default=["1", "2", "default"],
-                   help="num_stages values ('default': Triton's)")
+                   help="num_stages values ('default': Triton's, 'tiles': tiles_for's)")
     args = p.parse_args(argv)
     table = []
     for kv_format in args.kv_format:
         for step in args.step:
             for s in args.stages:
-                stages = None if s == "default" else int(s)
+                stages = None if s == "default" else s if s == TILES else int(s)
                 for block_n in args.block_n:
                     try:
                         table.append(describe(kv_format, step, stages, block_n, args.rows,
@@ -181,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception as exc:  # report and go on: one must not hide the rest
                         print(f"{kv_format} {step} stages={s} block_n={block_n}: "
                               f"{type(exc).__name__}: {exc}"[:400], file=sys.stderr)
-    print_table("Paged attention sm_90 build, 27B attention shape (static)",
+    from engine.kv.attention import int8_no_i2f, rk4_pairs
+
+    switches = f"TANDEM_RK4_PAIRS={int(rk4_pairs())} TANDEM_INT8_NO_I2F={int(int8_no_i2f())}"
+    print_table(f"Paged attention sm_90 build, 27B attention shape (static; {switches})",
                 ["format", "step", "tile (rows x keys/warps)", "stages", "regs", "stack",
                  "local", "STL/LDL", "smem", "loop instr", "longest path", "top loop opcodes"],
                 table)

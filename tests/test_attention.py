@@ -421,3 +421,170 @@ def test_reads_into_the_workspace_match_the_dense_reads(name, options):
     k_ref, v_ref = fmt.read_rotated(buffers, table, 38, torch.float32, use_triton=False)
     torch.testing.assert_close(k.float(), k_ref, rtol=2 ** -8, atol=1e-6)
     torch.testing.assert_close(v.float(), v_ref, rtol=2 ** -8, atol=1e-6)
+
+
+# rk4 on channel-pair tiles (TANDEM_RK4_PAIRS) and int8 codes made fp32
+# without I2F (TANDEM_INT8_NO_I2F): each switch's two sides, at a small head
+# and at the 27B's (head_dim 256, GQA group 6, bf16 queries and dots)
+NO_I2F_FORMATS = [("rk4", {}), ("rk4", dict(scale_format="e8m0", block=16)), ("int8", {})]
+NO_I2F_IDS = ["rk4", "rk4-e8m0-16", "int8"]
+NO_I2F_SWITCHES = {"rk4": "TANDEM_RK4_PAIRS", "int8": "TANDEM_INT8_NO_I2F"}
+# decode, a verify batch and a prefill chunk over cached prefixes (with a
+# decode row beside it); contexts end inside pages and tiles
+NO_I2F_STEPS = {"decode": [(70, 1), (33, 1), (5, 1)],
+                "verify": [(70, 4), (131, 3), (9, 5)],
+                "prefill": [(0, 21), (35, 24), (18, 1)]}
+# head_dim: (q_heads, kv_heads, query dtype)
+NO_I2F_SHAPES = {64: (8, 2, torch.float32), 256: (12, 2, torch.bfloat16)}
+
+
+def _poisoned_output(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _switch_outputs(fmt, name, head_dim, seqs, seed, monkeypatch):
+    """(reference, {switch value: {splits: output}}) over one batch; the
+    kernel's output buffer NaN-poisoned, so a channel it leaves unwritten
+    shows."""
+    from engine.kv import attention
+    from engine.kv.attention import Tiles
+
+    q_heads, kv_heads, q_dtype = NO_I2F_SHAPES[head_dim]
+    buffers, q, meta = build_case(fmt, seqs, q_heads, kv_heads, head_dim, page_size=16,
+                                  q_dtype=q_dtype, seed=seed)
+    scale = head_dim ** -0.5
+    expected = paged_attention_reference(fmt, buffers, q.float(), meta, scale)
+    # the interpreter's smallest tiles; on a GPU tiles_for's
+    tiles = Tiles(rows=16, block_n=16, dot_bf16=q_dtype == torch.bfloat16) \
+        if DEVICE == "cpu" else None
+    monkeypatch.setattr(attention, "kernel_output", _poisoned_output)
+    outputs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(NO_I2F_SWITCHES[name], switch)
+        outputs[switch] = {splits: paged_attention_triton(fmt, buffers, q, meta, scale,
+                                                          num_splits=splits, tiles=tiles)
+                           for splits in (1, 3)}
+    return expected, outputs
+
+
+@pytest.mark.parametrize("head_dim", sorted(NO_I2F_SHAPES))
+@pytest.mark.parametrize("name, options", NO_I2F_FORMATS, ids=NO_I2F_IDS)
+@pytest.mark.parametrize("step", list(NO_I2F_STEPS))
+def test_rk4_pairs_and_int8_without_i2f_match_reference_and_the_old_path(
+        step, name, options, head_dim, monkeypatch):
+    """Both sides of each switch within the reference's tolerance (the
+    existing rk4 and int8 ones: fp32 queries, or bf16 queries and dots),
+    with 1 and 3 key splits. Against each other: int8's codes are exact
+    either way (code * scale in fp32), so the outputs are the same bits;
+    rk4's K and V values are the same too, but its scores sum two dots of
+    half the channels, so they agree to fp32 rounding (bf16 queries: to a
+    bf16 ulp of the output, where a rounded P may flip)."""
+    fmt = make_format(name, **options)
+    expected, outputs = _switch_outputs(fmt, name, head_dim, NO_I2F_STEPS[step],
+                                        seed=head_dim + len(step), monkeypatch=monkeypatch)
+    bf16 = NO_I2F_SHAPES[head_dim][2] == torch.bfloat16
+    for switch, by_splits in outputs.items():
+        for splits, actual in by_splits.items():
+            assert not actual.isnan().any(), (switch, splits)
+            if bf16:
+                torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+                assert (actual.float() - expected).abs().mean() < 4e-3
+            else:
+                torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    for splits in (1, 3):
+        old, new = outputs["0"][splits].float(), outputs["1"][splits].float()
+        if name == "int8":
+            assert torch.equal(old, new), splits
+        elif bf16:
+            torch.testing.assert_close(new, old, rtol=2 ** -7, atol=2 ** -7)
+            assert (new - old).abs().mean() < 1e-4
+        else:
+            torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rk4", "int8"])
+def test_no_i2f_switches_are_on_by_default_and_reject_other_values(name, monkeypatch):
+    """TANDEM_RK4_PAIRS and TANDEM_INT8_NO_I2F: on unless "0", read at every
+    launch (so bench.attention's A/B takes them), and each sets its own
+    format's constexpr only (the other formats compile one variant)."""
+    from engine.kv import attention_kernels as K
+    from engine.kv.attention import int8_no_i2f, rk4_pairs
+
+    env, wanted = NO_I2F_SWITCHES[name], {"rk4": rk4_pairs, "int8": int8_no_i2f}[name]
+    kind, flag = {"rk4": (K.RK4, "RK4_PAIRS"), "int8": (K.INT8, "INT8_NO_I2F")}[name]
+    for other in NO_I2F_SWITCHES.values():
+        monkeypatch.delenv(other, raising=False)
+    assert wanted() and K.program_switches(kind, 256)[flag]
+    others = [k for k in (K.DENSE, K.DENSE_BF16, K.INT8, K.RK4, K.RK4P) if k != kind]
+    assert not any(K.program_switches(k, 256)[flag] for k in others)
+    monkeypatch.setenv(env, "0")
+    assert not wanted() and not K.program_switches(kind, 256)[flag]
+    monkeypatch.setenv(env, "1")
+    assert wanted()
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match=f"{env}='yes'"):
+        wanted()
+    with pytest.raises(ValueError, match=f"{env}='yes'"):  # a launch of any format reads it
+        K.program_switches(K.DENSE, 256)
+
+
+def test_rk4_pairs_need_tl_dots_of_sixteen_channels(monkeypatch):
+    """Pair tiles are D_PAD / 2 wide and tl.dot takes 16 at least: a head
+    under 32 channels keeps the channel-order tiles."""
+    from engine.kv import attention_kernels as K
+
+    monkeypatch.delenv("TANDEM_RK4_PAIRS", raising=False)
+    assert K.program_switches(K.RK4, 32)["RK4_PAIRS"]
+    assert K.program_switches(K.RK4, 24)["RK4_PAIRS"]  # pads to 32
+    assert not K.program_switches(K.RK4, 16)["RK4_PAIRS"]
+
+
+def test_rk4_pair_decode_tiles_take_one_stage(monkeypatch):
+    """rk4's pair program at head_dim 256 with bf16 dots: one stage, 4 warps
+    (Triton's default 3 stages spilled; tests/test_kernel_stacks.py compiles
+    these tiles); the channel-order tiles keep Triton's default."""
+    from engine.kv.attention import tiles_for
+
+    fmt = make_format("rk4")
+    monkeypatch.delenv("TANDEM_DECODE_DOT_BF16", raising=False)
+    monkeypatch.delenv("TANDEM_RK4_PAIRS", raising=False)
+    tiles = tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
+    assert (tiles.num_warps, tiles.num_stages) == (4, 1)
+    monkeypatch.setenv("TANDEM_RK4_PAIRS", "0")
+    tiles = tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
+    assert (tiles.num_warps, tiles.num_stages) == (4, None)
+
+
+if importlib.util.find_spec("triton") is not None:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    from engine.kv.attention_kernels import _int8_values, _nibble_values  # noqa: E402
+
+    @triton.jit
+    def _code_values_kernel(codes_ptr, out_ptr, INT8: tl.constexpr, COMPILED: tl.constexpr):
+        i = tl.arange(0, 256)
+        codes = tl.load(codes_ptr + i)
+        if INT8:
+            tl.store(out_ptr + i, _int8_values(codes, COMPILED))
+        else:
+            low, high16 = _nibble_values(codes, 8, COMPILED)
+            tl.store(out_ptr + 2 * i, low)
+            tl.store(out_ptr + 2 * i + 1, high16)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nibbles"])
+def test_codes_become_exact_floats_without_i2f(kind):
+    """Every int8 code and every byte's nibbles through the bit tricks that
+    replace I2F: compiled (a GPU with TRITON_INTERPRET=0), the PRMT inline
+    asm on four codes a register; in the interpreter, the bit-op fallback."""
+    dtype = torch.int8 if kind == "int8" else torch.uint8
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(DEVICE)
+    out = torch.full((256 if kind == "int8" else 512,), float("nan"), device=DEVICE)
+    _code_values_kernel[(1,)](codes, out, INT8=kind == "int8", COMPILED=not INTERPRET)
+    if kind == "int8":
+        expected = codes.float()
+    else:
+        byte = codes.to(torch.int32)
+        expected = torch.stack([(byte & 15) - 8, 16 * (byte >> 4)], dim=1).flatten().float()
+    assert torch.equal(out, expected)

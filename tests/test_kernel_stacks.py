@@ -19,7 +19,7 @@ from engine.cuda_context import STACK_BYTES
 pytest.importorskip("triton")
 
 _STACKS = r"""
-import json, re, sys
+import json, os, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -27,8 +27,13 @@ from bench.attention_sass import describe
 from bench.gemv_sass import _cuobjdump
 from engine import gdn_kernels
 
-stacks = {f"attention {f} {s}": describe(f, s, stages=None)[5]
+stacks = {f"attention {f} {s}": describe(f, s, stages="tiles")[5]
           for f in ("int8", "rk4", "rk4p") for s in ("decode", "verify")}
+# the A/B switches' other side (TANDEM_RK4_PAIRS, TANDEM_INT8_NO_I2F) runs in
+# workers too
+os.environ.update(TANDEM_RK4_PAIRS="0", TANDEM_INT8_NO_I2F="0")
+stacks.update({f"attention {f} {s} switched off": describe(f, s, stages="tiles")[5]
+               for f in ("int8", "rk4") for s in ("decode", "verify")})
 kernel = gdn_kernels._conv_chunk_kernel
 block_t, block_c = gdn_kernels.conv_chunk.__defaults__[-2:]
 pointers = dict(row_seq_ptr="*i32", offsets_ptr="*i32", slots_ptr="*i64", positions_ptr="*i64")
@@ -66,6 +71,9 @@ def stacks() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("kernel", [f"attention {f} {s}" for f in ("int8", "rk4", "rk4p")
-                                    for s in ("decode", "verify")] + ["gdn conv chunk", "gdn q/k l2 norm"])
+                                    for s in ("decode", "verify")]
+                         + [f"attention {f} {s} switched off" for f in ("int8", "rk4")
+                            for s in ("decode", "verify")]
+                         + ["gdn conv chunk", "gdn q/k l2 norm"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"

@@ -195,6 +195,32 @@ def decode_dot_bf16() -> bool:
                   off="fp32 (tf32) dot operands in decode and verify")
 
 
+# With bf16 dot operands the 128K decode attention still took ~0.185 ms a
+# layer on the H200 (rk4 and int8) where its bytes need ~0.05: the key
+# tiles' instructions are the limit, and I2F (1/8 of FADD's rate on sm_90)
+# runs once per K and V element. Both switches are read at every launch
+# (attention_kernels.program_switches), so bench.attention's A/B takes them.
+RK4_PAIRS_ENV = "TANDEM_RK4_PAIRS"
+INT8_NO_I2F_ENV = "TANDEM_INT8_NO_I2F"
+
+
+def rk4_pairs() -> bool:
+    """Whether rk4 attention runs on even and odd channel tiles (rk4p's
+    way: a byte's nibbles are one element of each, made fp32 by bit tricks)
+    instead of channel-order tiles (an I2F per element, an interleave of the
+    nibble tiles); the same K and V values, dots summed in another order."""
+    return on_off(RK4_PAIRS_ENV, True, on="rk4 attention on channel-pair tiles",
+                  off="rk4 attention on channel-order tiles")
+
+
+def int8_no_i2f() -> bool:
+    """Whether int8 attention makes its codes fp32 by bit tricks (2**23 +
+    code + 128 from the bits, minus 2**23 + 128) instead of an I2F per
+    element; exact either way, so the outputs are the same bits."""
+    return on_off(INT8_NO_I2F_ENV, True, on="int8 codes to fp32 by bit tricks",
+                  off="int8 codes to fp32 by I2F")
+
+
 def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
               fmt: KVFormat | None = None, q_dtype: torch.dtype | None = None,
               new_tokens: int = 0) -> Tiles:
@@ -227,6 +253,14 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
         dot_bf16 = decode_dot_bf16()
         wide_rk4 = isinstance(fmt, RotatedInt4Format) and head_dim > 128
         warps = 8 if wide_rk4 and not dot_bf16 else 4
+        if wide_rk4 and dot_bf16 and rk4_pairs():
+            # rk4's channel-pair program (static sm_90 build, bench.attention_sass):
+            # Triton's default 3 stages spill (255 registers, 24 B of stack), 8
+            # warps take 186 registers, one program an SM (a 131K batch-1
+            # decode's 256 programs in two waves); one stage takes 245, no
+            # stack, two programs an SM, 1,869 loop instructions against
+            # the channel-order tiles' 2,152 (no I2F among them)
+            stages = 1
         return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=warps,
                      num_stages=stages, dot_bf16=dot_bf16)
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
@@ -326,6 +360,12 @@ def _programs_wanted(device: torch.device) -> int:
     return 4  # the interpreter: enough to exercise the split combine
 
 
+def kernel_output(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The attention kernel's output buffer, written whole by it (a test
+    poisons it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                            meta: AttentionMetadata, softmax_scale: float,
                            num_splits: int | None = None, rotary=None,
@@ -343,7 +383,7 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     # rk4p rotates V only: q as is, the output un-rotated.
     q_in = fmt.to_stored_space(q).contiguous() if rotated else q.contiguous()
     rotated = rotated or isinstance(fmt, PagedRk4Format)
-    out = torch.empty(q.shape, dtype=torch.float32 if rotated else q.dtype, device=q.device)
+    out = kernel_output(q.shape, torch.float32 if rotated else q.dtype, q.device)
     group = q.shape[1] // kv_heads
     tiles = tiles or tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda, fmt, q.dtype,
                                meta.max_new_tokens)

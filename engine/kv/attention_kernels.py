@@ -14,7 +14,19 @@ merges them. With NUM_SPLITS == 1 (prefill) the program writes the output.
 
 rk4 pages hold K and V in the rotated space (x @ R); the caller rotates the
 query and un-rotates the output (q.k == (q R).(k R), and attention over
-rotated V is out @ R), so the kernel sees the stored space only.
+rotated V is out @ R), so the kernel sees the stored space only. A byte
+holds a channel pair, so rk4's program (`_rk4_pairs_program`, every rk4
+launch where the head has 32 channels or more; TANDEM_RK4_PAIRS=0 gives the
+channel-order tiles of `_load_kv` back) keeps even and odd channels apart
+as rk4p's below: q, K, V and the output as pairs of [.., D / 2] tiles,
+scores q_even . k_even + q_odd . k_odd, each nibble a tile.
+
+No code becomes fp32 through an int-to-float conversion on those paths:
+I2F runs at 1/8 of FADD's rate on sm_90, and the decode tiles converted
+every K and V element. The float with bits 0x4B0000bb is 2**23 + b, so a
+byte placed under that exponent (one PRMT, `_nibble_values`,
+`_int8_values`) and one FADD give the code exactly; int8's codes take the
+same way (TANDEM_INT8_NO_I2F=0: I2F), with the same bits out.
 
 rk4p pages hold K before RoPE (per-channel codes per page) and rotated V;
 page ids >= num_pages name bf16 staging pages (open pages). A K or V byte
@@ -90,12 +102,14 @@ def rope_pad(rotary_dim: int) -> int:
 @triton.jit
 def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
              KV_HEADS: tl.constexpr, D: tl.constexpr, KIND: tl.constexpr,
-             SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr):
+             SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, INT8_NO_I2F: tl.constexpr,
+             COMPILED: tl.constexpr):
     """Dequantized [BLOCK_N, D_PAD] fp32 K or V rows of (slot, kv_head).
 
     Mirrors formats.py: int8 is code * fp16 scale per (token, head); rk4 byte i
     of a row holds channel 2i in its low nibble and 2i+1 in its high one, the
-    code is nibble - 8, with one scale per SCALE_BLOCK channels."""
+    code is nibble - 8, with one scale per SCALE_BLOCK channels (rk4's
+    default program reads them as channel pairs instead: _rk4_pairs_program)."""
     row = slot * KV_HEADS + kv_head  # int64 [BLOCK_N]
     mask = key_ok[:, None] & col_ok[None, :]
     if KIND == 0:
@@ -105,6 +119,8 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
     elif KIND == 2:
         codes = tl.load(codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
         scale = tl.load(scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+        if INT8_NO_I2F:
+            return _int8_values(codes, COMPILED) * scale[:, None]
         return codes.to(tl.float32) * scale[:, None]
     else:
         # each byte loaded once, split into its two nibbles (interleaved back
@@ -118,16 +134,44 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
         packed = tl.load(codes_ptr + row[:, None] * (D // 2) + half[None, :],
                          mask=key_ok[:, None] & (half < D // 2)[None, :], other=0).to(tl.int32)
         codes = tl.interleave((packed & 0xF) - 8, (packed >> 4) - 8).to(tl.float32)
-        blocks = tl.arange(0, NB)
-        scale_at = scales_ptr + row[:, None] * (D // SCALE_BLOCK) + blocks[None, :]
-        block_ok = key_ok[:, None] & (blocks < D // SCALE_BLOCK)[None, :]
-        if E8M0:
-            scale = _e8m0_scale(tl.load(scale_at, mask=block_ok, other=127))
-        else:
-            scale = tl.load(scale_at, mask=block_ok, other=0.0).to(tl.float32)
+        scale = _block_scales(scales_ptr, row, key_ok, D, D_PAD, SCALE_BLOCK, E8M0)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NB, SCALE_BLOCK)),
                            (BLOCK_N, D_PAD))
         return codes * scale
+
+
+@triton.jit
+def _block_scales(scales_ptr, row, key_ok, D: tl.constexpr, D_PAD: tl.constexpr,
+                  SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr):
+    """fp32 [BLOCK_N, D_PAD / SCALE_BLOCK] scales of rows `row`, one per block
+    of SCALE_BLOCK channels: fp16, or E8M0 exponents (rk4's option). Masked
+    blocks read 0 either way (E8M0's bits 0 are +0.0), so their values are
+    finite and padded channels add nothing."""
+    blocks = tl.arange(0, D_PAD // SCALE_BLOCK)
+    at = scales_ptr + row[:, None] * (D // SCALE_BLOCK) + blocks[None, :]
+    ok = key_ok[:, None] & (blocks < D // SCALE_BLOCK)[None, :]
+    if E8M0:
+        return _e8m0_scale(tl.load(at, mask=ok, other=0))
+    return tl.load(at, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int8_values(codes, COMPILED: tl.constexpr):
+    """int8 codes as exact fp32 without int-to-float conversions (I2F runs at
+    1/8 of FADD's rate on sm_90): code ^ 0x80 is code + 128 as an unsigned
+    byte b, and the float with bits 0x4B0000bb is 2**23 + b, so one FADD
+    leaves the code. Compiled: one LOP3 per register of four codes flips
+    their sign bits, one PRMT per code sets the byte under the exponent
+    (as _nibble_values)."""
+    if COMPILED:
+        bits = tl.inline_asm_elementwise(
+            "{ .reg .b32 m, x; mov.b32 m, 0x4B000000; xor.b32 x, $4, 0x80808080; "
+            "prmt.b32 $0, x, m, 0x7440; prmt.b32 $1, x, m, 0x7441; "
+            "prmt.b32 $2, x, m, 0x7442; prmt.b32 $3, x, m, 0x7443; }",
+            "=r,=r,=r,=r,r", [codes], dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        bits = (codes.to(tl.int32) + 128) | 0x4B000000
+    return bits.to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
 
 
 @triton.jit
@@ -203,20 +247,19 @@ def _per_block(x, HALF_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _v_real_pairs(codes_ptr, scales_ptr, row, key_ok, D: tl.constexpr, D_PAD: tl.constexpr,
-                  SCALE_BLOCK: tl.constexpr, COMPILED: tl.constexpr):
-    """Dequantized rk4p V rows `row` at channel pairs [0, D_PAD / 2): (even,
-    odd), per-token codes (nibble - 8) with one fp16 scale per SCALE_BLOCK
-    channels, loaded once per (token, block) and broadcast; every product
-    and sum here is exact (4-bit codes times fp16 scales)."""
+def _block_scaled_pairs(codes_ptr, scales_ptr, row, key_ok, D: tl.constexpr,
+                        D_PAD: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+                        COMPILED: tl.constexpr):
+    """Dequantized rows `row` of per-token 4-bit codes (nibble - 8) with one
+    scale per SCALE_BLOCK channels (rk4's K and V, rk4p's V; E8M0: rk4's
+    exponent scales) at channel pairs [0, D_PAD / 2): (even, odd). Scales
+    load once per (token, block) and broadcast; every product and sum here
+    is exact (4-bit codes times fp16 or power-of-two scales)."""
     HALF_BLOCK: tl.constexpr = SCALE_BLOCK // 2
     pairs = tl.arange(0, D_PAD // 2)
     mask = key_ok[:, None] & (pairs < D // 2)[None, :]
     packed = tl.load(codes_ptr + row[:, None] * (D // 2) + pairs[None, :], mask=mask, other=0)
-    block = tl.arange(0, D_PAD // SCALE_BLOCK)
-    scale = tl.load(scales_ptr + row[:, None] * (D // SCALE_BLOCK) + block[None, :],
-                    mask=key_ok[:, None] & (block < D // SCALE_BLOCK)[None, :],
-                    other=0.0).to(tl.float32)
+    scale = _block_scales(scales_ptr, row, key_ok, D, D_PAD, SCALE_BLOCK, E8M0)
     low, high16 = _nibble_values(packed, 8, COMPILED)
     # odd: (16 high) * scale / 16 - 8 scale, one FFMA
     return (low * _per_block(scale, HALF_BLOCK),
@@ -257,16 +300,16 @@ def _load_rk4p_pairs(codes_ptr, scales_ptr, step_ptr, open_ptr, page, slot, stag
                                           pairs, mask, pairs_ok[None, :], KV_HEADS, D,
                                           ONE_PAGE, COMPILED)
             else:
-                even, odd = _v_real_pairs(codes_ptr, scales_ptr, row, key_ok, D, D_PAD,
-                                          SCALE_BLOCK, COMPILED)
+                even, odd = _block_scaled_pairs(codes_ptr, scales_ptr, row, key_ok, D, D_PAD,
+                                                SCALE_BLOCK, False, COMPILED)
     else:
         real_mask = (key_ok & ~staged)[:, None] & pairs_ok[None, :]
         if IS_K:
             even, odd = _k_real_pairs(codes_ptr, scales_ptr, step_ptr, page, row, kv_head, pairs,
                                       real_mask, real_mask, KV_HEADS, D, ONE_PAGE, COMPILED)
         else:
-            even, odd = _v_real_pairs(codes_ptr, scales_ptr, row, key_ok & ~staged, D, D_PAD,
-                                      SCALE_BLOCK, COMPILED)
+            even, odd = _block_scaled_pairs(codes_ptr, scales_ptr, row, key_ok & ~staged, D,
+                                            D_PAD, SCALE_BLOCK, False, COMPILED)
         exact_even, exact_odd = _staged_pairs(
             open_ptr, tl.where(staged, slot - first_staged, 0) * KV_HEADS + kv_head, pairs,
             (key_ok & staged)[:, None] & pairs_ok[None, :], D)
@@ -372,27 +415,73 @@ def _online_softmax(s, keys, key_ok, q_pos, m_i, l_i):
 
 
 @triton.jit
+def _key_slots(table, keys, key_ok, PAGE_SIZE: tl.constexpr):
+    """Cache slots of `keys` through the sequence's page table, per key (a
+    tile may span pages)."""
+    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+    return page * PAGE_SIZE + keys % PAGE_SIZE
+
+
+@triton.jit
 def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                  k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                  KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr):
+                 BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, INT8_NO_I2F: tl.constexpr,
+                 COMPILED: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) (< hi).
     DOT_BF16: q (already rounded), K, P and V enter the dots as bf16,
     which runs them at twice tf32's rate with half the shared memory; the
     accumulators and the softmax stay fp32."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
-    page = tl.load(table + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-    slot = page * PAGE_SIZE + keys % PAGE_SIZE
+    slot = _key_slots(table, keys, key_ok, PAGE_SIZE)
     k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
-                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0, INT8_NO_I2F, COMPILED)
     s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
     m_new, alpha, p, l_i = _online_softmax(s, keys, key_ok, q_pos, m_i, l_i)
     v = _load_kv(v_codes_ptr, v_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
-                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0)
+                 KV_HEADS, D, KIND, SCALE_BLOCK, E8M0, INT8_NO_I2F, COMPILED)
     acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, DOT_BF16), _dot_operand(v, DOT_BF16))
     return m_new, l_i, acc
+
+
+@triton.jit
+def _pair_scores(q_even, q_odd, k_even, k_odd, DOT_BF16: tl.constexpr):
+    """q . k over channel pairs: q_even . k_even + q_odd . k_odd, [ROWS, BLOCK_N]."""
+    s = tl.dot(q_even, tl.trans(_dot_operand(k_even, DOT_BF16)))
+    return tl.dot(q_odd, tl.trans(_dot_operand(k_odd, DOT_BF16)), s)
+
+
+@triton.jit
+def _accumulate_pairs(acc_even, acc_odd, alpha, p, v_even, v_odd, DOT_BF16: tl.constexpr):
+    """The online softmax's output update, acc * alpha + p . V, on even and
+    odd channels apart."""
+    p = _dot_operand(p, DOT_BF16)
+    return (acc_even * alpha[:, None] + tl.dot(p, _dot_operand(v_even, DOT_BF16)),
+            acc_odd * alpha[:, None] + tl.dot(p, _dot_operand(v_odd, DOT_BF16)))
+
+
+@triton.jit
+def _attend_rk4_tile(q_even, q_odd, q_pos, m_i, l_i, acc_even, acc_odd, start, hi, table,
+                     kv_head, k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                     KV_HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, COMPILED: tl.constexpr):
+    """_attend_tile over rk4 pages on even and odd channels: a byte's two
+    nibbles are a K or V element of each (_block_scaled_pairs), so neither
+    an int-to-float conversion nor an interleave back to channel order."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < hi
+    row = _key_slots(table, keys, key_ok, PAGE_SIZE) * KV_HEADS + kv_head
+    k_even, k_odd = _block_scaled_pairs(k_codes_ptr, k_scales_ptr, row, key_ok, D, D_PAD,
+                                        SCALE_BLOCK, E8M0, COMPILED)
+    s = _pair_scores(q_even, q_odd, k_even, k_odd, DOT_BF16)
+    m_new, alpha, p, l_i = _online_softmax(s, keys, key_ok, q_pos, m_i, l_i)
+    v_even, v_odd = _block_scaled_pairs(v_codes_ptr, v_scales_ptr, row, key_ok, D, D_PAD,
+                                        SCALE_BLOCK, E8M0, COMPILED)
+    acc_even, acc_odd = _accumulate_pairs(acc_even, acc_odd, alpha, p, v_even, v_odd, DOT_BF16)
+    return m_new, l_i, acc_even, acc_odd
 
 
 @triton.jit
@@ -436,8 +525,7 @@ def _attend_rk4p_tile(q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_
                                          slot, staged, first_staged, kv_head, pairs, key_ok,
                                          main_ok, KV_HEADS, D, 0, 0, True, ONE_PAGE,
                                          COMPILED)
-        s = tl.dot(q_even, tl.trans(_dot_operand(k_even, DOT_BF16)))
-        s = tl.dot(q_odd, tl.trans(_dot_operand(k_odd, DOT_BF16)), s)
+        s = _pair_scores(q_even, q_odd, k_even, k_odd, DOT_BF16)
     else:  # full rotary: no other channels
         s = tl.zeros([q_even.shape[0], BLOCK_N], tl.float32)
     if ROTARY_DIM > 0:
@@ -453,9 +541,7 @@ def _attend_rk4p_tile(q_even, q_odd, q1_even, q1_odd, q2_even, q2_odd, q_pos, m_
     v_even, v_odd = _load_rk4p_pairs(v_codes_ptr, v_scales_ptr, v_scales_ptr, v_open_ptr, page,
                                      slot, staged, first_staged, kv_head, pairs, key_ok, pairs_ok,
                                      KV_HEADS, D, D_PAD, SCALE_BLOCK, False, ONE_PAGE, COMPILED)
-    p = _dot_operand(p, DOT_BF16)
-    acc_even = acc_even * alpha[:, None] + tl.dot(p, _dot_operand(v_even, DOT_BF16))
-    acc_odd = acc_odd * alpha[:, None] + tl.dot(p, _dot_operand(v_odd, DOT_BF16))
+    acc_even, acc_odd = _accumulate_pairs(acc_even, acc_odd, alpha, p, v_even, v_odd, DOT_BF16)
     return m_new, l_i, acc_even, acc_odd
 
 
@@ -465,6 +551,14 @@ def _load_q(q_ptr, q_rows, cols, mask, qk_scale, D: tl.constexpr, Q_BF16: tl.con
     """Query channels `cols` of rows q_rows, scaled and as a dot operand."""
     q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :], mask, Q_BF16) * qk_scale
     return _dot_operand(q, DOT_BF16)
+
+
+@triton.jit
+def _load_q_pairs(q_ptr, q_rows, pairs, mask, qk_scale, D: tl.constexpr, Q_BF16: tl.constexpr,
+                  DOT_BF16: tl.constexpr):
+    """Query channels 2p and 2p + 1, p in `pairs`: (even, odd) dot operands."""
+    return (_load_q(q_ptr, q_rows, 2 * pairs, mask, qk_scale, D, Q_BF16, DOT_BF16),
+            _load_q(q_ptr, q_rows, 2 * pairs + 1, mask, qk_scale, D, Q_BF16, DOT_BF16))
 
 
 @triton.jit
@@ -504,6 +598,63 @@ def _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr,
 
 
 @triton.jit
+def _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row_ok, out_ptr,
+                  part_out_ptr, part_lse_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  OUT_BF16: tl.constexpr):
+    """A pairs program's end: the normalised output at channels 2p and
+    2p + 1, and the split's log-sum-exp."""
+    has_keys = l_i > 0.0
+    norm = tl.where(has_keys, l_i, 1.0)
+    _store_out(acc_even / norm[:, None], q_rows, split, 2 * pairs, q_mask, out_ptr, part_out_ptr,
+               D, NUM_SPLITS, OUT_BF16)
+    _store_out(acc_odd / norm[:, None], q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
+               part_out_ptr, D, NUM_SPLITS, OUT_BF16)
+    _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
+
+
+@triton.jit
+def _rk4_pairs_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row, split,
+                       table, kv_head, qk_scale, k_codes_ptr, k_scales_ptr, v_codes_ptr,
+                       v_scales_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                       Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, Q_BF16: tl.constexpr,
+                       OUT_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       NUM_SPLITS: tl.constexpr, FOR_LOOP: tl.constexpr,
+                       DOT_BF16: tl.constexpr):
+    """The kernel's program over rk4 pages with even and odd channels apart,
+    as _rk4p_program (no RoPE, no staging pages): q, K, V and the output as
+    two [.., D_PAD / 2] tiles each. A byte's nibbles become fp32 by bit
+    tricks (_nibble_values) where _load_kv's channel-order tile took an I2F
+    per element and an interleave of the nibble tiles."""
+    pairs = tl.arange(0, D_PAD // 2)
+    q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
+    q_mask = row_ok[:, None] & (pairs < D // 2)[None, :]
+    q_even, q_odd = _load_q_pairs(q_ptr, q_rows, pairs, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    lo, hi = _split_keys(n_new, kv_len, first_row, split, ROWS, GROUP, NUM_SPLITS, BLOCK_N)
+    m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc_even = tl.zeros([ROWS, D_PAD // 2], tl.float32)
+    acc_odd = tl.zeros([ROWS, D_PAD // 2], tl.float32)
+    if FOR_LOOP:  # as in the kernel
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc_even, acc_odd = _attend_rk4_tile(
+                q_even, q_odd, q_pos, m_i, l_i, acc_even, acc_odd, start, hi, table, kv_head,
+                k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr, KV_HEADS, D, D_PAD,
+                PAGE_SIZE, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16, FOR_LOOP)
+    else:
+        start = lo
+        while start < hi:
+            m_i, l_i, acc_even, acc_odd = _attend_rk4_tile(
+                q_even, q_odd, q_pos, m_i, l_i, acc_even, acc_odd, start, hi, table, kv_head,
+                k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr, KV_HEADS, D, D_PAD,
+                PAGE_SIZE, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16, FOR_LOOP)
+            start += BLOCK_N
+    _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row_ok, out_ptr,
+                  part_out_ptr, part_lse_ptr, D, NUM_SPLITS, OUT_BF16)
+
+
+@triton.jit
 def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row, split,
                   table, kv_head, qk_scale, k_codes_ptr, k_min_ptr, k_step_ptr, k_open_ptr,
                   v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
@@ -523,8 +674,7 @@ def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_
     pairs_ok = pairs < D // 2
     q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
     q_mask = row_ok[:, None] & pairs_ok[None, :]
-    q_even = _load_q(q_ptr, q_rows, 2 * pairs, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
-    q_odd = _load_q(q_ptr, q_rows, 2 * pairs + 1, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    q_even, q_odd = _load_q_pairs(q_ptr, q_rows, pairs, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
     half: tl.constexpr = ROTARY_DIM // 2
     i = tl.arange(0, ROPE_PAD)
     half_mask = row_ok[:, None] & (i < ROTARY_DIM // 4)[None, :]
@@ -557,13 +707,8 @@ def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_
                 KV_HEADS, D, D_PAD, PAGE_SIZE, SCALE_BLOCK, ROTARY_DIM, ROPE_PAD, BLOCK_N,
                 DOT_BF16, FOR_LOOP)
             start += BLOCK_N
-    has_keys = l_i > 0.0
-    norm = tl.where(has_keys, l_i, 1.0)
-    _store_out(acc_even / norm[:, None], q_rows, split, 2 * pairs, q_mask, out_ptr, part_out_ptr,
-               D, NUM_SPLITS, OUT_BF16)
-    _store_out(acc_odd / norm[:, None], q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
-               part_out_ptr, D, NUM_SPLITS, OUT_BF16)
-    _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
+    _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row_ok, out_ptr,
+                  part_out_ptr, part_lse_ptr, D, NUM_SPLITS, OUT_BF16)
 
 
 @triton.jit(do_not_specialize=("page_table_stride", "first_staged"))
@@ -578,7 +723,8 @@ def _paged_attention_kernel(
         ROTARY_DIM: tl.constexpr, ROPE_PAD: tl.constexpr,
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr, PDL: tl.constexpr):
+        FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr, RK4_PAIRS: tl.constexpr,
+        INT8_NO_I2F: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row_block = tl.program_id(0)
     seq = tl.program_id(1) // KV_HEADS
@@ -594,14 +740,22 @@ def _paged_attention_kernel(
     token = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     q_pos = kv_len - n_new + token  # each query sees keys [0, q_pos]
+    table = page_table_ptr + seq.to(tl.int64) * page_table_stride
     if KIND == 4:
         _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row, split,
-                      page_table_ptr + seq.to(tl.int64) * page_table_stride, kv_head, qk_scale,
+                      table, kv_head, qk_scale,
                       k_codes_ptr, k_scales_ptr, k_step_ptr, k_open_ptr,
                       v_codes_ptr, v_scales_ptr, v_open_ptr, inv_freq_ptr, first_staged,
                       out_ptr, part_out_ptr, part_lse_ptr, Q_HEADS, KV_HEADS, GROUP, D, D_PAD,
                       PAGE_SIZE, SCALE_BLOCK, ROTARY_DIM, ROPE_PAD, Q_BF16, OUT_BF16, ROWS,
                       BLOCK_N, NUM_SPLITS, FOR_LOOP, DOT_BF16)
+        return
+    if KIND == 3 and RK4_PAIRS:
+        _rk4_pairs_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row,
+                           split, table, kv_head, qk_scale, k_codes_ptr, k_scales_ptr,
+                           v_codes_ptr, v_scales_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                           Q_HEADS, KV_HEADS, GROUP, D, D_PAD, PAGE_SIZE, SCALE_BLOCK, E8M0,
+                           Q_BF16, OUT_BF16, ROWS, BLOCK_N, NUM_SPLITS, FOR_LOOP, DOT_BF16)
         return
 
     cols = tl.arange(0, D_PAD)
@@ -613,20 +767,21 @@ def _paged_attention_kernel(
     m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
-    table = page_table_ptr + seq.to(tl.int64) * page_table_stride
     if FOR_LOOP:  # compiled: a for loop, which Triton software-pipelines
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16,
+                INT8_NO_I2F, FOR_LOOP)
     else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
         start = lo
         while start < hi:
             m_i, l_i, acc = _attend_tile(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
-                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16)
+                KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16,
+                INT8_NO_I2F, FOR_LOOP)
             start += BLOCK_N
 
     has_keys = l_i > 0.0
@@ -661,6 +816,19 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, n_rows,
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def program_switches(kind: int, head_dim: int) -> dict[str, bool]:
+    """The kernel's A/B constexprs, from the environment at launch
+    (attention.rk4_pairs, attention.int8_no_i2f): RK4_PAIRS, rk4's program
+    on channel pairs, where its pair tiles are as wide as tl.dot's 16;
+    INT8_NO_I2F, int8 codes to fp32 by bit tricks. Off for other formats,
+    so they compile one variant whatever the switches say."""
+    from engine.kv.attention import int8_no_i2f, rk4_pairs
+
+    pairs, no_i2f = rk4_pairs(), int8_no_i2f()  # both read: a mistyped value fails anywhere
+    return dict(RK4_PAIRS=kind == RK4 and pairs and triton.next_power_of_2(head_dim) >= 32,
+                INT8_NO_I2F=kind == INT8 and no_i2f)
 
 
 def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: torch.Tensor,
@@ -705,8 +873,8 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         ROTARY_DIM=rotary_dim, ROPE_PAD=rope_pad(rotary_dim),
         Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         FOR_LOOP=not _interpreting(),
-        DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0, **extra,
-        **pdl_launch(q.device))
+        DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0,
+        **program_switches(kind, head_dim), **extra, **pdl_launch(q.device))
     if num_splits > 1:
         _combine_splits_kernel[(tokens * q_heads,)](
             part_out, part_lse, out_arg, tokens * q_heads, D=head_dim, D_PAD=d_pad,
