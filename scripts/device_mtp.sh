@@ -51,7 +51,7 @@ for budget in ${BUDGETS:-$BUDGET}; do
     --varied "${VARIED:-0}" $([ -n "${MAX_PROMPTS:-}" ] && echo --max-prompts "$MAX_PROMPTS") \
     --out "$OUT/head_$budget.safetensors" 2>&1 | grep -v "^train-mtp: step" \
     | tee "$OUT/train_$budget.log" | tail -6
-  len=$(grep -o "in the speculative loop [0-9.]*" "$OUT/train_$budget.log" | awk '{print $NF}')
+  len=$(grep -o "in the speculative loop [0-9.]*" "$OUT/train_$budget.log" | tail -1 | awk '{print $NF}')
   if [ -n "$len" ] && awk "BEGIN{exit !($len > $best_len)}"; then best=$budget; best_len=$len; fi
 done
 echo "chosen: the ${best}s head (held-out loop length $best_len)"

@@ -598,6 +598,14 @@ def _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr,
 
 
 @triton.jit
+def _no_keys_yet_pairs(ROWS: tl.constexpr, D_PAD: tl.constexpr):
+    """A pairs program's online-softmax state before its first key tile:
+    (running max, running sum, even and odd accumulators)."""
+    return (tl.full([ROWS], _NEG_BIG, tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.zeros([ROWS, D_PAD // 2], tl.float32), tl.zeros([ROWS, D_PAD // 2], tl.float32))
+
+
+@triton.jit
 def _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row_ok, out_ptr,
                   part_out_ptr, part_lse_ptr, D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   OUT_BF16: tl.constexpr):
@@ -632,10 +640,7 @@ def _rk4_pairs_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, f
     q_mask = row_ok[:, None] & (pairs < D // 2)[None, :]
     q_even, q_odd = _load_q_pairs(q_ptr, q_rows, pairs, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
     lo, hi = _split_keys(n_new, kv_len, first_row, split, ROWS, GROUP, NUM_SPLITS, BLOCK_N)
-    m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc_even = tl.zeros([ROWS, D_PAD // 2], tl.float32)
-    acc_odd = tl.zeros([ROWS, D_PAD // 2], tl.float32)
+    m_i, l_i, acc_even, acc_odd = _no_keys_yet_pairs(ROWS, D_PAD)
     if FOR_LOOP:  # as in the kernel
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc_even, acc_odd = _attend_rk4_tile(
@@ -683,10 +688,7 @@ def _rk4p_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_
     q2_even = _load_q(q_ptr, q_rows, half + 2 * i, half_mask, qk_scale, D, Q_BF16, DOT_BF16)
     q2_odd = _load_q(q_ptr, q_rows, half + 2 * i + 1, half_mask, qk_scale, D, Q_BF16, DOT_BF16)
     lo, hi = _split_keys(n_new, kv_len, first_row, split, ROWS, GROUP, NUM_SPLITS, BLOCK_N)
-    m_i = tl.full([ROWS], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([ROWS], tl.float32)
-    acc_even = tl.zeros([ROWS, D_PAD // 2], tl.float32)
-    acc_odd = tl.zeros([ROWS, D_PAD // 2], tl.float32)
+    m_i, l_i, acc_even, acc_odd = _no_keys_yet_pairs(ROWS, D_PAD)
     if FOR_LOOP:  # as in the kernel
         for start in range(lo, hi, BLOCK_N):
             m_i, l_i, acc_even, acc_odd = _attend_rk4p_tile(
