@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
@@ -555,6 +556,25 @@ def test_rk4_pair_decode_tiles_take_one_stage(monkeypatch):
     monkeypatch.setenv("TANDEM_RK4_PAIRS", "0")
     tiles = tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
     assert (tiles.num_warps, tiles.num_stages) == (4, None)
+
+
+def test_decode_stages_override_changes_decode_tiles_only(monkeypatch):
+    """TANDEM_DECODE_STAGES, the int8 one-stage A/B: decode tiles take it,
+    verify and prefill tiles keep theirs, and a bad value names the choices."""
+    from engine.kv.attention import tiles_for
+
+    fmt = make_format("int8")
+    monkeypatch.delenv("TANDEM_DECODE_STAGES", raising=False)
+    default = tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
+    verify = tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4)
+    assert default.num_stages is None
+    monkeypatch.setenv("TANDEM_DECODE_STAGES", "1")
+    assert tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt) == \
+        dataclasses.replace(default, num_stages=1)
+    assert tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4) == verify
+    monkeypatch.setenv("TANDEM_DECODE_STAGES", "8")
+    with pytest.raises(ValueError, match="TANDEM_DECODE_STAGES='8': give 1, 2, 3 or 4"):
+        tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
 
 
 if importlib.util.find_spec("triton") is not None:

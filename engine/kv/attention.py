@@ -177,6 +177,23 @@ def decode_block_n(default: int) -> int:
     return int(wanted)
 
 
+DECODE_STAGES_ENV = "TANDEM_DECODE_STAGES"
+
+
+def decode_stages(default: int | None) -> int | None:
+    """Pipeline stages of decode's attention tiles: `default` (None: Triton's),
+    or the A/B override TANDEM_DECODE_STAGES (1 to 4). Stages reorder loads,
+    not sums, so verify tiles need not follow. On the H200 (12-03 08:24) int8's
+    decode attention alone ran 0.266-0.274 ms a 128K layer on one stage
+    against 0.304-0.308 on Triton's default: a whole-step A/B is to decide."""
+    wanted = os.environ.get(DECODE_STAGES_ENV, "")
+    if not wanted:
+        return default
+    if wanted not in ("1", "2", "3", "4"):
+        raise ValueError(f"{DECODE_STAGES_ENV}={wanted!r}: give 1, 2, 3 or 4")
+    return int(wanted)
+
+
 DECODE_DOT_BF16_ENV = "TANDEM_DECODE_DOT_BF16"
 
 
@@ -262,7 +279,7 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
             # the channel-order tiles' 2,152 (no I2F among them)
             stages = 1
         return Tiles(rows=rows, block_n=_decode_keys(block_n, rk4p_wide), num_warps=warps,
-                     num_stages=stages, dot_bf16=dot_bf16)
+                     num_stages=decode_stages(stages), dot_bf16=dot_bf16)
     chunk = new_tokens > PREFILL_DOT_BF16_FROM
     if chunk and q_dtype == torch.bfloat16 and not rk4p_wide:
         # bench.attention on the H200 (27B shape, 4K new over 32K, 2026-12-01):
