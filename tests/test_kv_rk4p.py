@@ -42,6 +42,14 @@ def _poisoned(fmt, pages: int, staging: int, heads: int, dim: int):
     return buffers
 
 
+@pytest.fixture
+def reference_rotation(monkeypatch):
+    """The Triton write rotating V by the reference's matmul by R: bit for bit
+    needs it, as the Hadamard kernel agrees with the matmul to fp32 rounding
+    only (tests/test_hadamard.py holds it to that)."""
+    monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")
+
+
 def _same_bits(a: dict, b: dict) -> None:
     for name in a:
         x, y = a[name], b[name]
@@ -121,10 +129,7 @@ def test_rk4p_bits_and_budget():
 
 
 @pytest.mark.parametrize("heads,dim", [(2, 64), (1, 128)])
-def test_write_kernel_matches_reference_bit_for_bit(heads, dim, monkeypatch):
-    # bit for bit needs the reference's rotation: the Hadamard kernel agrees
-    # with the matmul by R to fp32 rounding only (tests/test_hadamard.py)
-    monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")
+def test_write_kernel_matches_reference_bit_for_bit(heads, dim, reference_rotation):
     fmt = make_format("rk4p", use_triton=False)
     k = _k_like(2 * PAGE + 7, heads, dim, seed=1)
     v = torch.randn(2 * PAGE + 7, heads, dim)
@@ -142,7 +147,7 @@ def test_write_kernel_matches_reference_bit_for_bit(heads, dim, monkeypatch):
     assert torch.isnan(expected["k_min"][[1, 3]]).all()  # never written
 
 
-def test_seal_kernel_matches_reference_and_reads_back():
+def test_seal_kernel_matches_reference_and_reads_back(reference_rotation):
     fmt = make_format("rk4p")
     heads, dim = 2, 64
     k = _k_like(PAGE, heads, dim, seed=2).to(DEVICE)
