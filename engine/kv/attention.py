@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from engine.gpu_facts import multiprocessors
 from engine.kv.formats import (Bf16Format, Int8Format, KVFormat, PagedRk4Format,
                                RotatedInt4Format)
-from engine.switches import on_off
+from engine.switches import on_off, one_of
 from engine.uploads import upload
 
 
@@ -169,12 +169,7 @@ def decode_block_n(default: int) -> int:
     """Keys per step of decode's attention tiles: `default`, or the A/B
     override TANDEM_DECODE_BLOCK_N (16, 32, 64 or 128), the A/B switch of
     bench.decode and of the GPU parity tests."""
-    wanted = os.environ.get(DECODE_BLOCK_N_ENV, "")
-    if not wanted:
-        return default
-    if wanted not in ("16", "32", "64", "128"):
-        raise ValueError(f"{DECODE_BLOCK_N_ENV}={wanted!r}: give 16, 32, 64 or 128")
-    return int(wanted)
+    return one_of(DECODE_BLOCK_N_ENV, default, (16, 32, 64, 128))
 
 
 DECODE_STAGES_ENV = "TANDEM_DECODE_STAGES"
@@ -186,12 +181,7 @@ def decode_stages(default: int | None) -> int | None:
     not sums, so verify tiles need not follow. On the H200 (12-03 08:24) int8's
     decode attention alone ran 0.266-0.274 ms a 128K layer on one stage
     against 0.304-0.308 on Triton's default: a whole-step A/B is to decide."""
-    wanted = os.environ.get(DECODE_STAGES_ENV, "")
-    if not wanted:
-        return default
-    if wanted not in ("1", "2", "3", "4"):
-        raise ValueError(f"{DECODE_STAGES_ENV}={wanted!r}: give 1, 2, 3 or 4")
-    return int(wanted)
+    return one_of(DECODE_STAGES_ENV, default, (1, 2, 3, 4))
 
 
 DECODE_DOT_BF16_ENV = "TANDEM_DECODE_DOT_BF16"
