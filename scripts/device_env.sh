@@ -17,8 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 
 step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its tail
   # (STEP_SIGNAL=ABRT: a Python that hangs dumps its threads through faulthandler)
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 began=$SECONDS; shift 2
   echo "=== $name (limit ${limit}s)"
   timeout -s "${STEP_SIGNAL:-TERM}" "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  tail -n "${STEP_TAIL:-14}" "$OUT/$name.log"; echo "=== $name rc=$rc"
+  tail -n "${STEP_TAIL:-14}" "$OUT/$name.log"; echo "=== $name rc=$rc $((SECONDS - began))s"
 }

@@ -5,8 +5,8 @@ import torch
 
 from bench.speculative import CHAT, CODE
 from engine.loader import load_model
-from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, extract_question, question_requests,
-                                        training_prompts, varied_prompts)
+from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, extract_question,
+                                        question_requests, training_prompts, varied_prompts)
 from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
                                       generate_corpus, head_forward, init_head, make_examples,
                                       pack_examples, pairs_at_depth, train_head)
@@ -23,6 +23,19 @@ def test_dev_prompts_are_held_out_too():
     assert len(dev) == 36 and not dev & set(CHAT + CODE) and not dev & set(training_prompts())
 
 
+def test_natural_requests_avoid_the_dev_sets_subjects():
+    """The dev set stands in for the benchmark when recipes are compared: the
+    hand-written chat requests stay off its subjects (a word check; VARIED_TOPICS
+    predates the dev set and touches a few)."""
+    import re
+
+    for word in ("refrigerator", "hiking", "sky", "sleep", "climate", "robots?", "bees?", "honey",
+                 "studying", "salty", "thunder", "deserts?", "day off", "from home", "apartment",
+                 "blacksmith", "purr", "soup", "friendship", "good friend", "vaccines?",
+                 "credit card", "stress", "train station", "roots", "adopt"):
+        assert not [p for p in NATURAL_CHAT if re.search(rf"\b{word}\b", p.lower())], word
+
+
 def test_varied_prompts_are_distinct_seeded_mixed_and_never_a_benchmark_prompt():
     every = varied_prompts(100_000)
     assert len(set(every)) == len(every) > 2000
@@ -33,6 +46,8 @@ def test_varied_prompts_are_distinct_seeded_mixed_and_never_a_benchmark_prompt()
                  "fibonacci", "stack", "debounce", "longest line", "buffer", "first letter"):
         assert not [p for p in every if word in p.lower()], word
     assert not set(every) & set(DEV_CHAT + DEV_CODE)
+    # the natural requests are all there, some in the tail train-mtp holds out
+    assert set(NATURAL_CHAT) <= set(every) and set(NATURAL_CHAT) & set(every[-len(every) // 10:])
     first = varied_prompts(200)
     assert first == every[:200] == varied_prompts(200, seed=0) != varied_prompts(200, seed=1)
     code = sum(("function" in p or "class" in p or " code " in p) for p in first)
@@ -53,6 +68,31 @@ def corpus(tiny, tmp_path_factory):
     assert (again.samples, again.prompt_lengths, again.greedy) == \
         (made.samples, made.prompt_lengths, made.greedy)
     return made
+
+
+def test_a_corpus_file_is_a_cache_that_only_answers_new_prompts(tiny, corpus, tmp_path,
+                                                               monkeypatch):
+    """More prompts over a saved corpus: only their samples are generated, the
+    old ones are read back unchanged, and fewer prompts take a subset while
+    the file keeps everything it ever held."""
+    import engine.speculative.train as train
+
+    path = tmp_path / "corpus.pt"
+    Corpus(corpus.samples[:20], corpus.prompt_lengths[:20], corpus.greedy[:20]).save(str(path))
+    asked = []
+    real = train._generated
+    monkeypatch.setattr(train, "_generated",
+                        lambda engine, prompts, params: asked.append(len(prompts))
+                        or real(engine, prompts, params))
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=12, corpus_path=str(path))
+    grown = generate_corpus(tiny, cfg)
+    assert asked == [4]  # prompts 11 and 12, two samples each
+    assert grown.samples[:20] == corpus.samples[:20] and grown.greedy == [True, False] * 12
+    assert len(Corpus.load(str(path)).samples) == 24
+    fewer = generate_corpus(tiny, TrainConfig(samples_per_prompt=1, new_tokens=12, max_prompts=10,
+                                              corpus_path=str(path)))
+    assert asked == [4] and fewer.samples == corpus.samples[:20:2] and all(fewer.greedy)
+    assert len(Corpus.load(str(path)).samples) == 24
 
 
 def test_corpus_is_prompt_plus_answer_with_one_greedy_sample_per_prompt(corpus):
