@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Next GPU session, first call (~9 min; carry .whl). After 2026-12-03 08:46:
+# Ran 2026-12-03 11:12 (217 s; BENCHMARKS.md, "MTP heads on 492 natural chat requests").
+# Next GPU session, first call (~4 min; carry .whl). After 2026-12-03 08:46:
 #  1. the rest of the I2F-free paths' GPU tests: 08:45 stopped at
 #     test_rk4_pairs_and_int8_without_i2f_match_reference_and_the_old_path's
 #     fp32 old-against-new check (tf32 rounding; the check now allows 2^-10 on a

@@ -100,7 +100,8 @@ def _add_train_mtp(sub) -> None:
     p.add_argument("--max-prompts", type=int, default=None,
                    help="use only the first N built-in prompts (default: all)")
     p.add_argument("--corpus", default=None,
-                   help="file of generated samples: read when it exists, else written")
+                   help="file of generated samples, a cache keyed by prompt: the answers it "
+                        "holds are reused, missing ones generated and added")
     p.add_argument("--self-instruct", type=int, default=0, metavar="N",
                    help="also answer N questions the model writes itself (varied phrasing)")
     p.add_argument("--varied", type=int, default=0, metavar="N",

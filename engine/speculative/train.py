@@ -58,7 +58,7 @@ class TrainConfig:
     seed: int = 0
     max_batch: int = 16
     max_prompts: int | None = None  # None: every prompt of prompts.py
-    corpus_path: str | None = None  # read if it exists, else written after generation
+    corpus_path: str | None = None  # a cache of answers by prompt (generate_corpus)
     max_steps: int | None = None  # stop early (tests); the time budget still applies
     # questions the model writes itself (prompts.question_requests), answered
     # beside the built-in prompts: phrasing the fixed templates do not have
