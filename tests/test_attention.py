@@ -577,6 +577,34 @@ def test_decode_stages_override_changes_decode_tiles_only(monkeypatch):
         tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt)
 
 
+def test_prefill_block_n_override_changes_bf16_prefill_tiles_only(monkeypatch):
+    """TANDEM_PREFILL_BLOCK_N, the agent loop's tile A/B: bf16 prefill chunks
+    take it; decode, verify and fp32 chunks keep theirs."""
+    from engine.kv.attention import tiles_for
+
+    fmt = make_format("rk4")
+    monkeypatch.delenv("TANDEM_PREFILL_BLOCK_N", raising=False)
+
+    def every_tile():
+        return [tiles_for(256, 6, decode=True, on_gpu=True, fmt=fmt),
+                tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=4),
+                tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=1100,
+                          q_dtype=torch.float32)]
+
+    others = every_tile()
+    chunk = tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=1100,
+                      q_dtype=torch.bfloat16)
+    assert chunk.rows == 128 and chunk.block_n == 64
+    monkeypatch.setenv("TANDEM_PREFILL_BLOCK_N", "32")
+    assert tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=1100,
+                     q_dtype=torch.bfloat16) == dataclasses.replace(chunk, block_n=32)
+    assert every_tile() == others
+    monkeypatch.setenv("TANDEM_PREFILL_BLOCK_N", "48")
+    with pytest.raises(ValueError, match="TANDEM_PREFILL_BLOCK_N='48': give 32 or 64"):
+        tiles_for(256, 6, decode=False, on_gpu=True, fmt=fmt, new_tokens=1100,
+                  q_dtype=torch.bfloat16)
+
+
 if importlib.util.find_spec("triton") is not None:
     import triton  # noqa: E402
     import triton.language as tl  # noqa: E402

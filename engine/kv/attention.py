@@ -184,6 +184,19 @@ def decode_stages(default: int | None) -> int | None:
     return one_of(DECODE_STAGES_ENV, default, (1, 2, 3, 4))
 
 
+PREFILL_BLOCK_N_ENV = "TANDEM_PREFILL_BLOCK_N"
+
+
+def prefill_block_n(default: int) -> int:
+    """Keys per step of a bf16 prefill chunk's 128-row tiles: `default`, or
+    the A/B override TANDEM_PREFILL_BLOCK_N (32 or 64). At head_dim 256
+    the 128 x 64 tile's fp32 accumulator fills the registers: its static
+    sm_90 build keeps 16 B of stack over rk4 pages and 192 B over int8, the
+    128 x 32 tile none and 80 B (BENCHMARKS.md, 2026-12-03 12:20); which is
+    faster at the agent loop's shape (1.1K new over 100K) is for the GPU."""
+    return one_of(PREFILL_BLOCK_N_ENV, default, (32, 64))
+
+
 DECODE_DOT_BF16_ENV = "TANDEM_DECODE_DOT_BF16"
 
 
@@ -275,7 +288,7 @@ def tiles_for(head_dim: int, group: int, decode: bool, on_gpu: bool,
         # bench.attention on the H200 (27B shape, 4K new over 32K, 2026-12-01):
         # bf16 dots at 128 x 64 tiles ran 4.1x (int8 pages) and 8.3x (bf16)
         # faster than fp32 dots at 64 x 32, at 216 / 276 TFLOP/s (SDPA: 318)
-        return Tiles(rows=128, block_n=64, num_warps=8, dot_bf16=True)
+        return Tiles(rows=128, block_n=prefill_block_n(64), num_warps=8, dot_bf16=True)
     if not chunk:  # a verify batch walks the keys in decode's steps (the same sums)
         return Tiles(rows=VERIFY_ROWS, block_n=_decode_keys(block_n, rk4p_wide),
                      num_warps=VERIFY_WARPS, num_stages=stages, dot_bf16=decode_dot_bf16())
