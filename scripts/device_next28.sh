@@ -10,19 +10,21 @@
 #   bf16 workspace's 64K bound runs: the default service, the 24 GiB plan) and
 #   over bf16 (the workspace), today's tiles (4: 128 x 64, 8 warps) against
 #   128 x 32 (3; static sm_90 build: rk4 no stack and int8 80 B, where 128 x 64
-#   has rk4 16 B and int8 192 B, 4 and 49 spill stores a tile); then the 32K
+#   has rk4 16 B and int8 192 B, 4 and 49 spill stores a tile) and 64 x 64 on
+#   8 warps (12: no stack for either, but half the rows share each K/V tile's
+#   dequantization); then the 32K
 #   prefill's MFU with rk4 (57% on 12-02) on 128 x 64 and on
 #   TANDEM_PREFILL_BLOCK_N=32.
-# Call 2: the agent loop with int8 and then rk4 KV on one host: rk4's turns
-#   rose from 0.26-0.30 s at 81-88K to 0.38-0.41 s at 98-101K (12-03 11:16),
-#   int8's were flat at ~0.30 (12-02 14:15, another host).
+# Call 2: the agent loop with int8 and then rk4 KV on one host: 7 of rk4's 19
+#   turns spiked to 0.32-0.41 s, the rest 0.26-0.30 s (12-03 11:16; int8 on
+#   12-02 14:15, another host: median 0.299, p90 0.365 s).
 set -uo pipefail
 M=qwen3.5-27b
 source scripts/device_env.sh
 case "${1:?call 1 or 2}" in
   1)
     STEP_TAIL=40 step prefill_attention 300 python3 -m bench.attention --context 100352 \
-      --new 1100 --kv-format rk4 int8 bf16 --candidates 3 4 --splits 1 8 --repeats 3
+      --new 1100 --kv-format rk4 int8 bf16 --candidates 3 4 12 --splits 1 8 --repeats 3
     for bn in 64 32; do
       STEP_TAIL=8 step prefill_rk4_bn$bn 120 env TANDEM_PREFILL_BLOCK_N=$bn python3 -m \
         bench.prefill --model $M --device cuda --kv-format rk4 --tokens 32768 --chunk 4096 --repeats 1
