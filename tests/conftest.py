@@ -119,3 +119,11 @@ def tiny_hf_dir(tmp_path_factory):
         return made[family]
 
     return make
+
+
+@pytest.fixture
+def reference_rotation(monkeypatch):
+    """Triton K/V writes rotating by the reference's matmul by R: bit-for-bit
+    write tests need it, as the Hadamard kernel agrees with the matmul to
+    fp32 rounding only (tests/test_hadamard.py holds it to that)."""
+    monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")

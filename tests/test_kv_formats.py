@@ -167,10 +167,8 @@ def tokens_with_edge_cases(tokens, heads, head_dim, seed):
 
 @needs_triton
 @pytest.mark.parametrize("name, options, head_dim", TRITON_CASES, ids=CASE_IDS)
-def test_triton_write_is_bit_identical_to_reference(name, options, head_dim, monkeypatch):
-    # bit for bit needs the reference's rotation (the matmul by R): the
-    # Hadamard kernel agrees with it to fp32 rounding only (test_hadamard.py)
-    monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")
+def test_triton_write_is_bit_identical_to_reference(name, options, head_dim,
+                                                    reference_rotation):
     fmt = make_format(name, **options)
     num_pages, page_size, heads, tokens = 12, 8, 2, 37
     k = tokens_with_edge_cases(tokens, heads, head_dim, seed=5)

@@ -42,14 +42,6 @@ def _poisoned(fmt, pages: int, staging: int, heads: int, dim: int):
     return buffers
 
 
-@pytest.fixture
-def reference_rotation(monkeypatch):
-    """The Triton write rotating V by the reference's matmul by R: bit for bit
-    needs it, as the Hadamard kernel agrees with the matmul to fp32 rounding
-    only (tests/test_hadamard.py holds it to that)."""
-    monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")
-
-
 def _same_bits(a: dict, b: dict) -> None:
     for name in a:
         x, y = a[name], b[name]

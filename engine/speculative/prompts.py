@@ -1301,6 +1301,7 @@ def varied_prompts(count: int, seed: int = 0) -> list[str]:
     """`count` distinct prompts drawn (seeded) from every topic x template,
     the standalone and natural requests, and the code tasks x languages x phrasings;
     about 60% chat, 40% code, interleaved. Never a benchmark or dev prompt."""
+    import itertools
     import random
 
     rng = random.Random(seed)
@@ -1320,9 +1321,10 @@ def varied_prompts(count: int, seed: int = 0) -> list[str]:
     mixed: list[str] = []
     codes = iter(code)
     for i, prompt in enumerate(chat):
-        mixed += [prompt] + ([next(codes, None)] if i % 5 != 4 else [])
+        mixed.append(prompt)
+        if i % 5 != 4:
+            mixed += itertools.islice(codes, 1)  # none once the code prompts run out
     mixed += codes
-    mixed = [p for p in mixed if p is not None]
     out = [p for p in dict.fromkeys(mixed) if p not in held_out]
     return out[:count]
 
