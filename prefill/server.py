@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import grpc
@@ -23,7 +23,7 @@ import grpc
 from engine.compiles import CompileWatch, describe, watch_compiles
 from engine.cuda_context import ReserveWatch
 from engine.errors import InvalidRequestError, TandemError
-from engine.profiling import profiled
+from engine.profiling import Timeline, profiled
 from engine.streams import WorkerStream, yield_to_decode
 from kvstore.client import StoreClient, wait_for_store
 from prefill.runner import PrefillJob, run_prefill
@@ -123,9 +123,11 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                     # layer by layer: each KV write's finished pages leave at once
                     self.store.cache.kv_written = out.layer_written if out else None
                     started = time.perf_counter()
-                    with self._profiled(job, started - arrived):
+                    with self._profiled(job, started - arrived) as timeline:
+                        steps = between_chunks if timeline is None else \
+                            timeline.marking(between_chunks)
                         result = run_prefill(self.store.model, self.store.cache, job, self.chunk,
-                                             between_chunks, out.chunk_starts if out else None,
+                                             steps, out.chunk_starts if out else None,
                                              open_pages)
                     self._report_compiles(job, time.perf_counter() - started)
                     self.reserve.check(f"the prefill of {job.request_id}")
@@ -163,21 +165,30 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                   open_held=held)
 
     @contextmanager
-    def _profiled(self, job: PrefillJob, waited: float) -> Iterator[None]:
-        """With profiling on, logs where the request's prefill went: wall time,
-        kernels (CPU: aten ops) by kind, and what came before it (parsing,
-        queueing behind another prefill)."""
+    def _profiled(self, job: PrefillJob, waited: float) -> Iterator[Timeline | None]:
+        """With profiling on, logs where each request's prefill went: its
+        chunks' wall times, the garbage collector's pauses and the SM clock
+        (engine.profiling.Timeline) for every request, and for every n-th
+        the kernels (CPU: aten ops) by kind under torch.profiler, which slows
+        that request; and what came before (parsing, queueing behind another
+        prefill)."""
         self.requests += 1
-        if not self.profile_every or self.requests % self.profile_every:
-            yield
+        if not self.profile_every:
+            yield None
             return
-        with profiled(self.store.cache.device) as profile:
-            yield
+        deep = self.requests % self.profile_every == 0
+        device = self.store.cache.device
+        with Timeline(device) as timeline, \
+                (profiled(device) if deep else nullcontext()) as profile:
+            yield timeline
 
         def report() -> None:
-            log(PROCESS, f"request {job.request_id} ({len(job.tokens) - job.start} new tokens "
-                         f"after {job.start}): {1e3 * waited:.1f} ms from arrival to its "
-                         f"prefill; prefill {profile.describe()}")
+            line = (f"request {job.request_id} ({len(job.tokens) - job.start} new tokens after "
+                    f"{job.start}): {1e3 * waited:.1f} ms from arrival to its prefill; prefill "
+                    f"{timeline.describe()}")
+            if profile is not None:
+                line += f"; profiled: {profile.describe()}"
+            log(PROCESS, line)
         # reading the trace takes longer than a turn's prefill on the 27B: it
         # runs on the worker's thread after this request, not before its reply
         self.gpu.submit(report)

@@ -16,4 +16,4 @@ STEP_TAIL=30 step agent_loop ${AGENT_LIMIT:-330} env ${WS:+TANDEM_PREFILL_WORKSP
   --kv-format ${KV:-int8} --gpu-memory-budget 130GiB --max-context-tokens 131072 --prefill-chunk 4096 \
   --turns 20 --first-turn-tokens 80000 --new-tokens 1024 --output-tokens 16 \
   --json "$OUT/agent_loop.json"
-grep -h "waited for\|warmed up\|warm-up\|from arrival" "$OUT/agent_loop.log" | cut -c1-600 | head -30
+grep -h "waited for\|warmed up\|warm-up\|from arrival\|garbage collection" "$OUT/agent_loop.log" | cut -c1-400 | head -40

@@ -2,12 +2,14 @@
 CPU: wall time against the aten ops' own time, ops sorted into kinds."""
 from __future__ import annotations
 
+import gc
+import re
 import time
 
 import pytest
 import torch
 
-from engine.profiling import Profile, by_kind, kind_of, profiled
+from engine.profiling import Profile, Timeline, by_kind, kind_of, profiled
 from kvstore.client import StoreClient
 from prefill.runner import PrefillJob, run_prefill
 from prefill.server import PrefillService, parser
@@ -49,6 +51,25 @@ def test_kinds_of_kernel_and_op_names():
     assert kinds["gemm (cuBLAS)"] == [3, 40.0]
 
 
+def test_a_timeline_times_its_steps_and_the_collections_inside_them():
+    steps = []
+    with Timeline(torch.device("cpu")) as timeline:
+        marked = timeline.marking(lambda: steps.append(1))
+        time.sleep(0.02)
+        marked()
+        gc.collect()  # a full collection inside the second step
+        marked()
+    assert steps == [1, 1] and len(timeline.steps_s) == 2
+    assert timeline.steps_s[0] >= 0.02 and timeline.collections >= 1
+    assert 0 < timeline.gc_s <= timeline.steps_s[1]
+    assert timeline.wall_s >= sum(timeline.steps_s)
+    assert gc.callbacks.count(timeline._on_gc) == 0  # removed on exit
+    text = timeline.describe()
+    assert re.fullmatch(r"\d+ ms wall: 2 chunks of \d+ \+ \d+ ms, \d+ ms after; gc [\d.]+ ms in "
+                        r"\d+ collections", text), text
+    assert "SM clock" not in text  # no NVML off CUDA
+
+
 def test_an_empty_profile_says_so():
     assert Profile(wall_s=0.002).describe() == "2 ms wall, no aten ops recorded"
 
@@ -62,22 +83,31 @@ def test_the_prefill_worker_profiles_a_request_when_asked(tmp_path, capsys, monk
             pages = client.allocate(pages=4).pages
             job = PrefillJob("r1", tuple(range(3, 50)), 16, tuple(pages), -1)
             quiet = PrefillService(client, chunk=16)
-            with quiet._profiled(job, 0.0021):
+            with quiet._profiled(job, 0.0021) as timeline:
+                assert timeline is None
                 run_prefill(client.model, client.cache, job, 16)
             assert "r1" not in capsys.readouterr().err
             every_other = PrefillService(client, chunk=16, profile_every=2)
             for _ in range(2):
-                with every_other._profiled(job, 0.0021):
-                    run_prefill(client.model, client.cache, job, 16)
+                with every_other._profiled(job, 0.0021) as timeline:
+                    run_prefill(client.model, client.cache, job, 16,
+                                timeline.marking(lambda: None))
             # the report runs on the worker's thread after the request
             every_other.gpu.submit(lambda: None).result()
             err = capsys.readouterr().err
             client.release(pages=pages)
     finally:
         assert proc.terminate() == 0
-    assert err.count("prefill: request r1 (31 new tokens after 16): 2.1 ms from arrival to its "
-                     "prefill; prefill ") == 1
-    assert "aten ops" in err and "gemm (cuBLAS)" in err
+    # every request: its chunks' wall times (31 new tokens in chunks of 16: 2)
+    lines = [line for line in err.splitlines()
+             if line.startswith("prefill: request r1 (31 new tokens after 16): 2.1 ms from "
+                                "arrival to its prefill; prefill ")]
+    assert len(lines) == 2, err
+    assert all(re.search(r" ms wall: 2 chunks of \d+ \+ \d+ ms, \d+ ms after; gc [\d.]+ ms in "
+                         r"\d+ collections", line) for line in lines), lines
+    # every second: the profiler's kernels (here aten ops) too
+    assert "; profiled: " not in lines[0] and "aten ops" not in lines[0]
+    assert "; profiled: " in lines[1] and "gemm (cuBLAS)" in lines[1]
 
 
 @pytest.mark.parametrize("env,expected", [("", 0), ("0", 0), ("3", 3)])
