@@ -246,3 +246,30 @@ def test_varied_prompts_join_the_corpus_after_the_built_in_ones(tiny):
     assert len(corpus.samples) == 14
     for sample, n, text in zip(corpus.samples[10:], corpus.prompt_lengths[10:], varied_prompts(4)):
         assert text in tiny.tokenizer.decode(sample[:n])
+
+
+def test_a_generation_stopped_midway_keeps_the_answers_it_saved(tiny, corpus, tmp_path,
+                                                                  monkeypatch):
+    """The cache is written after every few batches: a run killed after its
+    first chunk (a device call's time limit) leaves those answers for the next."""
+    import engine.speculative.train as train
+
+    path = tmp_path / "corpus.pt"
+    calls = []
+    real = train._generated
+
+    def stopped_after_one_chunk(engine, prompts, params):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            raise KeyboardInterrupt("the call's time limit")
+        return real(engine, prompts, params)
+
+    monkeypatch.setattr(train, "_generated", stopped_after_one_chunk)
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=10, max_batch=1,
+                      corpus_path=str(path))
+    with pytest.raises(KeyboardInterrupt):
+        generate_corpus(tiny, cfg)
+    chunk = train._SAVE_EVERY_BATCHES * cfg.max_batch
+    assert calls == [chunk, chunk]
+    kept = Corpus.load(str(path))
+    assert kept.samples == corpus.samples[:chunk]  # the same answers as one uninterrupted run

@@ -135,12 +135,17 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
                                          max_new_tokens=cfg.new_tokens))
     if cached:
         _log(f"{len(wanted) - len(missing)} of {len(wanted)} samples read from {cfg.corpus_path}")
-    if missing:
-        started = time.monotonic()
-        outputs = _generated(engine, [list(p) for p, _ in missing], params)
-        cached.update(zip(missing, outputs))
-        _log(f"generated {sum(map(len, outputs))} tokens for {len(missing)} samples of "
-             f"{len(texts)} prompts in {time.monotonic() - started:.0f} s")
+    started, tokens = time.monotonic(), 0
+    # saved after every few batches' worth, so that a run stopped early (a
+    # device call's limit, a slow CPU) keeps the answers it had
+    every = _SAVE_EVERY_BATCHES * cfg.max_batch
+    for lo in range(0, len(missing), every):
+        chunk = missing[lo:lo + every]
+        outputs = _generated(engine, [list(p) for p, _ in chunk], params[lo:lo + every])
+        cached.update(zip(chunk, outputs))
+        tokens += sum(map(len, outputs))
+        _log(f"generated {tokens} tokens for {lo + len(chunk)} of {len(missing)} missing "
+             f"samples ({len(texts)} prompts) in {time.monotonic() - started:.0f} s")
         if cfg.corpus_path:
             _as_corpus(cached, list(cached)).save(cfg.corpus_path)
     return _as_corpus(cached, wanted)
@@ -161,6 +166,7 @@ def corpus_texts(engine, cfg: TrainConfig) -> list[str]:
 
 
 Answers = dict[tuple[tuple[int, ...], int], list[int]]
+_SAVE_EVERY_BATCHES = 4  # generate_corpus saves the cache after this many full batches
 
 
 def _cached_answers(path: str | None) -> Answers:
