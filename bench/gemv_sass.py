@@ -50,7 +50,7 @@ def _compile(config, bits: int, rows: int, pdl: bool = False):
         signature = dict(items[:at] + [("final_ptr", "*bf16"), ("counter_ptr", "*i32")]
                          + items[at:])
         del constants["BITS"]
-        constants.update(EARLY=pdl, SPLIT_K=1, FIXUP=False)
+        constants.update(EARLY=pdl, SPLIT_K=1, FIXUP=False, PREFETCH=config.prefetch)
     elif config.tensor_cores:
         kernel = _gemv_dot_kernel
         constants.update(IEEE=False)

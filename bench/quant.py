@@ -192,11 +192,12 @@ def gemv_rows(rows_list, device, bandwidth: float, only: list[str] | None = None
 
 
 def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
-          int8_x: bool = False) -> list[dict]:
+          int8_x: bool = False, int8_x_only: bool = False) -> list[dict]:
     """Every candidate config (x split-K 1/2/4/8) on every shape; the best
-    block config is then retried with 1, 3 and 4 stages. int8_x: the
+    block config is then retried with 1 and 3 stages. int8_x: the
     int8-activation configs too, where they apply (their numerics differ:
-    bench.int8_activations)."""
+    bench.int8_activations); int8_x_only: only those there (the picked
+    config is timed all the same)."""
     from dataclasses import replace
 
     from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES, _sm_count,
@@ -226,7 +227,7 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
             # rows > 1: the CUDA-core loop pays per row, so only its middle sizes
             block_configs = CANDIDATES if rows == 1 else CANDIDATES[1:4] + DOT_CANDIDATES
             if int8_x and takes_int8_x(qt, rows):
-                block_configs = block_configs + X8_CANDIDATES
+                block_configs = X8_CANDIDATES if int8_x_only else block_configs + X8_CANDIDATES
             for cfg in block_configs:
                 for split in (1, 2, 4, 8):
                     if -(-n // cfg.block_n) * split > 64 * sms:
@@ -334,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--int8-x", action="store_true",
                    help="sweep the int8-activation (DP4A) configs too, for one row of 4-bit "
                         "codes in groups of 32")
+    p.add_argument("--int8-x-only", action="store_true",
+                   help="with --sweep: time only the DP4A configs where they apply (not the "
+                        "float ones, which lost every one-row Q4_K shape on the H200)")
     p.add_argument("--only", nargs="+", default=None, metavar="MATRIX",
                    help="time only these matrices (names as printed, e.g. gate_up 'attn qkv')")
     p.add_argument("--json", default=None)
@@ -369,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(r['per_step'] * r['us'] for r in sel) / 1e3:.2f} ms (floor "
               f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms, "
               f"{sum(r['per_step'] for r in sel)} launches)")
-    swept = sweep(args.rows, device, bandwidth, args.only, args.int8_x) if args.sweep else None
+    swept = sweep(args.rows, device, bandwidth, args.only, args.int8_x or args.int8_x_only,
+                  args.int8_x_only) if args.sweep else None
     if swept:
         print_sweep(swept)
     decode = decode_27b(args.decode_steps, device) if args.decode_steps else None

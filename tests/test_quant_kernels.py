@@ -86,13 +86,16 @@ def _activation_with_outliers(k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", X8_FORMATS, ids=["q4_k", "q4_1", "sym4"])
 @pytest.mark.parametrize("config", [GemvConfig(16, 256, 1, int8_x=True),
-                                    GemvConfig(8, 128, 3, int8_x=True)],
-                         ids=["even", "split3"])
+                                    GemvConfig(8, 128, 3, int8_x=True),
+                                    GemvConfig(16, 256, 1, int8_x=True, prefetch=True),
+                                    GemvConfig(8, 128, 3, int8_x=True, prefetch=True)],
+                         ids=["even", "split3", "even-prefetch", "split3-prefetch"])
 @pytest.mark.parametrize("early", ["0", "1"])
 def test_int8_activation_gemv_matches_its_reference(fmt, config, early, monkeypatch):
     """The DP4A kernel (int8 activations per weight group) against its PyTorch
     reference: N and K tails, split-K, bias, NaN-poisoned output; with the
-    first weight tile loaded ahead of the loop (TANDEM_GEMV_EARLY) too."""
+    first weight tile loaded ahead of the loop (TANDEM_GEMV_EARLY) too, and
+    with every tile loaded one ahead (prefetch)."""
     monkeypatch.setenv("TANDEM_GEMV_EARLY", early)
     qt = random_quant(37, 768, *fmt, seed=11)
     x = _activation_with_outliers(768, seed=12)

@@ -516,12 +516,38 @@ def _x8_tiles(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe,
 
 
 @triton.jit
+def _x8_tiles_prefetched(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, wi,
+                         pid_k, ROW_WORDS, GROUPS, SUPERS, TILES, G: tl.constexpr,
+                         S: tl.constexpr, NG: tl.constexpr, BW: tl.constexpr, WPG: tl.constexpr,
+                         BLOCK_N: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr,
+                         PDL: tl.constexpr):
+    """acc plus the split's tiles, each tile's loads issued one tile ahead;
+    the first before the dependent-launch wait (weights are never written
+    by a kernel), the one past the last masked off."""
+    first = pid_k * TILES
+    w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
+        qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, first, TILES > 0,
+        ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
+    pdl_prologue(PDL)
+    for tile in range(0, TILES):
+        tile_id = first + tile
+        words, d, sc, dmin, m = w_nx, d_nx, sc_nx, dmin_nx, m_nx
+        w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
+            qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id + 1,
+            tile + 1 < TILES, ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
+        w_ids = tile_id * BW + wi
+        acc += _x8_tile(x_ptr, words, d, sc, dmin, m, w_ids, w_ids < ROW_WORDS, BLOCK_N, NG,
+                        WPG, ASYM, ASM)
+    return acc
+
+
+@triton.jit
 def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                      final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
                      G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                     SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
+                     SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, PREFETCH: tl.constexpr):
     """One activation row, 4-bit codes, int8 activations: per word, the low
     nibbles (its even K-elements) and the high ones (odd) each meet their
     activation codes in one DP4A: the sm_90 loop runs ~1.8-2.1 instructions
@@ -534,7 +560,14 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     dependent-launch wait, while the kernel before still runs (weights are
     never written by a kernel; only x and the output wait).
     FIXUP: out_ptr holds SPLIT_K fp32 partials and the last program of each
-    tile sums them into final_ptr (_sum_splits_if_last)."""
+    tile sums them into final_ptr (_sum_splits_if_last).
+    PREFETCH: tile i+1's weights are loaded before tile i's arithmetic, the
+    first before the wait as with EARLY. Triton does not pipeline loads that
+    feed no tl.dot, whatever num_stages says (the sm_90 build is the same at
+    1, 2 and 3 stages), and Nsight Compute on the H200 (2026-12-03) found
+    this loop waiting on its loads half the time: gate_up at 59% of DRAM
+    bandwidth, 25% occupancy (126 registers), 0.6 eligible warps per
+    scheduler. It costs the next tile's registers."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     WPG: tl.constexpr = G // 8
@@ -546,7 +579,11 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     wi = tl.arange(0, BW)
     w_row = qw_ptr + n_safe[:, None] * ROW_WORDS
     acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
-    if EARLY:
+    if PREFETCH:
+        acc = _x8_tiles_prefetched(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row,
+                                   n_safe, wi, pid_k, ROW_WORDS, GROUPS, SUPERS, TILES, G, S, NG,
+                                   BW, WPG, BLOCK_N, ASYM, ASM, PDL)
+    elif EARLY:
         tile_id = pid_k * TILES
         words, d, sc, dmin, m = _tile_loads(
             qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, tile_id, True,
@@ -578,10 +615,11 @@ def _gemv_x8_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias
                     G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ASM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
-                    SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
+                    SPLIT_K: tl.constexpr, FIXUP: tl.constexpr, PREFETCH: tl.constexpr):
     _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                      final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
-                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY, SPLIT_K, FIXUP)
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY, SPLIT_K, FIXUP,
+                     PREFETCH)
 
 
 @triton.jit
@@ -592,11 +630,12 @@ def _gemv_x8_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, o
                                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
                                 EARLY: tl.constexpr, SPLIT_K: tl.constexpr,
-                                FIXUP: tl.constexpr):
+                                FIXUP: tl.constexpr, PREFETCH: tl.constexpr):
     """The same with a constant TILES (the interpreter's loops)."""
     _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_ptr,
                      final_ptr, counter_ptr, N, stride_os, ROW_WORDS, GROUPS, SUPERS, TILES,
-                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY, SPLIT_K, FIXUP)
+                     G, S, ASYM, HAS_BIAS, BLOCK_N, BLOCK_K, ASM, PDL, EARLY, SPLIT_K, FIXUP,
+                     PREFETCH)
 
 
 def quantize_activations_reference(x: torch.Tensor, group: int
@@ -697,9 +736,12 @@ CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
                                           (16, 1024, 4, True), (32, 1024, 4, True)))
 # The int8-activation (DP4A) kernel's, timed for one row of 4-bit codes in
 # groups of 32.
-X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True)
-                      for bn, bk, nw in ((16, 512, 4), (32, 512, 4), (32, 1024, 4),
-                                         (64, 1024, 8), (64, 512, 4)))
+X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True, prefetch=pf)
+                      for bn, bk, nw, pf in ((16, 512, 4, False), (32, 512, 4, False),
+                                             (32, 1024, 4, False), (64, 1024, 8, False),
+                                             (64, 512, 4, False), (16, 512, 4, True),
+                                             (32, 512, 4, True), (16, 1024, 4, True),
+                                             (32, 1024, 4, True)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -942,6 +984,7 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         kernel = _gemv_x8_kernel_interpreted if _interpreting() else _gemv_x8_kernel
         kernel[grid](*pointers, out, counters, n_dim, stride_os, *sizes,
                      EARLY=early_weights(), SPLIT_K=split if fixup else 1, FIXUP=fixup,
+                     PREFETCH=config.prefetch,
                      **{k: v for k, v in common.items() if k != "BITS"})
         if fixup:
             return out
