@@ -751,11 +751,13 @@ DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
 # lines here. rows bucket: 1, 2, 4 or 8 (the batch rounded up to a power of two).
 # The merged projections (gate_up, gdn in_proj, attn qkv) and gdn out / attn o:
 # the H200 sweep of 2026-12-02 with the DP4A configs (BENCHMARKS.md, "int8
-# activations on the H200"). The rest: the sweep of 2026-12-01 ("decode step
-# profile"); the unmerged shapes stay for checkpoints whose formats differ
-# within a merge (SplitLinear).
+# activations on the H200"); gate_up's prefetching config from the DP4A
+# sweep of 2026-12-03 14:18 (35.7 -> 30.5 us; prefetch lost on the other
+# four shapes, whose programs walk 1-3 K tiles or fill under one wave). The
+# rest: the sweep of 2026-12-01 ("decode step profile"); the unmerged shapes
+# stay for checkpoints whose formats differ within a merge (SplitLinear).
 TUNED: dict[tuple[int, int, int, int, int], GemvConfig] = {
-    (4, 32, 34816, 5120, 1): GemvConfig(32, 1024, 1, 4, 1, int8_x=True),  # gate_up 37.0 us, 66%
+    (4, 32, 34816, 5120, 1): GemvConfig(32, 1024, 1, 4, 3, prefetch=True, int8_x=True),  # gate_up 30.5 us, 79%
     (4, 32, 34816, 5120, 4): GemvConfig(64, 256, 4, 4, 2, tensor_cores=True),  # 97.2 us
     (4, 32, 16480, 5120, 1): GemvConfig(32, 1024, 1, 4, 2, int8_x=True),  # gdn in_proj 16.7, 69%
     (4, 32, 16480, 5120, 4): GemvConfig(128, 256, 2, 8, 2, tensor_cores=True),  # 47.3 us
