@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded: 12-03 13:27 ran its calls, trimmed, as device_next29.sh 1 and 2.
 # Next GPU session (after 2026-12-03 12:30), two calls of 27B work that carry
 # the GGUF's first two parts for the MTP head's third call:
 #   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next28.sh 1   (part aa)
