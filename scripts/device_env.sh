@@ -22,3 +22,12 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its t
   timeout -s "${STEP_SIGNAL:-TERM}" "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   tail -n "${STEP_TAIL:-14}" "$OUT/$name.log"; echo "=== $name rc=$rc $((SECONDS - began))s"
 }
+
+ncu_gemv() {  # ncu_gemv SHAPE: Nsight Compute on one DP4A GEMV launch of a 27B shape
+  # (bench.quant's names: gate_up, down, "gdn out", ...); log ncu_gemv_SHAPE.log
+  STEP_TAIL=4 step "ncu_gemv_${1// /_}" 150 ncu --clock-control none --kernel-name regex:_gemv_x8 \
+    --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section InstructionStats \
+    python3 -m bench.quant --rows 1 --only "$1" --decode-steps 0
+}

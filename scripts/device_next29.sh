@@ -31,14 +31,7 @@ M=qwen3.5-27b
 source scripts/device_env.sh
 case "${1:?call 1, 2, 3 or 4}" in
   1)
-    for only in gate_up down "gdn out"; do
-      name=ncu_gemv_${only// /_}
-      STEP_TAIL=4 step "$name" 150 ncu --clock-control none --kernel-name regex:_gemv_x8 \
-        --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats \
-        --section MemoryWorkloadAnalysis --section InstructionStats \
-        python3 -m bench.quant --rows 1 --only "$only" --decode-steps 0
-    done
+    for only in gate_up down "gdn out"; do ncu_gemv "$only"; done
     STEP_TAIL=30 step prefill_attention 240 python3 -m bench.attention --context 100352 \
       --new 1100 --kv-format rk4 int8 bf16 --candidates 3 4 --splits 1 8 --repeats 2
     for bn in 64 32; do

@@ -20,13 +20,7 @@ M=qwen3.5-27b
 source scripts/device_env.sh
 case "${1:?call 1 or 2}" in
   1)
-    for only in gate_up down; do
-      STEP_TAIL=4 step "ncu_gemv_$only" 150 ncu --clock-control none --kernel-name regex:_gemv_x8 \
-        --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats \
-        --section MemoryWorkloadAnalysis --section InstructionStats \
-        python3 -m bench.quant --rows 1 --only "$only" --decode-steps 0
-    done
+    for only in gate_up down; do ncu_gemv "$only"; done
     for i in 1 2; do
       STEP_TAIL=4 step int4_step_$i 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
       STEP_TAIL=6 step rk4_decode_$i 150 python3 -m bench.decode --model $M --device cuda \
