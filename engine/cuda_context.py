@@ -66,9 +66,9 @@ def stack_limit(device: torch.device | str) -> int | None:
     return limit.value if rc == 0 else None
 
 
-def process_gpu_bytes(device: torch.device | str) -> int | None:
-    """What NVML says this process holds on `device` (context, modules,
-    local memory and PyTorch's reserve together); None where NVML cannot say."""
+def nvml_handle(device: torch.device | str):
+    """(the pynvml module, NVML's handle of `device`), or None off CUDA or
+    where NVML does not answer (no library, a driver that does not answer)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -76,9 +76,21 @@ def process_gpu_bytes(device: torch.device | str) -> int | None:
         import pynvml
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:
+        return None
+
+
+def process_gpu_bytes(device: torch.device | str) -> int | None:
+    """What NVML says this process holds on `device` (context, modules,
+    local memory and PyTorch's reserve together); None where NVML cannot say."""
+    found = nvml_handle(device)
+    if found is None:
+        return None
+    pynvml, handle = found
+    try:
         processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except Exception:  # no NVML library, or a driver that does not answer
+    except Exception:  # a driver that does not answer
         return None
     return next((p.usedGpuMemory for p in processes if p.pid == os.getpid()), None)
 

@@ -224,14 +224,14 @@ class Timeline:
 def _sm_clock_reader(device: torch.device) -> Callable[[], int] | None:
     """A function that reads the GPU's current SM clock (MHz) through NVML;
     None off CUDA or where NVML does not answer."""
-    if torch.device(device).type != "cuda":
+    from engine.cuda_context import nvml_handle
+
+    found = nvml_handle(device)
+    if found is None:
         return None
+    pynvml, handle = found
     try:
-        import pynvml
-        pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)
-    except Exception:  # no NVML library, or a driver that does not answer
+    except Exception:  # a driver that does not answer
         return None
     return lambda: pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)

@@ -520,15 +520,18 @@ def _x8_tiles_prefetched(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_r
                          pid_k, ROW_WORDS, GROUPS, SUPERS, TILES, G: tl.constexpr,
                          S: tl.constexpr, NG: tl.constexpr, BW: tl.constexpr, WPG: tl.constexpr,
                          BLOCK_N: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr,
-                         PDL: tl.constexpr):
-    """acc plus the split's tiles, each tile's loads issued one tile ahead;
-    the first before the dependent-launch wait (weights are never written
-    by a kernel), the one past the last masked off."""
+                         PDL: tl.constexpr, EARLY: tl.constexpr):
+    """acc plus the split's tiles, each tile's loads issued one tile ahead
+    (the one past the last masked off); with EARLY the first before the
+    dependent-launch wait (weights are never written by a kernel)."""
+    if not EARLY:
+        pdl_prologue(PDL)
     first = pid_k * TILES
     w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
         qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, first, TILES > 0,
         ROW_WORDS, GROUPS, SUPERS, G, S, NG, BW, ASYM, False)
-    pdl_prologue(PDL)
+    if EARLY:
+        pdl_prologue(PDL)
     for tile in range(0, TILES):
         tile_id = first + tile
         words, d, sc, dmin, m = w_nx, d_nx, sc_nx, dmin_nx, m_nx
@@ -561,8 +564,8 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     never written by a kernel; only x and the output wait).
     FIXUP: out_ptr holds SPLIT_K fp32 partials and the last program of each
     tile sums them into final_ptr (_sum_splits_if_last).
-    PREFETCH: tile i+1's weights are loaded before tile i's arithmetic, the
-    first before the wait as with EARLY. Triton does not pipeline loads that
+    PREFETCH: tile i+1's weights are loaded before tile i's arithmetic (and,
+    with EARLY, the first before the wait). Triton does not pipeline loads that
     feed no tl.dot, whatever num_stages says (the sm_90 build is the same at
     1, 2 and 3 stages), and Nsight Compute on the H200 (2026-12-03) found
     this loop waiting on its loads half the time: gate_up at 59% of DRAM
@@ -582,7 +585,7 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     if PREFETCH:
         acc = _x8_tiles_prefetched(acc, x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row,
                                    n_safe, wi, pid_k, ROW_WORDS, GROUPS, SUPERS, TILES, G, S, NG,
-                                   BW, WPG, BLOCK_N, ASYM, ASM, PDL)
+                                   BW, WPG, BLOCK_N, ASYM, ASM, PDL, EARLY)
     elif EARLY:
         tile_id = pid_k * TILES
         words, d, sc, dmin, m = _tile_loads(
