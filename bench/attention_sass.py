@@ -34,7 +34,7 @@ HEAD_DIM, ROTARY_DIM, KV_HEADS, GROUP, PAGE = 256, 64, 4, 6, 32
 _POINTER_TYPES = dict(
     q_ptr="*i16", q_offsets_ptr="*i32", kv_lens_ptr="*i32", page_table_ptr="*i32",
     k_codes_ptr="*u8", v_codes_ptr="*u8", k_open_ptr="*i16", v_open_ptr="*i16",
-    inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32")
+    inv_freq_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", signs_ptr="*fp32")
 
 
 def _signature(kernel, kind: int, out_bf16: bool) -> dict:
@@ -103,7 +103,8 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
     from triton.compiler import ASTSource
 
     from engine.kv import attention_kernels as K
-    from engine.kv.formats import make_format
+    from engine.kv.formats import fused_rotation_sites, make_format
+    from engine.kv.rotation import hadamard_scale
 
     kernel = K._paged_attention_kernel
     rk4p = kv_format == "rk4p"
@@ -116,7 +117,10 @@ def _compile(kv_format: str, stages: int | None, tiles, splits: int):
         PAGE_SIZE=PAGE if rk4p else 16, KIND=kind, SCALE_BLOCK=scale_block, E8M0=False,
         ROTARY_DIM=rotary_dim, Q_BF16=True, OUT_BF16=not rk4p, ROWS=tiles.rows,
         BLOCK_N=tiles.block_n, NUM_SPLITS=splits, FOR_LOOP=True,
-        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=True, **K.program_switches(kind, HEAD_DIM))
+        DOT_BF16=1 if tiles.dot_bf16 else 0, PDL=True, **K.program_switches(kind, HEAD_DIM),
+        # rk4's q rotated in the kernel as the workers run it (fused_rotation_sites)
+        ROTATE_Q=K.rotates_q_in_kernel(kind, HEAD_DIM) and "query" in fused_rotation_sites(),
+        LOG2_D=HEAD_DIM.bit_length() - 1, R_SCALE=hadamard_scale(HEAD_DIM))
     params = {p.name for p in kernel.params}
     if "ROPE_PAD" in params:
         constants["ROPE_PAD"] = K.rope_pad(rotary_dim)

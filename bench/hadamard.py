@@ -39,7 +39,7 @@ def _rotation_of(fmt, method: str, out_dtype: torch.dtype, rows_per_program: int
     from engine.kv.hadamard_kernels import hadamard_rotate_rows
 
     def kernel(x):
-        signs = fmt._hadamard_signs(x.shape[-1], x.device)
+        signs = fmt.rotation_signs(x.shape[-1], x.device)
         return hadamard_rotate_rows(x, signs, inverse, out_dtype, rows_per_program)
     return kernel
 

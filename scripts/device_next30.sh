@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Next GPU session (after 2026-12-03 14:31). Chain three calls so the GGUF's
+# NOT RUN: carried over into device_next32.sh (2026-12-03 16:25). Was the plan
+# for the session after 14:31. Chain three calls so the GGUF's
 # parts meet on the machine (scripts/device_chain_mtp.sh carries one each):
 #   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next30.sh 1   (part aa)
 #   bash scripts/device_chain_mtp.sh 2 bash scripts/device_next30.sh 2   (part ab)

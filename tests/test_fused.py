@@ -248,3 +248,24 @@ def test_model_forward_fused_bf16(tiny_hf_dir, monkeypatch):
     assert calls["add_rms_norm"] and calls["norm_rope"] and calls["gated_rms_norm"]
     assert (got - plain).abs().max() < 0.02 * plain.abs().max()
     assert (got.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "silu_mul", "gated_rms_norm", "sigmoid_gate",
+                                "norm_rope", "all_small"])
+def test_ablation_stand_ins_fit_the_forward_and_are_restored(op, tiny_hf_dir, monkeypatch):
+    """bench.ablate_step's stand-ins take the wrappers' arguments and return
+    their shapes (the forward runs through them; values are garbage by
+    design), and leave the real wrappers in place afterwards."""
+    if not INTERPRET:
+        pytest.skip("forces the fused path on CPU tensors")
+    from bench.ablate_step import ablated
+    from engine.loader import load_model
+
+    directory, _ = tiny_hf_dir("qwen3_5")
+    loaded = load_model(str(directory), progress=False)
+    before = {name: getattr(kernels, name) for name in dir(kernels)}
+    with ablated(op):
+        assert any(getattr(kernels, name) is not fn for name, fn in before.items())
+        logits = _forward_logits(loaded, True, monkeypatch, torch.float32)
+    assert logits.shape == (12, loaded.config.vocab_size)
+    assert all(getattr(kernels, name) is fn for name, fn in before.items())

@@ -234,8 +234,11 @@ def test_matmul_stays_where_the_kernel_does_not_apply(monkeypatch, kernel_calls)
 def test_writes_rotate_through_the_kernel(name, monkeypatch, kernel_calls):
     """A Triton-path write rotates with the kernel (rk4: K and V; rk4p: V) and
     what it stores reads back as the matmul path's write does, to 4-bit
-    error (a code may round the other way where the rotations differ)."""
+    error (a code may round the other way where the rotations differ). The
+    row kernel's own launches: with the rotation folded into rk4's write
+    (test_rotating_write_stores_the_two_step_writes_bits) there are none."""
     monkeypatch.setenv(F.HADAMARD_KERNEL_ENV, "1")
+    monkeypatch.setenv(F.FUSED_ROTATION_ENV, "0")
     fmt = make_format(name, use_triton=True)
     page, heads, dim = 32, 2, 64
     k = rows_with_outliers(page * heads, dim, seed=8).reshape(page, heads, dim)
@@ -255,6 +258,39 @@ def test_writes_rotate_through_the_kernel(name, monkeypatch, kernel_calls):
         assert not with_kernel.isnan().any()
         err = (with_kernel - with_matmul).norm() / exact.norm()
         assert err < 1e-2, err
+
+
+@needs_triton
+@pytest.mark.parametrize("options", [{}, {"scale_format": "e8m0", "block": 16}],
+                         ids=["fp16-32", "e8m0-16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rotating_write_stores_the_two_step_writes_bits(options, dtype, tokens, monkeypatch,
+                                                        kernel_calls):
+    """rk4's write with K and V rotated inside the write kernel stores every
+    code and scale bit of the row kernel then the write kernel, and touches
+    no other slot (buffers start poisoned). V comes as a strided view of a
+    fused projection, as the model hands it over."""
+    monkeypatch.setenv(F.HADAMARD_KERNEL_ENV, "1")
+    fmt = make_format("rk4", use_triton=True, **options)
+    heads, dim, page = 4, 256, 8
+    k = rows_with_outliers(tokens * heads, dim, seed=11, dtype=dtype).reshape(tokens, heads, dim)
+    fused_projection = rows_with_outliers(tokens, 3 * heads * dim, seed=12, dtype=dtype)
+    v = fused_projection[:, heads * dim:2 * heads * dim].view(tokens, heads, dim)
+    slots = torch.tensor([3, 17, 9, 22, 0][:tokens], device=DEVICE)
+    stored = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(F.FUSED_ROTATION_ENV, switch)
+        buffers = fmt.allocate(3, page, heads, dim, DEVICE)
+        for t in buffers.values():
+            t.view(torch.uint8).fill_(0xA5)
+        fmt.write(buffers, slots, k, v)
+        stored[switch] = buffers
+    assert kernel_calls == [False, False]  # the two-step write's; the fused one has none
+    for name, fused in stored["1"].items():
+        assert torch.equal(fused.view(torch.uint8), stored["0"][name].view(torch.uint8)), name
+    written = stored["1"]["k_codes"].view(-1, heads, dim // 2)[slots]
+    assert (written != 0xA5).any()
 
 
 @needs_triton
@@ -279,11 +315,43 @@ def test_attention_with_the_kernel_matches_reference(name, monkeypatch, kernel_c
     fmt.use_triton = True  # the interpreter's CPU tensors take the Triton path too
     scale = 64 ** -0.5
     expected = paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)
+    monkeypatch.setenv(F.FUSED_ROTATION_ENV, "0")
     actual = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=2, rotary=rotary)
     assert kernel_calls == ([False, True] if name == "rk4" else [True])
     assert not actual.isnan().any()
     tol = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(actual, expected, **tol)
+    # rk4's q rotated as the kernel loads it, the output rotated back by the
+    # split combine: the same bits as the row kernel's launches, without them
+    for sites in ("query", "combine", "all"):
+        for q_dtype in (torch.float32, torch.bfloat16):
+            for splits in (2, 1):  # one split: no combine, the row kernel rotates back
+                qd = q.to(q_dtype)
+                del kernel_calls[:]
+                monkeypatch.setenv(F.FUSED_ROTATION_ENV, sites)
+                fused = paged_attention_triton(fmt, buffers, qd, meta, scale,
+                                               num_splits=splits, rotary=rotary)
+                query_apart = name == "rk4" and sites == "combine"
+                back_apart = splits == 1 or sites == "query"
+                assert kernel_calls == [False] * query_apart + [True] * back_apart
+                monkeypatch.setenv(F.FUSED_ROTATION_ENV, "none")
+                apart = paged_attention_triton(fmt, buffers, qd, meta, scale,
+                                               num_splits=splits, rotary=rotary)
+                assert fused.dtype == q_dtype and torch.equal(fused, apart)
+
+
+def test_fused_rotation_sites_switch(monkeypatch):
+    """TANDEM_RK4_FUSED_ROTATION: all / none (1 / 0) or a list of sites;
+    anything else is an error that lists them."""
+    monkeypatch.delenv(F.FUSED_ROTATION_ENV, raising=False)
+    assert F.fused_rotation_sites() == F.DEFAULT_FUSED_ROTATION
+    for value, sites in (("1", set(F.FUSED_ROTATION_SITES)), ("all", set(F.FUSED_ROTATION_SITES)),
+                         ("0", set()), ("none", set()), ("write, combine", {"write", "combine"})):
+        monkeypatch.setenv(F.FUSED_ROTATION_ENV, value)
+        assert F.fused_rotation_sites() == sites
+    monkeypatch.setenv(F.FUSED_ROTATION_ENV, "write,q")
+    with pytest.raises(ValueError, match="all, none or a comma-separated list of write, query"):
+        F.fused_rotation_sites()
 
 
 _COMPILE_SM90 = r"""

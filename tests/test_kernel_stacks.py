@@ -57,6 +57,32 @@ compiled = triton.compile(ASTSource(fn=gdn_kernels._l2_normalize_kernel,
                                     constexprs=consts), target=GPUTarget("cuda", 90, 32))
 usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
 stacks["gdn q/k l2 norm"] = int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+def stack_of(kernel, pointers, constants, warps=4):
+    signature = {p.name: "constexpr" if p.name in constants else pointers.get(p.name, "i32")
+                 for p in kernel.params}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    usage = _cuobjdump(compiled.asm["cubin"], "-res-usage")
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
+# rk4's rotations folded into the KV write and the split combine (27B: 4 KV
+# heads of 256, 64 splits; fused_rotation_sites)
+from engine.kv import attention_kernels as A, kernels as KV
+from engine.kv.rotation import hadamard_scale
+stacks["rk4 rotating write"] = stack_of(
+    KV._rk4_rotate_write_kernel,
+    dict(k_ptr="*i16", v_ptr="*i16", signs_ptr="*fp32", slots_ptr="*i64", k_codes_ptr="*u8",
+         k_scales_ptr="*fp16", v_codes_ptr="*u8", v_scales_ptr="*fp16"),
+    dict(H=4, D=256, LOG2_D=8, SCALE=hadamard_scale(256), HEAD_ROWS=KV._rows_per_program(256),
+         ROWS_PER_TOKEN=32, HALF=16, E8M0=False, X_BF16=True, PDL=True))
+stacks["attention combine rotating back"] = stack_of(
+    A._combine_splits_kernel,
+    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*i16", signs_ptr="*fp32"),
+    dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
+         LOG2_D=8, SCALE=hadamard_scale(256), PDL=True))
 print(json.dumps(stacks))
 """
 
@@ -74,6 +100,7 @@ def stacks() -> dict[str, int]:
                                     for s in ("decode", "verify")]
                          + [f"attention {f} {s} switched off" for f in ("int8", "rk4")
                             for s in ("decode", "verify")]
-                         + ["gdn conv chunk", "gdn q/k l2 norm"])
+                         + ["gdn conv chunk", "gdn q/k l2 norm", "rk4 rotating write",
+                            "attention combine rotating back"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"

@@ -52,11 +52,13 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_strid
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: optionally s = x + h (stored, rounded), then RMSNorm(s). The
     Llama product w * round(x̂) is rounded by the store to out's dtype (x's, or
-    fp32 when the weight is wider)."""
-    pdl_prologue(PDL)
+    fp32 when the weight is wider). The weight is read before the
+    dependent-launch wait (no kernel writes it), off the step's critical path."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_prologue(PDL)
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     xf = x.to(tl.float32)
@@ -66,7 +68,6 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_strid
         tl.store(sum_ptr + row * sum_stride + offs, xf.to(DT), mask=mask)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     xhat = xf * rstd
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
         y = xhat * (1.0 + w)
     else:
@@ -80,17 +81,17 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, H, g_stride_t, g_str
                            PDL: tl.constexpr):
     """One head row (x: contiguous rows of N; g: head h of token t at
     t * g_stride_t + h * g_stride_h, H heads): round(w * round(x̂)) * SiLU(g)
-    in fp32."""
-    pdl_prologue(PDL)
+    in fp32. The weight is read before the dependent-launch wait."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_prologue(PDL)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     xf = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     g_row = (row // H) * g_stride_t + (row % H) * g_stride_h
     g = tl.load(g_ptr + g_row + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = w * _rounded(xf * rstd, DT)
     if ROUND:
         y = _rounded(y, DT)

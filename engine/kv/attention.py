@@ -401,9 +401,13 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     # rk4: attention runs in the stored space, in fp32 so the rotation adds no
     # rounding of its own: (q R).(k R) = q.k and softmax(.) (V R) = out R.
     # rk4p rotates V only: q as is, the output un-rotated.
-    q_in = fmt.to_stored_space(q).contiguous() if rotated else q.contiguous()
+    # rk4's channel-pair program can rotate q as it loads it (one launch fewer)
+    kernel_rotates_q = (rotated and q.dtype in (torch.float32, torch.bfloat16)
+                        and K.rotates_q_in_kernel(kind_args[0], q.shape[-1])
+                        and fmt.rotates_in_kernels(q, "query"))
+    q_in = fmt.to_stored_space(q).contiguous() if rotated and not kernel_rotates_q \
+        else q.contiguous()
     rotated = rotated or isinstance(fmt, PagedRk4Format)
-    out = kernel_output(q.shape, torch.float32 if rotated else q.dtype, q.device)
     group = q.shape[1] // kv_heads
     tiles = tiles or tiles_for(q.shape[-1], group, meta.is_decode, q.is_cuda, fmt, q.dtype,
                                meta.max_new_tokens)
@@ -422,11 +426,18 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
         row_blocks = -(-max(meta.max_new_tokens, 1) * group // tiles.rows)
         num_splits = K.splits_for(len(meta.host_kv_lens) * row_blocks, kv_heads,
                                   meta.max_kv_len, tiles.block_n, _programs_wanted(q.device))
+    # the split combine can rotate the output back itself (one launch fewer)
+    combine_rotates = (rotated and num_splits > 1 and q.dtype in (torch.float32, torch.bfloat16)
+                       and fmt.rotates_in_kernels(q, "combine"))
+    out = kernel_output(q.shape, torch.float32 if rotated and not combine_rotates else q.dtype,
+                        q.device)
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
              tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages,
-             tiles.dot_bf16 and q.dtype == torch.bfloat16)
-    if rotated:
+             tiles.dot_bf16 and q.dtype == torch.bfloat16,
+             fmt.rotation_signs(q.shape[-1], q.device) if combine_rotates else None,
+             fmt.rotation_signs(q.shape[-1], q.device) if kernel_rotates_q else None)
+    if rotated and not combine_rotates:
         # fp32 out: the rotation back and the cast to q's dtype in one pass
         return fmt.unrotate_output(out, dtype=q.dtype)
     return out

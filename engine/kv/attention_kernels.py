@@ -60,8 +60,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv.fwht import rotate_rows
 from engine.kv.kernels import (_e8m0_scale, _k_step_decode, _load_dense, _store_dense,
                                as_kernel_dense)
+from engine.kv.rotation import hadamard_scale
 from engine.pdl import pdl_launch, pdl_prologue
 
 # KV layouts the kernel knows (constexpr KIND).
@@ -562,6 +564,21 @@ def _load_q_pairs(q_ptr, q_rows, pairs, mask, qk_scale, D: tl.constexpr, Q_BF16:
 
 
 @triton.jit
+def _load_rotated_q_pairs(q_ptr, q_rows, row_ok, signs_ptr, qk_scale, D: tl.constexpr,
+                          LOG2_D: tl.constexpr, R_SCALE: tl.constexpr, ROWS: tl.constexpr,
+                          Q_BF16: tl.constexpr, DOT_BF16: tl.constexpr):
+    """_load_q_pairs of q @ R from q itself (D a power of two): the rotation
+    is fwht.rotate_rows in fp32, the very values the Hadamard row kernel
+    would have stored for _load_q to read."""
+    cols = tl.arange(0, D)
+    q = _load_dense(q_ptr, q_rows[:, None] * D + cols[None, :],
+                    row_ok[:, None] & (cols < D)[None, :], Q_BF16)
+    q = rotate_rows(q, tl.load(signs_ptr + cols)[None, :], ROWS, D, LOG2_D, R_SCALE, False)
+    q_even, q_odd = tl.split(tl.reshape(q * qk_scale, (ROWS, D // 2, 2)))
+    return _dot_operand(q_even, DOT_BF16), _dot_operand(q_odd, DOT_BF16)
+
+
+@triton.jit
 def _split_keys(n_new, kv_len, first_row, split, ROWS: tl.constexpr, GROUP: tl.constexpr,
                 NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys [lo, hi) of this program: those its row block needs (causal), then
@@ -623,22 +640,30 @@ def _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row
 @triton.jit
 def _rk4_pairs_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row, split,
                        table, kv_head, qk_scale, k_codes_ptr, k_scales_ptr, v_codes_ptr,
-                       v_scales_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                       v_scales_ptr, out_ptr, part_out_ptr, part_lse_ptr, signs_ptr,
                        Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                        D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr, Q_BF16: tl.constexpr,
                        OUT_BF16: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, FOR_LOOP: tl.constexpr,
-                       DOT_BF16: tl.constexpr):
+                       DOT_BF16: tl.constexpr, ROTATE_Q: tl.constexpr, LOG2_D: tl.constexpr,
+                       R_SCALE: tl.constexpr):
     """The kernel's program over rk4 pages with even and odd channels apart,
     as _rk4p_program (no RoPE, no staging pages): q, K, V and the output as
     two [.., D_PAD / 2] tiles each. A byte's nibbles become fp32 by bit
     tricks (_nibble_values) where _load_kv's channel-order tile took an I2F
-    per element and an interleave of the nibble tiles."""
+    per element and an interleave of the nibble tiles. ROTATE_Q: q arrives
+    as the model made it and is rotated into the stored space here
+    (_load_rotated_q_pairs) instead of by a launch of its own."""
     pairs = tl.arange(0, D_PAD // 2)
     q_rows = (q_lo + token).to(tl.int64) * Q_HEADS + head
     q_mask = row_ok[:, None] & (pairs < D // 2)[None, :]
-    q_even, q_odd = _load_q_pairs(q_ptr, q_rows, pairs, q_mask, qk_scale, D, Q_BF16, DOT_BF16)
+    if ROTATE_Q:
+        q_even, q_odd = _load_rotated_q_pairs(q_ptr, q_rows, row_ok, signs_ptr, qk_scale, D,
+                                              LOG2_D, R_SCALE, ROWS, Q_BF16, DOT_BF16)
+    else:
+        q_even, q_odd = _load_q_pairs(q_ptr, q_rows, pairs, q_mask, qk_scale, D, Q_BF16,
+                                      DOT_BF16)
     lo, hi = _split_keys(n_new, kv_len, first_row, split, ROWS, GROUP, NUM_SPLITS, BLOCK_N)
     m_i, l_i, acc_even, acc_odd = _no_keys_yet_pairs(ROWS, D_PAD)
     if FOR_LOOP:  # as in the kernel
@@ -718,7 +743,7 @@ def _paged_attention_kernel(
         q_ptr, q_offsets_ptr, kv_lens_ptr, page_table_ptr, page_table_stride,
         k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
         k_step_ptr, k_open_ptr, v_open_ptr, inv_freq_ptr, first_staged,
-        out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
+        out_ptr, part_out_ptr, part_lse_ptr, signs_ptr, qk_scale,
         Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         D: tl.constexpr, D_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
@@ -726,7 +751,8 @@ def _paged_attention_kernel(
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr, RK4_PAIRS: tl.constexpr,
-        INT8_NO_I2F: tl.constexpr, PDL: tl.constexpr):
+        INT8_NO_I2F: tl.constexpr, ROTATE_Q: tl.constexpr, LOG2_D: tl.constexpr,
+        R_SCALE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row_block = tl.program_id(0)
     seq = tl.program_id(1) // KV_HEADS
@@ -756,8 +782,9 @@ def _paged_attention_kernel(
         _rk4_pairs_program(q_ptr, q_lo, token, head, row_ok, q_pos, n_new, kv_len, first_row,
                            split, table, kv_head, qk_scale, k_codes_ptr, k_scales_ptr,
                            v_codes_ptr, v_scales_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-                           Q_HEADS, KV_HEADS, GROUP, D, D_PAD, PAGE_SIZE, SCALE_BLOCK, E8M0,
-                           Q_BF16, OUT_BF16, ROWS, BLOCK_N, NUM_SPLITS, FOR_LOOP, DOT_BF16)
+                           signs_ptr, Q_HEADS, KV_HEADS, GROUP, D, D_PAD, PAGE_SIZE,
+                           SCALE_BLOCK, E8M0, Q_BF16, OUT_BF16, ROWS, BLOCK_N, NUM_SPLITS,
+                           FOR_LOOP, DOT_BF16, ROTATE_Q, LOG2_D, R_SCALE)
         return
 
     cols = tl.arange(0, D_PAD)
@@ -794,11 +821,15 @@ def _paged_attention_kernel(
 
 
 @triton.jit(do_not_specialize=("n_rows",))
-def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, n_rows,
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, n_rows,
                            D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr,
-                           PDL: tl.constexpr):
-    """out = sum_s w_s o_s / sum_s w_s with w_s = 2**(lse_s - max lse)."""
+                           ROTATE_BACK: tl.constexpr, LOG2_D: tl.constexpr,
+                           SCALE: tl.constexpr, PDL: tl.constexpr):
+    """out = sum_s w_s o_s / sum_s w_s with w_s = 2**(lse_s - max lse); with
+    ROTATE_BACK (D a power of two) times R.T before the store, the rotated
+    formats' way back from the stored space (fwht.rotate_rows: bitwise the
+    Hadamard row kernel's, which would otherwise be a launch of its own)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
@@ -813,6 +844,10 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, n_rows,
                     mask=mask, other=0.0)
     total = tl.sum(weight, axis=0)
     o = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    if ROTATE_BACK:
+        signs = tl.load(signs_ptr + cols)[None, :]
+        o = tl.reshape(rotate_rows(tl.reshape(o, (1, D_PAD)), signs, 1, D_PAD, LOG2_D, SCALE,
+                                   True), (D_PAD,))
     _store_dense(out_ptr, row * D + cols, o, cols < D, OUT_BF16)
 
 
@@ -833,12 +868,25 @@ def program_switches(kind: int, head_dim: int) -> dict[str, bool]:
                 INT8_NO_I2F=kind == INT8 and no_i2f)
 
 
+def rotates_q_in_kernel(kind: int, head_dim: int) -> bool:
+    """Whether the kernel can rotate q itself: rk4's channel-pair program
+    (program_switches) at a power-of-two head_dim."""
+    return (kind == RK4 and program_switches(kind, head_dim)["RK4_PAIRS"]
+            and triton.next_power_of_2(head_dim) == head_dim)
+
+
 def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: torch.Tensor,
            page_table: torch.Tensor, page_size: int, kv_heads: int, max_new_tokens: int,
            softmax_scale: float, out: torch.Tensor, num_splits: int,
            rows: int, block_n: int, num_warps: int | None = None,
-           num_stages: int | None = None, dot_bf16: bool = False) -> torch.Tensor:
+           num_stages: int | None = None, dot_bf16: bool = False,
+           rotate_back_signs: torch.Tensor | None = None,
+           rotate_q_signs: torch.Tensor | None = None) -> torch.Tensor:
     """Runs the attention kernel (and the split combine when num_splits > 1).
+    rotate_back_signs (num_splits > 1 only): the combine multiplies the
+    output by R.T = diag(signs) H / sqrt(D) before storing it in out's dtype.
+    rotate_q_signs (rk4 on channel pairs only, rotates_q_in_kernel): the
+    kernel multiplies q by R = H diag(signs) / sqrt(D) as it loads it.
 
     kind_args: (KIND, k_codes, k_scales, v_codes, v_scales, SCALE_BLOCK, E8M0), and for
     RK4P also (k_step, k_open, v_open, inv_freq fp32, first staged slot, rotary_dim);
@@ -862,6 +910,10 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         part_lse = torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out_arg  # unused
+    switches = program_switches(kind, head_dim)
+    rotate_q = rotate_q_signs is not None
+    if rotate_q and not rotates_q_in_kernel(kind, head_dim):
+        raise ValueError("only rk4's channel-pair program rotates q, at a power-of-two head_dim")
     grid = (triton.cdiv(max(max_new_tokens, 1) * group, rows), batch * kv_heads, num_splits)
     extra = {} if num_warps is None else {"num_warps": num_warps}
     if num_stages is not None:
@@ -869,19 +921,26 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     _paged_attention_kernel[grid](
         q_arg, q_offsets, kv_lens, page_table, page_table.stride(0),
         k_codes, k_scales, v_codes, v_scales, k_step, k_open, v_open, inv_freq, first_staged,
-        out_arg, part_out, part_lse, softmax_scale * LOG2E,
+        out_arg, part_out, part_lse, rotate_q_signs if rotate_q else part_lse,
+        softmax_scale * LOG2E,
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group, D=head_dim, D_PAD=d_pad,
         PAGE_SIZE=page_size, KIND=kind, SCALE_BLOCK=scale_block, E8M0=e8m0,
         ROTARY_DIM=rotary_dim, ROPE_PAD=rope_pad(rotary_dim),
         Q_BF16=q_bf16, OUT_BF16=out_bf16, ROWS=rows, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         FOR_LOOP=not _interpreting(),
         DOT_BF16=(2 if _interpreting() else 1) if dot_bf16 else 0,
-        **program_switches(kind, head_dim), **extra, **pdl_launch(q.device))
+        **switches, ROTATE_Q=rotate_q, LOG2_D=d_pad.bit_length() - 1,
+        R_SCALE=hadamard_scale(d_pad), **extra, **pdl_launch(q.device))
+    if rotate_back_signs is not None and (num_splits == 1 or d_pad != head_dim):
+        raise ValueError("the combine rotates back only split outputs of power-of-two heads")
     if num_splits > 1:
+        rotate_back = rotate_back_signs is not None
         _combine_splits_kernel[(tokens * q_heads,)](
-            part_out, part_lse, out_arg, tokens * q_heads, D=head_dim, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            OUT_BF16=out_bf16, **pdl_launch(q.device))
+            part_out, part_lse, out_arg, rotate_back_signs if rotate_back else part_lse,
+            tokens * q_heads, D=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), OUT_BF16=out_bf16,
+            ROTATE_BACK=rotate_back, LOG2_D=d_pad.bit_length() - 1,
+            SCALE=hadamard_scale(d_pad), **pdl_launch(q.device))
     return out
 
 

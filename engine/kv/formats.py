@@ -26,6 +26,8 @@ scaling, round-half-to-even) and the kernels mirror them step by step.
 """
 from __future__ import annotations
 
+import os
+
 from abc import ABC, abstractmethod
 
 import torch
@@ -484,6 +486,34 @@ def hadamard_kernel_wanted() -> bool:
                   off="an fp32 matmul by R")
 
 
+FUSED_ROTATION_ENV = "TANDEM_RK4_FUSED_ROTATION"
+# Where a rotation can be folded into the kernel beside it: K and V into the
+# KV write, q into rk4's attention kernel, the output's way back into the
+# split combine. Each saves a launch of the Hadamard row kernel and stores
+# the same bits.
+FUSED_ROTATION_SITES = ("write", "query", "combine")
+DEFAULT_FUSED_ROTATION = frozenset(FUSED_ROTATION_SITES)
+
+
+def fused_rotation_sites() -> frozenset[str]:
+    """The sites (FUSED_ROTATION_SITES) whose kernels rotate for themselves
+    where the Hadamard kernel is used: TANDEM_RK4_FUSED_ROTATION as "all"
+    (or 1), "none" (or 0: the row kernel launched for every rotation) or a
+    comma-separated list of sites; DEFAULT_FUSED_ROTATION when unset."""
+    value = os.environ.get(FUSED_ROTATION_ENV, "").strip()
+    if value == "":
+        return DEFAULT_FUSED_ROTATION
+    if value in ("1", "all"):
+        return frozenset(FUSED_ROTATION_SITES)
+    if value in ("0", "none"):
+        return frozenset()
+    sites = frozenset(part.strip() for part in value.split(","))
+    if not sites <= set(FUSED_ROTATION_SITES):
+        raise ValueError(f"{FUSED_ROTATION_ENV}={value!r}: give all, none or a comma-separated "
+                         f"list of {', '.join(FUSED_ROTATION_SITES)}")
+    return sites
+
+
 def _hadamard_kernels():
     # Imported on first use, like _kernels().
     from engine.kv import hadamard_kernels
@@ -506,8 +536,9 @@ class _SeededRotation:
             self._rotations[key] = rotation.rotation_matrix(head_dim, self.seed, device)
         return self._rotations[key]
 
-    def _hadamard_signs(self, head_dim: int, device: torch.device) -> torch.Tensor:
-        """R's seeded ±1 vector, fp32: all the kernel needs of R."""
+    def rotation_signs(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """R's seeded ±1 vector, fp32: all a kernel needs of R (a power-of-two
+        head_dim, where rotates_in_kernels holds)."""
         key = (head_dim, str(device))
         if key not in self._signs:
             self._signs[key] = rotation.hadamard_signs(head_dim, self.seed).to(
@@ -520,6 +551,14 @@ class _SeededRotation:
                 and _hadamard_kernels().supports_dim(x.shape[-1])
                 and hadamard_kernel_wanted())
 
+    def rotates_in_kernels(self, x: torch.Tensor, site: str,
+                           use_triton: bool | None = None) -> bool:
+        """Whether the kernel at `site` (FUSED_ROTATION_SITES) applies the
+        rotation itself: x on the Triton path with the Hadamard kernel, and
+        the site among fused_rotation_sites()."""
+        return (getattr(self, "rotate", True) and self._uses_hadamard_kernel(x, use_triton)
+                and site in fused_rotation_sites())
+
     def _rotate_rows(self, x: torch.Tensor, inverse: bool, out_dtype: torch.dtype,
                      use_triton: bool | None = None) -> torch.Tensor:
         """x @ R (inverse: x @ R.T) over the last dim, computed in fp32 and
@@ -527,7 +566,7 @@ class _SeededRotation:
         nearest even, as .to() does); other dtypes go through fp32."""
         head_dim = x.shape[-1]
         if self._uses_hadamard_kernel(x, use_triton):
-            signs = self._hadamard_signs(head_dim, x.device)
+            signs = self.rotation_signs(head_dim, x.device)
             direct = out_dtype in (torch.float32, torch.bfloat16)
             out = _hadamard_kernels().hadamard_rotate_rows(
                 x, signs, inverse, out_dtype if direct else torch.float32)
@@ -611,6 +650,10 @@ class RotatedInt4Format(_SeededRotation, KVFormat):
 
     def _write_pair_triton(self, buffers, slots, k, v) -> bool:
         self._check_head_dim(k.shape[-1])
+        if self.rotates_in_kernels(k, "write", use_triton=True):
+            _kernels().rk4_rotate_write_kv(k, v, self.rotation_signs(k.shape[-1], k.device),
+                                           slots, buffers, self.block, self.scale_format)
+            return True
         _kernels().rk4_write_kv(self.to_stored_space(k, use_triton=True),
                                 self.to_stored_space(v, use_triton=True), slots, buffers,
                                 self.block, self.scale_format)

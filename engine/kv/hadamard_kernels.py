@@ -9,7 +9,9 @@ decode) by one PDL launch that reads and writes each row once.
 
 It must not know formats, pages or which tensors get rotated (formats.py's
 _SeededRotation decides that), nor how the signs are made (rotation.py):
-it takes the sign vector as given.
+it takes the sign vector as given. The butterflies are fwht.py's, shared
+with the kernels that rotate in place of this one (rk4's write, attention
+and split combine).
 
 Bitwise contract: the result equals rotation.hadamard_rotate(x, signs,
 inverse) (rounded to bf16 to nearest even when asked), because the kernel
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kv.fwht import rotate_rows
 from engine.kv.kernels import _load_dense, _store_dense, as_kernel_dense
 from engine.kv.rotation import hadamard_scale, is_power_of_two
 from engine.pdl import pdl_launch, pdl_prologue
@@ -42,24 +45,6 @@ def supports_dim(head_dim: int) -> bool:
     return is_power_of_two(head_dim) and MIN_DIM <= head_dim <= MAX_DIM
 
 
-@triton.jit
-def _butterfly_stage(x, ROWS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr):
-    """One FWHT stage: index i (bit HALF clear) and i + HALF become (a + b, a - b).
-    The pair axis is moved last so tl.split can take it apart."""
-    pairs = tl.permute(tl.reshape(x, (ROWS, D // (2 * HALF), 2, HALF)), (0, 1, 3, 2))
-    a, b = tl.split(pairs)
-    joined = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-    return tl.reshape(joined, (ROWS, D))
-
-
-@triton.jit
-def _fwht(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """x @ H over each row, stages in rotation.fwht's order."""
-    for stage in tl.static_range(LOG2_D):
-        x = _butterfly_stage(x, ROWS, D, 1 << stage)
-    return x
-
-
 @triton.jit(do_not_specialize=("n_rows",))
 def _hadamard_rows_kernel(x_ptr, signs_ptr, out_ptr, n_rows, x_row_stride,
                           D: tl.constexpr, LOG2_D: tl.constexpr, ROWS: tl.constexpr,
@@ -73,12 +58,7 @@ def _hadamard_rows_kernel(x_ptr, signs_ptr, out_ptr, n_rows, x_row_stride,
     mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
     x = _load_dense(x_ptr, rows[:, None] * x_row_stride + cols[None, :], mask, X_BF16_BITS)
     signs = tl.load(signs_ptr + cols)[None, :]
-    if INVERSE:
-        x = x * signs
-    y = _fwht(x, ROWS, D, LOG2_D)
-    if not INVERSE:
-        y = y * signs
-    y = y * SCALE
+    y = rotate_rows(x, signs, ROWS, D, LOG2_D, SCALE, INVERSE)
     _store_dense(out_ptr, rows[:, None] * D + cols[None, :], y, mask, OUT_BF16_BITS)
 
 

@@ -2,9 +2,10 @@
 
 Owns the device side of formats.py: quantize-and-scatter of new tokens into
 their page slots, and gather-and-dequantize of a page table into a dense
-[length, H, D] tensor, for int8 and rk4. The rk4 rotation is done by the
-caller (formats.py: a torch matmul, or hadamard_kernels.py's FWHT); these
-kernels see the stored space only.
+[length, H, D] tensor, for int8 and rk4. The rk4 rotation is the caller's
+(formats.py: a torch matmul, or hadamard_kernels.py's FWHT), except in
+rk4_rotate_write_kv, which applies fwht.rotate_rows to K and V itself;
+every other kernel sees the stored space only.
 
 Each kernel mirrors the reference in formats.py operation for operation, so
 codes and scales come out bit-identical:
@@ -28,6 +29,8 @@ import triton
 import triton.language as tl
 
 from engine.kv import formats
+from engine.kv.fwht import rotate_rows
+from engine.kv.rotation import hadamard_scale
 from engine.pdl import pdl_launch, pdl_prologue
 
 # rk4p's e5m3 K step (formats.k_step_encode), as constants kernels may read.
@@ -287,17 +290,31 @@ def _rk4_write_kernel(k_ptr, v_ptr, slots_ptr, k_codes_ptr, k_scales_ptr, v_code
 def _rk4_write_rows(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
                     ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr, E8M0: tl.constexpr,
                     ROWS: tl.constexpr):
-    # A row is one block of 2 * HALF channels, loaded contiguously and split
-    # into even and odd channels: they go to the low and high nibbles of the
-    # same byte. Rows whose slot is >= slot_limit are skipped (rk4p: tokens
-    # of staging pages).
+    # A row is one block of 2 * HALF channels, loaded contiguously.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
-    row_ok = row_ok & (slot < slot_limit)
+    row_ok, slot = _rk4_row_slots(rows, n_rows, slots_ptr, slot_limit, ROWS_PER_TOKEN)
     channels = tl.arange(0, 2 * HALF)
     x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + channels[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
+    _rk4_quantize_rows(x, rows, row_ok, slot, codes_ptr, scales_ptr, ROWS_PER_TOKEN, HALF, E8M0,
+                       ROWS)
+
+
+@triton.jit
+def _rk4_row_slots(rows, n_rows, slots_ptr, slot_limit, ROWS_PER_TOKEN: tl.constexpr):
+    """(rows to store, their token's slot): rows past n_rows or whose slot is
+    >= slot_limit (rk4p: tokens of staging pages) are skipped."""
+    row_ok = rows < n_rows
+    slot = tl.load(slots_ptr + rows // ROWS_PER_TOKEN, mask=row_ok, other=0)
+    return row_ok & (slot < slot_limit), slot
+
+
+@triton.jit
+def _rk4_quantize_rows(x, rows, row_ok, slot, codes_ptr, scales_ptr,
+                       ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr, E8M0: tl.constexpr,
+                       ROWS: tl.constexpr):
+    """Blocks x [ROWS, 2 * HALF] (fp32, stored space) quantized and stored:
+    even and odd channels go to the low and high nibbles of the same byte."""
     x_even, x_odd = tl.split(tl.reshape(x, (ROWS, HALF, 2)))
     pairs = tl.arange(0, HALF)
     mask = row_ok[:, None] & (pairs < HALF)[None, :]
@@ -317,6 +334,42 @@ def _rk4_write_rows(x_ptr, slots_ptr, codes_ptr, scales_ptr, n_rows, slot_limit,
     dst = slot * ROWS_PER_TOKEN + rows % ROWS_PER_TOKEN
     tl.store(codes_ptr + dst[:, None] * HALF + pairs[None, :], packed, mask=mask)
     tl.store(scales_ptr + dst, stored_scale, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=("n_head_rows",))
+def _rk4_rotate_write_kernel(k_ptr, v_ptr, k_token_stride, v_token_stride, signs_ptr, slots_ptr,
+                             k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr, n_head_rows,
+                             slot_limit, H: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, SCALE: tl.constexpr,
+                             HEAD_ROWS: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
+                             HALF: tl.constexpr, E8M0: tl.constexpr, X_BF16: tl.constexpr,
+                             PDL: tl.constexpr):
+    """rk4_write_kv with the rotation folded in: HEAD_ROWS (token, head) rows
+    of K (grid axis 1 = 0) or V (= 1) as the model made them, rotated in
+    registers (fwht.rotate_rows, bitwise hadamard_kernels' rotation to fp32),
+    then quantized block by block as _rk4_write_rows does. A decode step
+    rotated K and V in two launches of their own before this one."""
+    pdl_prologue(PDL)
+    head_rows = tl.program_id(0).to(tl.int64) * HEAD_ROWS + tl.arange(0, HEAD_ROWS)
+    cols = tl.arange(0, D)
+    mask = (head_rows < n_head_rows)[:, None] & (cols < D)[None, :]
+    token, head = head_rows // H, head_rows % H
+    signs = tl.load(signs_ptr + cols)[None, :]
+    BLOCKS: tl.constexpr = HEAD_ROWS * D // (2 * HALF)
+    rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    row_ok, slot = _rk4_row_slots(rows, n_head_rows * (D // (2 * HALF)), slots_ptr, slot_limit,
+                                  ROWS_PER_TOKEN)
+    if tl.program_id(1) == 0:
+        offsets = (token * k_token_stride + head * D)[:, None] + cols[None, :]
+        x = rotate_rows(_load_dense(k_ptr, offsets, mask, X_BF16), signs, HEAD_ROWS, D, LOG2_D,
+                        SCALE, False)
+        _rk4_quantize_rows(tl.reshape(x, (BLOCKS, 2 * HALF)), rows, row_ok, slot, k_codes_ptr,
+                           k_scales_ptr, ROWS_PER_TOKEN, HALF, E8M0, BLOCKS)
+    else:
+        offsets = (token * v_token_stride + head * D)[:, None] + cols[None, :]
+        x = rotate_rows(_load_dense(v_ptr, offsets, mask, X_BF16), signs, HEAD_ROWS, D, LOG2_D,
+                        SCALE, False)
+        _rk4_quantize_rows(tl.reshape(x, (BLOCKS, 2 * HALF)), rows, row_ok, slot, v_codes_ptr,
+                           v_scales_ptr, ROWS_PER_TOKEN, HALF, E8M0, BLOCKS)
 
 
 @triton.jit(do_not_specialize=("n_rows",))
@@ -363,6 +416,35 @@ def rk4_write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
     _launch_rk4_write([(k, buffers["k_codes"], buffers["k_scales"]),
                        (v, buffers["v_codes"], buffers["v_scales"])],
                       slots, block, scale_format, None)
+
+
+def rk4_rotate_write_kv(k: torch.Tensor, v: torch.Tensor, signs: torch.Tensor,
+                        slots: torch.Tensor, buffers: dict[str, torch.Tensor], block: int,
+                        scale_format: str) -> None:
+    """rk4_write_kv of k @ R and v @ R (R = H diag(signs) / sqrt(D), D a power
+    of two) from k, v [T, H, D] as they are (bf16, fp16 or fp32), rotating in
+    the same launch: what rk4_write_kv(hadamard_rotate_rows(k, signs, False),
+    hadamard_rotate_rows(v, ...), ...) stores, bit for bit."""
+    tokens, heads, head_dim = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"rk4_rotate_write_kv: k {tuple(k.shape)} {k.dtype} and v "
+                         f"{tuple(v.shape)} {v.dtype} must agree")
+    n_head_rows = tokens * heads
+    if n_head_rows == 0:
+        return
+    # a token's heads packed (v may be a view into the fused projection)
+    k, v = (x if x.stride(-1) == 1 and x.stride(1) == head_dim else x.contiguous()
+            for x in (k, v))
+    head_rows = _rows_per_program(head_dim)
+    (k_arg, bf16), (v_arg, _) = as_kernel_dense(k), as_kernel_dense(v)
+    codes = buffers["k_codes"]
+    _rk4_rotate_write_kernel[(triton.cdiv(n_head_rows, head_rows), 2)](
+        k_arg, v_arg, k.stride(0), v.stride(0), signs.contiguous(),
+        slots.to(torch.int64).contiguous(), codes, buffers["k_scales"], buffers["v_codes"],
+        buffers["v_scales"], n_head_rows, codes.shape[0] * codes.shape[1], H=heads, D=head_dim, LOG2_D=head_dim.bit_length() - 1,
+        SCALE=hadamard_scale(head_dim), HEAD_ROWS=head_rows,
+        ROWS_PER_TOKEN=heads * (head_dim // block), HALF=block // 2,
+        E8M0=scale_format == "e8m0", X_BF16=bf16, **pdl_launch(k.device))
 
 
 def _launch_rk4_write(sides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
