@@ -44,8 +44,31 @@ from engine.gdn import causal_conv1d, l2_normalize, recurrent_gated_delta_rule
 from engine.kv.kernels import _load_dense, _store_dense
 from engine.kv.kernels import as_kernel_dense as _as_kernel
 from engine.pdl import pdl_launch, pdl_prologue
+from engine.switches import one_of
 
 MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
+
+# Tile widths of the decode/verify steps: how many programs a step's GDN
+# layer spreads over (27B at batch 1: 80 conv programs of 128 channels, 192
+# recurrence programs of 32 value columns). Both kernels are latency bound
+# there; the A/B overrides below found no width faster on the H200 (conv
+# 64/128/256, columns 16/32/64: every rk4 step within 0.1 ms, 2026-12-03
+# 16:30, BENCHMARKS.md). Any width computes the same values (programs own
+# disjoint channels or columns).
+CONV_BLOCK_ENV = "TANDEM_GDN_CONV_BLOCK"
+BLOCK_V_ENV = "TANDEM_GDN_BLOCK_V"
+
+
+def conv_block_c() -> int:
+    """Channels per conv-step program: 128, or TANDEM_GDN_CONV_BLOCK."""
+    return one_of(CONV_BLOCK_ENV, 128, (32, 64, 128, 256))
+
+
+def recurrence_block_v(dv: int) -> int:
+    """Value columns per recurrence-step program: 32 (at most dv, a power
+    of two), or TANDEM_GDN_BLOCK_V."""
+    width = triton.next_power_of_2(dv)
+    return min(one_of(BLOCK_V_ENV, 32, (8, 16, 32, 64, 128)), width)
 
 
 def fits(max_new_tokens: int) -> bool:
@@ -116,7 +139,7 @@ def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_str
 
 def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
               offsets: torch.Tensor, positions: torch.Tensor, in_slots: torch.Tensor,
-              write_slots: torch.Tensor, max_tokens: int, block_c: int = 128,
+              write_slots: torch.Tensor, max_tokens: int, block_c: int | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """mixed [T, C] (rows of each sequence's new tokens); windows [S, C, K-1]
     updated at the write slots; weight [C, K]; offsets [B+1] int32; positions
@@ -132,6 +155,7 @@ def conv_step(mixed: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor,
     if out is None:
         out = torch.empty(tokens, channels, dtype=mixed.dtype, device=mixed.device)
     (x, x_bf16), (win, win_bf16), (w, w_bf16) = map(_as_kernel, (mixed, windows, weight))
+    block_c = block_c or conv_block_c()
     grid = (in_slots.shape[0], triton.cdiv(channels, block_c))
     _conv_step_kernel[grid](
         x, mixed.stride(0), win, windows.stride(0), windows.stride(1), w, _as_kernel(out)[0],
@@ -398,7 +422,7 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     if out is None:
         out = torch.empty(tokens, heads, dv, dtype=v.dtype, device=v.device)
     if block_v is None:
-        block_v = min(32, triton.next_power_of_2(dv))
+        block_v = recurrence_block_v(dv)
     (q_, x_bf16), (k_, _), (v_, _) = map(_as_kernel, (q, k, v))
     (a_, g_bf16), (b_, _) = map(_as_kernel, (a, b))
     (a_log_, a_log_bf16), (dt_bias_, dt_bf16) = map(_as_kernel, (a_log, dt_bias))

@@ -65,3 +65,19 @@ if [ "$1" = 4 ]; then
     done
   done
 fi
+# Call 5: the GDN decode steps' tile widths (bench.ablate_step, 15:58: the
+#   recurrence step's kernels cost up to 0.37 ms of the int4 step, the conv
+#   step's 0.25): conv channels per program (TANDEM_GDN_CONV_BLOCK, 128) and
+#   recurrence value columns (TANDEM_GDN_BLOCK_V, 32), alternating.
+if [ "$1" = 5 ]; then
+  STEP_TAIL=3 step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/test_gdn_kernels.py
+  for i in 1 2; do
+    for cfg in 128:32 64:32 256:32 128:16 128:64; do
+      conv=${cfg%:*} cols=${cfg#*:}
+      STEP_TAIL=3 TANDEM_GDN_CONV_BLOCK=$conv TANDEM_GDN_BLOCK_V=$cols step \
+        "gdn_c${conv}_v${cols}_$i" 100 python3 -m bench.decode --model $M --device cuda \
+        --kv-format rk4 --batch 1 --context 4096 131072 --steps 16
+    done
+  done
+fi

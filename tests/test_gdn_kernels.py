@@ -195,6 +195,45 @@ def test_recurrence_step_matches_reference(counts, verify, dtype):
     assert not states[sorted(written)].isnan().any()
 
 
+def test_tile_width_overrides_change_no_value(monkeypatch):
+    """TANDEM_GDN_CONV_BLOCK / TANDEM_GDN_BLOCK_V only regroup programs:
+    outputs and written slots are bitwise those of the default widths, and
+    a width they do not offer is an error naming the variable."""
+    counts, verify = (4, 1, 3), True
+    gen = torch.Generator().manual_seed(3)
+    channels, k_heads, v_heads, dk, dv = 2 * 2 * 16 + 4 * 32, 2, 4, 16, 32
+    mixed = torch.randn(sum(counts), channels, generator=gen).to(DEVICE)
+    weight = (torch.randn(channels, 4, generator=gen) * 0.5).to(DEVICE)
+    ab = torch.randn(sum(counts), 2 * v_heads, generator=gen).to(DEVICE)
+    a_log, dt_bias = torch.randn(v_heads, generator=gen).to(DEVICE), torch.zeros(v_heads,
+                                                                                device=DEVICE)
+    windows0 = _poisoned_slots((channels, 3), torch.float32, IN_SLOTS[1], gen)
+    states0 = _poisoned_slots((v_heads, dk, dv), torch.float32, IN_SLOTS[1], gen)
+    layout = _layout(counts, STARTS, IN_SLOTS, verify)
+
+    def step():
+        windows, states = windows0.clone(), states0.clone()
+        conv = gdn_kernels.conv_step(mixed, windows, weight, *layout, max(counts),
+                                     out=torch.full_like(mixed, float("nan")))
+        q, k, v = conv.split((k_heads * dk, k_heads * dk, v_heads * dv), dim=-1)
+        v = v.view(-1, v_heads, dv)
+        out = gdn_kernels.recurrence_step(
+            q.view(-1, k_heads, dk), k.view(-1, k_heads, dk), v, ab[:, :v_heads],
+            ab[:, v_heads:], a_log, dt_bias, states, *layout, max(counts),
+            out=torch.full_like(v, float("nan")))
+        return conv, windows, out, states
+
+    default = step()
+    for conv_block, block_v in (("32", "8"), ("256", "64")):
+        monkeypatch.setenv(gdn_kernels.CONV_BLOCK_ENV, conv_block)
+        monkeypatch.setenv(gdn_kernels.BLOCK_V_ENV, block_v)
+        for got, want in zip(step(), default):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    monkeypatch.setenv(gdn_kernels.BLOCK_V_ENV, "48")
+    with pytest.raises(ValueError, match="TANDEM_GDN_BLOCK_V='48'"):
+        gdn_kernels.recurrence_block_v(128)
+
+
 def test_out_of_range_token_counts_are_refused():
     offsets, positions, in_slots, writes = _layout((1,), (0,), (0,), False)
     x = torch.zeros(1, 8, device=DEVICE)
