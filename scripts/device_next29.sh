@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU session of 2026-12-03 13:27-14:31, all six calls run (BENCHMARKS.md,
-# "the agent loop's slow last turn was the profiler's"; next: device_next30.sh).
+# "the agent loop's slow last turn was the profiler's"; next: device_next32.sh, which took
+# over the plan of device_next30.sh, never run).
 # (The checkout was new: the MTP corpus of
 # .device/ was lost, so the head's training waits for answers generated on the
 # CPU meanwhile and runs last, in its own chain: scripts/device_chain_mtp.sh).

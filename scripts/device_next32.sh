@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Next GPU session (after 2026-12-03 16:25; device_next30.sh's plan, not run
-# then, carried over). Chain three calls so the GGUF's parts meet on the
+# Next GPU session (after 2026-12-03 16:33; the plan of device_next30.sh, never run
+# and removed, carried over). Chain three calls so the GGUF's parts meet on the
 # machine (scripts/device_chain_mtp.sh carries one each):
 #   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next32.sh 1   (part aa)
 #   bash scripts/device_chain_mtp.sh 2 bash scripts/device_next32.sh 2   (part ab)
