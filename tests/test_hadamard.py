@@ -340,6 +340,27 @@ def test_attention_with_the_kernel_matches_reference(name, monkeypatch, kernel_c
                 assert fused.dtype == q_dtype and torch.equal(fused, apart)
 
 
+@needs_triton
+def test_a_prefill_chunk_keeps_the_row_kernel_for_q(monkeypatch, kernel_calls):
+    """Past ROTATE_Q_MAX_NEW_TOKENS new tokens q is rotated once by the row
+    kernel (each key split would rotate it again); the output still goes
+    back through the combine. The bits are the same either way."""
+    from engine.kv.attention import ROTATE_Q_MAX_NEW_TOKENS
+    from tests.test_attention import build_case
+
+    monkeypatch.setenv(F.HADAMARD_KERNEL_ENV, "1")
+    fmt = make_format("rk4", use_triton=True)
+    new = ROTATE_Q_MAX_NEW_TOKENS + 1
+    buffers, q, meta = build_case(fmt, [(40, new)], q_heads=4, kv_heads=2, head_dim=64,
+                                  page_size=16, q_dtype=torch.bfloat16, seed=11)
+    outs = []
+    for sites in ("all", "none"):
+        monkeypatch.setenv(F.FUSED_ROTATION_ENV, sites)
+        outs.append(paged_attention_triton(fmt, buffers, q, meta, 64 ** -0.5, num_splits=2))
+    assert kernel_calls == [False] + [False, True]
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_fused_rotation_sites_switch(monkeypatch):
     """TANDEM_RK4_FUSED_ROTATION: all / none (1 / 0) or a list of sites;
     anything else is an error that lists them."""

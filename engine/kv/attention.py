@@ -386,6 +386,11 @@ def kernel_output(shape: torch.Size, dtype: torch.dtype, device: torch.device) -
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# New tokens per sequence up to which rk4's attention kernel rotates q itself
+# (decode, and verify's k + 1 <= 5 with room).
+ROTATE_Q_MAX_NEW_TOKENS = 8
+
+
 def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                            meta: AttentionMetadata, softmax_scale: float,
                            num_splits: int | None = None, rotary=None,
@@ -401,8 +406,12 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
     # rk4: attention runs in the stored space, in fp32 so the rotation adds no
     # rounding of its own: (q R).(k R) = q.k and softmax(.) (V R) = out R.
     # rk4p rotates V only: q as is, the output un-rotated.
-    # rk4's channel-pair program can rotate q as it loads it (one launch fewer)
+    # rk4's channel-pair program can rotate q as it loads it (one launch
+    # fewer). Every key split of the launch rotates its rows again: free for
+    # decode's and verify's few rows, real work over a prefill chunk's
+    # thousands, which keep the row kernel.
     kernel_rotates_q = (rotated and q.dtype in (torch.float32, torch.bfloat16)
+                        and meta.max_new_tokens <= ROTATE_Q_MAX_NEW_TOKENS
                         and K.rotates_q_in_kernel(kind_args[0], q.shape[-1])
                         and fmt.rotates_in_kernels(q, "query"))
     q_in = fmt.to_stored_space(q).contiguous() if rotated and not kernel_rotates_q \
