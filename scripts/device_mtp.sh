@@ -35,6 +35,7 @@ if [ "${OLD_HEAD:-1}" = 1 ]; then  # the shipped head on the held-out prompts, b
     --new-tokens 96 --json "$OUT/spec_old_head.json" 2>&1 | tail -3
 fi
 # BATCH_SAMPLES=N packs N samples per step (default 8); SOFT=0 trains on greedy labels;
+# TARGET_T=T the soft targets' temperature (default 1.0);
 # VARIED=N adds N naturally phrased prompts (prompts.varied_prompts); MAX_PROMPTS=N keeps
 # only the first N templated ones
 # BUDGETS="60 150": one head per training budget on the same corpus; the one
@@ -47,6 +48,7 @@ for budget in ${BUDGETS:-$BUDGET}; do
   fi
   python -m tandem.cli train-mtp --device cuda --max-batch 128 --samples-per-prompt "$SAMPLES" \
     --batch-samples "${BATCH_SAMPLES:-8}" $([ "${SOFT:-1}" = 0 ] && echo --no-soft-targets) \
+    --target-temperature "${TARGET_T:-1.0}" \
     --new-tokens "$NEW" --time-budget "$budget" --corpus "$CORPUS" --self-instruct "$SELF_INSTRUCT" \
     --varied "${VARIED:-0}" $([ -n "${MAX_PROMPTS:-}" ] && echo --max-prompts "$MAX_PROMPTS") \
     --out "$OUT/head_$budget.safetensors" 2>&1 | grep -v "^train-mtp: step" \

@@ -15,6 +15,11 @@
 #   13:31's int8 run had the profiler on turns 9 and 19).
 # Call 3: the MTP head for 420 s on the 14:31 corpus: the 270 s head moved chat
 #   1.66 -> 1.74 and cost code 2.33 -> 2.16 (H200 benchmark); is it the budget?
+#   Then, if the session has the time, the same with sharpened soft targets
+#   (TARGET_T=0.5 VARIED=5000 BUDGETS=270 bash scripts/device_chain_mtp.sh 3):
+#   greedy acceptance needs only the base's argmax, and T=1 spends a
+#   one-layer head on the distribution's tail. Judge on the dev set first
+#   (bench.mtp_gap --prompts dev on the CPU), as README's train-mtp says.
 set -uo pipefail
 M=qwen3.5-27b
 source scripts/device_env.sh

@@ -112,6 +112,9 @@ def _add_train_mtp(sub) -> None:
     p.add_argument("--soft-targets", action=argparse.BooleanOptionalAction, default=True,
                    help="train on the base's whole next-token distribution (default), "
                         "or with --no-soft-targets on its greedy token")
+    p.add_argument("--target-temperature", type=float, default=1.0,
+                   help="temperature of the soft targets (default 1.0; below 1 sharpens them "
+                        "toward the base's greedy token, which greedy acceptance checks)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -131,7 +134,8 @@ def _run_train_mtp(args) -> int:
                           seed=args.seed, max_batch=args.max_batch, max_prompts=args.max_prompts,
                           corpus_path=args.corpus, self_instruct=args.self_instruct,
                           varied=args.varied,
-                          batch_samples=args.batch_samples, soft_targets=args.soft_targets)
+                          batch_samples=args.batch_samples, soft_targets=args.soft_targets,
+                          target_temperature=args.target_temperature)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -220,6 +220,25 @@ def test_soft_targets_are_the_bases_distribution(tiny, corpus):
     assert soft >= entropy - 1e-4 and abs(soft - hard) > 1e-3
 
 
+def test_cold_soft_targets_become_the_greedy_loss(tiny, corpus):
+    """The soft targets' temperature: near 0 the target is the base's argmax,
+    i.e. the greedy labels' cross-entropy; at 1 it is the plain softmax; and
+    a setting out of range is refused."""
+    model = tiny.model
+    e = make_examples(model, corpus)[0]
+    lm_head = model.output_embedding.detach().float()
+    head = init_head(model)
+    with torch.no_grad():
+        hard = float(_unrolled_loss(model, head, lm_head, e, 2))
+        cold = float(_unrolled_loss(model, head, lm_head, e, 2, True, temperature=1e-4))
+        plain = float(_unrolled_loss(model, head, lm_head, e, 2, True))
+        warm = float(_unrolled_loss(model, head, lm_head, e, 2, True, temperature=1.0))
+    assert abs(cold - hard) < 1e-4 * max(1.0, hard)
+    assert plain == warm and abs(plain - hard) > 1e-3
+    with pytest.raises(ValueError, match="target temperature"):
+        TrainConfig(target_temperature=0.0)
+
+
 def test_speculation_steps_jump_over_accepted_runs():
     """The loop keeps each step's run of correct drafts plus the target's
     token and starts the next chain after them; drafts never pass the answer's

@@ -74,12 +74,19 @@ class TrainConfig:
     # targets: the base's greedy token (cross-entropy), or its whole
     # distribution over the loss vocabulary (soft_targets)
     soft_targets: bool = True
+    # the soft targets' temperature: softmax(base logits / T). Greedy
+    # acceptance needs only the base's argmax, so T < 1 spends less of a
+    # one-layer head on the distribution's tail (T -> 0 is the greedy loss)
+    target_temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
                 or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10) \
                 or self.self_instruct < 0 or self.batch_samples < 1 or self.varied < 0:
             raise ValueError(f"train-mtp: bad settings {self}")
+        if not 0.0 < self.target_temperature <= 4.0:
+            raise ValueError(f"train-mtp: the target temperature must be in (0, 4], got "
+                             f"{self.target_temperature}")
 
 
 def _log(message: str) -> None:
@@ -417,7 +424,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
             for g in opt.param_groups:  # cosine decay over the time budget
                 g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
             example = pack_examples(training[first:first + cfg.batch_samples])
-            loss = _unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets)
+            loss = _unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets,
+                                  cfg.target_temperature)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -435,11 +443,12 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
 
 
 def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
-                   soft_targets: bool = False):
+                   soft_targets: bool = False, temperature: float = 1.0):
     """Depth r pairs (pairs_at_depth), weighted 1, 1/2, 1/4, ...: cross-entropy
     against the base's greedy choice, or with soft_targets against its whole
-    distribution over lm_head's rows (the base's logits are its normed final
-    hidden times the same rows, so no teacher output is stored)."""
+    distribution over lm_head's rows at `temperature` (the base's logits are
+    its normed final hidden times the same rows, so no teacher output is
+    stored)."""
     total, weight_sum = 0.0, 0.0
     h = example.hidden[:-1]
     for r in range(1, depth + 1):
@@ -452,7 +461,8 @@ def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
                            pairs.mask)
         logits = F.linear(out, lm_head)
         if soft_targets:
-            target = F.softmax(F.linear(example.hidden[r:r + pairs.n], lm_head), dim=-1)
+            target = F.softmax(F.linear(example.hidden[r:r + pairs.n], lm_head) / temperature,
+                               dim=-1)
             per_pair = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
             loss = per_pair[labelled].mean()
         else:
