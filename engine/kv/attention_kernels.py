@@ -12,9 +12,11 @@ keys are split NUM_SPLITS ways (flash-decoding): each split writes a
 normalised partial output and its log-sum-exp, and `_combine_splits_kernel`
 merges them. With NUM_SPLITS == 1 (prefill) the program writes the output.
 
-rk4 pages hold K and V in the rotated space (x @ R); the caller rotates the
-query and un-rotates the output (q.k == (q R).(k R), and attention over
-rotated V is out @ R), so the kernel sees the stored space only. A byte
+rk4 pages hold K and V in the rotated space (x @ R); the query is rotated
+and the output un-rotated (q.k == (q R).(k R), and attention over rotated V
+is out @ R), by the caller or, where the caller asks (ROTATE_Q,
+rotate_back_signs), by this kernel's q load and the split combine with
+fwht.rotate_rows; the key loop sees the stored space only. A byte
 holds a channel pair, so rk4's program (`_rk4_pairs_program`, every rk4
 launch where the head has 32 channels or more; TANDEM_RK4_PAIRS=0 gives the
 channel-order tiles of `_load_kv` back) keeps even and odd channels apart

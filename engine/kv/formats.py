@@ -27,7 +27,6 @@ scaling, round-half-to-even) and the kernels mirror them step by step.
 from __future__ import annotations
 
 import os
-
 from abc import ABC, abstractmethod
 
 import torch
