@@ -10,7 +10,9 @@
 # Call 1: Nsight Compute on gate_up's prefetching DP4A GEMV and on down (what
 #   their loads wait on now); the int4 step twice; rk4 decode at 4K / 128K with
 #   its rotations folded (the default) and not, alternating, on a third host
-#   (16:11 and 16:22 disagreed at 4K; 128K was 75.4-76.5% folded).
+#   (16:11 and 16:22 disagreed at 4K; 128K was 75.4-76.5% folded); then
+#   transformers' own model of the 27B shape (bench.transformers_floor),
+#   the floor issue 6 names, not yet measured.
 # Call 2: the int8 agent loop with the timeline alone (PROFILE_EVERY=1000;
 #   13:31's int8 run had the profiler on turns 9 and 19).
 # Call 3: the MTP head for 420 s on the 14:31 corpus: the 270 s head moved chat
@@ -34,6 +36,10 @@ case "${1:?call 1 or 2}" in
           --context 4096 131072 --steps 16
       done
     done
+    # issue 6's floor: transformers' own Qwen3.5-27B (fla-core's GDN, bf16),
+    # prefill of 4K and decode after it, never measured on the H200 until now
+    STEP_TAIL=6 step transformers_floor 240 python3 -m bench.transformers_floor \
+      --prompt-tokens 4096 --new-tokens 32 --json "$OUT/transformers_floor.json"
     (cd "$OUT" && tar czf ncu.tgz ncu_*.log && rm ncu_*.log)
     ;;
   2)

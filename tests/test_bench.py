@@ -130,3 +130,24 @@ def test_service_benches_on_one_service(tmp_path):
     assert mem["cached_tokens"] >= 32 and mem["generated"] == 4
     assert {"kvstore", "prefill", "decode", "router"} <= set(mem["peak_bytes"])
     assert json.loads((tmp_path / "m.json").read_text())["total_peak_bytes"] > 0
+
+
+def test_transformers_floor_builds_the_same_shape_and_times_it(tmp_path):
+    """bench.transformers_floor runs transformers' own model of a dummy shape:
+    the same parameter count as tandem's model of it (its MTP head aside),
+    bf16, and positive prefill and decode rates."""
+    from bench import transformers_floor
+
+    model = transformers_floor.build_model("tiny-qwen3.5", torch.device("cpu"))
+    ours = load_model("tiny-qwen3.5", progress=False).model
+    ours_count = sum(p.numel() for name, p in ours.named_parameters()
+                     if not name.startswith("mtp."))
+    assert sum(p.numel() for p in model.parameters()) == ours_count
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    out = tmp_path / "floor.json"
+    assert transformers_floor.main(["--shape", "tiny-qwen3.5", "--device", "cpu",
+                                    "--prompt-tokens", "24", "--new-tokens", "3",
+                                    "--repeats", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["prompt_tokens"] == 24
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
