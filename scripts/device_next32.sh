@@ -40,7 +40,8 @@ case "${1:?call 1 or 2}" in
     # prefill of 4K and decode after it, never measured on the H200 until now
     STEP_TAIL=6 step transformers_floor 240 python3 -m bench.transformers_floor \
       --prompt-tokens 4096 --new-tokens 32 --json "$OUT/transformers_floor.json"
-    (cd "$OUT" && tar czf ncu.tgz ncu_*.log && rm ncu_*.log)
+    # at most 8 files come back from a call: one archive of every log
+    (cd "$OUT" && tar czf call1_logs.tgz ./*.log ./*.json && rm -f ./*.log ./*.json)
     ;;
   2)
     KV=int8 PROFILE_EVERY=1000 AGENT_LIMIT=270 bash scripts/device_agent_loop.sh
