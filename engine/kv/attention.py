@@ -440,12 +440,13 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                        and fmt.rotates_in_kernels(q, "combine"))
     out = kernel_output(q.shape, torch.float32 if rotated and not combine_rotates else q.dtype,
                         q.device)
+    signs = fmt.rotation_signs(q.shape[-1], q.device) \
+        if combine_rotates or kernel_rotates_q else None
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
              tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages,
              tiles.dot_bf16 and q.dtype == torch.bfloat16,
-             fmt.rotation_signs(q.shape[-1], q.device) if combine_rotates else None,
-             fmt.rotation_signs(q.shape[-1], q.device) if kernel_rotates_q else None)
+             signs if combine_rotates else None, signs if kernel_rotates_q else None)
     if rotated and not combine_rotates:
         # fp32 out: the rotation back and the cast to q's dtype in one pass
         return fmt.unrotate_output(out, dtype=q.dtype)

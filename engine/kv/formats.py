@@ -526,6 +526,7 @@ class _SeededRotation:
     head_dim (unless TANDEM_HADAMARD_KERNEL=0), the Hadamard kernel, which never
     builds R (the two agree to fp32 rounding)."""
     seed: int
+    rotate: bool = True  # rk4's ablation turns it off; rk4p always rotates V
     _rotations: dict[tuple[int, str], torch.Tensor]
     _signs: dict[tuple[int, str], torch.Tensor]
 
@@ -555,7 +556,7 @@ class _SeededRotation:
         """Whether the kernel at `site` (FUSED_ROTATION_SITES) applies the
         rotation itself: x on the Triton path with the Hadamard kernel, and
         the site among fused_rotation_sites()."""
-        return (getattr(self, "rotate", True) and self._uses_hadamard_kernel(x, use_triton)
+        return (self.rotate and self._uses_hadamard_kernel(x, use_triton)
                 and site in fused_rotation_sites())
 
     def _rotate_rows(self, x: torch.Tensor, inverse: bool, out_dtype: torch.dtype,

@@ -339,37 +339,46 @@ def _rk4_quantize_rows(x, rows, row_ok, slot, codes_ptr, scales_ptr,
 @triton.jit(do_not_specialize=("n_head_rows",))
 def _rk4_rotate_write_kernel(k_ptr, v_ptr, k_token_stride, v_token_stride, signs_ptr, slots_ptr,
                              k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr, n_head_rows,
-                             slot_limit, H: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr, SCALE: tl.constexpr,
+                             slot_limit, H: tl.constexpr, D: tl.constexpr,
+                             LOG2_D: tl.constexpr, SCALE: tl.constexpr,
                              HEAD_ROWS: tl.constexpr, ROWS_PER_TOKEN: tl.constexpr,
                              HALF: tl.constexpr, E8M0: tl.constexpr, X_BF16: tl.constexpr,
                              PDL: tl.constexpr):
-    """rk4_write_kv with the rotation folded in: HEAD_ROWS (token, head) rows
-    of K (grid axis 1 = 0) or V (= 1) as the model made them, rotated in
-    registers (fwht.rotate_rows, bitwise hadamard_kernels' rotation to fp32),
-    then quantized block by block as _rk4_write_rows does. A decode step
-    rotated K and V in two launches of their own before this one."""
+    """rk4_write_kv with the rotation folded in: K (grid axis 1 = 0) or V
+    (= 1). A decode step rotated K and V in two launches of their own
+    before this one."""
     pdl_prologue(PDL)
+    if tl.program_id(1) == 0:
+        _rk4_rotate_write_rows(k_ptr, k_token_stride, signs_ptr, slots_ptr, k_codes_ptr,
+                               k_scales_ptr, n_head_rows, slot_limit, H, D, LOG2_D, SCALE,
+                               HEAD_ROWS, ROWS_PER_TOKEN, HALF, E8M0, X_BF16)
+    else:
+        _rk4_rotate_write_rows(v_ptr, v_token_stride, signs_ptr, slots_ptr, v_codes_ptr,
+                               v_scales_ptr, n_head_rows, slot_limit, H, D, LOG2_D, SCALE,
+                               HEAD_ROWS, ROWS_PER_TOKEN, HALF, E8M0, X_BF16)
+
+
+@triton.jit
+def _rk4_rotate_write_rows(x_ptr, token_stride, signs_ptr, slots_ptr, codes_ptr, scales_ptr,
+                           n_head_rows, slot_limit, H: tl.constexpr, D: tl.constexpr,
+                           LOG2_D: tl.constexpr, SCALE: tl.constexpr, HEAD_ROWS: tl.constexpr,
+                           ROWS_PER_TOKEN: tl.constexpr, HALF: tl.constexpr,
+                           E8M0: tl.constexpr, X_BF16: tl.constexpr):
+    """HEAD_ROWS (token, head) rows of x as the model made them, rotated in
+    registers (fwht.rotate_rows: bitwise hadamard_kernels' rotation to
+    fp32), then quantized block by block as _rk4_write_rows does."""
     head_rows = tl.program_id(0).to(tl.int64) * HEAD_ROWS + tl.arange(0, HEAD_ROWS)
     cols = tl.arange(0, D)
     mask = (head_rows < n_head_rows)[:, None] & (cols < D)[None, :]
-    token, head = head_rows // H, head_rows % H
-    signs = tl.load(signs_ptr + cols)[None, :]
+    offsets = ((head_rows // H) * token_stride + (head_rows % H) * D)[:, None] + cols[None, :]
+    x = rotate_rows(_load_dense(x_ptr, offsets, mask, X_BF16), tl.load(signs_ptr + cols)[None, :],
+                    HEAD_ROWS, D, LOG2_D, SCALE, False)
     BLOCKS: tl.constexpr = HEAD_ROWS * D // (2 * HALF)
     rows = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     row_ok, slot = _rk4_row_slots(rows, n_head_rows * (D // (2 * HALF)), slots_ptr, slot_limit,
                                   ROWS_PER_TOKEN)
-    if tl.program_id(1) == 0:
-        offsets = (token * k_token_stride + head * D)[:, None] + cols[None, :]
-        x = rotate_rows(_load_dense(k_ptr, offsets, mask, X_BF16), signs, HEAD_ROWS, D, LOG2_D,
-                        SCALE, False)
-        _rk4_quantize_rows(tl.reshape(x, (BLOCKS, 2 * HALF)), rows, row_ok, slot, k_codes_ptr,
-                           k_scales_ptr, ROWS_PER_TOKEN, HALF, E8M0, BLOCKS)
-    else:
-        offsets = (token * v_token_stride + head * D)[:, None] + cols[None, :]
-        x = rotate_rows(_load_dense(v_ptr, offsets, mask, X_BF16), signs, HEAD_ROWS, D, LOG2_D,
-                        SCALE, False)
-        _rk4_quantize_rows(tl.reshape(x, (BLOCKS, 2 * HALF)), rows, row_ok, slot, v_codes_ptr,
-                           v_scales_ptr, ROWS_PER_TOKEN, HALF, E8M0, BLOCKS)
+    _rk4_quantize_rows(tl.reshape(x, (BLOCKS, 2 * HALF)), rows, row_ok, slot, codes_ptr,
+                       scales_ptr, ROWS_PER_TOKEN, HALF, E8M0, BLOCKS)
 
 
 @triton.jit(do_not_specialize=("n_rows",))
@@ -441,8 +450,8 @@ def rk4_rotate_write_kv(k: torch.Tensor, v: torch.Tensor, signs: torch.Tensor,
     _rk4_rotate_write_kernel[(triton.cdiv(n_head_rows, head_rows), 2)](
         k_arg, v_arg, k.stride(0), v.stride(0), signs.contiguous(),
         slots.to(torch.int64).contiguous(), codes, buffers["k_scales"], buffers["v_codes"],
-        buffers["v_scales"], n_head_rows, codes.shape[0] * codes.shape[1], H=heads, D=head_dim, LOG2_D=head_dim.bit_length() - 1,
-        SCALE=hadamard_scale(head_dim), HEAD_ROWS=head_rows,
+        buffers["v_scales"], n_head_rows, codes.shape[0] * codes.shape[1], H=heads, D=head_dim,
+        LOG2_D=head_dim.bit_length() - 1, SCALE=hadamard_scale(head_dim), HEAD_ROWS=head_rows,
         ROWS_PER_TOKEN=heads * (head_dim // block), HALF=block // 2,
         E8M0=scale_format == "e8m0", X_BF16=bf16, **pdl_launch(k.device))
 
