@@ -192,12 +192,15 @@ def gemv_rows(rows_list, device, bandwidth: float, only: list[str] | None = None
 
 
 def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
-          int8_x: bool = False, int8_x_only: bool = False) -> list[dict]:
-    """Every candidate config (x split-K 1/2/4/8) on every shape; the best
-    block config is then retried with 1 and 3 stages. int8_x: the
+          int8_x: bool = False, int8_x_only: bool = False,
+          candidates: list[str] | None = None, splits: tuple[int, ...] = (1, 2, 4, 8)
+          ) -> list[dict]:
+    """Every candidate config (x each split-K of `splits`) on every shape;
+    the best block config is then retried with 1 and 3 stages. int8_x: the
     int8-activation configs too, where they apply (their numerics differ:
     bench.int8_activations); int8_x_only: only those there (the picked
-    config is timed all the same)."""
+    config is timed all the same). candidates: only the block shapes of
+    these names (block_shape_name), beside the picked config."""
     from dataclasses import replace
 
     from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES, _sm_count,
@@ -228,8 +231,10 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
             block_configs = CANDIDATES if rows == 1 else CANDIDATES[1:4] + DOT_CANDIDATES
             if int8_x and takes_int8_x(qt, rows):
                 block_configs = X8_CANDIDATES if int8_x_only else block_configs + X8_CANDIDATES
+            if candidates:
+                block_configs = [c for c in block_configs if block_shape_name(c) in candidates]
             for cfg in block_configs:
-                for split in (1, 2, 4, 8):
+                for split in splits:
                     if -(-n // cfg.block_n) * split > 64 * sms:
                         continue  # far more programs than the GPU holds
                     run(replace(cfg, split_k=split))
@@ -245,9 +250,7 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
                             "rows": rows, "bucket": rows_bucket(rows), "per_step": per_step,
                             "floor_us": floor * 1e6, "picked": picked.key(),
                             "picked_us": picked_s * 1e6, "best": best.key(),
-                            "best_config": [best.block_n, best.block_k, best.split_k,
-                                            best.num_warps, best.num_stages,
-                                            best.tensor_cores, best.prefetch, best.int8_x],
+                            "best_config": config_fields(best),
                             "best_us": best_s * 1e6, "best_roofline": floor / best_s,
                             "top5": [[c.key(), t * 1e6] for t, c in ranked[:5]],
                             "best_cuda_cores": [cuda_cores[0][1].key(), cuda_cores[0][0] * 1e6]
@@ -263,6 +266,25 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
                   f"  {_tuned_line(r)}", file=sys.stderr)
         del copies
     return results
+
+
+def config_fields(cfg) -> list:
+    """A GemvConfig as the sweep's JSON stores it ("best_config"), the order
+    engine.quant.gemv.tuned_from_sweep reads back (TANDEM_GEMV_TUNED)."""
+    return [cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
+            cfg.tensor_cores, cfg.prefetch, cfg.int8_x]
+
+
+def block_shape_name(cfg) -> str:
+    """A candidate's block shape as --candidates names it: x8-n32-k1024-w8-pf."""
+    return (f"{'tc-' if cfg.tensor_cores else ''}{'x8-' if cfg.int8_x else ''}"
+            f"n{cfg.block_n}-k{cfg.block_k}-w{cfg.num_warps}{'-pf' if cfg.prefetch else ''}")
+
+
+def candidate_names() -> list[str]:
+    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES
+
+    return [block_shape_name(c) for c in CANDIDATES + DOT_CANDIDATES + X8_CANDIDATES]
 
 
 def _tuned_line(r: dict) -> str:
@@ -340,11 +362,21 @@ def main(argv: list[str] | None = None) -> int:
                         "float ones, which lost every one-row Q4_K shape on the H200)")
     p.add_argument("--only", nargs="+", default=None, metavar="MATRIX",
                    help="time only these matrices (names as printed, e.g. gate_up 'attn qkv')")
+    p.add_argument("--candidates", nargs="+", default=None, metavar="SHAPE",
+                   help="with --sweep: only these block shapes (e.g. x8-n32-k1024-w8-pf)")
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="with --sweep: the split-K counts each block shape is timed with")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     known = {s[0] for s in model_shapes()}
     if args.only and not set(args.only) <= known:
         print(f"--only takes matrix names among {sorted(known)}", file=sys.stderr)
+        return 2
+    if args.candidates and not set(args.candidates) <= set(candidate_names()):
+        print(f"--candidates takes block shapes among {candidate_names()}", file=sys.stderr)
+        return 2
+    if any(not 1 <= s <= 16 for s in args.splits):
+        print("--splits takes split-K counts 1..16", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("bench.quant needs a CUDA GPU", file=sys.stderr)
@@ -374,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(r['per_step'] * r['floor_us'] for r in sel) / 1e3:.2f} ms, "
               f"{sum(r['per_step'] for r in sel)} launches)")
     swept = sweep(args.rows, device, bandwidth, args.only, args.int8_x or args.int8_x_only,
-                  args.int8_x_only) if args.sweep else None
+                  args.int8_x_only, args.candidates, tuple(args.splits)) if args.sweep else None
     if swept:
         print_sweep(swept)
     decode = decode_27b(args.decode_steps, device) if args.decode_steps else None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU session of 2026-12-03 15:52-16:33, all five calls run (BENCHMARKS.md,
-# "where the decode step's small kernels go"; next: device_next32.sh).
+# "where the decode step's small kernels go"; next: device_next33.sh).
 # Call 1: where the int4 and bf16 steps go now (bench.profile_step with
 #   TANDEM_PDL=0, the only way its kernel times add up; the int4 step had
 #   ~2.5 ms outside its 4.66 ms of GEMVs at 14:31), then the int4 step and

@@ -151,3 +151,23 @@ def test_transformers_floor_builds_the_same_shape_and_times_it(tmp_path):
     (row,) = json.loads(out.read_text())["results"]
     assert row["prompt_tokens"] == 24
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+
+
+def test_gemv_sweep_files_round_trip_and_its_candidates_are_named(tmp_path):
+    """What `bench.quant --sweep --json` stores per shape is what
+    TANDEM_GEMV_TUNED reads back; --candidates names each block shape once
+    and refuses a name it does not know (before it looks for a GPU)."""
+    import json
+
+    from bench.quant import candidate_names, config_fields, main
+    from engine.quant.gemv import GemvConfig, tuned_from_sweep
+
+    cfg = GemvConfig(32, 1024, 4, 8, 3, prefetch=True, int8_x=True)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"sweep": [{"bits": 4, "group": 32, "N": 5120, "K": 6144,
+                                           "bucket": 1, "best_config": config_fields(cfg)}]}))
+    assert tuned_from_sweep(str(path)) == {(4, 32, 5120, 6144, 1): cfg}
+    names = candidate_names()
+    assert len(names) == len(set(names)) and "x8-n32-k1024-w8-pf" in names
+    assert main(["--sweep", "--candidates", "x8-n32-k999-w8"]) == 2
+    assert main(["--sweep", "--splits", "0"]) == 2

@@ -14,7 +14,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K, TUNED,  # noqa: E402
-                               GemvConfig, check_gemv_layout, gemv_x8_reference, pick_config)
+                               TUNED_FILE_ENV, GemvConfig, check_gemv_layout,
+                               gemv_x8_reference, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -167,6 +168,40 @@ def test_picked_one_row_4bit_configs_take_int8_activations_and_the_switch_turns_
     monkeypatch.setenv("TANDEM_GEMV_INT8_X", "1")
     forced = gemv(x, qt)
     torch.testing.assert_close(forced / scale, expected / scale, rtol=0, atol=2e-6)
+
+
+def test_a_sweep_file_overrides_the_picked_config_and_a_bad_one_says_what_to_give(
+        tmp_path, monkeypatch):
+    """TANDEM_GEMV_TUNED names a sweep's JSON (bench.quant --sweep --json):
+    its best config for a shape replaces the pick. Here it names a float
+    config where the pick is DP4A, so the product has the float kernel's
+    numbers; a file without sweep results is a ValueError naming the switch."""
+    import json
+
+    qt = random_quant(40, 512, 4, 32, 256, True, seed=11)
+    x = _activation_with_outliers(512, seed=12)
+    monkeypatch.delenv("TANDEM_GEMV_INT8_X", raising=False)
+    monkeypatch.delenv(TUNED_FILE_ENV, raising=False)
+    assert pick_config(4, 40, 512, 1, 32, 132).int8_x
+    swept = tmp_path / "sweep.json"
+    swept.write_text(json.dumps({"sweep": [
+        {"bits": 4, "group": 32, "N": 40, "K": 512, "bucket": 1,
+         "best_config": [8, 128, 2, 4, 1, False, True, False]}]}))
+    monkeypatch.setenv(TUNED_FILE_ENV, str(swept))
+    assert pick_config(4, 40, 512, 1, 32, 132) == GemvConfig(8, 128, 2, 4, 1, prefetch=True)
+    assert pick_config(4, 48, 512, 1, 32, 132).int8_x  # a shape the file lacks
+    y = gemv(x, qt)
+    torch.testing.assert_close(y, _expected(x, qt), **_tolerance(torch.float32))
+    dp4a = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE)
+    assert (y - dp4a).abs().max() > 1e-3 * dp4a.abs().max()
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"sweep": None}))
+    monkeypatch.setenv(TUNED_FILE_ENV, str(empty))
+    with pytest.raises(ValueError, match=TUNED_FILE_ENV):
+        pick_config(4, 40, 512, 1, 32, 132)
+    monkeypatch.setenv(TUNED_FILE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="cannot read"):
+        pick_config(4, 40, 512, 1, 32, 132)
 
 
 def test_heuristic_picks_dp4a_for_the_27b_one_row_shapes(monkeypatch):

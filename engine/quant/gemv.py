@@ -739,12 +739,17 @@ CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
                                           (16, 1024, 4, True), (32, 1024, 4, True)))
 # The int8-activation (DP4A) kernel's, timed for one row of 4-bit codes in
 # groups of 32.
+# The three 8-warp prefetching shapes (added 2026-12-03 evening) halve a
+# thread's share of the tile: the 4-warp prefetching loop holds 126
+# registers, which caps an SM at four programs (25% occupancy, Nsight Compute
+# on gate_up), and the next tile's words and scales are most of them.
 X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True, prefetch=pf)
                       for bn, bk, nw, pf in ((16, 512, 4, False), (32, 512, 4, False),
                                              (32, 1024, 4, False), (64, 1024, 8, False),
                                              (64, 512, 4, False), (16, 512, 4, True),
                                              (32, 512, 4, True), (16, 1024, 4, True),
-                                             (32, 1024, 4, True)))
+                                             (32, 1024, 4, True), (32, 1024, 8, True),
+                                             (64, 1024, 8, True), (64, 512, 8, True)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -805,11 +810,56 @@ def rows_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+TUNED_FILE_ENV = "TANDEM_GEMV_TUNED"
+
+
+def tuned_from_sweep(path: str) -> dict[tuple[int, int, int, int, int], GemvConfig]:
+    """The best config per shape of a sweep's JSON (`python -m bench.quant
+    --sweep --json PATH`): TUNED for this card without editing the source.
+    A file that is not such a sweep is an error that says what to give."""
+    import json
+
+    try:
+        with open(path) as f:
+            swept = json.load(f).get("sweep")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{TUNED_FILE_ENV}={path!r}: cannot read a sweep's JSON ({exc}); "
+                         f"give the file `python -m bench.quant --sweep --json` wrote") from exc
+    if not isinstance(swept, list) or not swept:
+        raise ValueError(f"{TUNED_FILE_ENV}={path!r} holds no sweep results; run "
+                         f"`python -m bench.quant --sweep --json {path}`")
+    tuned = {}
+    for r in swept:
+        bn, bk, sk, nw, ns, tc, pf, x8 = r["best_config"]
+        tuned[(r["bits"], r["group"], r["N"], r["K"], r["bucket"])] = GemvConfig(
+            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8)
+    return tuned
+
+
+@functools.lru_cache(maxsize=8)
+def _tuned_file(path: str) -> dict[tuple[int, int, int, int, int], GemvConfig]:
+    return tuned_from_sweep(path)
+
+
+def tuned_config(key: tuple[int, int, int, int, int]) -> GemvConfig | None:
+    """The sweep file's config for `key` (TANDEM_GEMV_TUNED names one; read
+    per call, in a CUDA graph at capture), else TUNED's."""
+    import os
+
+    path = os.environ.get(TUNED_FILE_ENV, "")
+    if path:
+        swept = _tuned_file(path).get(key)
+        if swept is not None:
+            return swept
+    return TUNED.get(key)
+
+
 def pick_config(bits: int, n: int, k: int, rows: int, group: int, sms: int) -> GemvConfig:
-    """TUNED if the shape is there; else for one row the block shape and even
-    K split with the fewest loop instructions per weight times the busiest
-    SM's share of programs, and for more rows the tensor-core kernel."""
-    tuned = TUNED.get((bits, group, n, k, rows_bucket(rows)))
+    """The sweep file's or TUNED's config if the shape is there
+    (tuned_config); else for one row the block shape and even K split with
+    the fewest loop instructions per weight times the busiest SM's share of
+    programs, and for more rows the tensor-core kernel."""
+    tuned = tuned_config((bits, group, n, k, rows_bucket(rows)))
     if tuned is not None:
         return tuned
     want = 4 * sms
