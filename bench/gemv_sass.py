@@ -30,7 +30,8 @@ def _compile(config, bits: int, rows: int, pdl: bool = False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from engine.quant.gemv import _gemv_dot_kernel, _gemv_kernel, _gemv_x8_kernel
+    from engine.quant.gemv import (_gemv_dot_kernel, _gemv_kernel, _gemv_x8_kernel,
+                                   _gemv_x8_stream_kernel)
 
     signature = dict(x_ptr="*bf16", qw_ptr="*i32", d_ptr="*fp16", sc_ptr="*i8",
                      dmin_ptr="*fp16", m_ptr="*i8", out_ptr="*bf16", bias_ptr="*bf16",
@@ -39,7 +40,16 @@ def _compile(config, bits: int, rows: int, pdl: bool = False):
     group = 32 if bits == 4 else 16  # Q4_K, Q6_K
     constants = dict(BITS=bits, G=group, S=256, ASYM=bits == 4, HAS_BIAS=False,
                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, ASM=True, PDL=pdl)
-    if config.int8_x:
+    if config.stream_k:
+        # 5 units a program and up to 3 parts a block: down's plan at 4 an SM
+        kernel = _gemv_x8_stream_kernel
+        signature = dict(x_ptr="*bf16", qw_ptr="*i32", d_ptr="*fp16", sc_ptr="*i8",
+                         dmin_ptr="*fp16", m_ptr="*i8", out_ptr="*bf16", part_ptr="*fp32",
+                         counter_ptr="*i32", N="i32", ROW_WORDS="i32", GROUPS="i32",
+                         SUPERS="i32", K_TILES="i32", UNITS="i32")
+        del constants["BITS"], constants["HAS_BIAS"]
+        constants.update(EARLY=pdl, UNITS_PER_PROGRAM=5, MAX_PARTS=3)
+    elif config.int8_x:
         kernel = _gemv_x8_kernel
         for name in ("M", "stride_xm", "stride_om"):
             del signature[name]
@@ -120,12 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[4])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     args = p.parse_args(argv)
-    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES
+    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES, X8_CANDIDATES
 
     table = []
     for bits in args.bits:
         for rows in args.rows:
-            extra = DOT_CANDIDATES if rows > 1 else X8_CANDIDATES if bits == 4 else ()
+            extra = DOT_CANDIDATES if rows > 1 else \
+                X8_CANDIDATES + STREAM_CANDIDATES if bits == 4 else ()
             for config in CANDIDATES + extra:
                 try:
                     table.append(describe(config, bits, rows))

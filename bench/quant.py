@@ -203,8 +203,8 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
     these names (block_shape_name), beside the picked config."""
     from dataclasses import replace
 
-    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES, _sm_count,
-                                   pick_config, rows_bucket, takes_int8_x)
+    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES, X8_CANDIDATES,
+                                   _sm_count, pick_config, rows_bucket, takes_int8_x)
 
     sms = _sm_count(device)
     results = []
@@ -229,10 +229,15 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
             picked_s = timed[picked.key()][0] if picked.key() in timed else float("nan")
             # rows > 1: the CUDA-core loop pays per row, so only its middle sizes
             block_configs = CANDIDATES if rows == 1 else CANDIDATES[1:4] + DOT_CANDIDATES
+            streams = ()
             if int8_x and takes_int8_x(qt, rows):
                 block_configs = X8_CANDIDATES if int8_x_only else block_configs + X8_CANDIDATES
+                streams = STREAM_CANDIDATES
             if candidates:
                 block_configs = [c for c in block_configs if block_shape_name(c) in candidates]
+                streams = [c for c in streams if block_shape_name(c) in candidates]
+            for cfg in streams:  # no split-K: the launch spreads the tiles itself
+                run(cfg)
             for cfg in block_configs:
                 for split in splits:
                     if -(-n // cfg.block_n) * split > 64 * sms:
@@ -272,25 +277,28 @@ def config_fields(cfg) -> list:
     """A GemvConfig as the sweep's JSON stores it ("best_config"), the order
     engine.quant.gemv.tuned_from_sweep reads back (TANDEM_GEMV_TUNED)."""
     return [cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
-            cfg.tensor_cores, cfg.prefetch, cfg.int8_x]
+            cfg.tensor_cores, cfg.prefetch, cfg.int8_x, cfg.stream_k]
 
 
 def block_shape_name(cfg) -> str:
-    """A candidate's block shape as --candidates names it: x8-n32-k1024-w8-pf."""
+    """A candidate's block shape as --candidates names it: x8-n32-k1024-w4-pf,
+    x8-n32-k1024-w4-pf-sk4 (stream-K, 4 programs an SM)."""
     return (f"{'tc-' if cfg.tensor_cores else ''}{'x8-' if cfg.int8_x else ''}"
-            f"n{cfg.block_n}-k{cfg.block_k}-w{cfg.num_warps}{'-pf' if cfg.prefetch else ''}")
+            f"n{cfg.block_n}-k{cfg.block_k}-w{cfg.num_warps}{'-pf' if cfg.prefetch else ''}"
+            f"{f'-sk{cfg.stream_k}' if cfg.stream_k else ''}")
 
 
 def candidate_names() -> list[str]:
-    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, X8_CANDIDATES
+    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES, X8_CANDIDATES
 
-    return [block_shape_name(c) for c in CANDIDATES + DOT_CANDIDATES + X8_CANDIDATES]
+    return [block_shape_name(c)
+            for c in CANDIDATES + DOT_CANDIDATES + X8_CANDIDATES + STREAM_CANDIDATES]
 
 
 def _tuned_line(r: dict) -> str:
-    bn, bk, sk, nw, ns, tc, pf, x8 = r["best_config"]
+    bn, bk, sk, nw, ns, tc, pf, x8, stream = r["best_config"]
     flags = (", tensor_cores=True" if tc else "") + (", prefetch=True" if pf else "") + \
-        (", int8_x=True" if x8 else "")
+        (", int8_x=True" if x8 else "") + (f", stream_k={stream}" if stream else "")
     return (f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
             f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{flags}),"
             f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The GPU session of 2026-12-03 evening (device_next32.sh's plan, never run,
-# folded in). Chain three calls so the GGUF's parts meet on the machine
+# The GPU session of 2026-12-03 18:30-18:55, all calls run, and a fourth:
+# call 3 again with TARGET_T=1.5 BUDGETS=270 (BENCHMARKS.md, "transformers'
+# floor on the 27B shape"; next: device_next34.sh). device_next32.sh's plan,
+# never run, is folded in. Chain three calls so the GGUF's parts meet on the machine
 # (scripts/device_chain_mtp.sh carries one each):
 #   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next33.sh 1   (part aa)
 #   bash scripts/device_chain_mtp.sh 2 bash scripts/device_next33.sh 2   (part ab)

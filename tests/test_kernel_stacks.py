@@ -83,6 +83,11 @@ stacks["attention combine rotating back"] = stack_of(
     dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*i16", signs_ptr="*fp32"),
     dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
          LOG2_D=8, SCALE=hadamard_scale(256), PDL=True))
+# the DP4A GEMV a sweep file (TANDEM_GEMV_TUNED) may pick, stream-K included
+from bench.gemv_sass import describe as describe_gemv
+from engine.quant.gemv import STREAM_CANDIDATES, TUNED
+for config in {c for c in TUNED.values() if c.int8_x} | set(STREAM_CANDIDATES):
+    stacks[f"gemv {config.key()}"] = describe_gemv(config, 4, 1)[4]
 print(json.dumps(stacks))
 """
 
@@ -104,3 +109,9 @@ def stacks() -> dict[str, int]:
                             "attention combine rotating back"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"
+
+
+def test_the_dp4a_gemvs_a_worker_may_run_need_no_stack_on_sm90(stacks):
+    gemvs = {name: stack for name, stack in stacks.items() if name.startswith("gemv ")}
+    assert any("-sk" in name for name in gemvs) and len(gemvs) >= 6
+    assert all(stack <= STACK_BYTES for stack in gemvs.values()), gemvs

@@ -132,6 +132,54 @@ def test_split_fixup_gives_the_sum_kernels_numbers_and_leaves_its_counters_zero(
     assert not split_counters(torch.device(DEVICE)).any()
 
 
+@pytest.mark.parametrize("fmt", X8_FORMATS[:2], ids=["q4_k", "q4_1"])
+@pytest.mark.parametrize("block_n,block_k,stream_k,sms,most_parts", [
+    (8, 128, 1, 5, 2),   # 8 units a program: a whole block, then part of the next
+    (8, 64, 1, 11, 3),   # 12 tiles a block over 7-unit programs, the last one 2 units
+    (8, 64, 3, 5, 4),    # 5-unit programs, the last 2: a block in up to four parts
+    (16, 512, 1, 2, 2),  # a K tail (768 = 512 + 256), N tail, a whole block after a part
+], ids=["whole-then-part", "parts3", "parts4", "k-tail"])
+def test_stream_k_gemv_matches_its_reference_and_leaves_its_counters_zero(
+        fmt, block_n, block_k, stream_k, sms, most_parts, monkeypatch):
+    """The stream-K DP4A launch (GemvConfig.stream_k) against the int8
+    reference, with programs whose runs of K tiles start and end inside
+    output blocks (the partial sums the last arrival adds), an N tail and a
+    K tail, into NaN-poisoned output; a second launch gives the same bits
+    (the parts are added in a fixed order) and the counters end at zero."""
+    from engine.quant.gemv import split_counters, stream_k_plan
+
+    monkeypatch.setattr("engine.quant.gemv._sm_count", lambda device: sms)
+    qt = random_quant(45, 768, *fmt, seed=31)
+    x = _activation_with_outliers(768, seed=32)
+    config = GemvConfig(block_n, block_k, 1, int8_x=True, prefetch=True, stream_k=stream_k)
+    blocks, k_tiles, per_program, programs, max_parts = stream_k_plan(
+        45, 768, block_n, block_k, stream_k, sms)
+    assert max_parts == most_parts
+    expected = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE)
+    scale = expected.abs().max()
+    results = []
+    for _ in range(2):
+        out = torch.full((1, 45), float("nan"), device=DEVICE)
+        y = gemv(x, qt, out=out, config=config)
+        assert y.data_ptr() == out.data_ptr() and not y.isnan().any()
+        torch.testing.assert_close(y / scale, expected / scale, rtol=0, atol=2e-6)
+        results.append(y)
+    assert torch.equal(results[0], results[1])
+    assert not split_counters(torch.device(DEVICE)).any()
+
+
+def test_stream_k_needs_the_dp4a_kernel_and_leaves_bias_to_the_split_launch():
+    with pytest.raises(ValueError, match="stream_k"):
+        GemvConfig(32, 1024, 1, stream_k=4)  # not int8_x
+    qt = random_quant(37, 768, 4, 32, 256, True, seed=33)
+    x = _activation_with_outliers(768, seed=34)
+    bias = torch.randn(37, device=DEVICE)
+    y = gemv(x, qt, bias=bias, config=GemvConfig(8, 128, 1, int8_x=True, stream_k=2))
+    expected = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE) + bias
+    scale = expected.abs().max()
+    torch.testing.assert_close(y / scale, expected / scale, rtol=0, atol=2e-6)
+
+
 def test_int8_activations_err_within_half_a_code_per_element():
     """The reference's only error against the exact product: each activation
     moves by at most half its group's step, so |err| <= sum over K of

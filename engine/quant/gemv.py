@@ -641,6 +641,155 @@ def _gemv_x8_kernel_interpreted(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, o
                      PREFETCH)
 
 
+@triton.jit
+def _stream_unit_loads(qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, N, block, k_tile, valid,
+                       ROW_WORDS, GROUPS, SUPERS, tile_w, tile_g, tile_s, wi,
+                       G: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, BW: tl.constexpr,
+                       BLOCK_N: tl.constexpr, ASYM: tl.constexpr):
+    """The words and scales of output block `block`'s K tile `k_tile` (one
+    work unit). A unit moves the tile's offsets by scalars only:
+    tile_w / tile_g / tile_s are the row offsets [BN, 1] of a block at K
+    tile 0, and the last block starts at N - BLOCK_N instead of running past
+    N (_stream_block_start), so no row is clamped or masked."""
+    start = _stream_block_start(block, N, BLOCK_N)
+    w_ok = ((k_tile * BW + wi) < ROW_WORDS) & valid
+    g_ok = ((k_tile * NG + tl.arange(0, NG)) < GROUPS) & valid
+    words = tl.load(qw_ptr + (start * ROW_WORDS + k_tile * BW) + tile_w + wi[None, :],
+                    mask=w_ok[None, :], other=0)
+    # a tile's groups lie in one superblock or whole superblocks (NG and
+    # S // G are powers of two), so the superblock of group kt*NG + g is
+    # (kt*NG) // (S // G) + g // (S // G)
+    g_in = tl.arange(0, NG)[None, :]
+    s_off = start * SUPERS + (k_tile * NG) // (S // G) + tile_s + g_in // (S // G)
+    g_off = start * GROUPS + k_tile * NG + tile_g + g_in
+    d = tl.load(d_ptr + s_off, mask=g_ok[None, :], other=0.0)
+    sc = tl.load(sc_ptr + g_off, mask=g_ok[None, :], other=0)
+    if ASYM:
+        dmin = tl.load(dmin_ptr + s_off, mask=g_ok[None, :], other=0.0)
+        m = tl.load(m_ptr + g_off, mask=g_ok[None, :], other=0)
+    else:
+        dmin = d
+        m = sc
+    return words, d, sc, dmin, m
+
+
+@triton.jit
+def _stream_block_start(block, N, BLOCK_N: tl.constexpr):
+    """The first row block `block` computes: block * BLOCK_N, except that
+    the last block ends at row N - 1 (it recomputes rows of the block before
+    it and stores only its own; the launch needs N >= BLOCK_N)."""
+    return tl.minimum(block * BLOCK_N, N - BLOCK_N)
+
+
+@triton.jit
+def _stream_segment_end(acc, out_ptr, part_ptr, counter_ptr, block, whole, slot, parts,
+                        offs_n, n_ok, BLOCK_N: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """A program's run of K tiles of output block `block` has ended. Whole
+    (it began at the first tile): the block's result, stored. Else one of
+    the block's `parts` partial sums, kept in slot `slot`; the last part to
+    arrive adds them in slot order and stores, as _sum_splits_if_last does
+    (the same barrier, acquire-release counter and .cg reads), and sets the
+    block's counter back to zero."""
+    y = tl.sum(acc, axis=1)
+    if whole:
+        tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        rows = tl.arange(0, BLOCK_N)
+        tl.store(part_ptr + (block * MAX_PARTS + slot) * BLOCK_N + rows, y)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
+        if arrived == parts - 1:
+            total = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(MAX_PARTS):
+                total += tl.load(part_ptr + (block * MAX_PARTS + j) * BLOCK_N + rows,
+                                 mask=(rows < BLOCK_N) & (j < parts), other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(counter_ptr + block, 0)
+
+
+@triton.jit
+def _gemv_x8_stream_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, part_ptr,
+                           counter_ptr, N, ROW_WORDS, GROUPS, SUPERS, K_TILES, UNITS,
+                           G: tl.constexpr, S: tl.constexpr, ASYM: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+                           PDL: tl.constexpr, EARLY: tl.constexpr,
+                           UNITS_PER_PROGRAM: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """The DP4A GEMV as stream-K (GemvConfig.stream_k): the work is
+    cdiv(N, BLOCK_N) output blocks x K_TILES tiles = UNITS units in
+    block-major order, and program p takes units p*U .. p*U+U-1 (U =
+    UNITS_PER_PROGRAM), so every program streams the same number of tiles
+    however the blocks divide into the SMs. The split-K grids leave the last
+    wave part-empty and give a program of down or gdn out 2-3 tiles, whose
+    first load is exposed each time (the H200 sweep: 54-58% of their floor
+    against 76-81% for the 5-tile programs). The next unit's loads are
+    issued before this one's arithmetic, across block boundaries too. A run
+    of tiles that does not cover its block's whole K is a partial sum that
+    _stream_segment_end combines; a block has at most MAX_PARTS of them."""
+    pid = tl.program_id(0)
+    NG: tl.constexpr = BLOCK_K // G
+    BW: tl.constexpr = BLOCK_K // 8
+    WPG: tl.constexpr = G // 8
+    wi = tl.arange(0, BW)
+    rows = tl.arange(0, BLOCK_N)
+    # [BN, 1] and [1, width]: hoisting whole [BN, BW] offsets costs 40 registers
+    tile_w = rows[:, None] * ROW_WORDS
+    tile_g = rows[:, None] * GROUPS
+    tile_s = rows[:, None] * SUPERS
+    first = pid * UNITS_PER_PROGRAM
+    # the unit's block and K tile step along with it: no division in the loop
+    block = first // K_TILES
+    k_tile = first - block * K_TILES
+    if not EARLY:
+        pdl_prologue(PDL)
+    w_nx, d_nx, sc_nx, dmin_nx, m_nx = _stream_unit_loads(
+        qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, N, block, k_tile, first < UNITS, ROW_WORDS,
+        GROUPS, SUPERS, tile_w, tile_g, tile_s, wi, G, S, NG, BW, BLOCK_N, ASYM)
+    if EARLY:
+        pdl_prologue(PDL)
+    acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+    run_start = k_tile  # the K tile the current run began at
+    for i in range(UNITS_PER_PROGRAM):
+        unit = first + i
+        last_tile = k_tile == K_TILES - 1
+        next_block = tl.where(last_tile, block + 1, block)
+        next_tile = tl.where(last_tile, 0, k_tile + 1)
+        words, d, sc, dmin, m = w_nx, d_nx, sc_nx, dmin_nx, m_nx
+        w_nx, d_nx, sc_nx, dmin_nx, m_nx = _stream_unit_loads(
+            qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, N, next_block, next_tile,
+            (i + 1 < UNITS_PER_PROGRAM) & (unit + 1 < UNITS), ROW_WORDS, GROUPS,
+            SUPERS, tile_w, tile_g, tile_s, wi, G, S, NG, BW, BLOCK_N, ASYM)
+        valid = unit < UNITS
+        w_ids = k_tile * BW + wi
+        acc += _x8_tile(x_ptr, words, d, sc, dmin, m, w_ids, (w_ids < ROW_WORDS) & valid,
+                        BLOCK_N, NG, WPG, ASYM, ASM)
+        ends = valid & (last_tile | (i == UNITS_PER_PROGRAM - 1))
+        if ends:
+            start = _stream_block_start(block, N, BLOCK_N)
+            offs_n = start + rows
+            first_owner = (block * K_TILES) // UNITS_PER_PROGRAM
+            parts = (block * K_TILES + K_TILES - 1) // UNITS_PER_PROGRAM - first_owner + 1
+            _stream_segment_end(acc, out_ptr, part_ptr, counter_ptr, block,
+                                (run_start == 0) & last_tile, pid - first_owner,
+                                parts, offs_n, (offs_n >= block * BLOCK_N) & (offs_n < N),
+                                BLOCK_N, MAX_PARTS)
+        acc = tl.where(ends, 0.0, acc)
+        run_start = tl.where(ends, 0, run_start)
+        block = next_block
+        k_tile = next_tile
+
+
+def stream_k_plan(n: int, k: int, block_n: int, block_k: int, programs_per_sm: int,
+                  sms: int) -> tuple[int, int, int, int, int]:
+    """(blocks, K tiles, units per program, programs, most partial sums a
+    block has) for a stream-K launch of about programs_per_sm x sms programs."""
+    blocks, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    units = blocks * k_tiles
+    per_program = triton.cdiv(units, programs_per_sm * sms)
+    return (blocks, k_tiles, per_program, triton.cdiv(units, per_program),
+            triton.cdiv(k_tiles, per_program) + 1)
+
+
 def quantize_activations_reference(x: torch.Tensor, group: int
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8-valued codes [M, K] as float, scales [M, K / group]):
@@ -713,6 +862,7 @@ class GemvConfig:
     tensor_cores: bool = False  # the tl.dot kernel (rows padded to 16): for rows >= 2
     prefetch: bool = False      # CUDA-core kernel: load tile i+1 before computing tile i
     int8_x: bool = False        # one row, 4-bit codes, groups of 32: int8 activations, DP4A
+    stream_k: int = 0           # DP4A only: stream-K over ~stream_k programs an SM (split_k unused)
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -721,12 +871,15 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"GemvConfig split_k and num_stages must be >= 1, got {self}")
+        if self.stream_k < 0 or (self.stream_k and not self.int8_x):
+            raise ValueError(f"GemvConfig.stream_k (programs an SM) is >= 0 and only for the "
+                             f"int8_x kernel, got {self}")
 
     def key(self) -> str:
         return (f"{'tc-' if self.tensor_cores else ''}{'x8-' if self.int8_x else ''}"
                 f"n{self.block_n}-k{self.block_k}"
-                f"-s{self.split_k}-w{self.num_warps}-p{self.num_stages}"
-                f"{'-pf' if self.prefetch else ''}")
+                f"-{f'sk{self.stream_k}' if self.stream_k else f's{self.split_k}'}"
+                f"-w{self.num_warps}-p{self.num_stages}{'-pf' if self.prefetch else ''}")
 
 
 # Block shapes the sweep (`python -m bench.quant --sweep`) times on every
@@ -739,17 +892,22 @@ CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, prefetch=pf)
                                           (16, 1024, 4, True), (32, 1024, 4, True)))
 # The int8-activation (DP4A) kernel's, timed for one row of 4-bit codes in
 # groups of 32.
-# The three 8-warp prefetching shapes (added 2026-12-03 evening) halve a
-# thread's share of the tile: the 4-warp prefetching loop holds 126
-# registers, which caps an SM at four programs (25% occupancy, Nsight Compute
-# on gate_up), and the next tile's words and scales are most of them.
+# (8-warp prefetching shapes, n32/n64 x k512/k1024, lost 3-4x on every merged
+# 27B shape of the H200 sweep of 2026-12-03 18:30 and are not swept.)
 X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True, prefetch=pf)
                       for bn, bk, nw, pf in ((16, 512, 4, False), (32, 512, 4, False),
                                              (32, 1024, 4, False), (64, 1024, 8, False),
                                              (64, 512, 4, False), (16, 512, 4, True),
                                              (32, 512, 4, True), (16, 1024, 4, True),
-                                             (32, 1024, 4, True), (32, 1024, 8, True),
-                                             (64, 1024, 8, True), (64, 512, 8, True)))
+                                             (32, 1024, 4, True)))
+# Stream-K DP4A launches (_gemv_x8_stream_kernel) with as many programs an
+# SM as their registers let run at once (static sm_90 build, 2026-12-03:
+# n32-k1024 198 registers, two programs of 4 warps; n16-k1024 ~128, four),
+# and one more, in case the GPU's build differs; the sweep times each once,
+# split-K has no meaning for them.
+STREAM_CANDIDATES = tuple(GemvConfig(bn, bk, 1, 4, 2, int8_x=True, prefetch=True, stream_k=sk)
+                          for bn, bk, sk in ((32, 1024, 2), (32, 1024, 3), (16, 1024, 4),
+                                             (16, 1024, 5)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -829,10 +987,11 @@ def tuned_from_sweep(path: str) -> dict[tuple[int, int, int, int, int], GemvConf
         raise ValueError(f"{TUNED_FILE_ENV}={path!r} holds no sweep results; run "
                          f"`python -m bench.quant --sweep --json {path}`")
     tuned = {}
-    for r in swept:
-        bn, bk, sk, nw, ns, tc, pf, x8 = r["best_config"]
+    for r in swept:  # sweeps before stream-K stored 8 fields
+        bn, bk, sk, nw, ns, tc, pf, x8, *stream = r["best_config"]
         tuned[(r["bits"], r["group"], r["N"], r["K"], r["bucket"])] = GemvConfig(
-            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8)
+            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8,
+            stream_k=stream[0] if stream else 0)
     return tuned
 
 
@@ -1000,7 +1159,8 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
         override = int8_x_override()
         if override is not None and takes_int8_x(qt, m_rows):
-            config = replace(config, int8_x=override, tensor_cores=False)
+            config = replace(config, int8_x=override, tensor_cores=False,
+                             stream_k=config.stream_k if override else 0)
     if block_n or block_k or split_k:
         config = replace(config, block_n=block_n or config.block_n,
                          block_k=block_k or config.block_k, split_k=split_k or config.split_k)
@@ -1033,6 +1193,10 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                   HAS_BIAS=has_bias, BLOCK_N=block_n, BLOCK_K=block_k,
                   ASM=not _interpreting(), num_warps=config.num_warps,
                   num_stages=config.num_stages, **pdl_launch(x.device))
+    if config.stream_k and bias is None and takes_int8_x(qt, m_rows) \
+            and block_n <= n_dim and triton.cdiv(n_dim, block_n) <= MAX_FIXUP_TILES:
+        return _gemv_x8_stream(x, qt, out, config, block_n, block_k, pointers[:6], sizes[:3],
+                               common)
     if config.int8_x and takes_int8_x(qt, m_rows):
         fixup = split > 1 and bias is None and split_fixup() and grid[0] <= MAX_FIXUP_TILES
         counters = split_counters(x.device) if fixup else target
@@ -1058,4 +1222,21 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
             BLOCK=block, **pdl_launch(x.device))
     elif bias is not None and not has_bias:
         out += bias
+    return out
+
+
+def _gemv_x8_stream(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor, config: GemvConfig,
+                    block_n: int, block_k: int, operands: tuple, sizes: tuple,
+                    common: dict) -> torch.Tensor:
+    """The stream-K launch of the DP4A GEMV (one row, no bias)."""
+    blocks, k_tiles, per_program, programs, max_parts = stream_k_plan(
+        qt.out_features, qt.in_features, block_n, block_k, config.stream_k,
+        _sm_count(x.device))
+    # one slot per (block, part) whether or not the split leaves that block parts
+    parts = torch.empty(blocks * max_parts * block_n, dtype=torch.float32, device=x.device)
+    _gemv_x8_stream_kernel[(programs,)](
+        *operands, out, parts, split_counters(x.device), qt.out_features, *sizes, k_tiles,
+        blocks * k_tiles, EARLY=early_weights(), UNITS_PER_PROGRAM=per_program,
+        MAX_PARTS=max_parts,
+        **{k: v for k, v in common.items() if k not in ("BITS", "HAS_BIAS")})
     return out

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Next GPU session (after 2026-12-03 18:55), one call, no GGUF needed (carry .whl):
+#   bash scripts/device_next34.sh
+# The stream-K DP4A GEMV (GemvConfig.stream_k, docs/ARCHITECTURE.md), never run
+# on a GPU: its kernel tests on the H200 first (the interpreter cannot see
+# races between a block's partial sums and its last arrival), then the
+# sweep of STREAM_CANDIDATES against the picked configs on the five merged
+# 27B shapes (down and gdn out, at 54-58% of their floor, are the targets),
+# then the int4 step with TUNED and with the sweep's winners
+# (TANDEM_GEMV_TUNED), alternating three times: one kernel set's step spread
+# 7.08-7.87 ms over four runs on 12-03 18:33, so one pair decides nothing.
+set -uo pipefail
+SWEEP=/tmp/sweep_next34.json
+source scripts/device_env.sh
+STEP_TAIL=6 step stream_k_tests 240 python3 -m pytest -q -x tests/test_quant_kernels.py \
+  -k "stream_k or int8_activation or split_fixup or sweep_file"
+STEP_TAIL=30 step gemv_sweep 240 python3 -m bench.quant --rows 1 --sweep --int8-x-only \
+  --decode-steps 0 --only gate_up down "gdn in_proj" "gdn out" "attn qkv" \
+  --candidates x8-n32-k1024-w4-pf-sk2 x8-n32-k1024-w4-pf-sk3 x8-n16-k1024-w4-pf-sk4 \
+  x8-n16-k1024-w4-pf-sk5 --json "$OUT/sweep.json"
+cp "$OUT/sweep.json" "$SWEEP"
+for i in 1 2 3; do
+  STEP_TAIL=4 step "int4_step_tuned_$i" 100 python3 -m bench.quant --rows 1 --only lm_head \
+    --decode-steps 16
+  STEP_TAIL=4 TANDEM_GEMV_TUNED=$SWEEP step "int4_step_swept_$i" 100 python3 -m bench.quant \
+    --rows 1 --only lm_head --decode-steps 16
+done
+(cd "$OUT" && tar czf int4_steps.tgz ./int4_step_*.log && rm -f ./int4_step_*.log)
