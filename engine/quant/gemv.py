@@ -863,6 +863,7 @@ class GemvConfig:
     prefetch: bool = False      # CUDA-core kernel: load tile i+1 before computing tile i
     int8_x: bool = False        # one row, 4-bit codes, groups of 32: int8 activations, DP4A
     stream_k: int = 0           # DP4A only: stream-K over ~stream_k programs an SM (split_k unused)
+    max_registers: int = 0      # stream-K: ptxas's cap a thread (.maxnreg); 0 leaves it free
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -874,12 +875,16 @@ class GemvConfig:
         if self.stream_k < 0 or (self.stream_k and not self.int8_x):
             raise ValueError(f"GemvConfig.stream_k (programs an SM) is >= 0 and only for the "
                              f"int8_x kernel, got {self}")
+        if self.max_registers and not (self.stream_k and 24 <= self.max_registers <= 255):
+            raise ValueError(f"GemvConfig.max_registers caps a stream-K launch's registers "
+                             f"(24..255), got {self}")
 
     def key(self) -> str:
         return (f"{'tc-' if self.tensor_cores else ''}{'x8-' if self.int8_x else ''}"
                 f"n{self.block_n}-k{self.block_k}"
                 f"-{f'sk{self.stream_k}' if self.stream_k else f's{self.split_k}'}"
-                f"-w{self.num_warps}-p{self.num_stages}{'-pf' if self.prefetch else ''}")
+                f"-w{self.num_warps}-p{self.num_stages}{'-pf' if self.prefetch else ''}"
+                f"{f'-r{self.max_registers}' if self.max_registers else ''}")
 
 
 # Block shapes the sweep (`python -m bench.quant --sweep`) times on every
@@ -901,13 +906,15 @@ X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True, prefetch=pf)
                                              (32, 512, 4, True), (16, 1024, 4, True),
                                              (32, 1024, 4, True)))
 # Stream-K DP4A launches (_gemv_x8_stream_kernel) with as many programs an
-# SM as their registers let run at once (static sm_90 build, 2026-12-03:
-# n32-k1024 198 registers, two programs of 4 warps; n16-k1024 ~128, four),
-# and one more, in case the GPU's build differs; the sweep times each once,
+# SM as their registers let run at once. Static sm_90 builds (2026-12-03):
+# n32-k1024 takes 198 registers, two 4-warp programs an SM; capped at 168
+# (ptxas .maxnreg, no spill, ~5% more loop instructions) three, as many as
+# the split kernel's 168; n16-k1024 96, five. The sweep times each once:
 # split-K has no meaning for them.
-STREAM_CANDIDATES = tuple(GemvConfig(bn, bk, 1, 4, 2, int8_x=True, prefetch=True, stream_k=sk)
-                          for bn, bk, sk in ((32, 1024, 2), (32, 1024, 3), (16, 1024, 4),
-                                             (16, 1024, 5)))
+STREAM_CANDIDATES = tuple(GemvConfig(bn, bk, 1, 4, 2, int8_x=True, prefetch=True, stream_k=sk,
+                                     max_registers=regs)
+                          for bn, bk, sk, regs in ((32, 1024, 2, 0), (32, 1024, 3, 168),
+                                                   (16, 1024, 4, 0), (16, 1024, 5, 0)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -989,9 +996,10 @@ def tuned_from_sweep(path: str) -> dict[tuple[int, int, int, int, int], GemvConf
     tuned = {}
     for r in swept:  # sweeps before stream-K stored 8 fields
         bn, bk, sk, nw, ns, tc, pf, x8, *stream = r["best_config"]
+        stream_k, max_registers = (list(stream) + [0, 0])[:2]
         tuned[(r["bits"], r["group"], r["N"], r["K"], r["bucket"])] = GemvConfig(
-            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8,
-            stream_k=stream[0] if stream else 0)
+            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8, stream_k=stream_k,
+            max_registers=max_registers)
     return tuned
 
 
@@ -1237,6 +1245,6 @@ def _gemv_x8_stream(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor, config:
     _gemv_x8_stream_kernel[(programs,)](
         *operands, out, parts, split_counters(x.device), qt.out_features, *sizes, k_tiles,
         blocks * k_tiles, EARLY=early_weights(), UNITS_PER_PROGRAM=per_program,
-        MAX_PARTS=max_parts,
+        MAX_PARTS=max_parts, **({"maxnreg": config.max_registers} if config.max_registers else {}),
         **{k: v for k, v in common.items() if k not in ("BITS", "HAS_BIAS")})
     return out
