@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Next GPU session (after 2026-12-03 18:55), one call, no GGUF needed (carry .whl):
-#   bash scripts/device_next34.sh
-# The stream-K DP4A GEMV (GemvConfig.stream_k, docs/ARCHITECTURE.md), never run
+# Next GPU session (after 2026-12-03 18:55), two calls, no GGUF needed (carry .whl):
+#   bash scripts/device_next34.sh 1; bash scripts/device_next34.sh 2
+# Call 1: the stream-K DP4A GEMV (GemvConfig.stream_k, docs/ARCHITECTURE.md), never run
 # on a GPU: its kernel tests on the H200 first (the interpreter cannot see
 # races between a block's partial sums and its last arrival), then the
 # sweep of STREAM_CANDIDATES against the picked configs on the five merged
@@ -9,9 +9,19 @@
 # then the int4 step with TUNED and with the sweep's winners
 # (TANDEM_GEMV_TUNED), alternating three times: one kernel set's step spread
 # 7.08-7.87 ms over four runs on 12-03 18:33, so one pair decides nothing.
+# Call 2: prefill against transformers on one host: 12-03 18:32 measured
+# transformers' 4K prefill at 8,866 tok/s, only ~1.14x under tandem's last
+# 4K figure (10,099, int8 pages, 12-01); both at 4K and 32K, same call.
 set -uo pipefail
 SWEEP=/tmp/sweep_next34.json
 source scripts/device_env.sh
+if [ "${1:?call 1 or 2}" = 2 ]; then
+  STEP_TAIL=8 step prefill_tandem 200 python3 -m bench.prefill --model qwen3.5-27b --device cuda \
+    --kv-format rk4 --tokens 4096 32768 --chunk 4096 --repeats 1
+  STEP_TAIL=8 step transformers_floor 300 python3 -m bench.transformers_floor \
+    --prompt-tokens 4096 32768 --new-tokens 8 --json "$OUT/transformers_floor.json"
+  exit 0
+fi
 STEP_TAIL=6 step stream_k_tests 240 python3 -m pytest -q -x tests/test_quant_kernels.py \
   -k "stream_k or int8_activation or split_fixup or sweep_file"
 STEP_TAIL=30 step gemv_sweep 240 python3 -m bench.quant --rows 1 --sweep --int8-x-only \
