@@ -22,9 +22,13 @@ A config with int8_x (one row, 4-bit codes in groups of 32) quantizes the
 activation to int8 per group instead and multiplies with DP4A
 (`_gemv_x8_program`): on the H200 it beat the float kernel on every one-row
 Q4_K shape of the 27B (1.3-2.2x, 2026-12-02), so TUNED and the heuristic pick
-it there; TANDEM_GEMV_INT8_X=0 turns it off (=1 forces it).
+it there; TANDEM_GEMV_INT8_X=0 turns it off (=1 forces it). A DP4A config
+with stream_k launches it as stream-K instead of split-K (equal runs of
+(block, K tile) units per program; `_gemv_x8_stream_kernel`), an
+experiment that only a sweep picks.
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from TUNED
-(filled from `python -m bench.quant --sweep` on the H200) or a heuristic.
+(filled from `python -m bench.quant --sweep` on the H200), a sweep's JSON
+named by TANDEM_GEMV_TUNED, or a heuristic.
 """
 from __future__ import annotations
 
