@@ -10,7 +10,14 @@ minus one, so the prompt's prefill cancels out). transformers picks its own
 kernels: fla-core's GDN when it is importable (the GPU machines carry it),
 its PyTorch form otherwise.
 
+transformers keeps no cache across requests, so an agent turn that resends
+a 100K-token conversation with 1K new tokens costs it the whole prefill: a
+prompt of 101,000 tokens here is its time to first token for the turn that
+`tandem bench agent-loop` serves from its prefix cache. Decode is timed only
+for prompts up to --decode-max-prompt (each decode sample prefills twice).
+
     python -m bench.transformers_floor --device cuda --prompt-tokens 4096 --new-tokens 32
+    python -m bench.transformers_floor --device cuda --prompt-tokens 4096 32768 101000
 """
 from __future__ import annotations
 
@@ -76,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[4096])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decode-max-prompt", type=int, default=32768,
+                   help="time decode only after prompts of at most this many tokens")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.new_tokens < 2 or args.repeats < 1 or min(args.prompt_tokens) < 1:
@@ -90,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     for length in args.prompt_tokens:
         ids = prompt_ids(length, vocab, device)
         prefill = median([prefill_seconds(model, ids) for _ in range(args.repeats)])
-        per_token = median([(generate_seconds(model, ids, args.new_tokens)
-                             - generate_seconds(model, ids, 1)) / (args.new_tokens - 1)
-                            for _ in range(args.repeats)])
-        rows.append([length, prefill, length / prefill, per_token * 1e3, 1 / per_token])
-        results.append({"prompt_tokens": length, "prefill_s": prefill,
-                        "prefill_tok_s": length / prefill, "decode_ms": per_token * 1e3,
-                        "decode_tok_s": 1 / per_token})
+        result = {"prompt_tokens": length, "prefill_s": prefill,
+                  "prefill_tok_s": length / prefill, "decode_ms": None, "decode_tok_s": None}
+        if length <= args.decode_max_prompt:
+            per_token = median([(generate_seconds(model, ids, args.new_tokens)
+                                 - generate_seconds(model, ids, 1)) / (args.new_tokens - 1)
+                                for _ in range(args.repeats)])
+            result.update(decode_ms=per_token * 1e3, decode_tok_s=1 / per_token)
+        results.append(result)
+        rows.append([length, f"{prefill:.4f}", f"{length / prefill:.1f}",
+                     "-" if result["decode_ms"] is None else f"{result['decode_ms']:.2f}",
+                     "-" if result["decode_tok_s"] is None else f"{result['decode_tok_s']:.2f}"])
     import transformers
 
     write_json(args.json, {"env": environment(), "transformers": transformers.__version__,

@@ -146,11 +146,13 @@ def test_transformers_floor_builds_the_same_shape_and_times_it(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     out = tmp_path / "floor.json"
     assert transformers_floor.main(["--shape", "tiny-qwen3.5", "--device", "cpu",
-                                    "--prompt-tokens", "24", "--new-tokens", "3",
-                                    "--repeats", "1", "--json", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["results"]
-    assert row["prompt_tokens"] == 24
-    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+                                    "--prompt-tokens", "24", "40", "--new-tokens", "3",
+                                    "--repeats", "1", "--decode-max-prompt", "32",
+                                    "--json", str(out)]) == 0
+    short, long = json.loads(out.read_text())["results"]
+    assert (short["prompt_tokens"], long["prompt_tokens"]) == (24, 40)
+    assert short["prefill_tok_s"] > 0 and short["decode_tok_s"] > 0
+    assert long["prefill_tok_s"] > 0 and long["decode_ms"] is None  # prefill only
 
 
 def test_gemv_sweep_files_round_trip_and_its_candidates_are_named(tmp_path):
