@@ -32,6 +32,12 @@ STEP_TAIL=30 step gemv_sweep 240 python3 -m bench.quant --rows 1 --sweep --int8-
   --candidates x8-n32-k1024-w4-pf-sk2 x8-n32-k1024-w4-pf-sk3-r168 x8-n16-k1024-w4-pf-sk4 \
   x8-n16-k1024-w4-pf-sk5 --json "$OUT/sweep.json"
 cp "$OUT/sweep.json" "$SWEEP"
+# what the split kernel's prefetching loop and down's winner stall on (issue
+# stalls or loads: decides whether int8 codes made once by the producing norm,
+# 2.36 -> ~1.8 loop instructions a weight statically, are worth their plumbing)
+ncu_gemv gate_up
+TANDEM_GEMV_TUNED=$SWEEP ncu_gemv down
+(cd "$OUT" && tar czf ncu.tgz ncu_*.log && rm -f ncu_*.log)
 for i in 1 2 3; do
   STEP_TAIL=4 step "int4_step_tuned_$i" 100 python3 -m bench.quant --rows 1 --only lm_head \
     --decode-steps 16
