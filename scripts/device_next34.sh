@@ -33,8 +33,10 @@ STEP_TAIL=30 step gemv_sweep 240 python3 -m bench.quant --rows 1 --sweep --int8-
   x8-n16-k1024-w4-pf-sk5 --json "$OUT/sweep.json"
 cp "$OUT/sweep.json" "$SWEEP"
 # what the split kernel's prefetching loop and down's winner stall on (issue
-# stalls or loads: decides whether int8 codes made once by the producing norm,
-# 2.36 -> ~1.8 loop instructions a weight statically, are worth their plumbing)
+# stalls or loads). Codes made once a row and loaded by every program do not
+# shorten the loop statically (CPU, 12-03 19:10: 2.12 -> 2.09 instructions a
+# weight, 2.36 -> 2.27 prefetching, at 221 registers; loaded tile-wide 2.39 /
+# 2.73), so pre-quantized activations are not the lever unless ncu says so.
 ncu_gemv gate_up
 TANDEM_GEMV_TUNED=$SWEEP ncu_gemv down
 (cd "$OUT" && tar czf ncu.tgz ncu_*.log && rm -f ncu_*.log)
