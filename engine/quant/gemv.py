@@ -704,7 +704,7 @@ def _stream_segment_end(acc, out_ptr, part_ptr, counter_ptr, block, whole, slot,
         arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
         if arrived == parts - 1:
             total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(MAX_PARTS):
+            for j in tl.static_range(MAX_PARTS):  # (rows < BLOCK_N: j < parts as a row mask)
                 total += tl.load(part_ptr + (block * MAX_PARTS + j) * BLOCK_N + rows,
                                  mask=(rows < BLOCK_N) & (j < parts), other=0.0,
                                  cache_modifier=".cg")
@@ -736,7 +736,7 @@ def _gemv_x8_stream_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_pt
     WPG: tl.constexpr = G // 8
     wi = tl.arange(0, BW)
     rows = tl.arange(0, BLOCK_N)
-    # [BN, 1] and [1, width]: hoisting whole [BN, BW] offsets costs 40 registers
+    # [BN, 1] and [1, width]: hoisting whole [BN, BW] offsets cost ~15 registers (sm_90)
     tile_w = rows[:, None] * ROW_WORDS
     tile_g = rows[:, None] * GROUPS
     tile_s = rows[:, None] * SUPERS
