@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", type=int, nargs="+", default=[4])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     args = p.parse_args(argv)
-    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES, X8_CANDIDATES
+    from engine.quant.gemv_configs import (CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES,
+                                           X8_CANDIDATES)
 
     table = []
     for bits in args.bits:

@@ -97,8 +97,7 @@ def model_shapes() -> list[tuple[str, object, int, int, int]]:
     q4_k_m gives some layers). The model runs the merged projections
     (gate_up, gdn in_proj, attn qkv); their checkpoint parts are timed too,
     at 0 uses per step, so each merged launch can be set against the
-    launches it replaced (`merged_vs_parts`). Merged shapes are not in
-    engine/quant/gemv.py's TUNED yet: they run the heuristic's config."""
+    launches it replaced (`merged_vs_parts`)."""
     from engine.config import ModelConfig, shape_hf_config
     from engine.quant.recipes import Q4_K, Q6_K
 
@@ -203,8 +202,9 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
     these names (block_shape_name), beside the picked config."""
     from dataclasses import replace
 
-    from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES, X8_CANDIDATES,
-                                   _sm_count, pick_config, rows_bucket, takes_int8_x)
+    from engine.quant.gemv import _sm_count, takes_int8_x
+    from engine.quant.gemv_configs import (CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES,
+                                           X8_CANDIDATES, pick_config, rows_bucket)
 
     sms = _sm_count(device)
     results = []
@@ -275,7 +275,7 @@ def sweep(rows_list, device, bandwidth: float, only: list[str] | None = None,
 
 def config_fields(cfg) -> list:
     """A GemvConfig as the sweep's JSON stores it ("best_config"), the order
-    engine.quant.gemv.tuned_from_sweep reads back (TANDEM_GEMV_TUNED)."""
+    engine.quant.gemv_configs.tuned_from_sweep reads back (TANDEM_GEMV_TUNED)."""
     return [cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
             cfg.tensor_cores, cfg.prefetch, cfg.int8_x, cfg.stream_k, cfg.max_registers]
 
@@ -290,7 +290,8 @@ def block_shape_name(cfg) -> str:
 
 
 def candidate_names() -> list[str]:
-    from engine.quant.gemv import CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES, X8_CANDIDATES
+    from engine.quant.gemv_configs import (CANDIDATES, DOT_CANDIDATES, STREAM_CANDIDATES,
+                                           X8_CANDIDATES)
 
     return [block_shape_name(c)
             for c in CANDIDATES + DOT_CANDIDATES + X8_CANDIDATES + STREAM_CANDIDATES]
@@ -314,7 +315,7 @@ def print_sweep(results: list[dict]) -> None:
                 [[r["matrix"], r["format"], r["N"], r["K"], r["rows"], r["picked"],
                   f"{r['picked_us']:.1f}", r["best"], f"{r['best_us']:.1f}",
                   f"{r['floor_us']:.1f}", f"{100 * r['best_roofline']:.0f}%"] for r in results])
-    print("\nTUNED lines for engine/quant/gemv.py:")
+    print("\nTUNED lines for engine/quant/gemv_configs.py:")
     for r in results:
         print(_tuned_line(r))
     both = [r for r in results if r["best_tensor_cores"] and r["best_cuda_cores"]]

@@ -162,7 +162,7 @@ def test_gemv_sweep_files_round_trip_and_its_candidates_are_named(tmp_path):
     import json
 
     from bench.quant import candidate_names, config_fields, main
-    from engine.quant.gemv import GemvConfig, tuned_from_sweep
+    from engine.quant.gemv_configs import GemvConfig, tuned_from_sweep
 
     cfg = GemvConfig(32, 1024, 1, 4, 3, prefetch=True, int8_x=True, stream_k=3,
                      max_registers=168)

@@ -85,7 +85,7 @@ stacks["attention combine rotating back"] = stack_of(
          LOG2_D=8, SCALE=hadamard_scale(256), PDL=True))
 # the DP4A GEMV a sweep file (TANDEM_GEMV_TUNED) may pick, stream-K included
 from bench.gemv_sass import describe as describe_gemv
-from engine.quant.gemv import STREAM_CANDIDATES, TUNED
+from engine.quant.gemv_configs import STREAM_CANDIDATES, TUNED
 for config in {c for c in TUNED.values() if c.int8_x} | set(STREAM_CANDIDATES):
     stacks[f"gemv {config.key()}"] = describe_gemv(config, 4, 1)[4]
 print(json.dumps(stacks))

@@ -32,7 +32,7 @@ def test_the_switch_reads_0_or_1(monkeypatch):
 
 _COMPILE = """
 from bench.gemv_sass import _compile
-from engine.quant.gemv import GemvConfig
+from engine.quant.gemv_configs import GemvConfig
 for pdl in (False, True):
     ptx = _compile(GemvConfig(32, 1024, 1, 4, 2, int8_x=True), 4, 1, pdl=pdl).asm["ptx"]
     print(pdl, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)

@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.quant.gemv import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K, TUNED,  # noqa: E402
-                               TUNED_FILE_ENV, GemvConfig, check_gemv_layout,
-                               gemv_x8_reference, pick_config)
+from engine.quant.gemv import check_gemv_layout, gemv_x8_reference  # noqa: E402
+from engine.quant.gemv_configs import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K,  # noqa: E402
+                                       TUNED, TUNED_FILE_ENV, GemvConfig, pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -261,7 +261,7 @@ def test_heuristic_picks_dp4a_for_the_27b_one_row_shapes(monkeypatch):
     best for every merged 27B projection (TUNED's int8_x entries)."""
     tuned = {key: cfg for key, cfg in TUNED.items() if cfg.int8_x}
     assert len(tuned) >= 5
-    monkeypatch.setattr("engine.quant.gemv.TUNED", {})
+    monkeypatch.setattr("engine.quant.gemv_configs.TUNED", {})
     for (bits, group, n, k, _), cfg in tuned.items():
         picked = pick_config(bits, n, k, 1, group, 132)
         assert picked.int8_x and (picked.block_n, picked.block_k) == (cfg.block_n, cfg.block_k)
@@ -345,8 +345,8 @@ def test_gemv_rejects_what_it_cannot_run():
 def test_pick_config_fills_the_gpu(monkeypatch):
     # the heuristic, for shapes the sweep has not tuned, with float activations
     # (the DP4A block shape, 32 x 1024, trades fill for half the instructions)
-    monkeypatch.setattr("engine.quant.gemv.TUNED", {})
-    monkeypatch.setattr("engine.quant.gemv.ROW1_X8_SHAPES", ())
+    monkeypatch.setattr("engine.quant.gemv_configs.TUNED", {})
+    monkeypatch.setattr("engine.quant.gemv_configs.ROW1_X8_SHAPES", ())
     sms = 132
     for n, k in ((17408, 5120), (5120, 17408), (5120, 6144), (1024, 5120), (48, 5120)):
         for rows in (1, 4, 8):
