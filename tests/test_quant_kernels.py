@@ -15,7 +15,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.quant.gemv import check_gemv_layout, gemv_x8_reference  # noqa: E402
 from engine.quant.gemv_configs import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K,  # noqa: E402
-                                       TUNED, TUNED_FILE_ENV, GemvConfig, pick_config)
+                                       STREAM_CANDIDATES, TUNED, TUNED_FILE_ENV, GemvConfig,
+                                       pick_config)
 from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
@@ -441,6 +442,24 @@ def test_tuned_configs_compute_the_product(key):
                 else _expected(x, qt))
     # fp32 sums over up to 17,408 terms in another order (H200: up to 1.7e-3
     # apart at outputs of ~1); a wrong tile or split is off by O(1)
+    torch.testing.assert_close(y, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+@pytest.mark.skipif(INTERPRET, reason="the real 27B widths: compiled kernels only")
+@pytest.mark.parametrize("key", sorted(k for k, c in TUNED.items() if c.int8_x),
+                         ids=lambda k: "-".join(map(str, k)))
+@pytest.mark.parametrize("config", STREAM_CANDIDATES, ids=lambda c: c.key())
+def test_stream_k_candidates_compute_the_product_on_the_27b_widths(key, config):
+    """Each stream-K sweep candidate on a DP4A-tuned 27B shape (N cut to
+    4096 + a tail): the split kernel's oracle and tolerance, with the GPU's
+    real program counts, so runs cross blocks as they will in the sweep."""
+    bits, group, n, k, rows = key
+    fmt = next(f for f in FORMATS if f[:2] == (bits, group) and f[2] == 256)
+    qt = random_quant(min(n, 4096 + 24), k, *fmt, seed=13)
+    x = torch.randn(rows, k, device=DEVICE)
+    out = torch.full((rows, qt.out_features), float("nan"), device=DEVICE)
+    y = gemv(x, qt, out=out, config=config)
+    expected = gemv_x8_reference(x.cpu(), qt.to("cpu")).to(DEVICE)
     torch.testing.assert_close(y, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
 
 
