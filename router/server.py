@@ -403,17 +403,26 @@ class Router(pb_grpc.GenerationServiceServicer):
 
     async def _release(self, held: Held, store: StoreClient) -> None:
         """Everything `held` names goes back to `store`. The lists are emptied
-        before any await: a store call finishes in its thread even when this
-        coroutine is cancelled, so nothing is ever given back twice. If the
-        store refuses a batch (an id the request no longer holds, e.g. an
-        insert that completed while its caller was cancelled), the ids are
-        given back one by one, so the others are not lost."""
+        before any await, so nothing is ever given back twice, and the store
+        calls then run as one shielded task: a request cancelled between the
+        unlock and the release (a client that hangs up while the prefill
+        store is being let go) would otherwise lose the release, its ids
+        being in no list any more. If the store refuses a batch (an id the
+        request no longer holds, e.g. an insert that completed while its
+        caller was cancelled), the ids are given back one by one, so the
+        others are not lost."""
         while held.pending:  # calls still running in their threads record into held
             await asyncio.gather(*held.pending, return_exceptions=True)
             held.pending = [f for f in held.pending if not f.done()]
         nodes, held.nodes = held.nodes, []
         pages, slots = held.pages, held.slots
         held.pages, held.slots = [], []
+        await asyncio.shield(asyncio.ensure_future(
+            self._return_to_store(store, nodes, pages, slots)))
+
+    async def _return_to_store(self, store: StoreClient, nodes: list, pages: list,
+                               slots: list) -> None:
+        """_release's store calls: unlock the prefix nodes, free pages and slots."""
         try:
             if nodes:
                 await self._each_or_all(store.unlock, [nodes], [[[n]] for n in nodes])
