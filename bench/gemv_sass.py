@@ -74,10 +74,8 @@ def _compile(config, bits: int, rows: int, pdl: bool = False):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
              if signature[n].startswith("*") or n in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.max_registers:
-        options["maxnreg"] = config.max_registers
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:

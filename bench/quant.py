@@ -277,16 +277,15 @@ def config_fields(cfg) -> list:
     """A GemvConfig as the sweep's JSON stores it ("best_config"), the order
     engine.quant.gemv_configs.tuned_from_sweep reads back (TANDEM_GEMV_TUNED)."""
     return [cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
-            cfg.tensor_cores, cfg.prefetch, cfg.int8_x, cfg.stream_k, cfg.max_registers]
+            cfg.tensor_cores, cfg.prefetch, cfg.int8_x, cfg.stream_k]
 
 
 def block_shape_name(cfg) -> str:
     """A candidate's block shape as --candidates names it: x8-n32-k1024-w4-pf,
-    x8-n32-k1024-w4-pf-sk3-r168 (stream-K, 3 programs an SM, 168 registers)."""
+    x8-n32-k1024-w4-pf-sk3 (stream-K, 3 programs an SM)."""
     return (f"{'tc-' if cfg.tensor_cores else ''}{'x8-' if cfg.int8_x else ''}"
             f"n{cfg.block_n}-k{cfg.block_k}-w{cfg.num_warps}{'-pf' if cfg.prefetch else ''}"
-            f"{f'-sk{cfg.stream_k}' if cfg.stream_k else ''}"
-            f"{f'-r{cfg.max_registers}' if cfg.max_registers else ''}")
+            f"{f'-sk{cfg.stream_k}' if cfg.stream_k else ''}")
 
 
 def candidate_names() -> list[str]:
@@ -298,10 +297,9 @@ def candidate_names() -> list[str]:
 
 
 def _tuned_line(r: dict) -> str:
-    bn, bk, sk, nw, ns, tc, pf, x8, stream, regs = r["best_config"]
+    bn, bk, sk, nw, ns, tc, pf, x8, stream = r["best_config"]
     flags = (", tensor_cores=True" if tc else "") + (", prefetch=True" if pf else "") + \
-        (", int8_x=True" if x8 else "") + (f", stream_k={stream}" if stream else "") + \
-        (f", max_registers={regs}" if regs else "")
+        (", int8_x=True" if x8 else "") + (f", stream_k={stream}" if stream else "")
     return (f"    ({r['bits']}, {r['group']}, {r['N']}, {r['K']}, {r['bucket']}): "
             f"GemvConfig({bn}, {bk}, {sk}, {nw}, {ns}{flags}),"
             f"  # {r['matrix']} {r['format']} {r['best_us']:.1f} us, "

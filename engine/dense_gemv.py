@@ -151,7 +151,8 @@ def _dense_gemv_program(x_ptr, w_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, 
     if FIXUP:
         _sum_splits_if_last(out_ptr, final_ptr, counter_ptr, pid_n,
                             rows[:, None] * stride_om + offs_n[None, :],
-                            rows[:, None] * stride_fm + offs_n[None, :], tile, stride_os, SPLIT_K)
+                            rows[:, None] * stride_fm + offs_n[None, :], tile, stride_os, SPLIT_K,
+                            SPLIT_K)
 
 
 @triton.jit

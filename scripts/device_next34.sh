@@ -29,7 +29,7 @@ STEP_TAIL=6 step stream_k_tests 240 python3 -m pytest -q -x tests/test_quant_ker
   -k "stream_k or int8_activation or split_fixup or sweep_file or tuned_configs"
 STEP_TAIL=30 step gemv_sweep 240 python3 -m bench.quant --rows 1 --sweep --int8-x-only \
   --decode-steps 0 --only gate_up down "gdn in_proj" "gdn out" "attn qkv" \
-  --candidates x8-n32-k1024-w4-pf-sk2 x8-n32-k1024-w4-pf-sk3-r168 x8-n16-k1024-w4-pf-sk4 \
+  --candidates x8-n32-k1024-w4-pf-sk2 x8-n32-k1024-w4-pf-sk3 x8-n16-k1024-w4-pf-sk4 \
   x8-n16-k1024-w4-pf-sk5 --json "$OUT/sweep.json"
 cp "$OUT/sweep.json" "$SWEEP"
 # what the split kernel's prefetching loop and down's winner stall on (issue

@@ -164,14 +164,13 @@ def test_gemv_sweep_files_round_trip_and_its_candidates_are_named(tmp_path):
     from bench.quant import candidate_names, config_fields, main
     from engine.quant.gemv_configs import GemvConfig, tuned_from_sweep
 
-    cfg = GemvConfig(32, 1024, 1, 4, 3, prefetch=True, int8_x=True, stream_k=3,
-                     max_registers=168)
+    cfg = GemvConfig(32, 1024, 1, 4, 3, prefetch=True, int8_x=True, stream_k=3)
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"sweep": [{"bits": 4, "group": 32, "N": 5120, "K": 6144,
                                            "bucket": 1, "best_config": config_fields(cfg)}]}))
     assert tuned_from_sweep(str(path)) == {(4, 32, 5120, 6144, 1): cfg}
     names = candidate_names()
-    assert len(names) == len(set(names)) and "x8-n32-k1024-w4-pf-sk3-r168" in names
+    assert len(names) == len(set(names)) and "x8-n32-k1024-w4-pf-sk3" in names
     old = tmp_path / "old.json"  # sweeps before stream-K stored eight fields
     old.write_text(json.dumps({"sweep": [{"bits": 4, "group": 32, "N": 5120, "K": 6144,
                                           "bucket": 1, "best_config": config_fields(cfg)[:8]}]}))

@@ -138,7 +138,6 @@ def test_split_fixup_gives_the_sum_kernels_numbers_and_leaves_its_counters_zero(
     (8, 128, 1, 5, 2),   # 8 units a program: a whole block, then part of the next
     (8, 64, 1, 11, 3),   # 12 tiles a block over 7-unit programs, the last one 2 units
     (8, 64, 3, 5, 4),    # 5-unit programs, the last 2: a block in up to four parts
-    # (a register cap is a compile option: the interpreter takes and ignores it)
     (16, 512, 1, 2, 2),  # a K tail (768 = 512 + 256), N tail, a whole block after a part
 ], ids=["whole-then-part", "parts3", "parts4", "k-tail"])
 def test_stream_k_gemv_matches_its_reference_and_leaves_its_counters_zero(
@@ -153,8 +152,7 @@ def test_stream_k_gemv_matches_its_reference_and_leaves_its_counters_zero(
     monkeypatch.setattr("engine.quant.gemv._sm_count", lambda device: sms)
     qt = random_quant(45, 768, *fmt, seed=31)
     x = _activation_with_outliers(768, seed=32)
-    config = GemvConfig(block_n, block_k, 1, int8_x=True, prefetch=True, stream_k=stream_k,
-                        max_registers=168 if stream_k == 3 else 0)
+    config = GemvConfig(block_n, block_k, 1, int8_x=True, prefetch=True, stream_k=stream_k)
     blocks, k_tiles, per_program, programs, max_parts = stream_k_plan(
         45, 768, block_n, block_k, stream_k, sms)
     assert max_parts == most_parts
@@ -174,8 +172,6 @@ def test_stream_k_gemv_matches_its_reference_and_leaves_its_counters_zero(
 def test_stream_k_needs_the_dp4a_kernel_and_leaves_bias_to_the_split_launch():
     with pytest.raises(ValueError, match="stream_k"):
         GemvConfig(32, 1024, 1, stream_k=4)  # not int8_x
-    with pytest.raises(ValueError, match="max_registers"):
-        GemvConfig(32, 1024, 1, int8_x=True, max_registers=168)  # not stream-K
     qt = random_quant(37, 768, 4, 32, 256, True, seed=33)
     x = _activation_with_outliers(768, seed=34)
     bias = torch.randn(37, device=DEVICE)

@@ -614,7 +614,7 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     tl.store(out_ptr + pid_k * stride_os + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     if FIXUP:
         _sum_splits_if_last(out_ptr, final_ptr, counter_ptr, pid_n, offs_n, offs_n, n_ok,
-                            stride_os, SPLIT_K)
+                            stride_os, SPLIT_K, SPLIT_K)
 
 
 @triton.jit
@@ -691,26 +691,16 @@ def _stream_segment_end(acc, out_ptr, part_ptr, counter_ptr, block, whole, slot,
                         offs_n, n_ok, BLOCK_N: tl.constexpr, MAX_PARTS: tl.constexpr):
     """A program's run of K tiles of output block `block` has ended. Whole
     (it began at the first tile): the block's result, stored. Else one of
-    the block's `parts` partial sums, kept in slot `slot`; the last part to
-    arrive adds them in slot order and stores, as _sum_splits_if_last does
-    (the same barrier, acquire-release counter and .cg reads), and sets the
-    block's counter back to zero."""
+    the block's `parts` partial sums, kept in slot `slot`, which the last to
+    arrive adds in slot order (the split-K fix-up, _sum_splits_if_last)."""
     y = tl.sum(acc, axis=1)
     if whole:
         tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
     else:
-        rows = tl.arange(0, BLOCK_N)
-        tl.store(part_ptr + (block * MAX_PARTS + slot) * BLOCK_N + rows, y)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + block, 1, sem="acq_rel", scope="gpu")
-        if arrived == parts - 1:
-            total = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(MAX_PARTS):  # (rows < BLOCK_N: j < parts as a row mask)
-                total += tl.load(part_ptr + (block * MAX_PARTS + j) * BLOCK_N + rows,
-                                 mask=(rows < BLOCK_N) & (j < parts), other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-            tl.store(counter_ptr + block, 0)
+        block_parts = block * MAX_PARTS * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(part_ptr + block_parts + slot * BLOCK_N, y)
+        _sum_splits_if_last(part_ptr, out_ptr, counter_ptr, block, block_parts, offs_n, n_ok,
+                            BLOCK_N, MAX_PARTS, parts)
 
 
 @triton.jit
@@ -816,21 +806,22 @@ def gemv_x8_reference(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
 
 @triton.jit
 def _sum_splits_if_last(part_ptr, final_ptr, counter_ptr, tile, part_offs, final_offs, ok,
-                        stride_ps, SPLIT_K: tl.constexpr):
+                        stride_ps, SPLIT_K: tl.constexpr, parts):
     """The split-K fix-up at the end of a GEMV program (split_fixup): each of
-    the SPLIT_K programs of output tile `tile` has stored its fp32 partial;
+    the `parts` programs of output tile `tile` has stored its fp32 partial;
     the last to arrive (one counter per tile) adds all of them in split
     order, as _split_k_sum_kernel does, stores the result and sets the
     counter back to zero for the next launch. That saves the sum's launch.
     The barrier orders every thread's partial before the release; the sum
-    reads through L2 (.cg), since L1 does not see other SMs' stores."""
+    reads through L2 (.cg), since L1 does not see other SMs' stores.
+    `parts` is SPLIT_K for split-K; stream-K blocks have 1..SPLIT_K parts."""
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:
+    if arrived == parts - 1:
         total = tl.load(part_ptr + part_offs, mask=ok, other=0.0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT_K):
-            total += tl.load(part_ptr + s * stride_ps + part_offs, mask=ok, other=0.0,
-                             cache_modifier=".cg")
+            total += tl.load(part_ptr + s * stride_ps + part_offs, mask=ok & (s < parts),
+                             other=0.0, cache_modifier=".cg")
         tl.store(final_ptr + final_offs, total.to(final_ptr.dtype.element_ty), mask=ok)
         tl.store(counter_ptr + tile, 0)
 
@@ -1033,6 +1024,6 @@ def _gemv_x8_stream(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor, config:
     _gemv_x8_stream_kernel[(programs,)](
         *operands, out, parts, split_counters(x.device), qt.out_features, *sizes, k_tiles,
         blocks * k_tiles, EARLY=early_weights(), UNITS_PER_PROGRAM=per_program,
-        MAX_PARTS=max_parts, **({"maxnreg": config.max_registers} if config.max_registers else {}),
+        MAX_PARTS=max_parts,
         **{k: v for k, v in common.items() if k not in ("BITS", "HAS_BIAS")})
     return out

@@ -27,7 +27,6 @@ class GemvConfig:
     prefetch: bool = False      # CUDA-core kernel: load tile i+1 before computing tile i
     int8_x: bool = False        # one row, 4-bit codes, groups of 32: int8 activations, DP4A
     stream_k: int = 0           # DP4A only: stream-K over ~stream_k programs an SM (split_k unused)
-    max_registers: int = 0      # stream-K: ptxas's cap a thread (.maxnreg); 0 leaves it free
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -39,16 +38,12 @@ class GemvConfig:
         if self.stream_k < 0 or (self.stream_k and not self.int8_x):
             raise ValueError(f"GemvConfig.stream_k (programs an SM) is >= 0 and only for the "
                              f"int8_x kernel, got {self}")
-        if self.max_registers and not (self.stream_k and 24 <= self.max_registers <= 255):
-            raise ValueError(f"GemvConfig.max_registers caps a stream-K launch's registers "
-                             f"(24..255), got {self}")
 
     def key(self) -> str:
         return (f"{'tc-' if self.tensor_cores else ''}{'x8-' if self.int8_x else ''}"
                 f"n{self.block_n}-k{self.block_k}"
                 f"-{f'sk{self.stream_k}' if self.stream_k else f's{self.split_k}'}"
-                f"-w{self.num_warps}-p{self.num_stages}{'-pf' if self.prefetch else ''}"
-                f"{f'-r{self.max_registers}' if self.max_registers else ''}")
+                f"-w{self.num_warps}-p{self.num_stages}{'-pf' if self.prefetch else ''}")
 
 
 # Block shapes the sweep (`python -m bench.quant --sweep`) times on every
@@ -70,15 +65,13 @@ X8_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, int8_x=True, prefetch=pf)
                                              (32, 512, 4, True), (16, 1024, 4, True),
                                              (32, 1024, 4, True)))
 # Stream-K DP4A launches (_gemv_x8_stream_kernel) with as many programs an
-# SM as their registers let run at once. Static sm_90 builds (2026-12-03):
-# n32-k1024 takes 198 registers, two 4-warp programs an SM; capped at 168
-# (ptxas .maxnreg, no spill, ~5% more loop instructions) three, as many as
-# the split kernel's 168; n16-k1024 96, five. The sweep times each once:
-# split-K has no meaning for them.
-STREAM_CANDIDATES = tuple(GemvConfig(bn, bk, 1, 4, 2, int8_x=True, prefetch=True, stream_k=sk,
-                                     max_registers=regs)
-                          for bn, bk, sk, regs in ((32, 1024, 2, 0), (32, 1024, 3, 168),
-                                                   (16, 1024, 4, 0), (16, 1024, 5, 0)))
+# SM as their registers let run at once, and one fewer. Static sm_90 builds
+# (2026-12-03, its run end on the split-K fix-up): n32-k1024 167 registers,
+# three 4-warp programs an SM, as the prefetching split kernel's 168;
+# n16-k1024 96, five. The sweep times each once: split-K has no meaning for them.
+STREAM_CANDIDATES = tuple(GemvConfig(bn, bk, 1, 4, 2, int8_x=True, prefetch=True, stream_k=sk)
+                          for bn, bk, sk in ((32, 1024, 2), (32, 1024, 3), (16, 1024, 4),
+                                             (16, 1024, 5)))
 # The tensor-core kernel's, timed for rows >= 2.
 DOT_CANDIDATES = tuple(GemvConfig(bn, bk, 1, nw, 2, tensor_cores=True)
                        for bn, bk, nw in ((32, 256, 4), (64, 256, 4), (64, 512, 8),
@@ -160,10 +153,9 @@ def tuned_from_sweep(path: str) -> dict[tuple[int, int, int, int, int], GemvConf
     tuned = {}
     for r in swept:  # sweeps before stream-K stored 8 fields
         bn, bk, sk, nw, ns, tc, pf, x8, *stream = r["best_config"]
-        stream_k, max_registers = (list(stream) + [0, 0])[:2]
         tuned[(r["bits"], r["group"], r["N"], r["K"], r["bucket"])] = GemvConfig(
-            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8, stream_k=stream_k,
-            max_registers=max_registers)
+            bn, bk, sk, nw, ns, tensor_cores=tc, prefetch=pf, int8_x=x8,
+            stream_k=stream[0] if stream else 0)
     return tuned
 
 
