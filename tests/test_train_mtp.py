@@ -5,7 +5,8 @@ import torch
 
 from bench.speculative import CHAT, CODE
 from engine.loader import load_model
-from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, extract_question,
+from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, chat_requests,
+                                        extract_question,
                                         question_requests, training_prompts, varied_prompts)
 from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
                                       generate_corpus, head_forward, init_head, make_examples,
@@ -36,6 +37,27 @@ def test_natural_requests_avoid_the_dev_sets_subjects():
         assert not [p for p in NATURAL_CHAT if re.search(rf"\b{word}\b", p.lower())], word
 
 
+def test_request_files_avoid_every_held_out_subject():
+    """chat_requests/*.txt were written against the dev set's and both benchmark
+    sets' subjects (and those of DEV_CODE's chat questions): none may come back."""
+    import re
+
+    requests = chat_requests()
+    assert len(requests) == len(set(requests)) >= 3000
+    assert not set(requests) & {*NATURAL_CHAT, *CHAT, *CODE, *DEV_CHAT, *DEV_CODE}
+    for word in ("refrigerator", "fridge", "hik(e|ing)", "sky", "sleep", "climate", "weather",
+                 "robots?", "bees?", "honey", "study(ing)?", "salt(y)?", "ocean", "thunder",
+                 "deserts?", "day off", "from home", "apartment", "blacksmith", "purr", "soup",
+                 "friendship", "good friend", "vaccines?", "immune", "credit card", "stress",
+                 "train station", "roots?", "adopt", "exercise", "rainbow", "autumn",
+                 "leaders?", "airplanes?", "lighthouse", "gps", "snacks?", "budget",
+                 "future self", "eclipses?", "dreams?", "closet", "feedback", "ancient rome",
+                 "submarines?", "spicy", "basketball"):
+        hits = [p for p in requests if re.search(rf"\b{word}\b", p.lower())]
+        assert not hits, (word, hits[:3])
+    assert all(p.isascii() and p == p.strip() and p[-1] in ".?!" for p in requests)
+
+
 def test_varied_prompts_are_distinct_seeded_mixed_and_never_a_benchmark_prompt():
     every = varied_prompts(100_000)
     assert len(set(every)) == len(every) > 2000
@@ -47,7 +69,8 @@ def test_varied_prompts_are_distinct_seeded_mixed_and_never_a_benchmark_prompt()
         assert not [p for p in every if word in p.lower()], word
     assert not set(every) & set(DEV_CHAT + DEV_CODE)
     # the natural requests are all there, some in the tail train-mtp holds out
-    assert set(NATURAL_CHAT) <= set(every) and set(NATURAL_CHAT) & set(every[-len(every) // 10:])
+    for natural in (NATURAL_CHAT, chat_requests()):
+        assert set(natural) <= set(every) and set(natural) & set(every[-len(every) // 10:])
     first = varied_prompts(200)
     assert first == every[:200] == varied_prompts(200, seed=0) != varied_prompts(200, seed=1)
     code = sum(("function" in p or "class" in p or " code " in p) for p in first)

@@ -1252,6 +1252,22 @@ NATURAL_CHAT = (
     "Why do we clink glasses when we make a toast?",
     "Can I fix a wool jumper that shrank in the wash?")
 
+# Three thousand more natural chat requests in six subject domains, written for the same reason:
+# 1,021 of them took the dev set's chat from 1.52 to 1.65 while held-out answers of the
+# corpus's own prompts read 2.1, so the head still meets subjects it never saw. One
+# request a line in chat_requests/*.txt (a test holds them to the same word checks).
+CHAT_REQUEST_FILES = "chat_requests"
+
+
+def chat_requests() -> tuple[str, ...]:
+    """The requests of every chat_requests/*.txt file, files in name order."""
+    from importlib import resources
+
+    folder = resources.files(__package__) / CHAT_REQUEST_FILES
+    files = sorted((f for f in folder.iterdir() if f.name.endswith(".txt")), key=lambda f: f.name)
+    return tuple(line for f in files for line in f.read_text().splitlines() if line.strip())
+
+
 VARIED_CODE_TASKS = (
     "checks whether the parentheses in a string are balanced",
     "converts a Roman numeral to an integer", "returns all pairs in a list that sum to a target",
@@ -1310,6 +1326,9 @@ def varied_prompts(count: int, seed: int = 0) -> list[str]:
     # VARIED_REQUESTS first, as before NATURAL_CHAT existed; NATURAL_CHAT spread
     # evenly through the rest (seeded), so train-mtp's held-out tail holds some
     chat = list(VARIED_REQUESTS) + _spread(chat, list(NATURAL_CHAT), rng)
+    # the request files spread through all of it too (their own seed), so the
+    # held-out tail and any first N prompts hold some
+    chat = _spread(chat, list(chat_requests()), random.Random(seed + 1))
     code = [t.format(language=lang, task=task) for task in VARIED_CODE_TASKS
             for lang in dict.fromkeys(VARIED_LANGUAGES) for t in VARIED_CODE_TEMPLATES]
     code += [t.format(language=lang, thing=thing) for thing in VARIED_CLASSES
