@@ -5,7 +5,8 @@ import torch
 
 from bench.speculative import CHAT, CODE
 from engine.loader import load_model
-from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, chat_requests,
+from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED_CODE_TASKS,
+                                        VARIED_LANGUAGES, chat_requests, code_tasks,
                                         extract_question,
                                         question_requests, training_prompts, varied_prompts)
 from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
@@ -56,6 +57,19 @@ def test_request_files_avoid_every_held_out_subject():
         hits = [p for p in requests if re.search(rf"\b{word}\b", p.lower())]
         assert not hits, (word, hits[:3])
     assert all(p.isascii() and p == p.strip() and p[-1] in ".?!" for p in requests)
+
+
+def test_code_tasks_avoid_the_held_out_code_subjects_and_join_the_varied_prompts():
+    tasks = code_tasks()
+    assert len(tasks) == len(set(tasks)) >= 160 and not set(tasks) & set(VARIED_CODE_TASKS)
+    for word in ("fibonacci", "stack", "debounce", "longest line", "buffer", "first letter",
+                 "prime", "queue", "reverse", "words in a text", "linked list", "sorted lists",
+                 "throttle"):
+        assert not [t for t in tasks if word in t.lower()], word
+    every = varied_prompts(100_000)
+    for task in tasks[:8]:  # each task asked in every language, once
+        asked = [p for p in every if f"that {task}" in p]
+        assert len(asked) == len(dict.fromkeys(VARIED_LANGUAGES)), (task, asked)
 
 
 def test_varied_prompts_are_distinct_seeded_mixed_and_never_a_benchmark_prompt():
