@@ -11,6 +11,9 @@
 # .device/mtp_corpus.pt, the cache train-mtp --corpus reads), so call 3 spends its
 # time training: every varied prompt (6,856 with the files), one greedy answer of
 # 160 tokens each, a fresh head for BUDGETS s, then the GPU benchmark at k=3.
+# Ran 12-03 22:42 with BUDGETS=320: training and the held-out measure fit, the
+# benchmark did not (600 s limit); measure heads in a call of their own
+# (device_next36.sh call 3).
 set -uo pipefail
 call=${1:?call 1, 2 or 3}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ && ls -la /tmp/gguf

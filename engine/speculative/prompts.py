@@ -1252,21 +1252,12 @@ NATURAL_CHAT = (
     "Why do we clink glasses when we make a toast?",
     "Can I fix a wool jumper that shrank in the wash?")
 
-# Three thousand more natural chat requests in six subject domains, written for the same reason:
-# 1,021 of them took the dev set's chat from 1.52 to 1.65 while held-out answers of the
-# corpus's own prompts read 2.1, so the head still meets subjects it never saw. One
-# request a line in chat_requests/*.txt (a test holds them to the same word checks).
+# Three thousand more natural chat requests in six subject domains, written for the same
+# reason: the first 492 of NATURAL_CHAT took the dev set's chat from 1.52 to 1.65 and all
+# 1,021 to 1.74, while held-out answers of the corpus's own prompts read 2.1, so the head
+# still met subjects it never saw. One request a line in chat_requests/*.txt (a test holds
+# them to a wider word list than NATURAL_CHAT's).
 CHAT_REQUEST_FILES = "chat_requests"
-
-
-def chat_requests() -> tuple[str, ...]:
-    """The requests of every chat_requests/*.txt file, files in name order."""
-    from importlib import resources
-
-    folder = resources.files(__package__) / CHAT_REQUEST_FILES
-    files = sorted((f for f in folder.iterdir() if f.name.endswith(".txt")), key=lambda f: f.name)
-    return tuple(line for f in files for line in _lines(f))
-
 
 # The head on 4,021 natural chat requests lost code (CPU benchmark 2.14 -> 2.01)
 # as code's share of the corpus fell from 32% to 18%: 160 more code tasks, each
@@ -1275,11 +1266,24 @@ def chat_requests() -> tuple[str, ...]:
 CODE_TASK_FILE = "code_tasks.txt"
 
 
+def chat_requests() -> tuple[str, ...]:
+    """The requests of every chat_requests/*.txt file, files in name order."""
+    folder = _packaged(CHAT_REQUEST_FILES)
+    files = sorted((f for f in folder.iterdir() if f.name.endswith(".txt")), key=lambda f: f.name)
+    return tuple(line for f in files for line in _lines(f))
+
+
 def code_tasks() -> tuple[str, ...]:
     """The tasks of code_tasks.txt."""
+    return _lines(_packaged(CODE_TASK_FILE))
+
+
+def _packaged(name: str):
+    """A file or folder shipped beside this module (package data, so an
+    installed wheel has it too)."""
     from importlib import resources
 
-    return _lines(resources.files(__package__) / CODE_TASK_FILE)
+    return resources.files(__package__) / name
 
 
 def _lines(resource) -> tuple[str, ...]:
@@ -1351,7 +1355,7 @@ def varied_prompts(count: int, seed: int = 0) -> list[str]:
             for lang in dict.fromkeys(VARIED_LANGUAGES) for t in VARIED_CODE_TEMPLATES]
     code += [t.format(language=lang, thing=thing) for thing in VARIED_CLASSES
              for lang in ("Python", "JavaScript", "Java", "C++") for t in VARIED_CLASS_TEMPLATES]
-    phrasing = random.Random(seed + 2)  # its own seed: the older prompts stay as they were
+    phrasing = random.Random(seed + 2)  # its own seed: older prompts keep their texts
     code += [phrasing.choice(VARIED_CODE_TEMPLATES).format(language=lang, task=task)
              for task in code_tasks() for lang in dict.fromkeys(VARIED_LANGUAGES)]
     rng.shuffle(code)
