@@ -3,7 +3,7 @@
 # .device/gguf.part.a{a,b,c}) to the device machine for the MTP head's
 # training, each call carrying `.whl` and one part; the first two give the
 # machine real work meanwhile (it is released after 30 s idle, and /tmp with it):
-#   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next27.sh      (part aa)
+#   bash scripts/device_chain_mtp.sh 1 bash scripts/sessions/device_next27.sh      (part aa)
 #   bash scripts/device_chain_mtp.sh 2 env KV=rk4 PROFILE_EVERY=10 \
 #     bash scripts/device_agent_loop.sh                                   (part ab)
 #   bash scripts/device_chain_mtp.sh 3                                    (part ac)

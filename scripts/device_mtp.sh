@@ -8,7 +8,7 @@
 # .device/gguf.part.`, and carry one part per call (with .whl), each call
 # starting `mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/`; the
 # calls must follow each other within the machine's 30 s idle release, so
-# give the first two calls real work (device_next*.sh). This script runs in
+# give the first two calls real work (sessions/device_next*.sh). This script runs in
 # the call that carries the last part and checks the file's sha256.
 #   SELF_INSTRUCT=500 SAMPLES=2 NEW=160 BUDGET=150 OLD_HEAD=0 METHODS=mtp KS=3 \
 #     bash scripts/device_mtp.sh

@@ -115,6 +115,10 @@ def _add_train_mtp(sub) -> None:
     p.add_argument("--target-temperature", type=float, default=1.0,
                    help="temperature of the soft targets (default 1.0; below 1 sharpens them "
                         "toward the base's greedy token, which greedy acceptance checks)")
+    p.add_argument("--dev-every", type=int, default=0, metavar="STEPS",
+                   help="measure the head on the dev prompts' answers every STEPS steps and "
+                        "write the best head seen (the worse of chat and code decides), not "
+                        "the last; 0 (default): the last")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -135,7 +139,8 @@ def _run_train_mtp(args) -> int:
                           corpus_path=args.corpus, self_instruct=args.self_instruct,
                           varied=args.varied,
                           batch_samples=args.batch_samples, soft_targets=args.soft_targets,
-                          target_temperature=args.target_temperature)
+                          target_temperature=args.target_temperature,
+                          dev_every_steps=args.dev_every)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -153,11 +158,15 @@ def _run_train_mtp(args) -> int:
         else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
         else source.with_name(source.stem + ".mtp.safetensors"))
     head, stats = train_head(loaded, cfg)
-    save_head(out, loaded.config, head_state(head),
-              {"base_model": source.name, "train_steps": str(stats["steps"]),
-               "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
-               "held_out_expected_length": f"{stats['expected_length']:.3f}",
-               "held_out_loop_length": f"{stats['loop_length']:.3f}"})
+    metadata = {"base_model": source.name, "train_steps": str(stats["steps"]),
+                "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
+                "held_out_expected_length": f"{stats['expected_length']:.3f}",
+                "held_out_loop_length": f"{stats['loop_length']:.3f}"}
+    if "dev" in stats:
+        metadata["dev_chosen_step"] = str(stats["dev"]["chosen_step"])
+        metadata.update({f"dev_{kind}_loop_length": f"{length:.3f}"
+                         for kind, length in stats["dev"]["loop_length"].items()})
+    save_head(out, loaded.config, head_state(head), metadata)
     print(f"tandem: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB; on held-out greedy "
           f"answers: draft accuracy by depth {[round(a, 3) for a in stats['accuracy']]}, "
           f"expected mean accepted length {stats['expected_length']:.2f}, tokens per verify "

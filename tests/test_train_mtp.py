@@ -9,8 +9,9 @@ from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED
                                         VARIED_LANGUAGES, chat_requests, code_tasks,
                                         extract_question,
                                         question_requests, training_prompts, varied_prompts)
-from engine.speculative.train import (IGNORE, Corpus, TrainConfig, _unrolled_loss, evaluate,
-                                      generate_corpus, head_forward, init_head, make_examples,
+from engine.speculative.train import (IGNORE, Corpus, DevChoice, TrainConfig,
+                                      _token_bounded_groups, _unrolled_loss, base_features,
+                                      dev_examples, evaluate, generate_corpus, head_forward, init_head, make_examples,
                                       pack_examples, pairs_at_depth, train_head)
 
 
@@ -146,6 +147,26 @@ def test_prompt_positions_carry_no_label(tiny, corpus):
             assert e.labels[n:-1].tolist() == e.tokens[n + 1:].tolist()
 
 
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen3.5"])
+def test_features_of_a_batch_equal_each_sample_alone(model_name, corpus):
+    """base_features runs many samples in one forward: each sample's hidden
+    and greedy choices are what a forward of it alone gives (the hybrid
+    model's GDN state stays in its own slot)."""
+    model = load_model(model_name, device="cpu", progress=False).model
+    samples = [t[:40] for t in corpus.samples[:5]]
+    together = base_features(model, samples)
+    for tokens, (hidden, greedy) in zip(samples, together):
+        [(alone_hidden, alone_greedy)] = base_features(model, [tokens])
+        assert hidden.shape == (len(tokens), model.config.hidden_size)
+        torch.testing.assert_close(hidden, alone_hidden, rtol=1e-4, atol=1e-4)
+        assert greedy.tolist() == alone_greedy.tolist()
+
+
+def test_feature_groups_keep_order_and_bound_their_tokens():
+    samples = [[0] * n for n in (5, 5, 3, 12, 1, 1)]
+    assert _token_bounded_groups(samples, 10) == [[0, 1], [2], [3], [4, 5]]
+
+
 def test_packed_samples_see_only_themselves(tiny, corpus):
     """pack_examples: each sample's pairs get the head outputs and labels they
     get alone, at every depth; pairs that would span two samples get none."""
@@ -196,6 +217,41 @@ def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus, ba
     assert 1.0 <= stats["loop_length"] <= 1 + 3
     again = evaluate(model, head, lm_head, [e for e in examples if e.greedy], 3)
     assert len(again["accuracy"]) == 3 and all(0 <= a <= 1 for a in again["accuracy"])
+
+
+def test_the_dev_measure_keeps_the_best_head_seen(tiny, corpus):
+    """dev_every_steps: the returned head is the measured one whose worse of
+    chat and code loop length was highest, and it reads that figure again."""
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=12, lr=3e-2,
+                      corpus_path=None, batch_samples=2, dev_every_steps=4, dev_new_tokens=12)
+    head, stats = train_head(tiny, cfg, corpus=corpus)
+    history = dict(stats["dev"]["history"])
+    assert sorted(history) == [4, 8, 12]
+    best = max(history, key=lambda step: min(history[step].values()))
+    assert stats["dev"]["chosen_step"] == best
+    dev = dev_examples(tiny, 12)
+    assert [len(dev["chat"]), len(dev["code"])] == [len(DEV_CHAT), len(DEV_CODE)]
+    lm_head = tiny.model.output_embedding.detach().float()
+    for kind, examples in dev.items():
+        again = evaluate(tiny.model, head, lm_head, examples, 3)["loop_length"]
+        assert again == pytest.approx(history[best][kind], abs=1e-9)
+
+
+def test_a_worse_last_head_gives_way_to_the_best_one_measured(tiny, corpus):
+    model = tiny.model
+    examples = make_examples(model, corpus)
+    lm_head = model.output_embedding.detach().float()
+    choice = DevChoice({"chat": examples[:6:2], "code": examples[6:12:2]}, lm_head, 3)
+    head = init_head(model)
+    good = {k: v.clone() for k, v in head.state_dict().items()}
+    choice.measure(model, head, 1)
+    with torch.no_grad():  # a head that drafts noise
+        head.fc.weight.normal_(std=10.0)
+    choice.measure(model, head, 2)
+    assert choice.score(2) < choice.score(1)
+    picked = choice.choose(model, head, 2)
+    assert picked["chosen_step"] == 1 and len(picked["history"]) == 2
+    assert all(torch.equal(head.state_dict()[k], v) for k, v in good.items())
 
 
 @pytest.mark.parametrize("reply, question", [

@@ -35,7 +35,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -78,11 +78,19 @@ class TrainConfig:
     # acceptance needs only the base's argmax, so T < 1 spends less of a
     # one-layer head on the distribution's tail (T -> 0 is the greedy loss)
     target_temperature: float = 1.0
+    # every N optimizer steps, measure the head on the dev prompts' greedy
+    # answers (prompts.DEV_CHAT / DEV_CODE, dev_new_tokens long, as
+    # bench.mtp_gap --prompts dev reads them) and return the best head seen,
+    # not the last: the held-out tenth is the corpus's own distribution and
+    # read 2.09 where the dev chat read 1.83 (12-03 22:42). 0: off
+    dev_every_steps: int = 0
+    dev_new_tokens: int = 96
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
                 or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10) \
-                or self.self_instruct < 0 or self.batch_samples < 1 or self.varied < 0:
+                or self.self_instruct < 0 or self.batch_samples < 1 or self.varied < 0 \
+                or self.dev_every_steps < 0 or self.dev_new_tokens < 8:
             raise ValueError(f"train-mtp: bad settings {self}")
         if not 0.0 < self.target_temperature <= 4.0:
             raise ValueError(f"train-mtp: the target temperature must be in (0, 4], got "
@@ -249,21 +257,28 @@ def _context_for(new_tokens: int) -> int:
 
 
 @torch.no_grad()
-def base_features(model: CausalLM, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed final hidden [T, H], the base's greedy choice at each position [T]), dense."""
+def base_features(model: CausalLM, samples: list[list[int]]
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sample: (normed final hidden [T, H], the base's greedy choice at
+    each position [T]), from one prefill forward of all of them (a forward a
+    sample cost the H200 ~250 s of a 600 s call for 8,235 samples)."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
 
     page = 16
-    pages = -(-len(tokens) // page)
     device = model.output_embedding.device
-    cache = PagedKVCache(model.config, CacheShape(pages, page, 1), device,
+    seqs, first = [], 0
+    for slot, tokens in enumerate(samples):
+        pages = -(-len(tokens) // page)
+        seqs.append(SequenceInput(tuple(tokens), 0, tuple(range(first, first + pages)), slot))
+        first += pages
+    cache = PagedKVCache(model.config, CacheShape(first, page, len(samples)), device,
                          make_format("bf16", dtype=model.output_embedding.dtype))
-    seq = SequenceInput(tuple(tokens), 0, tuple(range(pages)), 0)
-    logits, hidden = model(ForwardBatch.build([seq], page, device), cache, all_logits=True,
-                           return_hidden=True)
-    return hidden.float(), logits.argmax(dim=-1)
+    batch = ForwardBatch.build(seqs, page, device)
+    logits, hidden = model(batch, cache, all_logits=True, return_hidden=True)
+    bounds = list(zip(batch.offsets, batch.offsets[1:]))
+    return [(hidden[lo:hi].float(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
 
 
 def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary,
@@ -377,11 +392,32 @@ def make_examples(model: CausalLM, corpus: Corpus) -> list[Example]:
     inflate both)."""
     device = model.output_embedding.device
     examples = []
-    for toks, prompt_len, greedy in zip(corpus.samples, corpus.prompt_lengths, corpus.greedy):
-        hidden, labels = base_features(model, toks)
-        labels[:prompt_len] = IGNORE
-        examples.append(Example(torch.tensor(toks, device=device), hidden, labels, greedy))
+    for group in _token_bounded_groups(corpus.samples, _FEATURE_TOKENS):
+        features = base_features(model, [corpus.samples[i] for i in group])
+        for i, (hidden, labels) in zip(group, features):
+            labels[:corpus.prompt_lengths[i]] = IGNORE
+            examples.append(Example(torch.tensor(corpus.samples[i], device=device), hidden,
+                                    labels, corpus.greedy[i]))
     return examples
+
+
+# tokens per base_features forward: its logits over a 49K vocabulary in bf16
+# take ~1.6 GB at this size
+_FEATURE_TOKENS = 16384
+
+
+def _token_bounded_groups(samples: list[list[int]], limit: int) -> list[list[int]]:
+    """Consecutive sample indices in groups of at most `limit` tokens (a
+    longer sample makes a group alone)."""
+    groups: list[list[int]] = [[]]
+    tokens = 0
+    for i, sample in enumerate(samples):
+        if groups[-1] and tokens + len(sample) > limit:
+            groups.append([])
+            tokens = 0
+        groups[-1].append(i)
+        tokens += len(sample)
+    return [g for g in groups if g]
 
 
 def train_head(loaded: LoadedModel, cfg: TrainConfig,
@@ -399,6 +435,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
     params = [p for p in head.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()
+    dev = DevChoice(dev_examples(loaded, cfg.dev_new_tokens), full_head, cfg.depth) \
+        if cfg.dev_every_steps else None
     # The softmax of the training loss runs over the tokens of the corpus only
     # (a sampled softmax, cheaper on a 49K vocabulary); held-out accuracy
     # below is measured with the full vocabulary.
@@ -431,15 +469,75 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            if dev is not None and step % cfg.dev_every_steps == 0:
+                dev.measure(model, head, step)
             if step % 200 == 0:
                 _log(f"step {step} epoch {epochs} loss {loss.item():.3f} "
                      f"({time.monotonic() - started:.0f} s)")
+    extra = {}
+    if dev is not None:
+        extra["dev"] = dev.choose(model, head, step)
     stats = evaluate(model, head, full_head, [e for e in held_out if e.greedy], cfg.depth)
     _log(f"held-out greedy answers: draft accuracy by depth "
          f"{[round(a, 3) for a in stats['accuracy']]}, expected mean accepted length at "
          f"k={cfg.depth} {stats['expected_length']:.2f}, in the speculative loop "
          f"{stats['loop_length']:.2f}")
-    return head, {"steps": step, "epochs": epochs, **stats}
+    return head, {"steps": step, "epochs": epochs, **stats, **extra}
+
+
+def dev_examples(loaded: LoadedModel, new_tokens: int) -> dict[str, list[Example]]:
+    """The dev prompts' greedy answers as Examples, by kind ("chat", "code"):
+    what bench.mtp_gap --prompts dev measures. Never trained on."""
+    from engine.llm import EngineConfig, OfflineEngine
+    from engine.sampling import SamplingParams
+
+    texts = [*DEV_CHAT, *DEV_CODE]
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=len(texts),
+                                                max_context=_context_for(new_tokens)))
+    prompts = [list(engine.chat_prompt([{"role": "user", "content": t}])) for t in texts]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    answers = _generated(engine, prompts, [greedy] * len(texts))
+    examples = make_examples(loaded.model, Corpus([p + a for p, a in zip(prompts, answers)],
+                                                  [len(p) for p in prompts], [True] * len(texts)))
+    return {"chat": examples[:len(DEV_CHAT)], "code": examples[len(DEV_CHAT):]}
+
+
+@dataclass
+class DevChoice:
+    """The head's loop length on the dev answers during training, and the
+    best head seen. The goal (>= 2.0 tokens a verify step) holds for chat and
+    code alike, so the worse of the two decides which head is best. Choosing
+    on the dev set makes its figure a little optimistic; the benchmark's
+    prompts (HELD_OUT_*) stay the unbiased measure."""
+    examples: dict[str, list[Example]]
+    lm_head: torch.Tensor
+    depth: int
+    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    best_step: int = -1
+    best_state: dict[str, torch.Tensor] | None = None
+
+    def score(self, step: int) -> float:
+        return min(dict(self.history)[step].values())
+
+    def measure(self, model, head, step: int) -> None:
+        lengths = {kind: evaluate(model, head, self.lm_head, examples, self.depth)["loop_length"]
+                   for kind, examples in self.examples.items()}
+        self.history.append((step, lengths))
+        if self.best_step < 0 or self.score(step) > self.score(self.best_step):
+            self.best_step = step
+            self.best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        _log(f"dev at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in lengths.items()))
+
+    def choose(self, model, head, last_step: int) -> dict:
+        """Measures the last head too, loads the best one into `head`, and
+        says which it was."""
+        if not self.history or self.history[-1][0] != last_step:
+            self.measure(model, head, last_step)
+        if self.best_step != last_step:
+            head.load_state_dict(self.best_state)
+        _log(f"dev: the head of step {self.best_step} is kept (of {len(self.history)} measured)")
+        return {"chosen_step": self.best_step, "loop_length": dict(self.history)[self.best_step],
+                "history": self.history}
 
 
 def _unrolled_loss(model, head, lm_head, example: Example, depth: int,

@@ -2,15 +2,15 @@
 # Next GPU session (after 2026-12-03 23:00), three chained calls, each carrying
 # .whl and one part of the embedded GGUF (the calls must follow each other
 # within the machine's 30 s idle release):
-#   bash scripts/device_next36.sh 1   (carry .whl .device/gguf.part.aa)
-#   bash scripts/device_next36.sh 2   (carry .whl .device/gguf.part.ab)
-#   bash scripts/device_next36.sh 3   (carry .whl .device/gguf.part.ac)
+#   bash scripts/sessions/device_next36.sh 1   (carry .whl .device/gguf.part.aa)
+#   bash scripts/sessions/device_next36.sh 2   (carry .whl .device/gguf.part.ab)
+#   bash scripts/sessions/device_next36.sh 3   (carry .whl .device/gguf.part.ac)
 # Calls 1-2 are device_next34.sh's never-run call 2, split: tandem's prefill and
 # transformers' on one host (4K, 32K; transformers' 101K prefill is its time to
 # first token for the agent turn tandem serves from its cache in 0.28 s).
 # Call 3: the MTP head of 12-03 22:42 (3,000 more natural chat requests; dev set
 # on the CPU 1.827 chat / 2.143 code) on the H200 benchmark: its device call ran
-# out of time before the benchmark (scripts/device_next35.sh).
+# out of time before the benchmark (scripts/sessions/device_next35.sh).
 set -uo pipefail
 call=${1:?call 1, 2 or 3}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ && ls /tmp/gguf

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Next GPU session (after 2026-12-03 18:55), two calls, no GGUF needed (carry .whl):
-#   bash scripts/device_next34.sh 1; bash scripts/device_next34.sh 2
+#   bash scripts/sessions/device_next34.sh 1; bash scripts/sessions/device_next34.sh 2
 # Call 1: the stream-K DP4A GEMV (GemvConfig.stream_k, docs/ARCHITECTURE.md), never run
 # on a GPU: its kernel tests on the H200 first (the interpreter cannot see
 # races between a block's partial sums and its last arrival), then the

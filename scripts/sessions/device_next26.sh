@@ -10,8 +10,8 @@
 #  - TANDEM_INT8_NO_I2F (default 1): int8 codes as 2**23 + code + 128 from
 #    their bits (256 I2F -> 256 PRMT + 256 FADD a tile); bit-identical.
 # Nothing below has run on a GPU yet. Two calls of ~5 min each (all of it
-# passes 6 minutes): `bash scripts/device_next26.sh`, then
-# `PART=2 bash scripts/device_next26.sh`.
+# passes 6 minutes): `bash scripts/sessions/device_next26.sh`, then
+# `PART=2 bash scripts/sessions/device_next26.sh`.
 #  1. GPU tests: rk4 and int8 attention against the reference, both sides of
 #     each switch against each other (int8 bit for bit), the compiled PRMT
 #     paths on every code (~1.5 min);

@@ -5,7 +5,7 @@
 # the float ones (paste its TUNED lines into engine/quant/gemv.py; a DP4A
 # line changes numerics, measured on the CPU by bench.int8_activations: at
 # the level of bf16-vs-fp32 compute); the int4 decode step with and without
-# TANDEM_GEMV_INT8_X=1. Second call: scripts/device_next2.sh.
+# TANDEM_GEMV_INT8_X=1. Second call: scripts/sessions/device_next2.sh.
 set -uo pipefail
 source scripts/device_env.sh
 step pytest_x8 90 python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py \

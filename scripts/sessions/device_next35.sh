@@ -3,9 +3,9 @@
 # (engine/speculative/chat_requests/*.txt, six subject domains), three chained
 # calls, each carrying one part of the embedded GGUF; the calls must follow each
 # other within the machine's 30 s idle release:
-#   bash scripts/device_next35.sh 1   (carry .device/gguf.part.aa)
-#   bash scripts/device_next35.sh 2   (carry .device/gguf.part.ab)
-#   bash scripts/device_next35.sh 3   (carry .device/gguf.part.ac .device/mtp_corpus.pt .whl)
+#   bash scripts/sessions/device_next35.sh 1   (carry .device/gguf.part.aa)
+#   bash scripts/sessions/device_next35.sh 2   (carry .device/gguf.part.ab)
+#   bash scripts/sessions/device_next35.sh 3   (carry .device/gguf.part.ac .device/mtp_corpus.pt .whl)
 # Calls 1-2 only park their part (the session had ~950 s of device time for all
 # three). The CPU answered most of the new prompts beforehand (fp32 greedy, into
 # .device/mtp_corpus.pt, the cache train-mtp --corpus reads), so call 3 spends its

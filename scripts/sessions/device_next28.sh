@@ -2,8 +2,8 @@
 # Superseded: 12-03 13:27 ran its calls, trimmed, as device_next29.sh 1 and 2.
 # Next GPU session (after 2026-12-03 12:30), two calls of 27B work that carry
 # the GGUF's first two parts for the MTP head's third call:
-#   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next28.sh 1   (part aa)
-#   bash scripts/device_chain_mtp.sh 2 bash scripts/device_next28.sh 2   (part ab)
+#   bash scripts/device_chain_mtp.sh 1 bash scripts/sessions/device_next28.sh 1   (part aa)
+#   bash scripts/device_chain_mtp.sh 2 bash scripts/sessions/device_next28.sh 2   (part ab)
 #   VARIED=5000 BUDGETS=420 bash scripts/device_chain_mtp.sh 3          (part ac and
 #     .device/mtp_corpus.pt: only NATURAL_CHAT's ~500 new requests are answered)
 # Call 1: the prefill attention alone at the agent loop's shape (1,100 new

@@ -4,8 +4,8 @@
 # floor on the 27B shape"; next: device_next34.sh). device_next32.sh's plan,
 # never run, is folded in. Chain three calls so the GGUF's parts meet on the machine
 # (scripts/device_chain_mtp.sh carries one each):
-#   bash scripts/device_chain_mtp.sh 1 bash scripts/device_next33.sh 1   (part aa)
-#   bash scripts/device_chain_mtp.sh 2 bash scripts/device_next33.sh 2   (part ab)
+#   bash scripts/device_chain_mtp.sh 1 bash scripts/sessions/device_next33.sh 1   (part aa)
+#   bash scripts/device_chain_mtp.sh 2 bash scripts/sessions/device_next33.sh 2   (part ab)
 #   TARGET_T=0.5 VARIED=5000 BUDGETS=420 bash scripts/device_chain_mtp.sh 3
 #     (part ac and .device/mtp_corpus.pt: every answer is cached, so the call trains)
 # Call 1: the DP4A GEMV's three 8-warp prefetching block shapes (X8_CANDIDATES'

@@ -5,7 +5,7 @@
 # (The checkout was new: the MTP corpus of
 # .device/ was lost, so the head's training waits for answers generated on the
 # CPU meanwhile and runs last, in its own chain: scripts/device_chain_mtp.sh).
-#   bash scripts/device_next29.sh 1    then, chained,    bash scripts/device_next29.sh 2
+#   bash scripts/sessions/device_next29.sh 1    then, chained,    bash scripts/sessions/device_next29.sh 2
 # Call 1: Nsight Compute on the DP4A GEMV (issue 7: ~5.2 ms of the int4
 #   step's 7.1-7.8 against a 3.3 ms floor; the static counts of 12-02 17:00 put
 #   it at half the issue rate, so bytes in flight per SM were the suspect) on
