@@ -26,38 +26,36 @@ def test_dev_prompts_are_held_out_too():
     assert len(dev) == 36 and not dev & set(CHAT + CODE) and not dev & set(training_prompts())
 
 
-def test_natural_requests_avoid_the_dev_sets_subjects():
-    """The dev set stands in for the benchmark when recipes are compared: the
-    hand-written chat requests stay off its subjects (a word check; VARIED_TOPICS
-    predates the dev set and touches a few)."""
+# Words of the dev set's, both benchmark sets' and DEV_CODE's chat subjects:
+# no hand-written chat request (NATURAL_CHAT, chat_requests/*.txt) may use
+# one, so the held-out figures read subjects the head never trained on.
+# (VARIED_TOPICS predates the dev set and touches a few.)
+HELD_OUT_SUBJECT_WORDS = (
+    "refrigerator", "fridge", "hik(e|ing)", "sky", "sleep", "climate", "weather", "robots?",
+    "bees?", "honey", "study(ing)?", "salt(y)?", "ocean", "thunder", "deserts?", "day off",
+    "from home", "apartment", "blacksmith", "purr", "soup", "friendship", "good friend",
+    "vaccines?", "immune", "credit card", "stress", "train station", "roots?", "adopt",
+    "exercise", "rainbow", "autumn", "leaders?", "airplanes?", "lighthouse", "gps", "snacks?",
+    "budget", "future self", "eclipses?", "dreams?", "closet", "feedback", "ancient rome",
+    "submarines?", "spicy", "basketball")
+
+
+@pytest.mark.parametrize("source", ["NATURAL_CHAT", "chat_requests"])
+def test_hand_written_requests_avoid_every_held_out_subject(source):
     import re
 
-    for word in ("refrigerator", "hiking", "sky", "sleep", "climate", "robots?", "bees?", "honey",
-                 "studying", "salty", "thunder", "deserts?", "day off", "from home", "apartment",
-                 "blacksmith", "purr", "soup", "friendship", "good friend", "vaccines?",
-                 "credit card", "stress", "train station", "roots", "adopt"):
-        assert not [p for p in NATURAL_CHAT if re.search(rf"\b{word}\b", p.lower())], word
-
-
-def test_request_files_avoid_every_held_out_subject():
-    """chat_requests/*.txt were written against the dev set's and both benchmark
-    sets' subjects (and those of DEV_CODE's chat questions): none may come back."""
-    import re
-
-    requests = chat_requests()
-    assert len(requests) == len(set(requests)) >= 3000
-    assert not set(requests) & {*NATURAL_CHAT, *CHAT, *CODE, *DEV_CHAT, *DEV_CODE}
-    for word in ("refrigerator", "fridge", "hik(e|ing)", "sky", "sleep", "climate", "weather",
-                 "robots?", "bees?", "honey", "study(ing)?", "salt(y)?", "ocean", "thunder",
-                 "deserts?", "day off", "from home", "apartment", "blacksmith", "purr", "soup",
-                 "friendship", "good friend", "vaccines?", "immune", "credit card", "stress",
-                 "train station", "roots?", "adopt", "exercise", "rainbow", "autumn",
-                 "leaders?", "airplanes?", "lighthouse", "gps", "snacks?", "budget",
-                 "future self", "eclipses?", "dreams?", "closet", "feedback", "ancient rome",
-                 "submarines?", "spicy", "basketball"):
+    requests = list(NATURAL_CHAT) if source == "NATURAL_CHAT" else chat_requests()
+    assert len(requests) == len(set(requests)) >= 1000
+    assert not set(requests) & {*CHAT, *CODE, *DEV_CHAT, *DEV_CODE}
+    for word in HELD_OUT_SUBJECT_WORDS:
         hits = [p for p in requests if re.search(rf"\b{word}\b", p.lower())]
         assert not hits, (word, hits[:3])
     assert all(p.isascii() and p == p.strip() and p[-1] in ".?!" for p in requests)
+
+
+def test_the_request_files_add_3000_requests_of_their_own():
+    requests = chat_requests()
+    assert len(requests) >= 3000 and not set(requests) & set(NATURAL_CHAT)
 
 
 def test_code_tasks_avoid_the_held_out_code_subjects_and_join_the_varied_prompts():

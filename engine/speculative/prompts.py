@@ -352,7 +352,7 @@ NATURAL_CHAT = (
     "What is the difference between a museum and a gallery?",
     "What's the difference between a cafe and a coffee shop, if any?",
     "What is the difference between a mammal and a reptile?",
-    "What is the difference between an ocean and a sea?",
+    "What is the difference between a lake and a pond?",
     "What should I do if I lock myself out of my house?",
     "What should I bring with me to a job interview?",
     "How can I get better at remembering people's names?",
@@ -493,7 +493,7 @@ NATURAL_CHAT = (
     "What did people use before toilet paper was invented?",
     "What did families eat during the Great Depression?",
     "What did people use as money before coins existed?",
-    "What toys did children play with in ancient Rome?",
+    "What toys did children play with in medieval Japan?",
     "How did people tell the time before clocks were common?",
     "How did the ancient Romans heat their houses and baths?",
     "Why did the Western Roman Empire fall?",
@@ -575,7 +575,7 @@ NATURAL_CHAT = (
     "What are the symptoms of low iron?", "How can I stop biting my nails?",
     "What should I do if someone near me is choking?", "How can I protect my skin from sun damage?",
     "What does cholesterol actually do in the body?", "What does the liver do?",
-    "How can I eat less salt without food tasting bland?",
+    "How can I make vegetables taste better to a picky child?",
     "What are the benefits of eating fish once or twice a week?", "Is it bad to skip breakfast?",
     "How can I tell if a mole on my skin should be checked by a doctor?",
     "How do I start saving for a deposit on a house?",
@@ -605,13 +605,13 @@ NATURAL_CHAT = (
     "I took two years off work to care for my mother. How do I explain the gap in my CV?",
     "Write a thank-you email to send after a job interview.",
     "How can I make a good first impression at a new job?",
-    "How do I ask a colleague for honest feedback on my writing?",
+    "How do I tell a friend that their business idea has problems?",
     "What is it like to work as a nurse?", "How can I turn a hobby into a small business?",
     "How do I take useful notes in meetings?", "What should I do if I think I'm being underpaid?",
     "What are transferable skills, and how do I find mine?",
     "How do I prepare for a phone interview?",
     "How do I make small talk with colleagues I barely know?",
-    "How can I see Japan on a tight budget?",
+    "What is the cheapest way to travel around Norway?",
     "What are some tips for travelling alone for the first time?",
     "What should I see in Lisbon if I only have two days?",
     "Can you suggest an itinerary for a week in Scotland?",
@@ -633,7 +633,7 @@ NATURAL_CHAT = (
     "How do I start a stamp collection?",
     "What are some good board games for a family of four, with kids aged eight and twelve?",
     "How do I learn to solve a Rubik's cube?", "What is the best way to learn calligraphy?",
-    "How do I get started with woodworking on a small budget?",
+    "How do I get started with pottery at home?",
     "What are some good indoor hobbies for the winter months?",
     "How do I get better at cryptic crosswords?", "How do I learn to dance salsa?",
     "What is geocaching, and how do I start?", "What kind of telescope should a beginner buy?",
@@ -802,7 +802,7 @@ NATURAL_CHAT = (
     "How do I make a will, and why should I bother?", "What are the hidden costs of owning a home?",
     "How can I find and cancel subscriptions I've forgotten about?",
     "What is a credit score, and how can I improve mine?",
-    "My partner and I want to get married next year on a budget of about eight thousand pounds. "
+    "My partner and I want a small wedding next year. "
     "Where should we spend the money and where can we save?",
     "How do I plan financially for having a baby?",
     "How do I set a savings goal for a big holiday and stick to it?",
@@ -859,7 +859,7 @@ NATURAL_CHAT = (
     "What is alliteration, and can you give me some examples?",
     "Why is the Nile so important to Egypt?",
     "What are the seven continents, and which is the largest?",
-    "How do volcanic islands form in the middle of the ocean?",
+    "How do caves form in limestone?",
     "Why do some countries have more than one capital city?",
     "How do lines of latitude and longitude work?",
     "Why does Australia have so many animals found nowhere else?",
@@ -867,7 +867,7 @@ NATURAL_CHAT = (
     "Why is the Netherlands so flat, and how does it keep the sea out?",
     "What is the difference between Great Britain and the United Kingdom?",
     "Why was Venice built on water?", "Why is Iceland so green while Greenland is covered in ice?",
-    "How big is the Pacific Ocean compared with all the land on Earth?",
+    "How big is Antarctica compared with Australia?",
     "Why do rivers bend and twist instead of flowing straight?",
     "What is the Panama Canal, and why was it built?",
     "What is the difference between an acid and an alkali?",
@@ -1097,11 +1097,11 @@ NATURAL_CHAT = (
     "Give me ten ideas for things to do on a rainy Sunday with teenagers.",
     "Brainstorm slogans for a campaign to keep the local park clean.",
     "Give me some ideas for a science fair project for a twelve-year-old.",
-    "Give me ideas for decorating a child's bedroom on a small budget.",
+    "Give me ideas for decorating a teenager's bedroom without spending much.",
     "Brainstorm ways a village could raise money to repair its church roof.",
     "Give me ten ideas for a photography project around my neighbourhood.",
     "Suggest some names for a new variety of apple.",
-    "Plan a week of healthy dinners for a family of four on a budget.",
+    "Plan a week of quick vegetarian lunches to take to work.",
     "Make me a three-day itinerary for Rome.",
     "Help me plan a surprise party for my husband's fortieth birthday.",
     "Plan a day out in Edinburgh for a family with young children.",
@@ -1200,16 +1200,16 @@ NATURAL_CHAT = (
     "How do I make sure it's cooked through but still juicy?",
     "My mother-in-law always rearranges my kitchen when she visits. "
     "How can I ask her to stop without hurting her feelings?",
-    "I've been asked to organise the office Christmas party for forty people with a small budget. "
-    "Where do I start?",
+    "I've been asked to organise a leaving party for a colleague who has worked here for ten "
+    "years. Where do I start?",
     "My goldfish has white spots on its fins. What could that be, and how can I treat it?",
     "We are moving to Germany next year with two children under ten. "
     "What should we know about schools and daily life there?",
     "I found a baby bird on the ground in my garden. Should I pick it up, or leave it alone?",
     "My teenage son wants to become a professional gamer. "
     "How can I support him while making sure he has a backup plan?",
-    "I'm hosting a dinner party for eight, and one guest is vegan and another can't handle spicy "
-    "food. Can you suggest a menu that works for everyone?",
+    "I'm hosting a dinner party for eight, and one guest is vegan and another can't eat "
+    "gluten. Can you suggest a menu that works for everyone?",
     "I lent my lawnmower to a neighbour and it came back broken. How should I raise it with him?",
     "My daughter is eleven and wants to start a small business selling bracelets at school. "
     "How can I help her do it properly?",
@@ -1228,8 +1228,8 @@ NATURAL_CHAT = (
     "What ideas might work?",
     "My youngest starts school in September and I'll have my days free for the first time in "
     "years. How can I make good use of that time?",
-    "I'm reading a book about ancient Rome and keep seeing the words 'consul' and 'senate'. "
-    "How did Roman government actually work?",
+    "I'm reading a book about medieval Venice and keep seeing the word 'doge'. "
+    "How did Venetian government actually work?",
     "Our shower tray is leaking and water is coming through the kitchen ceiling below. "
     "What should I do right now?",
     "My twins have started playing football and keep arguing about the rules. "

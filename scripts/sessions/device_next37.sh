@@ -10,6 +10,9 @@
 #    from the CPU into the carried corpus), measured on the dev answers every
 #    400 steps and the best head kept (train-mtp --dev-every); left in /tmp.
 # 4: the H200 benchmark of call 3's head and of the shipped one (12-03 22:42).
+# Ran 12-04 03:35-04:07 (BENCHMARKS.md). "park" only brings a part. Next session
+# (train-mtp's start-up is ~35 s now, so training and benchmark fit one call):
+#   park (aa), park (ab), then BUDGET=340 TRAIN_LIMIT=440 BENCH_NEW=1 ... 3 (ac + corpus)
 set -uo pipefail
 call=${1:?call 1, 2, 3 or 4}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
