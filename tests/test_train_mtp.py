@@ -11,8 +11,9 @@ from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED
                                         question_requests, training_prompts, varied_prompts)
 from engine.speculative.train import (IGNORE, Corpus, DevChoice, TrainConfig,
                                       _token_bounded_groups, _unrolled_loss, base_features,
-                                      dev_examples, evaluate, generate_corpus, head_forward, init_head, make_examples,
-                                      pack_examples, pairs_at_depth, train_head)
+                                      dev_examples, evaluate, generate_corpus, head_forward,
+                                      init_head, make_examples, pack_examples, pairs_at_depth,
+                                      train_head)
 
 
 def test_benchmark_prompts_are_held_out_of_training():
@@ -223,7 +224,7 @@ def test_the_dev_measure_keeps_the_best_head_seen(tiny, corpus):
     cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=12, lr=3e-2,
                       corpus_path=None, batch_samples=2, dev_every_steps=4, dev_new_tokens=12)
     head, stats = train_head(tiny, cfg, corpus=corpus)
-    history = dict(stats["dev"]["history"])
+    history = stats["dev"]["history"]
     assert sorted(history) == [4, 8, 12]
     best = max(history, key=lambda step: min(history[step].values()))
     assert stats["dev"]["chosen_step"] == best

@@ -512,17 +512,17 @@ class DevChoice:
     examples: dict[str, list[Example]]
     lm_head: torch.Tensor
     depth: int
-    history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    history: dict[int, dict[str, float]] = field(default_factory=dict)  # step: loop lengths
     best_step: int = -1
     best_state: dict[str, torch.Tensor] | None = None
 
     def score(self, step: int) -> float:
-        return min(dict(self.history)[step].values())
+        return min(self.history[step].values())
 
     def measure(self, model, head, step: int) -> None:
         lengths = {kind: evaluate(model, head, self.lm_head, examples, self.depth)["loop_length"]
                    for kind, examples in self.examples.items()}
-        self.history.append((step, lengths))
+        self.history[step] = lengths
         if self.best_step < 0 or self.score(step) > self.score(self.best_step):
             self.best_step = step
             self.best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
@@ -531,12 +531,12 @@ class DevChoice:
     def choose(self, model, head, last_step: int) -> dict:
         """Measures the last head too, loads the best one into `head`, and
         says which it was."""
-        if not self.history or self.history[-1][0] != last_step:
+        if last_step not in self.history:
             self.measure(model, head, last_step)
         if self.best_step != last_step:
             head.load_state_dict(self.best_state)
         _log(f"dev: the head of step {self.best_step} is kept (of {len(self.history)} measured)")
-        return {"chosen_step": self.best_step, "loop_length": dict(self.history)[self.best_step],
+        return {"chosen_step": self.best_step, "loop_length": self.history[self.best_step],
                 "history": self.history}
 
 
