@@ -18,12 +18,19 @@ timeout 60 python3 -c "import torch; torch.ones(1, device='cuda').sum().item(); 
 # prefill 5875/3769/2651 tok/s (uncapped solo 6491): SHARES="70 80" next.
 # CHUNKS: the prefill chunk sizes to try at each share (issue 6 asks for the
 # trade-off of chunk size against decode ITL and prefill throughput).
+# A share is P (the prefill worker's) or P:D (the decode worker's too,
+# `--decode-sm-percent`: decode is bound by bandwidth, which fewer SMs may
+# still draw, and every SM it leaves is the compute-bound prefill's).
 for share in ${SHARES:-100 60 40}; do
+  prefill_share=${share%%:*}
+  serve_args="--prefill-sm-percent $prefill_share"
+  [[ $share == *:* ]] && serve_args+=" --decode-sm-percent ${share##*:}"
   for chunk in ${CHUNKS:-2048}; do
-    echo "== prefill SM share $share%, chunk $chunk"
-    timeout 170 python -m bench.interference --model qwen3.5-27b --device cuda --kv-format int8 \
-      --gpu-memory-budget 130GiB --max-context-tokens 65536 --prefill-chunk "$chunk" \
-      --prefill-tokens 32768 --decode-tokens 1200 --serve-args "--prefill-sm-percent $share" \
-      --json "$OUT/interference_mps_${share}_$chunk.json" 2>&1 | grep -v "^\[" | tail -7
+    echo "== SM shares $share (prefill[:decode]), chunk $chunk"
+    timeout "${LIMIT:-170}" python -m bench.interference --model qwen3.5-27b --device cuda \
+      --kv-format int8 --gpu-memory-budget 130GiB --max-context-tokens 65536 \
+      --prefill-chunk "$chunk" --prefill-tokens 32768 --decode-tokens "${DECODE_TOKENS:-1200}" \
+      --serve-args "$serve_args" \
+      --json "$OUT/interference_mps_${share/:/_}_$chunk.json" 2>&1 | grep -v "^\[" | tail -7
   done
 done

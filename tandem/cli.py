@@ -119,6 +119,10 @@ def _add_train_mtp(sub) -> None:
                    help="measure the head on the dev prompts' answers every STEPS steps and "
                         "write the best head seen (the worse of chat and code decides), not "
                         "the last; 0 (default): the last")
+    p.add_argument("--corpus-only", action="store_true",
+                   help="answer the prompts missing from --corpus, save it and stop (no "
+                        "training): generation and training can then run on different "
+                        "machines or in separate calls")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
@@ -130,8 +134,10 @@ def _run_train_mtp(args) -> int:
 
     from engine.loader import load_model
     from engine.speculative.heads import SHIPPED, head_state, save_head
-    from engine.speculative.train import TrainConfig, train_head
+    from engine.speculative.train import TrainConfig, generate_corpus, train_head
 
+    if args.corpus_only and not args.corpus:
+        raise TandemError("--corpus-only needs --corpus FILE (the file the answers are saved to)")
     try:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
@@ -157,6 +163,11 @@ def _run_train_mtp(args) -> int:
         source / "mtp.safetensors" if source.is_dir()
         else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
         else source.with_name(source.stem + ".mtp.safetensors"))
+    if args.corpus_only:
+        corpus = generate_corpus(loaded, cfg)
+        print(f"tandem: {args.corpus} holds the {len(corpus.samples)} samples of this recipe "
+              f"({sum(map(len, corpus.samples))} tokens); no head trained")
+        return 0
     head, stats = train_head(loaded, cfg)
     metadata = {"base_model": source.name, "train_steps": str(stats["steps"]),
                 "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
@@ -224,6 +235,10 @@ def _add_serve(sub) -> None:
                         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so that decode steps find SMs "
                         "free while a long prompt prefills; no effect without MPS "
                         "(docs/ARCHITECTURE.md, sharing one GPU)")
+    p.add_argument("--decode-sm-percent", type=int, default=None,
+                   help="under CUDA MPS: the decode worker's share of the SMs. A decode step "
+                        "is bound by memory bandwidth, which fewer SMs can still draw, so a "
+                        "capped decode leaves the prefill more of the SMs it is bound by")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode steps eagerly instead of replaying CUDA graphs (GPU only)")
     p.add_argument("--gpu-memory-budget", default=None,
@@ -299,16 +314,18 @@ def serve_specs(args, socket_dir: str) -> list:
     specs = [
         ProcessSpec("kvstore", kvstore, f"unix://{sock['kvstore']}", False, start_timeout_s=900),
         ProcessSpec("prefill", prefill, f"unix://{sock['prefill']}", True, start_timeout_s=300,
-                    env=_prefill_env(args)),
-        ProcessSpec("decode", decode, f"unix://{sock['decode']}", True, start_timeout_s=300),
+                    env=_mps_share_env(args, "prefill_sm_percent")),
+        ProcessSpec("decode", decode, f"unix://{sock['decode']}", True, start_timeout_s=300,
+                    env=_mps_share_env(args, "decode_sm_percent")),
         ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
                     start_timeout_s=120),
     ]
     return specs + _gateway_specs(args)
 
 
-def _prefill_env(args) -> tuple[tuple[str, str], ...]:
-    share = getattr(args, "prefill_sm_percent", None)
+def _mps_share_env(args, flag: str) -> tuple[tuple[str, str], ...]:
+    """A worker's SM share under MPS: the client's active thread percentage."""
+    share = getattr(args, flag, None)
     return () if share is None else (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", str(share)),)
 
 
@@ -316,9 +333,10 @@ def _check_serve_flags(args) -> None:
     if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
         raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
                           "and differ from --grpc-port")
-    share = getattr(args, "prefill_sm_percent", None)
-    if share is not None and not 1 <= share <= 100:
-        raise TandemError(f"--prefill-sm-percent must be in 1..100, got {share}")
+    for flag in ("prefill_sm_percent", "decode_sm_percent"):
+        share = getattr(args, flag, None)
+        if share is not None and not 1 <= share <= 100:
+            raise TandemError(f"--{flag.replace('_', '-')} must be in 1..100, got {share}")
     if not 1 <= args.draft_tokens <= _MAX_DRAFT_TOKENS:
         raise TandemError(f"--draft-tokens must be in 1..{_MAX_DRAFT_TOKENS}, got "
                           f"{args.draft_tokens}")

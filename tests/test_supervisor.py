@@ -403,6 +403,19 @@ def test_prefill_sm_percent_reaches_only_the_prefill_worker_as_its_mps_share():
             serve_specs(args, "/tmp/t")
 
 
+def test_each_worker_gets_only_its_own_mps_share():
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--prefill-sm-percent", "75",
+                                      "--decode-sm-percent", "40"])
+    specs = {s.name: s for s in serve_specs(args, "/tmp/t")}
+    assert specs["prefill"].env == (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "75"),)
+    assert specs["decode"].env == (("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "40"),)
+    assert specs["kvstore"].env == () and specs["router"].env == ()
+    from engine.errors import TandemError
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--decode-sm-percent", "0"])
+    with pytest.raises(TandemError, match="--decode-sm-percent must be in 1..100, got 0"):
+        serve_specs(args, "/tmp/t")
+
+
 def test_serve_specs_passes_the_flags_through():
     args = build_parser().parse_args([
         "serve", "--model", "tiny-qwen3.5", "--host", "0.0.0.0", "--grpc-port", "6000",

