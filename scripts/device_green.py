@@ -15,7 +15,7 @@ each SM count, eagerly inside the green context, and of a graph captured inside
 it (on its stream and on an ordinary one), so that a limit that does not hold
 shows as equal times.
 
-H200, 12-04 11:57: a graph captured on an ordinary stream ignores the green
+H200, 12-04 11:46: a graph captured on an ordinary stream ignores the green
 stream's partition (GEMMs at 16 SMs as fast as at 132); eager launches inside
 the green context keep it (16 SMs: 6.6x slower), under MPS too. GEMVs inside
 48 SMs drew 80% of the bandwidth, inside 64 SMs 91%. A graph captured inside
