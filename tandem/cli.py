@@ -119,6 +119,10 @@ def _add_train_mtp(sub) -> None:
                    help="measure the head on the dev prompts' answers every STEPS steps and "
                         "write the best head seen (the worse of chat and code decides), not "
                         "the last; 0 (default): the last")
+    p.add_argument("--init-head", default=None, metavar="FILE",
+                   help="continue training this head file (an earlier train-mtp output) instead "
+                        "of starting from the base's last layer, so that a training longer "
+                        "than one device call runs as several")
     p.add_argument("--corpus-only", action="store_true",
                    help="answer the prompts missing from --corpus, save it and stop (no "
                         "training): generation and training can then run on different "
@@ -146,7 +150,7 @@ def _run_train_mtp(args) -> int:
                           varied=args.varied,
                           batch_samples=args.batch_samples, soft_targets=args.soft_targets,
                           target_temperature=args.target_temperature,
-                          dev_every_steps=args.dev_every)
+                          dev_every_steps=args.dev_every, init_head_path=args.init_head)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,5 +1,7 @@
 """`tandem train-mtp`: the corpus, the prompt masking, the held-out measure
 and that training moves the head toward the base model's greedy choices."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,8 +14,8 @@ from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED
 from engine.speculative.train import (IGNORE, Corpus, DevChoice, TrainConfig,
                                       _token_bounded_groups, _unrolled_loss, base_features,
                                       dev_examples, evaluate, generate_corpus, head_forward,
-                                      init_head, make_examples, pack_examples, pairs_at_depth,
-                                      train_head)
+                                      head_from_file, init_head, make_examples, pack_examples,
+                                      pairs_at_depth, train_head)
 
 
 def test_benchmark_prompts_are_held_out_of_training():
@@ -402,3 +404,26 @@ def test_corpus_only_answers_into_the_cache_and_trains_nothing(tmp_path, capsys)
     assert len(corpus.samples) == 10 and all(corpus.greedy) and not out.exists()
     assert all(len(s) - n == 8 for s, n in zip(corpus.samples, corpus.prompt_lengths))
     assert "holds the 10 samples of this recipe" in capsys.readouterr().out
+
+
+def test_training_continues_from_a_head_file(tiny, corpus, tmp_path):
+    """--init-head: a saved head loads back as it was written (bf16) and a
+    training of zero steps returns it unchanged; a fresh start would not."""
+    from engine.errors import ModelLoadError
+    from engine.speculative.heads import head_state, save_head
+
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=20, lr=3e-3,
+                      corpus_path=None, batch_samples=2)
+    trained, _ = train_head(tiny, cfg, corpus=corpus)
+    path = tmp_path / "head.mtp.safetensors"
+    save_head(path, tiny.config, head_state(trained))
+    loaded = head_from_file(tiny.model, str(path))
+    for name, t in trained.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t.to(torch.bfloat16).float()), name
+    again, _ = train_head(tiny, replace(cfg, max_steps=0, init_head_path=str(path)), corpus=corpus)
+    fresh = init_head(tiny.model).state_dict()
+    assert all(torch.equal(again.state_dict()[k].cpu(), v) for k, v in loaded.state_dict().items())
+    assert not all(torch.equal(fresh[k], v) for k, v in loaded.state_dict().items())
+    other = load_model("tiny-qwen3.5", device="cpu", progress=False)
+    with pytest.raises(ModelLoadError, match="not made for this model"):
+        head_from_file(other.model, str(path))

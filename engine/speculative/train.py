@@ -85,6 +85,10 @@ class TrainConfig:
     # read 2.09 where the dev chat read 1.83 (12-03 22:42). 0: off
     dev_every_steps: int = 0
     dev_new_tokens: int = 96
+    # a head file (an earlier train-mtp's output) to continue training instead
+    # of starting from init_head: one device call holds at most ~470 s of
+    # training, and the 12-04 head's dev chat was still rising when it ended
+    init_head_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
@@ -331,6 +335,21 @@ def init_head(model: CausalLM) -> MTPHead:
     return head
 
 
+def head_from_file(model: CausalLM, path: str) -> MTPHead:
+    """The head a train-mtp file holds (checked against this base model), in
+    fp32 and the module layout training uses, to continue training it."""
+    from pathlib import Path
+
+    from engine.speculative.heads import read_head
+    from engine.weights.merge import merge_checkpoint, merge_groups
+
+    head = init_head(model)
+    tensors = read_head(Path(path), model.config, torch.float32)
+    merge_checkpoint(tensors, merge_groups(head, prefix="mtp."), torch.float32, str(path))
+    head.load_state_dict({name.removeprefix("mtp."): t for name, t in tensors.items()})
+    return head
+
+
 IGNORE = -100  # cross_entropy's ignore_index: labels inside the prompt
 
 
@@ -431,7 +450,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
     # the last prompts' samples are held out whole (no shared prompt text)
     held = max(len(examples) // 10 // cfg.samples_per_prompt, 1) * cfg.samples_per_prompt
     training, held_out = examples[:-held], examples[-held:]
-    head = init_head(model).to(device)
+    head = (head_from_file(model, cfg.init_head_path) if cfg.init_head_path
+            else init_head(model)).to(device)
     params = [p for p in head.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()
