@@ -10,8 +10,13 @@
 #   chat requests in chat_requests/) and sends the grown corpus back;
 # train: a head on all of it, dev-chosen (the 12-04 05:30 plateau: ~9 epochs);
 # bench: its H200 benchmark, then interference uncapped and at 70:40 on one host.
+# Ran 12-04 11:24-11:38 (BENCHMARKS.md; the benchmark ran by hand, the
+# interference had run at 10:55). Next session, with the 8 request files
+# written after it: park, park, gen (their ~4,000 answers, ~210 s; a no-op if
+# .device/mtp_corpus.pt already holds them), train, then train2 (the same
+# corpus for 470 s more from train's head, --init-head, lr 3e-4), bench.
 set -uo pipefail
-call=${1:?park, gen, train or bench}
+call=${1:?park, gen, train, train2 or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
 source scripts/device_env.sh
 RECIPE=(--samples-per-prompt 1 --new-tokens 160 --varied 100000 --max-prompts 100
@@ -30,10 +35,20 @@ case "$call" in
            --dev-every 400 --out /tmp/new_head.safetensors
          grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
          cp /tmp/new_head.safetensors "$OUT/" ;;
+  train2) assemble_gguf
+          cp /tmp/new_head.safetensors /tmp/first_head.safetensors
+          STEP_TAIL=12 step train2 "${TRAIN_LIMIT:-585}" python3 -m tandem.cli train-mtp \
+            --device cuda --max-batch 256 "${RECIPE[@]}" --time-budget "${BUDGET:-470}" \
+            --dev-every 400 --init-head /tmp/first_head.safetensors --lr "${LR:-3e-4}" \
+            --out /tmp/new_head.safetensors
+          grep -v "train-mtp: step" "$OUT/train2.log" > "$OUT/train2_short.log"
+          cp /tmp/new_head.safetensors "$OUT/" ;;
   bench) assemble_gguf
          cp /tmp/new_head.safetensors "$HEAD"
          STEP_TAIL=10 step spec_new 220 python3 -m bench.speculative --device cuda \
            --tokens-model embedded --methods none mtp --ks 3 --new-tokens 96 \
            --json "$OUT/spec_new.json"
-         SHARES="${SHARES:-100 70:40}" LIMIT=185 DECODE_TOKENS=600 bash scripts/device_mps.sh ;;
+         # the interference pair (run by hand at 10:55) only when asked: MPS=1
+         [ -n "${MPS:-}" ] && SHARES="${SHARES:-100 70:40}" LIMIT=185 DECODE_TOKENS=600 \
+           bash scripts/device_mps.sh ;;
 esac
