@@ -1256,8 +1256,10 @@ NATURAL_CHAT = (
 # the first 492 of NATURAL_CHAT took the dev set's chat from 1.52 to 1.65 and all 1,021 to
 # 1.74, while held-out answers of the corpus's own prompts read 2.1, so the head still met
 # subjects it never saw. The first six files (3,000) took it to 1.83, nine more (4,500,
-# 12-04) to 1.91; training longer on the same prompts had stopped at 1.85. One request a
-# line in chat_requests/*.txt (a test holds them to a wider word list than NATURAL_CHAT's).
+# 12-04) to 1.91; training longer on the same prompts had stopped at 1.85. The files
+# written after that head (science_everyday, society_civics, ...) are not in its corpus
+# yet. One request a line in chat_requests/*.txt (a test holds them to a wider word list
+# than NATURAL_CHAT's).
 CHAT_REQUEST_FILES = "chat_requests"
 
 # The head on 4,021 natural chat requests lost code (CPU benchmark 2.14 -> 2.01)
