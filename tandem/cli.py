@@ -131,6 +131,19 @@ def _add_train_mtp(sub) -> None:
     p.set_defaults(run=_run_train_mtp)
 
 
+def _check_train_mtp_flags(args) -> None:
+    """Flag combinations and files, before the model loads."""
+    from pathlib import Path
+
+    if args.corpus_only and not args.corpus:
+        raise TandemError("--corpus-only needs --corpus FILE (the file the answers are saved to)")
+    if args.corpus_only and args.init_head:
+        raise TandemError("--init-head trains a head; --corpus-only trains none: drop one")
+    if args.init_head and not Path(args.init_head).is_file():
+        raise TandemError(f"--init-head {args.init_head}: no such file (give an earlier "
+                          "train-mtp output)")
+
+
 def _run_train_mtp(args) -> int:
     from pathlib import Path
 
@@ -140,8 +153,7 @@ def _run_train_mtp(args) -> int:
     from engine.speculative.heads import SHIPPED, head_state, save_head
     from engine.speculative.train import TrainConfig, generate_corpus, train_head
 
-    if args.corpus_only and not args.corpus:
-        raise TandemError("--corpus-only needs --corpus FILE (the file the answers are saved to)")
+    _check_train_mtp_flags(args)
     try:
         cfg = TrainConfig(samples_per_prompt=args.samples_per_prompt, new_tokens=args.new_tokens,
                           depth=args.depth, lr=args.lr, time_budget_s=args.time_budget,
@@ -162,16 +174,16 @@ def _run_train_mtp(args) -> int:
         raise TandemError(f"{loaded.source} ships its own MTP head; nothing to train")
     if loaded.source.startswith("dummy:"):
         raise TandemError("train-mtp needs real weights (a GGUF file or HF directory)")
-    source = Path(loaded.source)
-    out = Path(args.out) if args.out else (
-        source / "mtp.safetensors" if source.is_dir()
-        else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
-        else source.with_name(source.stem + ".mtp.safetensors"))
     if args.corpus_only:
         corpus = generate_corpus(loaded, cfg)
         print(f"tandem: {args.corpus} holds the {len(corpus.samples)} samples of this recipe "
               f"({sum(map(len, corpus.samples))} tokens); no head trained")
         return 0
+    source = Path(loaded.source)
+    out = Path(args.out) if args.out else (
+        source / "mtp.safetensors" if source.is_dir()
+        else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
+        else source.with_name(source.stem + ".mtp.safetensors"))
     head, stats = train_head(loaded, cfg)
     metadata = {"base_model": source.name, "train_steps": str(stats["steps"]),
                 "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),

@@ -395,6 +395,12 @@ def test_corpus_only_answers_into_the_cache_and_trains_nothing(tmp_path, capsys)
 
     assert main(["train-mtp", "--corpus-only", "--device", "cpu"]) == 2
     assert "--corpus-only needs --corpus FILE" in capsys.readouterr().err
+    missing = str(tmp_path / "none.safetensors")
+    assert main(["train-mtp", "--init-head", missing, "--device", "cpu"]) == 2
+    assert f"--init-head {missing}: no such file" in capsys.readouterr().err
+    assert main(["train-mtp", "--corpus-only", "--corpus", str(tmp_path / "c.pt"),
+                 "--init-head", missing, "--device", "cpu"]) == 2
+    assert "--corpus-only trains none" in capsys.readouterr().err
     path, out = tmp_path / "corpus.pt", tmp_path / "head.safetensors"
     argv = ["train-mtp", "--corpus-only", "--corpus", str(path), "--out", str(out),
             "--device", "cpu", "--max-prompts", "10", "--samples-per-prompt", "1",

@@ -22,6 +22,13 @@ source scripts/device_env.sh
 RECIPE=(--samples-per-prompt 1 --new-tokens 160 --varied 100000 --max-prompts 100
         --corpus /tmp/mtp_corpus.pt)
 HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
+train_head() {  # train_head NAME [FLAGS...]: a dev-chosen head on the corpus, to $OUT
+  STEP_TAIL=12 step "$1" "${TRAIN_LIMIT:-585}" python3 -m tandem.cli train-mtp --device cuda \
+    --max-batch 256 "${RECIPE[@]}" --time-budget "${BUDGET:-470}" --dev-every 400 \
+    --out /tmp/new_head.safetensors "${@:2}"
+  grep -v "train-mtp: step" "$OUT/$1.log" > "$OUT/$1_short.log"
+  cp /tmp/new_head.safetensors "$OUT/"
+}
 case "$call" in
   park) ;;  # only brings its GGUF part to /tmp/gguf
   gen) assemble_gguf
@@ -29,20 +36,10 @@ case "$call" in
        STEP_TAIL=6 step gen "${GEN_LIMIT:-540}" python3 -m tandem.cli train-mtp --device cuda \
          --max-batch "${GEN_BATCH:-256}" --corpus-only "${RECIPE[@]}"
        cp /tmp/mtp_corpus.pt "$OUT/" ;;
-  train) assemble_gguf
-         STEP_TAIL=12 step train "${TRAIN_LIMIT:-585}" python3 -m tandem.cli train-mtp \
-           --device cuda --max-batch 256 "${RECIPE[@]}" --time-budget "${BUDGET:-470}" \
-           --dev-every 400 --out /tmp/new_head.safetensors
-         grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
-         cp /tmp/new_head.safetensors "$OUT/" ;;
+  train) assemble_gguf; train_head train ;;
   train2) assemble_gguf
           cp /tmp/new_head.safetensors /tmp/first_head.safetensors
-          STEP_TAIL=12 step train2 "${TRAIN_LIMIT:-585}" python3 -m tandem.cli train-mtp \
-            --device cuda --max-batch 256 "${RECIPE[@]}" --time-budget "${BUDGET:-470}" \
-            --dev-every 400 --init-head /tmp/first_head.safetensors --lr "${LR:-3e-4}" \
-            --out /tmp/new_head.safetensors
-          grep -v "train-mtp: step" "$OUT/train2.log" > "$OUT/train2_short.log"
-          cp /tmp/new_head.safetensors "$OUT/" ;;
+          train_head train2 --init-head /tmp/first_head.safetensors --lr "${LR:-3e-4}" ;;
   bench) assemble_gguf
          cp /tmp/new_head.safetensors "$HEAD"
          STEP_TAIL=10 step spec_new 220 python3 -m bench.speculative --device cuda \
