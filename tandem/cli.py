@@ -99,6 +99,10 @@ def _add_train_mtp(sub) -> None:
                    help="sequences generated at once (64-128 on a GPU)")
     p.add_argument("--max-prompts", type=int, default=None,
                    help="use only the first N built-in prompts (default: all)")
+    p.add_argument("--gen-processes", type=int, default=1, metavar="N",
+                   help="answer the missing prompts in N processes at once, each with its own "
+                        "copy of the model (default 1; 4-8 on a GPU, where one process leaves "
+                        "it mostly idle)")
     p.add_argument("--corpus", default=None,
                    help="file of generated samples, a cache keyed by prompt: the answers it "
                         "holds are reused, missing ones generated and added")
@@ -162,7 +166,8 @@ def _run_train_mtp(args) -> int:
                           varied=args.varied,
                           batch_samples=args.batch_samples, soft_targets=args.soft_targets,
                           target_temperature=args.target_temperature,
-                          dev_every_steps=args.dev_every, init_head_path=args.init_head)
+                          dev_every_steps=args.dev_every, init_head_path=args.init_head,
+                          gen_processes=args.gen_processes)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -433,3 +433,47 @@ def test_training_continues_from_a_head_file(tiny, corpus, tmp_path):
     other = load_model("tiny-qwen3.5", device="cpu", progress=False)
     with pytest.raises(ModelLoadError, match="not made for this model"):
         head_from_file(other.model, str(path))
+
+
+def test_answers_from_several_processes_equal_one_process(tiny, corpus, tmp_path):
+    """--gen-processes 2: the prompts are dealt to two processes (each loads
+    the model itself); the merged cache holds exactly the answers one process
+    gives, greedy and sampled (each sample keeps its number and seed), and no
+    shard file is left behind."""
+    with pytest.raises(ValueError, match="gen-processes"):
+        TrainConfig(gen_processes=0)
+    path = tmp_path / "corpus.pt"
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, corpus_path=str(path),
+                      max_batch=4, gen_processes=2)
+    made = generate_corpus(tiny, cfg)
+    assert (made.samples, made.prompt_lengths, made.greedy) == \
+        (corpus.samples, corpus.prompt_lengths, corpus.greedy)
+    kept = Corpus.load(str(path))
+    assert sorted(map(tuple, kept.samples)) == sorted(map(tuple, corpus.samples))
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.pt"]
+    unsaved = generate_corpus(tiny, replace(cfg, corpus_path=None))  # temporary shard files
+    assert unsaved.samples == corpus.samples
+
+
+def test_a_stopped_multi_process_run_leaves_shards_the_next_run_reads(tiny, corpus, tmp_path,
+                                                                     monkeypatch):
+    """Shard files a killed run left (a device call's limit) are merged into
+    the cache by the next run, with their sample numbers, and removed."""
+    import engine.speculative.train as train
+
+    path = tmp_path / "corpus.pt"
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, corpus_path=str(path))
+    full = {}
+    for tokens, n, greedy in zip(corpus.samples, corpus.prompt_lengths, corpus.greedy):
+        full[(tuple(tokens[:n]), 0 if greedy else 1)] = tokens[n:]
+    odd = [(key, answer) for key, answer in full.items() if key[1] == 1][:5]  # second samples only
+    torch.save(odd, train._shard_path(str(path), 3))
+    generated = []
+    real = train._generated
+    monkeypatch.setattr(train, "_generated",
+                        lambda engine, prompts, params: generated.append(len(prompts))
+                        or real(engine, prompts, params))
+    made = generate_corpus(tiny, cfg)
+    assert sum(generated) == len(full) - len(odd)  # the shard's five were not asked again
+    assert (made.samples, made.greedy) == (corpus.samples, corpus.greedy)
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.pt"]

@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -89,8 +90,15 @@ class TrainConfig:
     # of starting from init_head: one device call holds at most ~470 s of
     # training, and the 12-04 head's dev chat was still rising when it ended
     init_head_path: str | None = None
+    # processes answering the missing prompts at once, each with its own copy
+    # of the model: the engine's batch loop spends ~0.3 ms of Python per
+    # sequence and step (the H200 answered 2,400 tok/s at batch 128, 3,040 at
+    # 256), so one process leaves the GPU mostly idle
+    gen_processes: int = 1
 
     def __post_init__(self) -> None:
+        if self.gen_processes < 1:
+            raise ValueError(f"train-mtp: --gen-processes must be >= 1, got {self.gen_processes}")
         if self.depth < 1 or self.new_tokens < 8 or self.samples_per_prompt < 1 \
                 or self.max_batch < 1 or (self.max_prompts is not None and self.max_prompts < 10) \
                 or self.self_instruct < 0 or self.batch_samples < 1 or self.varied < 0 \
@@ -105,6 +113,18 @@ def _log(message: str) -> None:
     print(f"train-mtp: {message}", file=sys.stderr, flush=True)
 
 
+_PARTIAL = ".partial"
+
+
+def _save_whole(obj, path: str) -> None:
+    """torch.save through a side file and a rename: a run killed while saving
+    (a device call's limit) leaves the last whole file, never a torn one."""
+    import os
+
+    torch.save(obj, path + _PARTIAL)
+    os.replace(path + _PARTIAL, path)
+
+
 @dataclass
 class Corpus:
     """Token lists (prompt + answer), where each answer starts, and which
@@ -114,8 +134,8 @@ class Corpus:
     greedy: list[bool]
 
     def save(self, path: str) -> None:
-        torch.save({"samples": self.samples, "prompt_lengths": self.prompt_lengths,
-                    "greedy": self.greedy}, path)
+        _save_whole({"samples": self.samples, "prompt_lengths": self.prompt_lengths,
+                     "greedy": self.greedy}, path)
 
     @classmethod
     def load(cls, path: str) -> "Corpus":
@@ -136,6 +156,8 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
     from engine.sampling import SamplingParams
 
     cached = _cached_answers(cfg.corpus_path)
+    leftovers = _leftover_shards(cfg.corpus_path)
+    cached.update(leftovers)
     engine = OfflineEngine(loaded, EngineConfig(max_batch=cfg.max_batch,
                                                 max_context=_context_for(cfg.new_tokens)))
     texts = corpus_texts(engine, cfg)
@@ -154,20 +176,125 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
                                          max_new_tokens=cfg.new_tokens))
     if cached:
         _log(f"{len(wanted) - len(missing)} of {len(wanted)} samples read from {cfg.corpus_path}")
+    if cfg.gen_processes > 1 and len(missing) > cfg.max_batch:
+        cached.update(_answered_in_processes(loaded, cfg, missing, params))
+    else:
+        cached.update(_answered_here(engine, cfg, missing, params, save_to=cfg.corpus_path,
+                                     also=cached))
+    if cfg.corpus_path and (missing or leftovers):
+        _as_corpus(cached, list(cached)).save(cfg.corpus_path)
+        for shard_file in _shard_files(cfg.corpus_path):  # merged into the corpus file now
+            shard_file.unlink()
+    return _as_corpus(cached, wanted)
+
+
+def _answered_here(engine, cfg: TrainConfig, missing: list, params: list,
+                   save_to: str | None, also: dict | None = None, label: str = "") -> dict:
+    """{(prompt, sample number): answer} for `missing`, generated in this
+    process; saved to `save_to` every few batches (with `also`), so that a run
+    stopped early (a device call's limit, a slow CPU) keeps what it had."""
+    answers: dict = {}
     started, tokens = time.monotonic(), 0
-    # saved after every few batches' worth, so that a run stopped early (a
-    # device call's limit, a slow CPU) keeps the answers it had
     every = _SAVE_EVERY_BATCHES * cfg.max_batch
     for lo in range(0, len(missing), every):
         chunk = missing[lo:lo + every]
         outputs = _generated(engine, [list(p) for p, _ in chunk], params[lo:lo + every])
-        cached.update(zip(chunk, outputs))
+        answers.update(zip(chunk, outputs))
         tokens += sum(map(len, outputs))
-        _log(f"generated {tokens} tokens for {lo + len(chunk)} of {len(missing)} missing "
-             f"samples ({len(texts)} prompts) in {time.monotonic() - started:.0f} s")
-        if cfg.corpus_path:
-            _as_corpus(cached, list(cached)).save(cfg.corpus_path)
-    return _as_corpus(cached, wanted)
+        _log(f"{label}generated {tokens} tokens for {lo + len(chunk)} of {len(missing)} "
+             f"missing samples in {time.monotonic() - started:.0f} s")
+        if save_to and also is not None:
+            _as_corpus({**also, **answers}, [*also, *answers]).save(save_to)
+        elif save_to:
+            _save_whole(list(answers.items()), save_to)
+    return answers
+
+
+def _shard_path(corpus_path: str | None, shard: int) -> str | None:
+    return f"{corpus_path}.shard{shard}" if corpus_path else None
+
+
+def _shard_files(corpus_path: str | None) -> list[Path]:
+    if not corpus_path:
+        return []
+    return sorted(p for p in Path(corpus_path).parent.glob(Path(corpus_path).name + ".shard*")
+                  if not p.name.endswith(_PARTIAL))
+
+
+def _leftover_shards(corpus_path: str | None) -> dict:
+    """Answers a stopped multi-process run left in its shard files (which
+    keep each answer's sample number: a shard may hold a prompt's second
+    sample without its first)."""
+    found: dict = {}
+    for path in _shard_files(corpus_path):
+        found.update(dict(torch.load(path)))
+    return found
+
+
+def _answered_in_processes(loaded: LoadedModel, cfg: TrainConfig, missing: list,
+                           params: list) -> dict:
+    """`missing` dealt round-robin to cfg.gen_processes processes, each with
+    its own copy of the model (spawned: CUDA cannot be forked); their shard
+    files are merged and removed once every process has ended."""
+    import multiprocessing
+    import os
+
+    ctx = multiprocessing.get_context("spawn")
+    n = cfg.gen_processes
+    threads = max(1, (os.cpu_count() or 1) // n)
+    workers = []
+    for shard in range(n):
+        # without a corpus file a temporary one carries the answers back
+        path = _shard_path(cfg.corpus_path, shard) or _temporary_path(f"shard{shard}.pt")
+        work = (missing[shard::n], params[shard::n])
+        w = ctx.Process(target=_answer_shard, name=f"train-mtp-shard{shard}",
+                        args=(_reload_spec(loaded), str(loaded.device), cfg, work, path, shard,
+                              threads))
+        w.start()
+        workers.append((w, path))
+    answers, failed = {}, []
+    for w, path in workers:
+        w.join()
+        if os.path.exists(path):
+            answers.update(dict(torch.load(path)))
+        if w.exitcode != 0:
+            failed.append(f"{w.name} exit code {w.exitcode}")
+    if failed:  # the shard files stay: a rerun reads what they hold
+        raise RuntimeError(f"train-mtp: answering processes failed ({', '.join(failed)}); "
+                           f"{len(answers)} of {len(missing)} answers were kept in the shard files")
+    for _, path in workers:
+        if os.path.exists(path):
+            os.remove(path)
+        if not cfg.corpus_path:  # the temporary directory too
+            os.rmdir(os.path.dirname(path))
+    return answers
+
+
+def _reload_spec(loaded: LoadedModel) -> str:
+    """What load_model takes to build this model again in another process
+    (a dummy shape comes back from its default seed, as the tests load it)."""
+    return loaded.source.removeprefix("dummy:")
+
+
+def _temporary_path(name: str) -> str:
+    import tempfile
+
+    return str(Path(tempfile.mkdtemp(prefix="train-mtp-")) / name)
+
+
+def _answer_shard(source: str, device: str, cfg: TrainConfig, work: tuple[list, list],
+                  path: str, shard: int, threads: int) -> None:
+    """One answering process: its own model copy, its share of the prompts."""
+    from engine.llm import EngineConfig, OfflineEngine
+    from engine.loader import load_model
+
+    torch.set_num_threads(threads)
+    loaded = load_model(source, device=device, progress=False, weights="bf16",
+                        trained_head=False)
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=cfg.max_batch,
+                                                max_context=_context_for(cfg.new_tokens)))
+    missing, params = work
+    _answered_here(engine, cfg, missing, params, save_to=path, label=f"shard {shard}: ")
 
 
 def corpus_texts(engine, cfg: TrainConfig) -> list[str]:
@@ -190,8 +317,6 @@ _SAVE_EVERY_BATCHES = 4  # generate_corpus saves the cache after this many full 
 
 def _cached_answers(path: str | None) -> Answers:
     """{(prompt tokens, sample number): answer tokens} from a corpus file, if any."""
-    from pathlib import Path
-
     answers: Answers = {}
     if not path or not Path(path).exists():
         return answers
@@ -338,8 +463,6 @@ def init_head(model: CausalLM) -> MTPHead:
 def head_from_file(model: CausalLM, path: str) -> MTPHead:
     """The head a train-mtp file holds (checked against this base model), in
     fp32 and the module layout training uses, to continue training it."""
-    from pathlib import Path
-
     from engine.speculative.heads import read_head
     from engine.weights.merge import merge_checkpoint, merge_groups
 
