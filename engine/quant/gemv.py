@@ -235,8 +235,9 @@ def _gemv_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bias_p
     acc = tl.zeros([BLOCK_M, BLOCK_N, NG], dtype=tl.float32)
     first = pid_k * TILES
     # PREFETCH: the next tile's words and scales are loaded before this
-    # tile's arithmetic, so their DRAM latency hides behind it (Triton does
-    # not pipeline loads that feed no tl.dot); it costs their registers
+    # tile's arithmetic, so their DRAM latency hides behind it (the launch's
+    # num_stages does not pipeline loads that feed no tl.dot); it costs
+    # their registers
     if PREFETCH:
         w_nx, d_nx, sc_nx, dmin_nx, m_nx = _tile_loads(
             qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, w_row, n_safe, first, TILES > 0,
@@ -570,12 +571,18 @@ def _gemv_x8_program(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr, bia
     FIXUP: out_ptr holds SPLIT_K fp32 partials and the last program of each
     tile sums them into final_ptr (_sum_splits_if_last).
     PREFETCH: tile i+1's weights are loaded before tile i's arithmetic (and,
-    with EARLY, the first before the wait). Triton does not pipeline loads that
-    feed no tl.dot, whatever num_stages says (the sm_90 build is the same at
-    1, 2 and 3 stages), and Nsight Compute on the H200 (2026-12-03) found
-    this loop waiting on its loads half the time: gate_up at 59% of DRAM
+    with EARLY, the first before the wait). The launch's num_stages does not
+    pipeline loads that feed no tl.dot (the sm_90 build is the same at 1, 2
+    and 3 stages), and Nsight Compute on the H200 (2026-12-03) found this
+    loop waiting on its loads half the time: gate_up at 59% of DRAM
     bandwidth, 25% occupancy (126 registers), 0.6 eligible warps per
-    scheduler. It costs the next tile's registers."""
+    scheduler. It costs the next tile's registers. A loop-level
+    `tl.range(..., num_stages=N)` does pipeline them (Triton's
+    pipelineWithoutDot: words and group scales by cp.async into shared
+    memory, 157 registers and 40 KB at n32-k1024, 3 stages), but on the H200
+    (2026-12-04 14:07) it lost on all six 27B shapes (gate_up 38.6 us
+    against 30.2, down 22.2 against 21.1, lm_head 239.6 against 190.3), so
+    it was not kept."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     WPG: tl.constexpr = G // 8
