@@ -101,8 +101,8 @@ def _add_train_mtp(sub) -> None:
                    help="use only the first N built-in prompts (default: all)")
     p.add_argument("--gen-processes", type=int, default=1, metavar="N",
                    help="answer the missing prompts in N processes at once, each with its own "
-                        "copy of the model (default 1; 4-8 on a GPU, where one process leaves "
-                        "it mostly idle)")
+                        "copy of the model (default 1; for a small model on a GPU, where one "
+                        "process leaves it mostly idle, 4-8, under CUDA MPS if you can)")
     p.add_argument("--corpus", default=None,
                    help="file of generated samples, a cache keyed by prompt: the answers it "
                         "holds are reused, missing ones generated and added")
