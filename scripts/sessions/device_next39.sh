@@ -16,9 +16,10 @@
 # bench: the new head's H200 benchmark.
 # Ran 2026-12-04 14:09-14:30 (BENCHMARKS.md) as gen, train (SAMPLES=1, 470 s),
 # then by hand gen and train at SAMPLES=2 (250 s from the first head), bench:
-# the head shipped at 14:40. Next, with the 8 request files written after it
-# (4,000 requests): park, park, gen (SAMPLES=2, ~300 s for the missing
-# greedy and sampled answers), train (SAMPLES=2), bench.
+# the head shipped at 14:40. Next, with the 16 request files written after it
+# (8,000 requests): park, park, gen (SAMPLES=2: the carried corpus holds only
+# greedy answers, so ~16,700 sampled plus ~16,000 new ones, ~400 s), train
+# (SAMPLES=2), bench.
 set -uo pipefail
 call=${1:?park, gen, train or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
