@@ -47,6 +47,20 @@ DEFAULT_BUCKETS = tuple(range(1, 33))
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """DEFAULT_BUCKETS and, past 32, padded buckets up to `max_batch`
+    (48, 64, 96, 128, ... and max_batch itself): for the offline engine's
+    wide batches, which otherwise ran eagerly, one Python launch at a time
+    (train-mtp's answering at batch 128-256)."""
+    wide, b = set(), 32
+    while b < max_batch:
+        wide |= {w for w in (b + b // 2, 2 * b) if w < max_batch}
+        b *= 2
+    if max_batch > DEFAULT_BUCKETS[-1]:
+        wide.add(max_batch)
+    return DEFAULT_BUCKETS + tuple(sorted(wide))
+
+
 class _Graph:
     """One captured bucket: `size` sequences of `tokens` new tokens each, its
     static buffers, graph and outputs."""

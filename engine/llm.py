@@ -15,7 +15,7 @@ import torch
 
 from engine.batch import ForwardBatch, SequenceInput
 from engine.cache import CacheShape, PagedKVCache
-from engine.cuda_graphs import DecodeForward
+from engine.cuda_graphs import DecodeForward, batch_buckets
 from engine.kv import make_format
 from engine.kv.open_pages import OpenPages, prepare_pages, staging_per_sequence
 from engine.errors import InvalidRequestError
@@ -138,6 +138,7 @@ class OfflineEngine:
         if graphs is None:
             graphs = loaded.device.type == "cuda"
         self.decode_forward = DecodeForward(self.model, self.cache, self.max_context,
+                                            buckets=batch_buckets(self.config.max_batch),
                                             enabled=graphs)
         self.spec = (SpeculativeDecoder(self.model, self.cache, spec, self.max_context,
                                         cuda_graphs=graphs, graph_pool_of=self.decode_forward)

@@ -31,6 +31,26 @@ def test_cpu_decode_forward_is_the_eager_model():
         DecodeForward(loaded.model, cache, max_context=32, enabled=True)
 
 
+def test_the_offline_engine_has_a_bucket_for_every_batch_up_to_its_widest():
+    """Past 32 sequences the offline engine's decode pads into wider buckets
+    (48, 64, 96, ... and max_batch) instead of running eagerly; narrower
+    engines keep the exact buckets 1..32."""
+    from engine.cuda_graphs import batch_buckets
+    from engine.llm import EngineConfig, OfflineEngine
+
+    assert batch_buckets(8) == batch_buckets(32) == DEFAULT_BUCKETS
+    assert batch_buckets(100) == DEFAULT_BUCKETS + (48, 64, 96, 100)
+    assert batch_buckets(256) == DEFAULT_BUCKETS + (48, 64, 96, 128, 192, 256)
+    for widest in (33, 100, 256, 300):
+        buckets = batch_buckets(widest)
+        assert buckets[-1] == widest and list(buckets) == sorted(set(buckets))
+        # no batch pads by more than half again
+        assert all(b <= 1.5 * a for a, b in zip(buckets, buckets[1:]) if a >= 32)
+    loaded = load_model("tiny-llama", progress=False)
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=100, max_context=64))
+    assert engine.decode_forward.buckets == batch_buckets(100)
+
+
 def _decode_logits(loaded, kv_format: str, graphs: bool,
                    buckets: tuple[int, ...] = DEFAULT_BUCKETS, device: str = "cuda"
                    ) -> torch.Tensor:
