@@ -18,8 +18,9 @@
 # then by hand gen and train at SAMPLES=2 (250 s from the first head), bench:
 # the head shipped at 14:40. Next, with the 16 request files written after it
 # (8,000 requests): park, park, gen (SAMPLES=2: the carried corpus holds only
-# greedy answers, so ~16,700 sampled plus ~16,000 new ones, ~400 s), train
-# (SAMPLES=2), bench.
+# greedy answers, so ~16,700 sampled plus ~16,000 new ones, ~400 s at 12-04's
+# rate; the offline engine now replays padded graphs at batch 128, so read the
+# shards' tok/s against 12-04's ~12,300 in all), train (SAMPLES=2), bench.
 set -uo pipefail
 call=${1:?park, gen, train or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
