@@ -25,6 +25,10 @@ on) instead runs evaluate and the two loop simulations on that corpus's
 held-out greedy samples, split as train_head splits them
 (--samples-per-prompt, --new-tokens as it was generated): what the
 "expected mean accepted length" train-mtp printed becomes in the real loop.
+
+--breakdown instead prints the first draft's accuracy on the answers by
+where in the answer the drafted token stands and by its kind (a word's
+start, the rest of a word, punctuation, a newline): where the head misses.
 """
 from __future__ import annotations
 
@@ -172,6 +176,45 @@ def corpus_gap(model, head, path: str, samples_per_prompt: int, k: int) -> None:
           f"sim-engine-kv {sims['engine_kv']:.3f}", flush=True)
 
 
+def token_kind(text: str) -> str:
+    """The kind of a drafted token's text: newline, punct, word-start (a
+    leading space before letters or digits) or continuation (inside a word)."""
+    if "\n" in text:
+        return "newline"
+    if text.strip() and not any(c.isalnum() for c in text):
+        return "punct"
+    return "word-start" if text.startswith(" ") else "continuation"
+
+
+def _position_bucket(answer_index: int) -> str:
+    for bound, name in ((4, "answer 0-3"), (16, "answer 4-15"), (48, "answer 16-47")):
+        if answer_index < bound:
+            return name
+    return "answer 48+"
+
+
+def breakdown(loaded, kind: str, texts, new_tokens: int) -> None:
+    """Depth-1 draft accuracy (the dense chains, as evaluate computes them)
+    on the greedy answers to `texts`, by answer position and token kind."""
+    import collections
+
+    model, head = loaded.model, loaded.model.mtp
+    prompts, answers, _, _ = _answers(loaded, texts, new_tokens)
+    corpus = train.Corpus([p + o for p, o in zip(prompts, answers)],
+                          [len(p) for p in prompts], [True] * len(prompts))
+    tally = collections.defaultdict(lambda: [0, 0])
+    for e, prompt in zip(train.make_examples(model, corpus), prompts):
+        right = (chains(model, head, e, 1, False) == chain_labels(e, 1))[0]
+        labels = chain_labels(e, 1)[0]
+        for i in range(len(prompt) - 1, right.shape[0]):  # drafts of answer tokens
+            token = loaded.tokenizer.decode([int(labels[i])])
+            for key in (_position_bucket(i + 2 - len(prompt)), token_kind(token)):
+                tally[key][0] += int(right[i])
+                tally[key][1] += 1
+    rows = "; ".join(f"{key} {hit / n:.3f} of {n}" for key, (hit, n) in tally.items())
+    print(f"{kind}: first-draft accuracy by {rows}", flush=True)
+
+
 def main(argv=None) -> int:
     from engine.speculative import SpeculativeConfig
 
@@ -183,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", choices=("bench", "dev"), default="bench",
                     help="the benchmark's 12 prompts, or the 36 dev prompts (prompts.DEV_*) "
                          "that recipes are compared on, keeping the benchmark's for the test")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only the first draft's accuracy by answer position and token kind")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     loaded = load_model(None, device="cpu", progress=False)
@@ -194,6 +239,10 @@ def main(argv=None) -> int:
         return 0
     sets = ((("chat", HELD_OUT_CHAT), ("code", HELD_OUT_CODE)) if a.prompts == "bench" else
             (("dev chat", DEV_CHAT), ("dev code", DEV_CODE)))
+    if a.breakdown:
+        for kind, texts in sets:
+            breakdown(loaded, kind, texts, a.new_tokens)
+        return 0
     for kind, texts in sets:
         prompts, answers, _, _ = _answers(loaded, texts, a.new_tokens)
         _, spec_answers, totals, drafts_log = _answers(

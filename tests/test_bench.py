@@ -179,3 +179,14 @@ def test_gemv_sweep_files_round_trip_and_its_candidates_are_named(tmp_path):
                                                      int8_x=True)}
     assert main(["--sweep", "--candidates", "x8-n32-k999-w8"]) == 2
     assert main(["--sweep", "--splits", "0"]) == 2
+
+
+def test_mtp_gap_sorts_drafted_tokens_by_kind():
+    """bench.mtp_gap --breakdown: what kind of token a draft was for."""
+    from bench.mtp_gap import _position_bucket, token_kind
+
+    assert [token_kind(t) for t in (" the", "ing", ",", ".\n", "\n\n", " 42", "**", " ")] == \
+        ["word-start", "continuation", "punct", "newline", "newline", "word-start", "punct",
+         "word-start"]
+    assert [_position_bucket(i) for i in (0, 3, 4, 15, 16, 47, 48, 95)] == \
+        ["answer 0-3"] * 2 + ["answer 4-15"] * 2 + ["answer 16-47"] * 2 + ["answer 48+"] * 2
