@@ -204,8 +204,8 @@ def breakdown(loaded, kind: str, texts, new_tokens: int) -> None:
                           [len(p) for p in prompts], [True] * len(prompts))
     tally = collections.defaultdict(lambda: [0, 0])
     for e, prompt in zip(train.make_examples(model, corpus), prompts):
-        right = (chains(model, head, e, 1, False) == chain_labels(e, 1))[0]
         labels = chain_labels(e, 1)[0]
+        right = chains(model, head, e, 1, False)[0] == labels
         for i in range(len(prompt) - 1, right.shape[0]):  # drafts of answer tokens
             token = loaded.tokenizer.decode([int(labels[i])])
             for key in (_position_bucket(i + 2 - len(prompt)), token_kind(token)):

@@ -176,22 +176,27 @@ def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:
                                          max_new_tokens=cfg.new_tokens))
     if cached:
         _log(f"{len(wanted) - len(missing)} of {len(wanted)} samples read from {cfg.corpus_path}")
-    if cfg.gen_processes > 1 and len(missing) > cfg.max_batch:
+    in_processes = cfg.gen_processes > 1 and len(missing) > cfg.max_batch
+    if in_processes:
         cached.update(_answered_in_processes(loaded, cfg, missing, params))
     else:
-        cached.update(_answered_here(engine, cfg, missing, params, save_to=cfg.corpus_path,
-                                     also=cached))
-    if cfg.corpus_path and (missing or leftovers):
+        def save(answers: dict) -> None:  # the whole cache, every few batches
+            if cfg.corpus_path:
+                _as_corpus({**cached, **answers}, [*cached, *answers]).save(cfg.corpus_path)
+        cached.update(_answered_here(engine, cfg, missing, params, save))
+    # answers from other processes or a stopped run's shards are not in the
+    # file yet (this process's own were saved as they came)
+    if cfg.corpus_path and ((in_processes and missing) or leftovers):
         _as_corpus(cached, list(cached)).save(cfg.corpus_path)
         for shard_file in _shard_files(cfg.corpus_path):  # merged into the corpus file now
             shard_file.unlink()
     return _as_corpus(cached, wanted)
 
 
-def _answered_here(engine, cfg: TrainConfig, missing: list, params: list,
-                   save_to: str | None, also: dict | None = None, label: str = "") -> dict:
+def _answered_here(engine, cfg: TrainConfig, missing: list, params: list, save,
+                   label: str = "") -> dict:
     """{(prompt, sample number): answer} for `missing`, generated in this
-    process; saved to `save_to` every few batches (with `also`), so that a run
+    process; `save(answers so far)` runs every few batches, so that a run
     stopped early (a device call's limit, a slow CPU) keeps what it had."""
     answers: dict = {}
     started, tokens = time.monotonic(), 0
@@ -203,10 +208,7 @@ def _answered_here(engine, cfg: TrainConfig, missing: list, params: list,
         tokens += sum(map(len, outputs))
         _log(f"{label}generated {tokens} tokens for {lo + len(chunk)} of {len(missing)} "
              f"missing samples in {time.monotonic() - started:.0f} s")
-        if save_to and also is not None:
-            _as_corpus({**also, **answers}, [*also, *answers]).save(save_to)
-        elif save_to:
-            _save_whole(list(answers.items()), save_to)
+        save(answers)
     return answers
 
 
@@ -294,7 +296,9 @@ def _answer_shard(source: str, device: str, cfg: TrainConfig, work: tuple[list, 
     engine = OfflineEngine(loaded, EngineConfig(max_batch=cfg.max_batch,
                                                 max_context=_context_for(cfg.new_tokens)))
     missing, params = work
-    _answered_here(engine, cfg, missing, params, save_to=path, label=f"shard {shard}: ")
+    _answered_here(engine, cfg, missing, params,
+                   lambda answers: _save_whole(list(answers.items()), path),
+                   label=f"shard {shard}: ")
 
 
 def corpus_texts(engine, cfg: TrainConfig) -> list[str]:
