@@ -16,11 +16,10 @@
 # bench: the new head's H200 benchmark.
 # Ran 2026-12-04 14:09-14:30 (BENCHMARKS.md) as gen, train (SAMPLES=1, 470 s),
 # then by hand gen and train at SAMPLES=2 (250 s from the first head), bench:
-# the head shipped at 14:40. Next, with the 16 request files written after it
-# (8,000 requests): park, park, gen (SAMPLES=2: the carried corpus holds only
-# greedy answers, so ~16,700 sampled plus ~16,000 new ones, ~400 s at 12-04's
-# rate; the offline engine now replays padded graphs at batch 128, so read the
-# shards' tok/s against 12-04's ~12,300 in all), train (SAMPLES=2), bench.
+# the head shipped at 14:40. Ran again 16:15-16:30 as park, park, gen (SAMPLES=2,
+# 32,735 answers in ~205 s: ~23,000 tok/s with the padded graphs), train, bench:
+# head C, shipped at 16:29. The 49,470-sample corpus stayed on the device;
+# the next round answers again from the carried greedy corpus (~270 s).
 set -uo pipefail
 call=${1:?park, gen, train or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
