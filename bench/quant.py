@@ -335,6 +335,7 @@ def print_sweep(results: list[dict]) -> None:
 def decode_27b(steps: int, device) -> dict:
     from engine.llm import EngineConfig, OfflineEngine
     from engine.loader import load_model
+    from engine.quant.gemv_cuda import _compiled
     from engine.sampling import SamplingParams
 
     torch.cuda.reset_peak_memory_stats(device)
@@ -354,7 +355,9 @@ def decode_27b(steps: int, device) -> dict:
     return {"weights_GiB": weights / 2**30, "step_ms": median(gaps) * 1e3,
             "tok_s": 1 / median(gaps), "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30,
             "graph_replays": float(forward.replays),
-            "eager_buckets": float(len(forward.capture_errors))}
+            "eager_buckets": float(len(forward.capture_errors)),
+            # shapes the CUDA GEMV was built for (TANDEM_GEMV_CUDA=1: it ran there)
+            "cuda_gemv_builds": float(_compiled.cache_info().currsize)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from engine.gpu_facts import multiprocessors
 from engine.pdl import pdl_launch, pdl_prologue
+from engine.quant import gemv_cuda
 from engine.quant.gemv_configs import GemvConfig, pick_config
 from engine.quant.tensor import QuantTensor
 from engine.switches import on_off
@@ -949,6 +950,11 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"x has {k_dim} features, the weight {qt.in_features}")
     check_gemv_layout(qt)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if config is None and not (block_n or block_k or split_k) and x.is_cuda \
+            and gemv_cuda.wanted() and gemv_cuda.takes(x, qt, bias) \
+            and (out is None or out.is_contiguous()):
+        return gemv_cuda.gemv_cuda(x, qt, out, gemv_cuda.picked_plan(n_dim, k_dim),
+                                   pdl=bool(pdl_launch(x.device)["PDL"]))
     if config is None:
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
         override = int8_x_override()

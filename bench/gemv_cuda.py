@@ -1,0 +1,113 @@
+"""The CUDA DP4A GEMV (engine/quant/gemv_cuda.py) against the Triton kernels
+on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
+back-to-back calls, weight copies cycled past L2, PDL on as in the step):
+
+    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE]
+
+First every rows-per-tile at the plan's own slots and a full persistent
+grid, then, for each shape's best, twice the slots and a capped grid. The
+best plan per shape goes to --plans-out, the file TANDEM_GEMV_CUDA_PLANS
+reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
+--decode-steps 16`) runs what the sweep chose. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from bench.quant import (_copies, _copy_bandwidth, _time_gemv, _time_graph, model_shapes,
+                         print_table)
+
+
+def _time_cuda(x, copies, plan) -> float:
+    from engine.quant.gemv_cuda import gemv_cuda
+
+    out = torch.empty(1, copies[0].out_features, dtype=x.dtype, device=x.device)
+    fns = [(lambda qt=copies[i % len(copies)]: gemv_cuda(x, qt, out=out, plan=plan, pdl=True))
+           for i in range(16)]
+    return _time_graph(fns)
+
+
+def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
+    from engine.quant.gemv_cuda import plan_for
+
+    if best is None:
+        return [plan_for(k, rows=r) for r in rows_list]
+    tries = []
+    if best.threads > 64:
+        tries.append(plan_for(k, rows=best.rows, slots=best.slots * 2))
+    tries += [plan_for(k, rows=best.rows, slots=best.slots, blocks_per_sm=b) for b in (1, 2, 3)]
+    return tries
+
+
+def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth: float,
+                device) -> dict:
+    copies = _copies(fmt, n, k, device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    floor = (copies[0].nbytes + k * 2 + n * 2) / bandwidth
+    triton_s = _time_gemv(x, copies)
+    timed = []
+    for plan in _plans_to_try(k, rows_list):
+        timed.append((_time_cuda(x, copies, plan), plan))
+    best = min(timed, key=lambda t: t[0])[1]
+    for plan in _plans_to_try(k, rows_list, best):
+        timed.append((_time_cuda(x, copies, plan), plan))
+    seconds, best = min(timed, key=lambda t: t[0])
+    del copies
+    return {"matrix": name, "N": n, "K": k, "floor_us": floor * 1e6,
+            "triton_us": triton_s * 1e6, "cuda_us": seconds * 1e6,
+            "best": {"rows": best.rows, "slots": best.slots, "threads": best.threads,
+                     "blocks_per_sm": best.blocks_per_sm},
+            "all": [{"rows": p.rows, "slots": p.slots, "blocks_per_sm": p.blocks_per_sm,
+                     "us": s * 1e6} for s, p in timed]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gemv_cuda",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--only", nargs="+", help="matrix names as bench.quant prints them")
+    p.add_argument("--plans-out", help="write the best plan per shape (TANDEM_GEMV_CUDA_PLANS)")
+    p.add_argument("--json", help="write every timing")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gemv_cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    bandwidth = _copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s", file=sys.stderr)
+    results = []
+    for name, fmt, n, k, per_step in model_shapes():
+        if fmt.name != "Q4_K" or not (per_step or name == "lm_head"):
+            continue
+        if args.only and name not in args.only:
+            continue
+        r = sweep_shape(name, n, k, fmt, args.rows, bandwidth, device)
+        r["per_step"] = per_step
+        results.append(r)
+        print(f"{name}: triton {r['triton_us']:.1f} us, cuda {r['cuda_us']:.1f} us "
+              f"({r['best']}), floor {r['floor_us']:.1f}", file=sys.stderr, flush=True)
+    print_table("one-row Q4_K GEMV: Triton (picked) against the CUDA kernel (best plan), us",
+                ["matrix", "N", "K", "triton", "of floor", "cuda", "of floor", "plan"],
+                [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
+                  f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['cuda_us']:.1f}",
+                  f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
+                  "r{rows} s{slots} t{threads} b{blocks_per_sm}".format(**r["best"])]
+                 for r in results])
+    for key in ("triton_us", "cuda_us", "floor_us"):
+        total = sum(r["per_step"] * r[key] for r in results)
+        print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
+    if args.plans_out:
+        with open(args.plans_out, "w") as f:
+            json.dump({f"{r['N']},{r['K']}": r["best"] for r in results}, f, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""The one-row 4-bit DP4A GEMV as CUDA C++ (q4_gemv.cu), compiled by NVRTC
+at run time and launched through the driver API, with programmatic
+dependent launch like the Triton kernels beside it.
+
+Why NVRTC and not a built extension: the CUDA wheels of PyTorch ship
+libnvrtc, so a GPU host needs no nvcc, ninja or build step, and the CPU path
+(CI) never touches it. PyTorch's own NVRTC wrapper (torch.cuda._utils) does
+the compile and the module load; the launch is ours, since PyTorch's takes
+no launch attributes and PDL is one.
+
+What it owns: the launch plan (rows per block tile, groups per thread,
+threads, a persistent grid), the compile cache, the launch. What it must not
+know: which layer calls it (engine/quant/gemv.py decides when it runs:
+TANDEM_GEMV_CUDA), the model.
+
+The plan is plain arithmetic, tested on the CPU; the kernel runs only on a
+GPU (tests/test_gemv_cuda.py, against gemv.py's gemv_x8_reference).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.quant.tensor import QuantTensor
+
+SOURCE = Path(__file__).with_name("q4_gemv.cu")
+KERNEL = "tandem_q4_gemv"
+GROUP = 32
+MAX_THREADS = 1024
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+@dataclass(frozen=True)
+class CudaGemvPlan:
+    """rows: output rows a block computes per tile; slots: groups of 32
+    K-elements each thread owns (g = thread + j * threads); threads per
+    block; blocks_per_sm: how many blocks of the persistent grid each SM
+    gets (0: as many as fit)."""
+    rows: int
+    slots: int
+    threads: int
+    groups: int
+    blocks_per_sm: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.slots < 1 or self.groups < 1:
+            raise ValueError(f"rows, slots and groups must be >= 1: {self}")
+        if self.threads % 32 or not 32 <= self.threads <= MAX_THREADS:
+            raise ValueError(f"threads must be a multiple of 32 in 32..{MAX_THREADS}: {self}")
+        if self.slots * self.threads < self.groups:
+            raise ValueError(f"{self.slots} slots x {self.threads} threads cover fewer than "
+                             f"the {self.groups} groups: {self}")
+        if self.blocks_per_sm < 0:
+            raise ValueError(f"blocks_per_sm must be >= 0: {self}")
+
+    def tiles(self, n: int) -> int:
+        return -(-n // self.rows)
+
+    def grid(self, n: int, sms: int, resident_per_sm: int) -> int:
+        """Persistent: at most one wave of blocks, never more than tiles."""
+        per_sm = min(resident_per_sm, self.blocks_per_sm or resident_per_sm)
+        return max(1, min(self.tiles(n), sms * max(per_sm, 1)))
+
+
+def plan_for(k: int, rows: int = 2, slots: int | None = None, blocks_per_sm: int = 0
+             ) -> CudaGemvPlan:
+    """The fewest slots whose thread count is a whole number of warps that
+    covers K's groups with the least idle threads (K = 5120: 160 threads x 1
+    slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
+    if k % GROUP:
+        raise ValueError(f"the CUDA GEMV takes K in whole groups of {GROUP}, got {k}")
+    groups = k // GROUP
+    choices = [slots] if slots else range(1, 65)
+    best = None
+    for s in choices:
+        threads = -(-(-(-groups // s)) // 32) * 32
+        if threads > MAX_THREADS:
+            continue
+        idle = s * threads - groups
+        if best is None or idle < best[0]:
+            best = (idle, s, threads)
+        if idle == 0:
+            break
+    if best is None:
+        raise ValueError(f"no thread count up to {MAX_THREADS} covers K = {k} "
+                         f"with {slots} slots")
+    return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
+                        blocks_per_sm=blocks_per_sm)
+
+
+def takes(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> bool:
+    """One bf16 row on a GPU against 4-bit codes in groups of 32, no bias,
+    16-byte aligned operands: the kernel's reach."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
+            and x.is_contiguous() and x.data_ptr() % 16 == 0 and bias is None
+            and qt.bits == 4 and qt.group == GROUP and qt.superblock % GROUP == 0
+            and qt.qweight.is_contiguous() and qt.qweight.data_ptr() % 16 == 0
+            and all(t.is_contiguous() for t in (qt.d, qt.sc))
+            and (not qt.asymmetric or (qt.dmin.is_contiguous() and qt.m.is_contiguous()))
+            and qt.d.dtype in (torch.float16, torch.float32))
+
+
+def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
+                  pdl: bool) -> tuple[str, ...]:
+    """The kernel's compile-time constants as NVRTC -D options."""
+    return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
+            f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
+            f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
+            "--std=c++17")
+
+
+@dataclass
+class _Compiled:
+    function: ctypes.c_void_p
+    module: object        # keeps the loaded module alive
+    resident_per_sm: int
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(options: tuple[str, ...], device: int, threads: int) -> _Compiled:
+    """Compiled and loaded once per (constants, device): a module belongs to
+    its device's context."""
+    from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
+
+    major, minor = torch.cuda.get_device_capability(device)
+    with torch.cuda.device(device):
+        binary, name = _nvrtc_compile(SOURCE.read_text(), KERNEL,
+                                      compute_capability=f"{major}{minor}",
+                                      nvcc_options=list(options))
+        kernel = _cuda_load_module(binary, [name])[name]
+    resident = ctypes.c_int(0)
+    _check(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(resident), kernel.func, threads, ctypes.c_size_t(0)),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return _Compiled(kernel.func, kernel, resident.value)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed with CUDA driver error {result}")
+
+
+class _AttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("value", ctypes.c_int), ("align", ctypes.c_void_p)]
+
+
+class _Attribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool) -> None:
+    from torch.cuda._utils import _get_gpu_runtime_library
+
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
+              for a in args]
+    pointers = (ctypes.c_void_p * len(values))(
+        *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.value = 1
+    config = _LaunchConfig(grid, 1, 1, threads, 1, 1, 0,
+                           ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                           ctypes.pointer(attribute) if pdl else None, 1 if pdl else 0)
+    _check(_get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(config), compiled.function,
+                                                        pointers, None), "cuLaunchKernelEx")
+
+
+def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
+              plan: CudaGemvPlan | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold)."""
+    if not takes(x, qt, None):
+        raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
+                         f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
+                         f"{x.dtype} on {x.device} and {qt.describe()}")
+    n, k = qt.shape
+    plan = plan or plan_for(k)
+    if plan.groups != k // GROUP:
+        raise ValueError(f"the plan covers {plan.groups} groups, the weight has {k // GROUP}")
+    if out is None:
+        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    compiled = _compiled(build_options(plan, qt.superblock, qt.asymmetric,
+                                       qt.d.dtype == torch.float32, pdl),
+                         device, plan.threads)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    dmin = qt.dmin if qt.asymmetric else qt.d
+    m = qt.m if qt.asymmetric else qt.sc
+    _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
+            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n], pdl)
+    return out
+
+
+CUDA_ENV = "TANDEM_GEMV_CUDA"
+PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
+DEFAULT_ROWS = 2
+
+
+def wanted() -> bool:
+    """TANDEM_GEMV_CUDA=1 runs every one-row GEMV the CUDA kernel takes
+    there instead of the Triton DP4A kernel (off by default until the step
+    A/B says otherwise; read per call, in a CUDA graph at capture)."""
+    from engine.switches import on_off
+
+    return on_off(CUDA_ENV, False, on="the CUDA DP4A GEMV", off="the Triton kernels")
+
+
+@functools.lru_cache(maxsize=8)
+def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
+    import json
+
+    plans = {}
+    for key, spec in json.loads(Path(path).read_text()).items():
+        n, k = (int(v) for v in key.split(","))
+        plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
+                                 blocks_per_sm=int(spec.get("blocks_per_sm", 0)))
+    return plans
+
+
+def picked_plan(n: int, k: int) -> CudaGemvPlan:
+    """The plan a sweep wrote for (N, K) into the JSON file TANDEM_GEMV_CUDA_PLANS
+    names ({"N,K": {"rows": R, "slots": S, "blocks_per_sm": B}}), else
+    plan_for(k) at DEFAULT_ROWS."""
+    import os
+
+    path = os.environ.get(PLANS_ENV, "")
+    if path:
+        found = _plans_file(path).get((n, k))
+        if found is not None:
+            return found
+    return plan_for(k, rows=DEFAULT_ROWS)

@@ -1,0 +1,219 @@
+// The one-row DP4A GEMV for 4-bit codes in groups of 32, as CUDA C++ built by
+// NVRTC at run time (engine/quant/gemv_cuda.py compiles it; the PyTorch
+// reference is gemv.py's gemv_x8_reference). y[n] = sum_k w[n, k] x[k] with
+// x quantized to int8 per group of 32 (scale amax / 127, codes
+// floor(x * 127 / amax + 0.5)), exactly the Triton DP4A kernel's numerics.
+//
+// Why a second kernel beside the Triton one: Triton gives a 4-bit GEMV few
+// bytes in flight (it will not pipeline loads that feed no tl.dot, and its
+// shared-memory pipeline lost, BENCHMARKS.md 2026-12-04), and the step's
+// GEMVs sit at 54-91% of their floor. Here:
+//   * a thread owns SLOTS fixed groups of K (g = thread + j * THREADS) for
+//     the whole launch, so it quantizes its slice of x once, into registers,
+//     and never needs shared memory for x;
+//   * a block owns ROWS rows at a time and walks the row tiles grid-stride
+//     (a persistent grid): it loads the next tile's 16-byte group words and
+//     scales while it multiplies the current one, so every thread keeps
+//     2 x ROWS x SLOTS loads in flight;
+//   * the first tile's weights are loaded before griddepcontrol.wait
+//     (programmatic dependent launch): weights are never written by a
+//     kernel, only x waits for the kernel before.
+//
+// Layout (engine/quant/tensor.py): qweight uint8 [N, K/2] (byte j: k = 2j in
+// its low nibble, 2j + 1 in its high one), so the four int32 words of group
+// g hold k = 32g .. 32g + 31, low nibbles the even k and high the odd; sc and
+// m int8 [N, K/32]; d and dmin [N, K/S], fp16 or fp32 (D_F32).
+// Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
+// superblock, S/32), ASYM, D_F32, PDL.
+
+typedef unsigned short u16;
+
+#if D_F32
+typedef float scale_t;
+__device__ __forceinline__ float scale_float(float v) { return v; }
+#else
+typedef u16 scale_t;
+__device__ __forceinline__ float scale_float(u16 v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+#endif
+
+__device__ __forceinline__ float bf16_float(unsigned v) { return __uint_as_float(v << 16); }
+
+__device__ __forceinline__ u16 float_bf16(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// read once per launch: keep it out of L1
+__device__ __forceinline__ uint4 load_streamed(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+struct Group {        // one row's group of 32 codes and its scales, as loaded
+    uint4 words;
+    int sc, m;
+    scale_t d, dmin;
+};
+
+struct XSlice {       // one group of x as int8 codes, even k and odd k apart
+    int even[4], odd[4];
+    float scale, code_sum_scaled;
+};
+
+__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
+                                          const uint4* __restrict__ qw,
+                                          const scale_t* __restrict__ d,
+                                          const signed char* __restrict__ sc,
+                                          const scale_t* __restrict__ dmin,
+                                          const signed char* __restrict__ m) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const long long n = min(index * ROWS + r, n_rows - 1);   // rows past N repeat the last
+#pragma unroll
+        for (int j = 0; j < SLOTS; ++j) {
+            const int g = threadIdx.x + j * THREADS;
+            Group& e = tile[r][j];
+            if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
+                e.words = load_streamed(qw + n * GROUPS + g);
+                e.sc = sc[n * GROUPS + g];
+                e.d = d[n * (GROUPS / GPS) + g / GPS];
+#if ASYM
+                e.m = m[n * GROUPS + g];
+                e.dmin = dmin[n * (GROUPS / GPS) + g / GPS];
+#endif
+            } else {
+                e.words = uint4{0u, 0u, 0u, 0u};
+                e.sc = 0;
+                e.d = 0;
+#if ASYM
+                e.m = 0;
+                e.dmin = 0;
+#endif
+            }
+        }
+    }
+}
+
+// code = floor(x * (127 / amax) + 0.5) in -127..127, as the Triton kernel
+__device__ __forceinline__ XSlice quantize_group(const u16* __restrict__ x, int g) {
+    XSlice s;
+    const uint4* src = reinterpret_cast<const uint4*>(x + g * 32);
+    unsigned raw[16];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint4 v = src[i];
+        raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        amax = fmaxf(amax, fmaxf(fabsf(bf16_float(raw[i] & 0xFFFF)), fabsf(bf16_float(raw[i] >> 16))));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int code_sum = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {         // word w: k = 8w .. 8w + 7 of the group
+        unsigned even = 0, odd = 0;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {     // raw[4w + b] holds k = 8w + 2b (low), 8w + 2b + 1
+            const unsigned pair = raw[4 * w + b];
+            const int lo = (int)fminf(fmaxf(floorf(bf16_float(pair & 0xFFFF) * inv + 0.5f), -127.0f), 127.0f);
+            const int hi = (int)fminf(fmaxf(floorf(bf16_float(pair >> 16) * inv + 0.5f), -127.0f), 127.0f);
+            code_sum += lo + hi;
+            even |= ((unsigned)lo & 0xFFu) << (8 * b);
+            odd |= ((unsigned)hi & 0xFFu) << (8 * b);
+        }
+        s.even[w] = (int)even;
+        s.odd[w] = (int)odd;
+    }
+    s.scale = amax * (1.0f / 127.0f);
+    s.code_sum_scaled = (float)code_sum * s.scale;
+    return s;
+}
+
+__device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
+    int dot = 0;
+    const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        dot = dp4a((int)(w[i] & 0x0F0F0F0Fu), x.even[i], dot);
+        dot = dp4a((int)((w[i] >> 4) & 0x0F0F0F0Fu), x.odd[i], dot);
+    }
+    float part = (float)dot * (scale_float(e.d) * (float)e.sc) * x.scale;
+#if ASYM
+    part -= scale_float(e.dmin) * (float)e.m * x.code_sum_scaled;
+#endif
+    return part;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
+               const scale_t* __restrict__ d, const signed char* __restrict__ sc,
+               const scale_t* __restrict__ dmin, const signed char* __restrict__ m,
+               u16* __restrict__ out, int n_rows) {
+    constexpr int WARPS = THREADS / 32;
+    __shared__ float partial[ROWS][WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tiles = (n_rows + ROWS - 1) / ROWS;
+    int index = blockIdx.x;
+    Group next[ROWS][SLOTS];
+    if (index < tiles)
+        load_tile(next, index, n_rows, qw, d, sc, dmin, m);
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    XSlice xs[SLOTS];
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+        const int g = threadIdx.x + j * THREADS;
+        if (SLOTS * THREADS == GROUPS || g < GROUPS) {
+            xs[j] = quantize_group(x, g);
+        } else {
+            xs[j] = XSlice{{0, 0, 0, 0}, {0, 0, 0, 0}, 0.0f, 0.0f};
+        }
+    }
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    for (; index < tiles; index += gridDim.x) {
+        Group tile[ROWS][SLOTS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
+        if (index + gridDim.x < tiles)
+            load_tile(next, index + gridDim.x, n_rows, qw, d, sc, dmin, m);
+        float acc[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < SLOTS; ++j) acc[r] += group_dot(tile[r][j], xs[j]);
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1)
+                acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
+            if (lane == 0) partial[r][warp] = acc[r];
+        }
+        __syncthreads();
+        if (threadIdx.x < ROWS) {
+            const int n = index * ROWS + threadIdx.x;
+            float total = 0.0f;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) total += partial[threadIdx.x][w];
+            if (n < n_rows) out[n] = float_bf16(total);
+        }
+        __syncthreads();   // partial is rewritten by the next tile
+    }
+}

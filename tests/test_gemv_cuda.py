@@ -1,0 +1,195 @@
+"""The CUDA DP4A GEMV (engine/quant/gemv_cuda.py, q4_gemv.cu).
+
+On the CPU (CI): the launch plan, the kernel's reach, the plans file and the
+switch. On a GPU: the kernel against gemv.py's PyTorch reference of the same
+numerics (int8 activations per group of 32), with NaN-poisoned outputs, N
+not a multiple of the rows per tile, K whose groups leave threads idle,
+fp16 and fp32 scales, with and without a minimum, more tiles than blocks,
+programmatic dependent launch inside a CUDA graph, and gemv()'s switch."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.quant import gemv_cuda
+from engine.quant.gemv_cuda import CudaGemvPlan, picked_plan, plan_for, takes
+from engine.quant.tensor import QuantTensor
+
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="the CUDA GEMV runs on a GPU only")
+
+
+# ------------------------------------------------------------------ CPU
+
+
+@pytest.mark.parametrize("k, threads, slots", [(5120, 160, 1), (17408, 544, 1), (6144, 192, 1),
+                                               (1056, 64, 1), (65536, 1024, 2)])
+def test_plan_covers_every_group_with_whole_warps(k, threads, slots):
+    plan = plan_for(k)
+    assert (plan.threads, plan.slots, plan.groups) == (threads, slots, k // 32)
+    assert plan.threads % 32 == 0 and plan.slots * plan.threads >= plan.groups
+
+
+def test_plan_grid_is_one_persistent_wave_and_never_more_than_the_tiles():
+    plan = plan_for(5120, rows=4)
+    assert plan.tiles(34816) == 8704 and plan.tiles(5) == 2
+    assert plan.grid(34816, sms=132, resident_per_sm=6) == 792
+    assert plan.grid(5, sms=132, resident_per_sm=6) == 2
+    capped = plan_for(5120, rows=4, blocks_per_sm=2)
+    assert capped.grid(34816, sms=132, resident_per_sm=6) == 264
+
+
+def test_bad_plans_say_what_is_wrong():
+    with pytest.raises(ValueError, match="whole groups of 32"):
+        plan_for(5000)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        CudaGemvPlan(rows=2, slots=1, threads=100, groups=100)
+    with pytest.raises(ValueError, match="cover fewer"):
+        CudaGemvPlan(rows=2, slots=1, threads=64, groups=100)
+    with pytest.raises(ValueError, match="rows, slots and groups"):
+        CudaGemvPlan(rows=0, slots=1, threads=64, groups=64)
+
+
+def _quant(n, k, asym=True, d_dtype=torch.float16, superblock=256, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    d = (torch.rand(n, k // superblock, generator=g) * 0.02).to(d_dtype)
+    sc = torch.randint(1, 64, (n, k // 32), generator=g)
+    dmin = (torch.rand(n, k // superblock, generator=g) * 0.02).to(d_dtype) if asym else None
+    m = torch.randint(0, 64, (n, k // 32), generator=g) if asym else None
+    return QuantTensor.from_codes(codes, 4, d, sc, dmin, m).to(device)
+
+
+def test_the_kernel_takes_only_one_bf16_gpu_row_of_4bit_groups_of_32_without_bias():
+    qt = _quant(8, 256)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    assert not takes(x, qt, None)  # a CPU tensor
+    g64 = QuantTensor.from_codes(torch.randint(0, 16, (8, 256)), 4, torch.rand(8, 4).half(),
+                                 torch.randint(1, 64, (8, 4)))
+    assert g64.group == 64 and not takes(x, g64, None)
+
+
+def test_the_switch_is_off_by_default_and_a_bad_value_names_the_variable(monkeypatch):
+    monkeypatch.delenv(gemv_cuda.CUDA_ENV, raising=False)
+    assert gemv_cuda.wanted() is False
+    monkeypatch.setenv(gemv_cuda.CUDA_ENV, "yes")
+    with pytest.raises(ValueError, match=gemv_cuda.CUDA_ENV):
+        gemv_cuda.wanted()
+
+
+def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path, monkeypatch):
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"34816,5120": {"rows": 4, "slots": 2, "blocks_per_sm": 3}}))
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
+    assert picked_plan(34816, 5120) == CudaGemvPlan(rows=4, slots=2, threads=96, groups=160,
+                                                    blocks_per_sm=3)
+    assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+def _run(qt, x, plan, pdl=False):
+    out = torch.full((1, qt.out_features), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, pdl=pdl)
+    assert y.data_ptr() == out.data_ptr()
+    return y
+
+
+def _expected(x, qt):
+    from engine.quant.gemv import gemv_x8_reference
+
+    return gemv_x8_reference(x.float().cpu(), qt.to("cpu"))
+
+
+def _activation(k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=g)
+    x[0, 3] = 40.0       # an outlier sets one group's scale
+    x[0, 64:96] = 0.0    # an all-zero group: scale 0, no division by zero
+    return x.to(torch.bfloat16).cuda()
+
+
+def _assert_close(y, expected):
+    assert not y.isnan().any()
+    scale = expected.abs().max()
+    # the output is bf16: half an ulp of the largest value, plus fp32 ordering
+    torch.testing.assert_close(y.float().cpu() / scale, expected / scale, rtol=0, atol=8e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("n, k", [(37, 768), (64, 1056), (5, 5120), (133, 17408)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["q4_k", "q4_1", "sym", "fp32-scales"])
+def test_cuda_gemv_matches_the_reference(n, k, rows, kind):
+    superblock = 256 if kind in ("q4_k", "fp32-scales") and k % 256 == 0 else 32
+    qt = _quant(n, k, asym=kind != "sym", superblock=superblock, seed=n + k,
+                d_dtype=torch.float32 if kind == "fp32-scales" else torch.float16, device="cuda")
+    x = _activation(k, seed=k)
+    _assert_close(_run(qt, x, plan_for(k, rows=rows)), _expected(x, qt))
+
+
+@needs_gpu
+@pytest.mark.parametrize("slots", [2, 3])
+def test_more_slots_per_thread_and_one_block_per_sm_walking_many_tiles(slots):
+    qt = _quant(1000, 2048, seed=3, device="cuda")
+    x = _activation(2048, seed=4)
+    plan = plan_for(2048, rows=2, slots=slots, blocks_per_sm=1)
+    _assert_close(_run(qt, x, plan), _expected(x, qt))
+
+
+@needs_gpu
+def test_dependent_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote():
+    """Two GEMVs chained in a graph with PDL: the second's x is the first's
+    output, so a missing griddepcontrol.wait reads stale or NaN values."""
+    a, b = _quant(512, 1024, seed=5, device="cuda"), _quant(256, 512, seed=6, device="cuda")
+    x = _activation(1024, seed=7)
+    mid = torch.full((1, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # compile and load outside the capture
+        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
+        gemv_cuda.gemv_cuda(mid, b, out=out, pdl=True)
+    torch.cuda.synchronize()
+    mid.fill_(float("nan"))
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
+        gemv_cuda.gemv_cuda(mid, b, out=out, pdl=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(mid, _expected(x, a))
+    _assert_close(out, _expected(mid, b))
+
+
+@needs_gpu
+def test_gemv_runs_the_cuda_kernel_when_switched_on_and_the_triton_one_otherwise(monkeypatch):
+    from engine.quant.gemv import gemv
+
+    qt = _quant(96, 1024, seed=8, device="cuda")
+    x = _activation(1024, seed=9)
+    monkeypatch.setenv(gemv_cuda.CUDA_ENV, "1")
+    calls = []
+    real = gemv_cuda.gemv_cuda
+    monkeypatch.setattr(gemv_cuda, "gemv_cuda", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    on = gemv(x, qt)
+    assert calls == [1]
+    monkeypatch.setenv(gemv_cuda.CUDA_ENV, "0")
+    off = gemv(x, qt)
+    assert calls == [1]
+    _assert_close(on, _expected(x, qt))
+    torch.testing.assert_close(on.float(), off.float(), rtol=0, atol=float(off.abs().max()) * 8e-3)
+
+
+@needs_gpu
+def test_bad_operands_are_refused_with_what_to_give():
+    qt = _quant(16, 256, device="cuda")
+    with pytest.raises(ValueError, match="bf16 row"):
+        gemv_cuda.gemv_cuda(torch.randn(1, 256, device="cuda"), qt)
+    with pytest.raises(ValueError, match="out must be"):
+        gemv_cuda.gemv_cuda(torch.randn(1, 256, device="cuda", dtype=torch.bfloat16), qt,
+                            out=torch.empty(1, 8, device="cuda", dtype=torch.bfloat16))
