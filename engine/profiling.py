@@ -24,6 +24,7 @@ KINDS = (
     ("gemm (cuBLAS)", ("nvjet", "gemm", "cutlass", "xmma", "splitkreduce", "aten::mm",
                        "aten::addmm", "aten::linear", "aten::bmm")),
     ("gemv (Triton int4/int8)", ("_gemv_", "_split_k_sum")),
+    ("gemv (CUDA int4 DP4A)", ("tandem_q4_gemv",)),
     ("gemv (cuBLAS fp32)", ("gemvnsp", "gemv")),
     ("attention", ("attn", "attention", "flash", "paged", "_combine")),
     ("kv write", ("write_kv", "quantize", "_seal", "_write_kernel", "_k_page_kernel")),

@@ -71,12 +71,18 @@ def test_the_kernel_takes_only_one_bf16_gpu_row_of_4bit_groups_of_32_without_bia
     assert g64.group == 64 and not takes(x, g64, None)
 
 
-def test_the_switch_is_off_by_default_and_a_bad_value_names_the_variable(monkeypatch):
+def test_the_switch_is_on_by_default_where_nvrtc_loads_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.delenv(gemv_cuda.CUDA_ENV, raising=False)
+    monkeypatch.setattr(gemv_cuda, "nvrtc_available", lambda: True)
+    assert gemv_cuda.wanted() is True
+    monkeypatch.setenv(gemv_cuda.CUDA_ENV, "0")
     assert gemv_cuda.wanted() is False
     monkeypatch.setenv(gemv_cuda.CUDA_ENV, "yes")
     with pytest.raises(ValueError, match=gemv_cuda.CUDA_ENV):
         gemv_cuda.wanted()
+    monkeypatch.setenv(gemv_cuda.CUDA_ENV, "1")
+    monkeypatch.setattr(gemv_cuda, "nvrtc_available", lambda: False)
+    assert gemv_cuda.wanted() is False  # no NVRTC: the Triton kernel runs
 
 
 def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path, monkeypatch):

@@ -43,6 +43,7 @@ def test_kinds_of_kernel_and_op_names():
     assert kind_of("some_unknown_thing") == "other"
     # our Triton kernels of each kind, as the H200's profiles named them
     assert kind_of("_gemv_dot_kernel") == kind_of("_gemv_x8_kernel") == "gemv (Triton int4/int8)"
+    assert kind_of("tandem_q4_gemv") == "gemv (CUDA int4 DP4A)"
     assert kind_of("_gemm_kernel") == "gemm (Triton int4/int8)"
     assert kind_of("_rk4p_dense_kernel") == kind_of("_int8_read_kernel") == "kv read"
     assert kind_of("_k_page_kernel") == kind_of("_staging_write_kernel") == "kv write"

@@ -26,6 +26,11 @@ it there; TANDEM_GEMV_INT8_X=0 turns it off (=1 forces it). A DP4A config
 with stream_k launches it as stream-K instead of split-K (equal runs of
 (block, K tile) units per program; `_gemv_x8_stream_kernel`), an
 experiment that only a sweep picks.
+On a GPU with NVRTC, gemv() hands one contiguous bf16 row without bias to
+the CUDA C++ version of the DP4A kernel instead (engine/quant/gemv_cuda.py,
+q4_gemv.cu: same numerics, faster on every 27B shape, 2026-12-04);
+TANDEM_GEMV_CUDA=0 keeps it here, and a config or block override given to
+gemv() always runs these Triton kernels.
 Configs (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) come from
 engine/quant/gemv_configs.py: TUNED (filled from `python -m bench.quant
 --sweep` on the H200), a sweep's JSON named by TANDEM_GEMV_TUNED, or a
@@ -951,8 +956,9 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     check_gemv_layout(qt)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if config is None and not (block_n or block_k or split_k) and x.is_cuda \
-            and gemv_cuda.wanted() and gemv_cuda.takes(x, qt, bias) \
-            and (out is None or out.is_contiguous()):
+            and int8_x_override() is not False and gemv_cuda.wanted() \
+            and gemv_cuda.takes(x, qt, bias) and (out is None or out.is_contiguous()):
+        # the CUDA kernel is the DP4A kernel's numerics: TANDEM_GEMV_INT8_X=0 keeps float x
         return gemv_cuda.gemv_cuda(x, qt, out, gemv_cuda.picked_plan(n_dim, k_dim),
                                    pdl=bool(pdl_launch(x.device)["PDL"]))
     if config is None:

@@ -206,16 +206,34 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
 
 CUDA_ENV = "TANDEM_GEMV_CUDA"
 PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
-DEFAULT_ROWS = 2
+# 4 rows a tile won every one-row Q4_K shape of the 27B on the H200 against
+# 1, 2 and 8 (bench.gemv_cuda, 2026-12-04 16:40, BENCHMARKS.md)
+DEFAULT_ROWS = 4
 
 
 def wanted() -> bool:
-    """TANDEM_GEMV_CUDA=1 runs every one-row GEMV the CUDA kernel takes
-    there instead of the Triton DP4A kernel (off by default until the step
-    A/B says otherwise; read per call, in a CUDA graph at capture)."""
+    """Whether one-row GEMVs the CUDA kernel takes run it instead of the
+    Triton DP4A kernel: on by default (the H200's int4 27B step, two
+    alternating pairs, 2026-12-04: 6.34 / 6.32 ms against Triton's 7.39 /
+    6.79); TANDEM_GEMV_CUDA=0 goes back to Triton. Read per call, in a CUDA
+    graph at capture. A host without NVRTC runs Triton (nvrtc_available)."""
     from engine.switches import on_off
 
-    return on_off(CUDA_ENV, False, on="the CUDA DP4A GEMV", off="the Triton kernels")
+    return on_off(CUDA_ENV, True, on="the CUDA DP4A GEMV", off="the Triton kernels") \
+        and nvrtc_available()
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_available() -> bool:
+    """PyTorch's CUDA wheels bring libnvrtc; a build without it (or a torch
+    whose private NVRTC wrapper moved) keeps the Triton kernel."""
+    try:
+        from torch.cuda._utils import _cuda_load_module, _get_gpu_rtc_library  # noqa: F401
+
+        _get_gpu_rtc_library()
+        return True
+    except (ImportError, OSError, RuntimeError, AttributeError):
+        return False
 
 
 @functools.lru_cache(maxsize=8)
