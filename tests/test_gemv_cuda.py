@@ -199,3 +199,13 @@ def test_bad_operands_are_refused_with_what_to_give():
     with pytest.raises(ValueError, match="out must be"):
         gemv_cuda.gemv_cuda(torch.randn(1, 256, device="cuda", dtype=torch.bfloat16), qt,
                             out=torch.empty(1, 8, device="cuda", dtype=torch.bfloat16))
+
+
+def test_the_kernel_source_ships_with_the_package_and_names_its_entry_point():
+    import tomllib
+    from pathlib import Path
+
+    text = gemv_cuda.SOURCE.read_text()
+    assert f'extern "C" __global__' in text and gemv_cuda.KERNEL in text
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "quant/*.cu" in project["tool"]["setuptools"]["package-data"]["engine"]
