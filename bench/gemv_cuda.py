@@ -5,7 +5,8 @@ back-to-back calls, weight copies cycled past L2, PDL on as in the step):
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE]
 
 First every rows-per-tile at the plan's own slots and a full persistent
-grid, then, for each shape's best, twice the slots and a capped grid. The
+grid, then, for each shape's best: the tile queue, twice the slots (at the
+same and at half the rows) and a capped grid. The
 best plan per shape goes to --plans-out, the file TANDEM_GEMV_CUDA_PLANS
 reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 --decode-steps 16`) runs what the sweep chose. GPU only.
@@ -36,9 +37,11 @@ def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
 
     if best is None:
         return [plan_for(k, rows=r) for r in rows_list]
-    tries = []
+    tries = [plan_for(k, rows=best.rows, slots=best.slots, queue=True)]
     if best.threads > 64:
         tries.append(plan_for(k, rows=best.rows, slots=best.slots * 2))
+        if best.rows > 1:  # the same registers a thread, half the threads
+            tries.append(plan_for(k, rows=best.rows // 2, slots=best.slots * 2))
     tries += [plan_for(k, rows=best.rows, slots=best.slots, blocks_per_sm=b) for b in (1, 2, 3)]
     return tries
 
@@ -60,9 +63,9 @@ def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth:
     return {"matrix": name, "N": n, "K": k, "floor_us": floor * 1e6,
             "triton_us": triton_s * 1e6, "cuda_us": seconds * 1e6,
             "best": {"rows": best.rows, "slots": best.slots, "threads": best.threads,
-                     "blocks_per_sm": best.blocks_per_sm},
+                     "blocks_per_sm": best.blocks_per_sm, "queue": best.queue},
             "all": [{"rows": p.rows, "slots": p.slots, "blocks_per_sm": p.blocks_per_sm,
-                     "us": s * 1e6} for s, p in timed]}
+                     "queue": p.queue, "us": s * 1e6} for s, p in timed]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
                   f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['cuda_us']:.1f}",
                   f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
-                  "r{rows} s{slots} t{threads} b{blocks_per_sm}".format(**r["best"])]
+                  "r{rows} s{slots} t{threads} b{blocks_per_sm} q{queue:d}".format(**r["best"])]
                  for r in results])
     for key in ("triton_us", "cuda_us", "floor_us"):
         total = sum(r["per_step"] * r[key] for r in results)

@@ -87,10 +87,11 @@ def test_the_switch_is_on_by_default_where_nvrtc_loads_and_a_bad_value_names_it(
 
 def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path, monkeypatch):
     path = tmp_path / "plans.json"
-    path.write_text(json.dumps({"34816,5120": {"rows": 4, "slots": 2, "blocks_per_sm": 3}}))
+    path.write_text(json.dumps({"34816,5120": {"rows": 4, "slots": 2, "blocks_per_sm": 3,
+                                               "queue": True}}))
     monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
     assert picked_plan(34816, 5120) == CudaGemvPlan(rows=4, slots=2, threads=96, groups=160,
-                                                    blocks_per_sm=3)
+                                                    blocks_per_sm=3, queue=True)
     assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
 
 
@@ -144,6 +145,35 @@ def test_more_slots_per_thread_and_one_block_per_sm_walking_many_tiles(slots):
     x = _activation(2048, seed=4)
     plan = plan_for(2048, rows=2, slots=slots, blocks_per_sm=1)
     _assert_close(_run(qt, x, plan), _expected(x, qt))
+
+
+@needs_gpu
+@pytest.mark.parametrize("blocks_per_sm", [1, 0])
+def test_the_tile_queue_gives_the_strided_grids_bits_and_leaves_its_counters_zero(
+        blocks_per_sm):
+    """A tile's sum does not depend on which block takes it, so the queue's
+    output is bitwise the strided grid's; its counters are back at zero after
+    every launch, eager and in a graph of chained dependent launches."""
+    qt = _quant(2000, 2048, seed=13, device="cuda")
+    x = _activation(2048, seed=14)
+    strided = _run(qt, x, plan_for(2048, rows=4, blocks_per_sm=blocks_per_sm))
+    plan = plan_for(2048, rows=4, blocks_per_sm=blocks_per_sm, queue=True)
+    counters = gemv_cuda.queue_counters(x.device)
+    for _ in range(3):
+        assert torch.equal(_run(qt, x, plan, pdl=True), strided)
+        torch.cuda.synchronize()
+        assert counters.tolist() == [0, 0]
+    outs = [torch.full((1, 2000), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, pdl=True)
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, strided) for out in outs)
+    assert counters.tolist() == [0, 0]
 
 
 @needs_gpu

@@ -40,12 +40,14 @@ class CudaGemvPlan:
     """rows: output rows a block computes per tile; slots: groups of 32
     K-elements each thread owns (g = thread + j * threads); threads per
     block; blocks_per_sm: how many blocks of the persistent grid each SM
-    gets (0: as many as fit)."""
+    gets (0: as many as fit); queue: blocks take their tiles after the
+    first from a counter instead of striding (q4_gemv.cu, QUEUE)."""
     rows: int
     slots: int
     threads: int
     groups: int
     blocks_per_sm: int = 0
+    queue: bool = False
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.slots < 1 or self.groups < 1:
@@ -67,8 +69,8 @@ class CudaGemvPlan:
         return max(1, min(self.tiles(n), sms * max(per_sm, 1)))
 
 
-def plan_for(k: int, rows: int = 2, slots: int | None = None, blocks_per_sm: int = 0
-             ) -> CudaGemvPlan:
+def plan_for(k: int, rows: int = 2, slots: int | None = None, blocks_per_sm: int = 0,
+             queue: bool = False) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
     slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
@@ -90,7 +92,7 @@ def plan_for(k: int, rows: int = 2, slots: int | None = None, blocks_per_sm: int
         raise ValueError(f"no thread count up to {MAX_THREADS} covers K = {k} "
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
-                        blocks_per_sm=blocks_per_sm)
+                        blocks_per_sm=blocks_per_sm, queue=queue)
 
 
 def takes(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> bool:
@@ -111,7 +113,7 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            "--std=c++17")
+            f"-DQUEUE={int(plan.queue)}", "--std=c++17")
 
 
 @dataclass
@@ -200,8 +202,17 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     dmin = qt.dmin if qt.asymmetric else qt.d
     m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
-            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n], pdl)
+            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, queue_counters(x.device)], pdl)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def queue_counters(device: torch.device) -> torch.Tensor:
+    """A QUEUE launch's (tiles taken, blocks done), zero between launches: the
+    last block of each launch sets them back. One pair per device serves
+    every launch of the process, since a worker runs its model on one
+    stream and a launch touches them only after the one before is done."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 CUDA_ENV = "TANDEM_GEMV_CUDA"
@@ -244,13 +255,14 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
     for key, spec in json.loads(Path(path).read_text()).items():
         n, k = (int(v) for v in key.split(","))
         plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
-                                 blocks_per_sm=int(spec.get("blocks_per_sm", 0)))
+                                 blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
+                                 queue=bool(spec.get("queue", False)))
     return plans
 
 
 def picked_plan(n: int, k: int) -> CudaGemvPlan:
     """The plan a sweep wrote for (N, K) into the JSON file TANDEM_GEMV_CUDA_PLANS
-    names ({"N,K": {"rows": R, "slots": S, "blocks_per_sm": B}}), else
+    names ({"N,K": {"rows": R, "slots": S, "blocks_per_sm": B, "queue": Q}}), else
     plan_for(k) at DEFAULT_ROWS."""
     import os
 

@@ -17,14 +17,19 @@
 //     2 x ROWS x SLOTS loads in flight;
 //   * the first tile's weights are loaded before griddepcontrol.wait
 //     (programmatic dependent launch): weights are never written by a
-//     kernel, only x waits for the kernel before.
+//     kernel, only x waits for the kernel before;
+//   * QUEUE=1: after its first tile a block takes the next from a counter
+//     (atomicAdd) instead of striding, so blocks that run ahead take more
+//     tiles and the grid ends together; the last block out sets the two
+//     counters back to zero for the next launch (a launch's blocks touch
+//     them only after griddepcontrol.wait, when the launch before is done).
 //
 // Layout (engine/quant/tensor.py): qweight uint8 [N, K/2] (byte j: k = 2j in
 // its low nibble, 2j + 1 in its high one), so the four int32 words of group
 // g hold k = 32g .. 32g + 31, low nibbles the even k and high the odd; sc and
 // m int8 [N, K/32]; d and dmin [N, K/S], fp16 or fp32 (D_F32).
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
-// superblock, S/32), ASYM, D_F32, PDL.
+// superblock, S/32), ASYM, D_F32, PDL, QUEUE.
 
 typedef unsigned short u16;
 
@@ -162,9 +167,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const scale_t* __restrict__ d, const signed char* __restrict__ sc,
                const scale_t* __restrict__ dmin, const signed char* __restrict__ m,
-               u16* __restrict__ out, int n_rows) {
+               u16* __restrict__ out, int n_rows, int* __restrict__ queue) {
     constexpr int WARPS = THREADS / 32;
     __shared__ float partial[ROWS][WARPS];
+    __shared__ int queued[2];     // the tile after the next one, taken a tile ahead
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = (n_rows + ROWS - 1) / ROWS;
     int index = blockIdx.x;
@@ -173,6 +179,9 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         load_tile(next, index, n_rows, qw, d, sc, dmin, m);
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if QUEUE
+    if (threadIdx.x == 0) queued[0] = gridDim.x + atomicAdd(queue, 1);
 #endif
     XSlice xs[SLOTS];
 #pragma unroll
@@ -187,14 +196,22 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    for (; index < tiles; index += gridDim.x) {
+#if QUEUE
+    __syncthreads();              // queued[0] visible
+#endif
+    for (int slot = 0; index < tiles; slot ^= 1) {
+#if QUEUE
+        const int following = queued[slot];
+#else
+        const int following = index + gridDim.x;
+#endif
         Group tile[ROWS][SLOTS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
-        if (index + gridDim.x < tiles)
-            load_tile(next, index + gridDim.x, n_rows, qw, d, sc, dmin, m);
+        if (following < tiles)
+            load_tile(next, following, n_rows, qw, d, sc, dmin, m);
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -206,6 +223,9 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                 acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
             if (lane == 0) partial[r][warp] = acc[r];
         }
+#if QUEUE
+        if (threadIdx.x == 0 && following < tiles) queued[slot ^ 1] = gridDim.x + atomicAdd(queue, 1);
+#endif
         __syncthreads();
         if (threadIdx.x < ROWS) {
             const int n = index * ROWS + threadIdx.x;
@@ -214,6 +234,17 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             for (int w = 0; w < WARPS; ++w) total += partial[threadIdx.x][w];
             if (n < n_rows) out[n] = float_bf16(total);
         }
-        __syncthreads();   // partial is rewritten by the next tile
+        __syncthreads();   // partial and queued[slot] are rewritten by the next tile
+        index = following;
     }
+#if QUEUE
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(queue + 1, 1) == (int)gridDim.x - 1) {   // the last block out
+            queue[0] = 0;
+            queue[1] = 0;
+            __threadfence();
+        }
+    }
+#endif
 }

@@ -19,7 +19,10 @@
 # the head shipped at 14:40. Ran again 16:15-16:30 as park, park, gen (SAMPLES=2,
 # 32,735 answers in ~205 s: ~23,000 tok/s with the padded graphs), train, bench:
 # head C, shipped at 16:29. The 49,470-sample corpus stayed on the device;
-# the next round answers again from the carried greedy corpus (~270 s).
+# the next round answers again from the carried greedy corpus. Next (head D):
+# the same five calls, with the 12 request files written at 16:55 (30,636
+# prompts): ~44,500 missing answers (greedy for the 13,901 prompts the carried
+# corpus lacks, a sampled one for all), ~6.4 M tokens, ~280 s at 16:20's rate.
 set -uo pipefail
 call=${1:?park, gen, train or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
