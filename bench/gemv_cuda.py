@@ -2,14 +2,17 @@
 on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
-    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE]
+    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: the tile queue, twice the slots (at the
 same and at half the rows) and a capped grid. The
 best plan per shape goes to --plans-out, the file TANDEM_GEMV_CUDA_PLANS
 reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
---decode-steps 16`) runs what the sweep chose. GPU only.
+--decode-steps 16`) runs what the sweep chose. --norm also times, on the
+shapes that follow a norm (gate_up, gdn in_proj, attn qkv), engine/fused's
+add_rms_norm launch then the GEMV against the GEMV doing the norm in its
+prologue (gemv_cuda.NormPrologue). GPU only.
 """
 from __future__ import annotations
 
@@ -30,6 +33,35 @@ def _time_cuda(x, copies, plan) -> float:
     fns = [(lambda qt=copies[i % len(copies)]: gemv_cuda(x, qt, out=out, plan=plan, pdl=True))
            for i in range(16)]
     return _time_graph(fns)
+
+
+def norm_pair(name: str, n: int, k: int, fmt, device) -> dict:
+    """add_rms_norm then the GEMV, against the GEMV with the norm prologue
+    (Qwen3.5's zero-centred norm, a pending residual), graph-timed."""
+    from engine.fused import load_kernels
+    from engine.quant.gemv_cuda import NormPrologue, gemv_cuda, plan_for
+
+    copies = _copies(fmt, n, k, device)
+    x, pending = (torch.randn(1, k, device=device, dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(k, device=device, dtype=torch.bfloat16) * 0.1
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=device)
+    residual = torch.empty(1, k, dtype=torch.bfloat16, device=device)
+    plan = plan_for(k, rows=4)
+    kernels = load_kernels()
+
+    def apart(qt):
+        _, normed = kernels.add_rms_norm(x, pending, weight, 1e-6, True)
+        gemv_cuda(normed, qt, out=out, plan=plan, pdl=True)
+
+    def fused(qt):
+        gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
+                  norm=NormPrologue(weight, 1e-6, True, pending, residual))
+
+    timed = {label: _time_graph([(lambda qt=copies[i % len(copies)]: fn(qt)) for i in range(16)])
+             for label, fn in (("apart", apart), ("fused", fused))}
+    del copies
+    return {"matrix": name, "N": n, "K": k, "apart_us": timed["apart"] * 1e6,
+            "fused_us": timed["fused"] * 1e6}
 
 
 def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
@@ -75,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", help="matrix names as bench.quant prints them")
     p.add_argument("--plans-out", help="write the best plan per shape (TANDEM_GEMV_CUDA_PLANS)")
     p.add_argument("--json", help="write every timing")
+    p.add_argument("--norm", action="store_true",
+                   help="also time the norm prologue against a norm launch and the GEMV")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gemv_cuda needs a CUDA GPU", file=sys.stderr)
@@ -103,12 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("triton_us", "cuda_us", "floor_us"):
         total = sum(r["per_step"] * r[key] for r in results)
         print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
+    norms = []
+    if args.norm:
+        for name, fmt, n, k, per_step in model_shapes():
+            if fmt.name == "Q4_K" and name in ("gate_up", "gdn in_proj", "attn qkv"):
+                norms.append({**norm_pair(name, n, k, fmt, device), "per_step": per_step})
+        print_table("add_rms_norm + GEMV, apart against the GEMV's norm prologue, us",
+                    ["matrix", "N", "K", "apart", "fused", "saved ms/step"],
+                    [[r["matrix"], r["N"], r["K"], f"{r['apart_us']:.1f}", f"{r['fused_us']:.1f}",
+                      f"{(r['apart_us'] - r['fused_us']) * r['per_step'] / 1e3:.2f}"]
+                     for r in norms])
     if args.plans_out:
         with open(args.plans_out, "w") as f:
             json.dump({f"{r['N']},{r['K']}": r["best"] for r in results}, f, indent=1)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results}, f, indent=1)
+            json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results, "norm": norms},
+                      f, indent=1)
     return 0
 
 

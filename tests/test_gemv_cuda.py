@@ -95,6 +95,26 @@ def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path,
     assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
 
 
+def test_a_norm_prologue_refuses_what_the_kernel_cannot_do():
+    from engine.quant.gemv_cuda import NormPrologue
+
+    k = 256
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    w = torch.randn(k, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="together"):
+        NormPrologue(w, 1e-6, True, pending=torch.randn(1, k, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16 weight"):
+        NormPrologue(w.float(), 1e-6, False)
+    pending = torch.randn(1, k, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="alias"):
+        NormPrologue(w, 1e-6, True, pending=pending, residual_out=x).operands(x)
+    with pytest.raises(ValueError, match="256 elements"):
+        NormPrologue(w[:128], 1e-6, True).operands(x)
+    out = torch.empty(1, k, dtype=torch.bfloat16)
+    ops = NormPrologue(w, 1e-6, True, pending=pending, residual_out=out).operands(x)
+    assert ops[0] is pending and ops[1] is w and ops[2] == 1e-6 and ops[3] is out
+
+
 # ------------------------------------------------------------------ GPU
 
 
@@ -239,3 +259,38 @@ def test_the_kernel_source_ships_with_the_package_and_names_its_entry_point():
     assert f'extern "C" __global__' in text and gemv_cuda.KERNEL in text
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "quant/*.cu" in project["tool"]["setuptools"]["package-data"]["engine"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("k", [768, 5120])
+@pytest.mark.parametrize("zero_centered, weight_dtype", [(True, torch.bfloat16),
+                                                         (True, torch.float32),
+                                                         (False, torch.bfloat16)])
+@pytest.mark.parametrize("with_pending", [True, False])
+def test_the_norm_prologue_gives_the_norm_then_the_gemv(k, zero_centered, weight_dtype,
+                                                        with_pending):
+    """The fused add_rms_norm: the stored residual is bitwise torch's
+    round(x + pending); the product is the reference GEMV of the reference
+    norm's bf16 output (engine/fused/reference.py), within the output's
+    rounding (the norm's rsqrt may move a code by one)."""
+    from engine.fused import reference
+    from engine.quant.gemv_cuda import NormPrologue
+
+    qt = _quant(300, k, seed=k, device="cuda")
+    g = torch.Generator().manual_seed(k + 1)
+    x = (torch.randn(1, k, generator=g) * 3).to(torch.bfloat16).cuda()
+    pending = (torch.randn(1, k, generator=g)).to(torch.bfloat16).cuda() if with_pending else None
+    weight = (torch.randn(k, generator=g) * 0.1 + (0.0 if zero_centered else 1.0))
+    weight = weight.to(weight_dtype).cuda()
+    residual = torch.full((1, k), float("nan"), dtype=torch.bfloat16, device="cuda") \
+        if with_pending else None
+    norm = NormPrologue(weight, 1e-6, zero_centered, pending, residual)
+    out = torch.full((1, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan_for(k, rows=4), norm=norm)
+    if with_pending:
+        s_ref, normed = reference.add_rms_norm(x, pending, weight, 1e-6, zero_centered)
+        assert torch.equal(residual, s_ref)
+    else:
+        normed = reference.rms_norm(x, weight, 1e-6, zero_centered)
+    assert normed.dtype == torch.bfloat16
+    _assert_close(y, _expected(normed, qt))

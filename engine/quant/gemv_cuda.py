@@ -107,13 +107,57 @@ def takes(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> bool:
             and qt.d.dtype in (torch.float16, torch.float32))
 
 
+@dataclass(frozen=True)
+class NormPrologue:
+    """The add_rms_norm before the GEMV, done in its prologue
+    (engine/fused/reference.py's add_rms_norm, or rms_norm without pending):
+    x is the residual stream; with pending, round(x + pending) is stored into
+    residual_out (which must not alias x or pending) and normed; the GEMV
+    multiplies the norm's bf16 output, as if the norm kernel had run."""
+    weight: torch.Tensor
+    eps: float
+    zero_centered: bool
+    pending: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if (self.pending is None) != (self.residual_out is None):
+            raise ValueError("a norm prologue takes pending and residual_out together")
+        if self.weight.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the norm weight must be bf16 or fp32, got {self.weight.dtype}")
+        if self.weight.dtype == torch.float32 and not self.zero_centered:
+            # engine/fused's Llama norm stores fp32 then, which this GEMV does not take
+            raise ValueError("a Llama-style norm prologue needs a bf16 weight")
+
+    def operands(self, x: torch.Tensor) -> list:
+        k = x.shape[-1]
+        for name, t in (("weight", self.weight), ("pending", self.pending),
+                        ("residual_out", self.residual_out)):
+            if t is not None and (t.numel() != k or not t.is_contiguous() or t.device != x.device
+                                  or t.data_ptr() % 16):
+                raise ValueError(f"the norm's {name} must be a contiguous, 16-byte aligned "
+                                 f"tensor of {k} elements on {x.device}")
+        if self.pending is not None and (self.pending.dtype != torch.bfloat16
+                                         or self.residual_out.dtype != torch.bfloat16):
+            raise ValueError("pending and residual_out must be bf16")
+        if self.residual_out is not None and self.residual_out.data_ptr() in (
+                x.data_ptr(), self.pending.data_ptr()):
+            raise ValueError("residual_out must not alias x or pending: other blocks read them")
+        return [self.pending if self.pending is not None else x, self.weight, float(self.eps),
+                self.residual_out if self.residual_out is not None else x]
+
+
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
-                  pdl: bool) -> tuple[str, ...]:
+                  pdl: bool, norm: NormPrologue | None = None) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
+    norm_options = (f"-DNORM={int(norm is not None)}",
+                    f"-DHAS_PENDING={int(norm is not None and norm.pending is not None)}",
+                    f"-DZC={int(norm is not None and norm.zero_centered)}",
+                    f"-DW_F32={int(norm is not None and norm.weight.dtype == torch.float32)}")
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            f"-DQUEUE={int(plan.queue)}", "--std=c++17")
+            f"-DQUEUE={int(plan.queue)}", *norm_options, "--std=c++17")
 
 
 @dataclass
@@ -165,8 +209,8 @@ class _LaunchConfig(ctypes.Structure):
 def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool) -> None:
     from torch.cuda._utils import _get_gpu_runtime_library
 
-    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a)
-              for a in args]
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+              else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
     pointers = (ctypes.c_void_p * len(values))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
@@ -179,8 +223,10 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 
 
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
-              plan: CudaGemvPlan | None = None, pdl: bool = False) -> torch.Tensor:
-    """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold)."""
+              plan: CudaGemvPlan | None = None, pdl: bool = False,
+              norm: NormPrologue | None = None) -> torch.Tensor:
+    """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with `norm`,
+    RMSNorm(x (+ pending)) @ w.T (NormPrologue)."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
@@ -195,14 +241,16 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    norm_args = norm.operands(x) if norm is not None else [x, x, 0.0, x]
     compiled = _compiled(build_options(plan, qt.superblock, qt.asymmetric,
-                                       qt.d.dtype == torch.float32, pdl),
+                                       qt.d.dtype == torch.float32, pdl, norm),
                          device, plan.threads)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     dmin = qt.dmin if qt.asymmetric else qt.d
     m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
-            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, queue_counters(x.device)], pdl)
+            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, queue_counters(x.device),
+             *norm_args], pdl)
     return out
 
 

@@ -28,8 +28,15 @@
 // its low nibble, 2j + 1 in its high one), so the four int32 words of group
 // g hold k = 32g .. 32g + 31, low nibbles the even k and high the odd; sc and
 // m int8 [N, K/32]; d and dmin [N, K/S], fp16 or fp32 (D_F32).
+// NORM=1 (the add_rms_norm prologue): x is the residual stream and the
+// kernel first computes s = round(x + pending) (HAS_PENDING), stores s into
+// residual_out from block 0, and multiplies RMSNorm(s) instead of x, rounded
+// to bf16 as engine/fused's norm kernel stores it (ZC: Qwen3.5's
+// zero-centred (1 + w) in fp32; else Llama's w * round(x^); the weight bf16
+// or fp32, W_F32). Every block covers all of K, so its own reduction of s^2
+// gives the row's norm: the norm's launch goes away.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
-// superblock, S/32), ASYM, D_F32, PDL, QUEUE.
+// superblock, S/32), ASYM, D_F32, PDL, QUEUE, NORM, HAS_PENDING, ZC, W_F32.
 
 typedef unsigned short u16;
 
@@ -112,16 +119,19 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
     }
 }
 
-// code = floor(x * (127 / amax) + 0.5) in -127..127, as the Triton kernel
-__device__ __forceinline__ XSlice quantize_group(const u16* __restrict__ x, int g) {
-    XSlice s;
+// a group's 32 bf16 values as 16 words, k = 2i in the low half of word i
+__device__ __forceinline__ void load_group(const u16* __restrict__ x, int g, unsigned (&raw)[16]) {
     const uint4* src = reinterpret_cast<const uint4*>(x + g * 32);
-    unsigned raw[16];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const uint4 v = src[i];
         raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
     }
+}
+
+// code = floor(x * (127 / amax) + 0.5) in -127..127, as the Triton kernel
+__device__ __forceinline__ XSlice quantize_group(const unsigned (&raw)[16]) {
+    XSlice s;
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i)
@@ -148,6 +158,67 @@ __device__ __forceinline__ XSlice quantize_group(const u16* __restrict__ x, int 
     return s;
 }
 
+#if NORM
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)float_bf16(lo) | ((unsigned)float_bf16(hi) << 16);
+}
+
+#if W_F32
+__device__ __forceinline__ float norm_weight(const float* w, int k) { return w[k]; }
+#else
+__device__ __forceinline__ float norm_weight(const u16* w, int k) { return bf16_float(w[k]); }
+#endif
+
+// s = round(x + pending) for group g (stored by block 0), its sum of squares
+__device__ __forceinline__ float residual_group(const u16* __restrict__ x,
+                                                const u16* __restrict__ pending,
+                                                u16* __restrict__ residual_out, int g,
+                                                unsigned (&raw)[16]) {
+    load_group(x, g, raw);
+#if HAS_PENDING
+    unsigned add[16];
+    load_group(pending, g, add);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        raw[i] = pack_bf16(bf16_float(raw[i] & 0xFFFF) + bf16_float(add[i] & 0xFFFF),
+                           bf16_float(raw[i] >> 16) + bf16_float(add[i] >> 16));
+    if (blockIdx.x == 0) {
+        uint4* dst = reinterpret_cast<uint4*>(residual_out + g * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            dst[i] = uint4{raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]};
+    }
+#endif
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float lo = bf16_float(raw[i] & 0xFFFF), hi = bf16_float(raw[i] >> 16);
+        squares += lo * lo + hi * hi;
+    }
+    return squares;
+}
+
+// RMSNorm(s) of group g as bf16 words, as engine/fused's kernel rounds it
+template <typename W>
+__device__ __forceinline__ void normed_group(unsigned (&raw)[16], const W* __restrict__ weight,
+                                             int g, float rstd) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        float v[2] = {bf16_float(raw[i] & 0xFFFF), bf16_float(raw[i] >> 16)};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float w = norm_weight(weight, g * 32 + 2 * i + half);
+#if ZC
+            v[half] = v[half] * rstd * (1.0f + w);
+#else
+            v[half] = w * bf16_float(float_bf16(v[half] * rstd));
+#endif
+        }
+        raw[i] = pack_bf16(v[0], v[1]);
+    }
+}
+#endif
+
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
     const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
@@ -167,9 +238,14 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const scale_t* __restrict__ d, const signed char* __restrict__ sc,
                const scale_t* __restrict__ dmin, const signed char* __restrict__ m,
-               u16* __restrict__ out, int n_rows, int* __restrict__ queue) {
+               u16* __restrict__ out, int n_rows, int* __restrict__ queue,
+               const u16* __restrict__ pending, const void* __restrict__ norm_w,
+               float eps, u16* __restrict__ residual_out) {
     constexpr int WARPS = THREADS / 32;
     __shared__ float partial[ROWS][WARPS];
+#if NORM
+    __shared__ float squares_of_warp[WARPS];
+#endif
     __shared__ int queued[2];     // the tile after the next one, taken a tile ahead
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = (n_rows + ROWS - 1) / ROWS;
@@ -184,11 +260,42 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     if (threadIdx.x == 0) queued[0] = gridDim.x + atomicAdd(queue, 1);
 #endif
     XSlice xs[SLOTS];
+#if NORM
+    unsigned raw[SLOTS][16];
+    float squares = 0.0f;
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) {
         const int g = threadIdx.x + j * THREADS;
         if (SLOTS * THREADS == GROUPS || g < GROUPS) {
-            xs[j] = quantize_group(x, g);
+            squares += residual_group(x, pending, residual_out, g, raw[j]);
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+    if (lane == 0) squares_of_warp[warp] = squares;
+    __syncthreads();
+    float row_squares = 0.0f;   // the same order in every thread and block
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) row_squares += squares_of_warp[w];
+    const float rstd = rsqrtf(row_squares / (float)(GROUPS * 32) + eps);
+#endif
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+        const int g = threadIdx.x + j * THREADS;
+        if (SLOTS * THREADS == GROUPS || g < GROUPS) {
+#if NORM
+#if W_F32
+            normed_group(raw[j], static_cast<const float*>(norm_w), g, rstd);
+#else
+            normed_group(raw[j], static_cast<const u16*>(norm_w), g, rstd);
+#endif
+            xs[j] = quantize_group(raw[j]);
+#else
+            unsigned group_raw[16];
+            load_group(x, g, group_raw);
+            xs[j] = quantize_group(group_raw);
+#endif
         } else {
             xs[j] = XSlice{{0, 0, 0, 0}, {0, 0, 0, 0}, 0.0f, 0.0f};
         }

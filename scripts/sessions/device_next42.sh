@@ -4,7 +4,8 @@
 #   bash scripts/sessions/device_next42.sh b
 # a: the GPU suites that run one-row 4-bit GEMVs, now on the CUDA kernel by
 #    default (12-04 16:43 ran ~270 of them in 300 s without a failure, then
-#    stopped); then bench.gemv_cuda with the new tile-queue variant
+#    stopped); then bench.gemv_cuda with the new tile-queue variant and the
+#    norm prologue against a norm launch plus the GEMV (--norm)
 #    (plans into /tmp/plans.json, which b reads while the machine stays warm);
 # b: the rest of the suites, and the int4 27B step: the default plans
 #    against the sweep's, then TANDEM_GEMV_CUDA=0, three alternating rounds.
@@ -18,7 +19,7 @@ case "$call" in
   a)
     STEP_TAIL=12 step tests_a 420 python3 -m pytest -q -x -p no:cacheprovider \
       tests/test_gemv_cuda.py tests/test_quant_kernels.py
-    STEP_TAIL=30 step sweep 150 python3 -m bench.gemv_cuda --plans-out /tmp/plans.json \
+    STEP_TAIL=36 step sweep 150 python3 -m bench.gemv_cuda --norm --plans-out /tmp/plans.json \
       --json "$OUT/sweep.json"
     cp /tmp/plans.json "$OUT/" ;;
   b)
