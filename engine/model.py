@@ -95,8 +95,13 @@ class MLP(nn.Module):
         self._intermediate = i
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self._intermediate, dim=-1)
-        act = fused_kernels().silu_mul(gate, up) if use_fused(x) else reference.silu_mul(gate, up)
+        return self.finish(self.gate_up_proj(x))
+
+    def finish(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP after its first projection (gate_up_proj's output)."""
+        gate, up = gate_up.split(self._intermediate, dim=-1)
+        act = fused_kernels().silu_mul(gate, up) if use_fused(gate_up) \
+            else reference.silu_mul(gate, up)
         return self.down_proj(act)
 
 
@@ -126,9 +131,13 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor):
         """(q [T, heads, D], gate [T, heads, D] or None, k, v [T, kv_heads, D]),
         before the q/k norms and RoPE."""
-        tokens = x.shape[0]
+        return self.split_projection(self.qkv_proj(x))
+
+    def split_projection(self, qkv: torch.Tensor):
+        """project() from qkv_proj's output."""
+        tokens = qkv.shape[0]
         # views of one [T, q + k + v] output: every row keeps unit stride
-        q, k, v = self.qkv_proj(x).split(self._qkv_split, dim=-1)
+        q, k, v = qkv.split(self._qkv_split, dim=-1)
         q = q.view(tokens, self.num_heads, -1)
         gate = None
         if self.output_gate:  # per head: [query | gate]
@@ -139,10 +148,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
                 rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, gate, k, v = self.project(x)
+        return self.forward_projected(self.qkv_proj(x), batch, cache, rotary, cos_sin)
+
+    def forward_projected(self, qkv: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
+                          rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                          ) -> torch.Tensor:
+        """The layer after its first projection (qkv_proj's output)."""
+        tokens = qkv.shape[0]
+        q, gate, k, v = self.split_projection(qkv)
         pre_rope = cache.layer_format(self.layer).k_pre_rope
-        if use_fused(x):
+        if use_fused(qkv):
             q, k, k_stored = self._norm_rope_fused(q, k, rotary, cos_sin, pre_rope)
         else:
             if self.q_norm is not None:
@@ -153,7 +168,7 @@ class Attention(nn.Module):
         out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
         out = out.reshape(tokens, -1)
         if gate is not None:
-            if use_fused(x):
+            if use_fused(qkv):
                 out = fused_kernels().sigmoid_gate(out, gate)
             else:
                 out = out * torch.sigmoid(gate.reshape(tokens, -1))
@@ -198,14 +213,19 @@ class GatedDeltaNet(nn.Module):
         self._split = (key_total, key_total, value_total)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        tokens = x.shape[0]
+        return self.forward_projected(self.in_proj(x), batch, cache)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch,
+                          cache: PagedKVCache) -> torch.Tensor:
+        """The layer after its first projection (in_proj's output)."""
+        tokens = projected.shape[0]
         # views of one [T, qkv + z + b + a] output (row stride the whole width)
-        mixed, z, b, a = self.in_proj(x).split(self._in_split, dim=-1)
+        mixed, z, b, a = projected.split(self._in_split, dim=-1)
         z = z.view(tokens, self.num_v_heads, self.v_dim)
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
         # the fused steps write a snapshot like any other per-token state (batch.gdn)
-        if batch.takes_snapshots and not gdn_batched.use_fused_path(x, batch):
+        if batch.takes_snapshots and not gdn_batched.use_fused_path(projected, batch):
             out = self._mix_around_snapshots(mixed, a, b, batch.snapshot_split, states,
                                              windows, weight)
         else:
@@ -336,13 +356,62 @@ class DecoderLayer(nn.Module):
         returns the stream after it as (x', pending'), the MLP's output left
         unadded so that the next norm adds it in the same kernel. Rounding is
         that of the plain `x = x + h` sequence."""
-        x, h = self.input_layernorm.add_forward(x, pending)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        first = mixer.in_proj if self.is_linear else mixer.qkv_proj
+        x, projected = norm_then_project(self.input_layernorm, x, pending, first)
         if self.is_linear:
-            h = self.linear_attn(h, batch, cache)
+            h = mixer.forward_projected(projected, batch, cache)
         else:
-            h = self.self_attn(h, batch, cache, rotary, cos_sin)
-        x, h = self.post_attention_layernorm.add_forward(x, h)
-        return x, self.mlp(h)
+            h = mixer.forward_projected(projected, batch, cache, rotary, cos_sin)
+        x, projected = norm_then_project(self.post_attention_layernorm, x, h,
+                                         self.mlp.gate_up_proj)
+        return x, self.mlp.finish(projected)
+
+
+NORM_PROLOGUE_ENV = "TANDEM_NORM_PROLOGUE"
+
+
+def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
+                      linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + pending, linear(norm(x + pending))): the residual update, the
+    norm and the projection after it. With TANDEM_NORM_PROLOGUE=1, where the
+    CUDA DP4A GEMV takes the projection (one bf16 row, 4-bit groups of 32),
+    the norm runs in the GEMV's prologue and its launch goes away
+    (engine/quant/gemv_cuda.py, NormPrologue); off by default until the H200
+    has timed it."""
+    fused = _norm_in_gemv_prologue(norm, x, pending, linear)
+    if fused is not None:
+        return fused
+    x, h = norm.add_forward(x, pending)
+    return x, linear(h)
+
+
+def _norm_in_gemv_prologue(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
+                           linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    quant = getattr(linear, "quant", None)
+    if quant is None or getattr(linear, "bias", None) is not None or not x.is_cuda \
+            or not use_fused(x):
+        return None
+    from engine.switches import on_off
+
+    if not on_off(NORM_PROLOGUE_ENV, False, on="norms in the GEMV prologue",
+                  off="a norm launch"):
+        return None
+    from engine.quant import gemv_cuda
+    from engine.pdl import pdl_launch
+
+    weight_ok = norm.weight.dtype == torch.bfloat16 or (
+        norm.weight.dtype == torch.float32 and norm.zero_centered)
+    pending_ok = pending is None or (pending.dtype == torch.bfloat16 and pending.is_contiguous()
+                                     and pending.shape == x.shape)
+    if not (weight_ok and pending_ok and gemv_cuda.wanted() and gemv_cuda.takes(x, quant, None)):
+        return None
+    residual = torch.empty_like(x) if pending is not None else x
+    prologue = gemv_cuda.NormPrologue(norm.weight, norm.eps, norm.zero_centered, pending,
+                                      residual if pending is not None else None)
+    projected = gemv_cuda.gemv_cuda(x, quant, plan=gemv_cuda.picked_plan(*quant.shape),
+                                    pdl=bool(pdl_launch(x.device)["PDL"]), norm=prologue)
+    return residual, projected
 
 
 def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm) -> torch.Tensor:

@@ -294,3 +294,56 @@ def test_the_norm_prologue_gives_the_norm_then_the_gemv(k, zero_centered, weight
         normed = reference.rms_norm(x, weight, 1e-6, zero_centered)
     assert normed.dtype == torch.bfloat16
     _assert_close(y, _expected(normed, qt))
+
+
+# ------------------------------------------------------- the model's use
+
+
+def test_the_norm_prologue_switch_is_off_by_default_and_cpu_layers_take_the_norm_launch(
+        monkeypatch):
+    """norm_then_project on the CPU (or with the switch off) is the norm then
+    the projection, bit for bit."""
+    from engine.fused import reference
+    from engine.model import NORM_PROLOGUE_ENV, RMSNorm, norm_then_project
+
+    monkeypatch.setenv(NORM_PROLOGUE_ENV, "1")
+    norm = RMSNorm(64, 1e-6, zero_centered=True)
+    torch.nn.init.normal_(norm.weight, std=0.1)
+    linear = torch.nn.Linear(64, 48, bias=False)
+    x, pending = torch.randn(1, 64), torch.randn(1, 64)
+    with torch.inference_mode():
+        residual, projected = norm_then_project(norm, x, pending, linear)
+        s, normed = reference.add_rms_norm(x, pending, norm.weight, 1e-6, True)
+        assert torch.equal(residual, s) and torch.equal(projected, linear(normed))
+
+
+@needs_gpu
+@pytest.mark.parametrize("with_pending", [True, False])
+def test_a_layer_norm_in_the_gemv_prologue_matches_the_norm_launch(with_pending, monkeypatch):
+    """The 27B-like tiny Qwen3.5 in int4 on the GPU: norm_then_project with
+    TANDEM_NORM_PROLOGUE=1 runs the prologue (one GEMV, no norm launch) and
+    agrees with the norm kernel then the GEMV: the residual bitwise, the
+    projection within the output's rounding."""
+    from engine.loader import load_model
+    from engine.model import NORM_PROLOGUE_ENV, norm_then_project
+
+    loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
+    layer = loaded.model.model.layers[0]
+    norm = layer.input_layernorm
+    first = layer.linear_attn.in_proj if layer.is_linear else layer.self_attn.qkv_proj
+    k = first.quant.in_features
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda()
+    pending = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda() if with_pending else None
+    calls = []
+    real = gemv_cuda.gemv_cuda
+    monkeypatch.setattr(gemv_cuda, "gemv_cuda",
+                        lambda *a, **kw: calls.append(kw.get("norm")) or real(*a, **kw))
+    with torch.inference_mode():
+        monkeypatch.setenv(NORM_PROLOGUE_ENV, "0")
+        residual_apart, projected_apart = norm_then_project(norm, x, pending, first)
+        monkeypatch.setenv(NORM_PROLOGUE_ENV, "1")
+        residual, projected = norm_then_project(norm, x, pending, first)
+    assert calls and calls[-1] is not None  # the prologue ran
+    assert torch.equal(residual, residual_apart)
+    _assert_close(projected, projected_apart.float().cpu())

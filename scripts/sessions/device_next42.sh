@@ -8,7 +8,8 @@
 #    norm prologue against a norm launch plus the GEMV (--norm)
 #    (plans into /tmp/plans.json, which b reads while the machine stays warm);
 # b: the rest of the suites, and the int4 27B step: the default plans
-#    against the sweep's, then TANDEM_GEMV_CUDA=0, three alternating rounds.
+#    against the sweep's, the norms in the GEMV prologue (TANDEM_NORM_PROLOGUE=1)
+#    and TANDEM_GEMV_CUDA=0, three alternating rounds.
 set -uo pipefail
 call=${1:?a or b}
 source scripts/device_env.sh
@@ -23,11 +24,12 @@ case "$call" in
       --json "$OUT/sweep.json"
     cp /tmp/plans.json "$OUT/" ;;
   b)
-    STEP_TAIL=12 step tests_b 300 python3 -m pytest -q -x -p no:cacheprovider \
+    STEP_TAIL=12 step tests_b 240 python3 -m pytest -q -x -p no:cacheprovider \
       tests/test_pdl.py tests/test_cuda_graphs.py tests/test_dense_gemv.py tests/test_profiling.py
     for round in 1 2 3; do
       step_27b "step_default_$round"
       TANDEM_GEMV_CUDA_PLANS=/tmp/plans.json step_27b "step_swept_$round"
+      TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
       TANDEM_GEMV_CUDA=0 step_27b "step_triton_$round"
     done ;;
 esac
