@@ -20,10 +20,11 @@
 # 32,735 answers in ~205 s: ~23,000 tok/s with the padded graphs), train, bench:
 # head C, shipped at 16:29. The 49,470-sample corpus stayed on the device;
 # the next round answers again from the carried greedy corpus. Next (head D):
-# the same five calls, with the 24 request files written at 16:55-17:40
-# (36,636 prompts): ~56,500 missing answers (greedy for the 19,901 prompts the
-# carried corpus lacks, a sampled one for all), ~8.2 M tokens, ~360 s at
-# 16:20's rate (GEN_LIMIT 540).
+# the same calls, with the 36 request files written at 16:55-17:50
+# (42,636 prompts): ~68,500 missing answers (greedy for the 25,901 prompts the
+# carried corpus lacks, a sampled one for all), ~9.9 M tokens, ~430 s at
+# 16:20's rate plus the loads: if gen stops at GEN_LIMIT, call gen again (the
+# shards it left are read back and not asked again), then train.
 set -uo pipefail
 call=${1:?park, gen, train or bench}
 mkdir -p /tmp/gguf && cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; ls /tmp/gguf
