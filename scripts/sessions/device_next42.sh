@@ -18,7 +18,7 @@ step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switch
 }
 case "$call" in
   a)
-    STEP_TAIL=12 step tests_a 420 python3 -m pytest -q -x -p no:cacheprovider \
+    STEP_TAIL=12 step tests_a 360 python3 -m pytest -q -x -p no:cacheprovider \
       tests/test_gemv_cuda.py tests/test_quant_kernels.py
     STEP_TAIL=36 step sweep 150 python3 -m bench.gemv_cuda --norm --plans-out /tmp/plans.json \
       --json "$OUT/sweep.json"
