@@ -368,50 +368,18 @@ class DecoderLayer(nn.Module):
         return x, self.mlp.finish(projected)
 
 
-NORM_PROLOGUE_ENV = "TANDEM_NORM_PROLOGUE"
-
-
 def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
                       linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + pending, linear(norm(x + pending))): the residual update, the
-    norm and the projection after it. With TANDEM_NORM_PROLOGUE=1, where the
-    CUDA DP4A GEMV takes the projection (one bf16 row, 4-bit groups of 32),
-    the norm runs in the GEMV's prologue and its launch goes away
-    (engine/quant/gemv_cuda.py, NormPrologue); off by default until the H200
-    has timed it."""
-    fused = _norm_in_gemv_prologue(norm, x, pending, linear)
-    if fused is not None:
-        return fused
+    norm and the projection after it. A quantized projection may do the norm
+    itself (QuantLinear.forward_normed: in the CUDA GEMV's prologue, with
+    TANDEM_NORM_PROLOGUE=1), which saves the norm's launch."""
+    if use_fused(x) and hasattr(linear, "forward_normed"):
+        fused = linear.forward_normed(x, pending, norm.weight, norm.eps, norm.zero_centered)
+        if fused is not None:
+            return fused
     x, h = norm.add_forward(x, pending)
     return x, linear(h)
-
-
-def _norm_in_gemv_prologue(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
-                           linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    quant = getattr(linear, "quant", None)
-    if quant is None or getattr(linear, "bias", None) is not None or not x.is_cuda \
-            or not use_fused(x):
-        return None
-    from engine.switches import on_off
-
-    if not on_off(NORM_PROLOGUE_ENV, False, on="norms in the GEMV prologue",
-                  off="a norm launch"):
-        return None
-    from engine.quant import gemv_cuda
-    from engine.pdl import pdl_launch
-
-    weight_ok = norm.weight.dtype == torch.bfloat16 or (
-        norm.weight.dtype == torch.float32 and norm.zero_centered)
-    pending_ok = pending is None or (pending.dtype == torch.bfloat16 and pending.is_contiguous()
-                                     and pending.shape == x.shape)
-    if not (weight_ok and pending_ok and gemv_cuda.wanted() and gemv_cuda.takes(x, quant, None)):
-        return None
-    residual = torch.empty_like(x) if pending is not None else x
-    prologue = gemv_cuda.NormPrologue(norm.weight, norm.eps, norm.zero_centered, pending,
-                                      residual if pending is not None else None)
-    projected = gemv_cuda.gemv_cuda(x, quant, plan=gemv_cuda.picked_plan(*quant.shape),
-                                    pdl=bool(pdl_launch(x.device)["PDL"]), norm=prologue)
-    return residual, projected
 
 
 def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm) -> torch.Tensor:

@@ -304,17 +304,22 @@ def test_the_norm_prologue_switch_is_off_by_default_and_cpu_layers_take_the_norm
     """norm_then_project on the CPU (or with the switch off) is the norm then
     the projection, bit for bit."""
     from engine.fused import reference
-    from engine.model import NORM_PROLOGUE_ENV, RMSNorm, norm_then_project
+    from engine.model import RMSNorm, norm_then_project
+    from engine.quant.linear import NORM_PROLOGUE_ENV
 
     monkeypatch.setenv(NORM_PROLOGUE_ENV, "1")
     norm = RMSNorm(64, 1e-6, zero_centered=True)
     torch.nn.init.normal_(norm.weight, std=0.1)
     linear = torch.nn.Linear(64, 48, bias=False)
     x, pending = torch.randn(1, 64), torch.randn(1, 64)
+    from engine.quant.linear import QuantLinear
+
+    quantized = QuantLinear(_quant(48, 64, superblock=32), None, torch.float32)
     with torch.inference_mode():
-        residual, projected = norm_then_project(norm, x, pending, linear)
         s, normed = reference.add_rms_norm(x, pending, norm.weight, 1e-6, True)
-        assert torch.equal(residual, s) and torch.equal(projected, linear(normed))
+        for projection in (linear, quantized):
+            residual, projected = norm_then_project(norm, x, pending, projection)
+            assert torch.equal(residual, s) and torch.equal(projected, projection(normed))
 
 
 @needs_gpu
@@ -325,7 +330,8 @@ def test_a_layer_norm_in_the_gemv_prologue_matches_the_norm_launch(with_pending,
     agrees with the norm kernel then the GEMV: the residual bitwise, the
     projection within the output's rounding."""
     from engine.loader import load_model
-    from engine.model import NORM_PROLOGUE_ENV, norm_then_project
+    from engine.model import norm_then_project
+    from engine.quant.linear import NORM_PROLOGUE_ENV
 
     loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
     layer = loaded.model.model.layers[0]

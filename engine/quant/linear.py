@@ -80,6 +80,48 @@ class QuantLinear(_QuantHolder):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, self.quant, self.bias)
 
+    def forward_normed(self, x: torch.Tensor, pending: torch.Tensor | None,
+                       weight: torch.Tensor, eps: float, zero_centered: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x + pending, self(rms_norm(x + pending))) with the norm done in the
+        CUDA GEMV's prologue (gemv_cuda.NormPrologue), or None where that does
+        not apply: TANDEM_NORM_PROLOGUE unset or 0 (the default until the H200
+        has timed it), float activations asked for (TANDEM_GEMV_INT8_X=0), or
+        operands the kernel does not take."""
+        if self.bias is not None or not x.is_cuda or not norm_prologue_wanted():
+            return None
+        from engine.pdl import pdl_launch
+        from engine.quant import gemv_cuda
+        from engine.quant.gemv import int8_x_override
+
+        weight_ok = weight.dtype == torch.bfloat16 or (
+            weight.dtype == torch.float32 and zero_centered)
+        pending_ok = pending is None or (pending.dtype == torch.bfloat16
+                                         and pending.is_contiguous() and pending.shape == x.shape)
+        if not (weight_ok and pending_ok and int8_x_override() is not False
+                and gemv_cuda.wanted() and gemv_cuda.takes(x, self.quant, None)):
+            return None
+        residual = torch.empty_like(x) if pending is not None else x
+        prologue = gemv_cuda.NormPrologue(weight, eps, zero_centered, pending,
+                                          residual if pending is not None else None)
+        projected = gemv_cuda.gemv_cuda(x, self.quant,
+                                        plan=gemv_cuda.picked_plan(*self.quant.shape),
+                                        pdl=bool(pdl_launch(x.device)["PDL"]), norm=prologue)
+        return residual, projected
+
+
+NORM_PROLOGUE_ENV = "TANDEM_NORM_PROLOGUE"
+
+
+def norm_prologue_wanted() -> bool:
+    """TANDEM_NORM_PROLOGUE=1: a layer norm whose projection the CUDA GEMV
+    takes runs in that GEMV's prologue (QuantLinear.forward_normed). Read per
+    call; in a CUDA graph, at capture."""
+    from engine.switches import on_off
+
+    return on_off(NORM_PROLOGUE_ENV, False, on="norms in the GEMV prologue",
+                  off="a norm launch")
+
 
 class QuantEmbedding(_QuantHolder):
     """Looks rows up by dequantizing only the rows asked for."""
