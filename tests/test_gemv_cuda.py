@@ -242,6 +242,22 @@ def test_gemv_runs_the_cuda_kernel_when_switched_on_and_the_triton_one_otherwise
 
 
 @needs_gpu
+def test_gemv_leaves_an_output_the_kernel_cannot_write_to_the_triton_kernels(monkeypatch):
+    """An fp32 out for a bf16 row: gemv() takes the Triton path, not an error."""
+    from engine.quant.gemv import gemv
+
+    qt = _quant(64, 512, seed=10, device="cuda")
+    x = _activation(512, seed=11)
+    monkeypatch.setenv(gemv_cuda.CUDA_ENV, "1")
+    assert gemv_cuda.runs(x, qt) and not gemv_cuda.runs(
+        x, qt, out=torch.empty(1, 64, device="cuda"))
+    out = torch.full((1, 64), float("nan"), device="cuda")
+    y = gemv(x, qt, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    _assert_close(y, _expected(x, qt))
+
+
+@needs_gpu
 def test_bad_operands_are_refused_with_what_to_give():
     qt = _quant(16, 256, device="cuda")
     with pytest.raises(ValueError, match="bf16 row"):

@@ -956,11 +956,8 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     check_gemv_layout(qt)
     x = x if x.stride(-1) == 1 else x.contiguous()
     if config is None and not (block_n or block_k or split_k) and x.is_cuda \
-            and int8_x_override() is not False and gemv_cuda.wanted() \
-            and gemv_cuda.takes(x, qt, bias) and (out is None or out.is_contiguous()):
-        # the CUDA kernel is the DP4A kernel's numerics: TANDEM_GEMV_INT8_X=0 keeps float x
-        return gemv_cuda.gemv_cuda(x, qt, out, gemv_cuda.picked_plan(n_dim, k_dim),
-                                   pdl=bool(pdl_launch(x.device)["PDL"]))
+            and gemv_cuda.runs(x, qt, bias, out):
+        return gemv_cuda.gemv_cuda(x, qt, out)
     if config is None:
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
         override = int8_x_override()

@@ -31,6 +31,9 @@ SOURCE = Path(__file__).with_name("q4_gemv.cu")
 KERNEL = "tandem_q4_gemv"
 GROUP = 32
 MAX_THREADS = 1024
+# 4 rows a tile won every one-row Q4_K shape of the 27B on the H200 against
+# 1, 2 and 8 (bench.gemv_cuda, 2026-12-04 16:40, BENCHMARKS.md)
+DEFAULT_ROWS = 4
 # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -69,7 +72,7 @@ class CudaGemvPlan:
         return max(1, min(self.tiles(n), sms * max(per_sm, 1)))
 
 
-def plan_for(k: int, rows: int = 2, slots: int | None = None, blocks_per_sm: int = 0,
+def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_per_sm: int = 0,
              queue: bool = False) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
@@ -93,6 +96,21 @@ def plan_for(k: int, rows: int = 2, slots: int | None = None, blocks_per_sm: int
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
                         blocks_per_sm=blocks_per_sm, queue=queue)
+
+
+def runs(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> bool:
+    """Whether a one-row GEMV goes to this kernel: switched on (wanted), int8
+    activations not turned off (TANDEM_GEMV_INT8_X=0 keeps float x, which
+    this kernel does not compute), and operands it takes."""
+    from engine.quant.gemv import int8_x_override
+
+    return (wanted() and int8_x_override() is not False and takes(x, qt, bias)
+            and (out is None or _fits_out(out, x, qt.out_features)))
+
+
+def _fits_out(out: torch.Tensor, x: torch.Tensor, n: int) -> bool:
+    return out.shape == (1, n) and out.dtype == x.dtype and out.is_contiguous()
 
 
 def takes(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> bool:
@@ -223,21 +241,26 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 
 
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
-              plan: CudaGemvPlan | None = None, pdl: bool = False,
+              plan: CudaGemvPlan | None = None, pdl: bool | None = None,
               norm: NormPrologue | None = None) -> torch.Tensor:
     """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with `norm`,
-    RMSNorm(x (+ pending)) @ w.T (NormPrologue)."""
+    RMSNorm(x (+ pending)) @ w.T (NormPrologue). Unset, the plan is
+    picked_plan's and PDL is on where engine/pdl.py turns it on."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
                          f"{x.dtype} on {x.device} and {qt.describe()}")
     n, k = qt.shape
-    plan = plan or plan_for(k)
+    plan = plan or picked_plan(n, k)
+    if pdl is None:
+        from engine.pdl import pdl_capable, pdl_wanted
+
+        pdl = pdl_capable(x.device) and pdl_wanted()
     if plan.groups != k // GROUP:
         raise ValueError(f"the plan covers {plan.groups} groups, the weight has {k // GROUP}")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
+    elif not _fits_out(out, x, n):
         raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -265,11 +288,6 @@ def queue_counters(device: torch.device) -> torch.Tensor:
 
 CUDA_ENV = "TANDEM_GEMV_CUDA"
 PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
-# 4 rows a tile won every one-row Q4_K shape of the 27B on the H200 against
-# 1, 2 and 8 (bench.gemv_cuda, 2026-12-04 16:40, BENCHMARKS.md)
-DEFAULT_ROWS = 4
-
-
 def wanted() -> bool:
     """Whether one-row GEMVs the CUDA kernel takes run it instead of the
     Triton DP4A kernel: on by default (the H200's int4 27B step, two

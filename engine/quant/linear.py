@@ -90,24 +90,18 @@ class QuantLinear(_QuantHolder):
         operands the kernel does not take."""
         if self.bias is not None or not x.is_cuda or not norm_prologue_wanted():
             return None
-        from engine.pdl import pdl_launch
         from engine.quant import gemv_cuda
-        from engine.quant.gemv import int8_x_override
 
         weight_ok = weight.dtype == torch.bfloat16 or (
             weight.dtype == torch.float32 and zero_centered)
         pending_ok = pending is None or (pending.dtype == torch.bfloat16
                                          and pending.is_contiguous() and pending.shape == x.shape)
-        if not (weight_ok and pending_ok and int8_x_override() is not False
-                and gemv_cuda.wanted() and gemv_cuda.takes(x, self.quant, None)):
+        if not (weight_ok and pending_ok and gemv_cuda.runs(x, self.quant)):
             return None
         residual = torch.empty_like(x) if pending is not None else x
         prologue = gemv_cuda.NormPrologue(weight, eps, zero_centered, pending,
                                           residual if pending is not None else None)
-        projected = gemv_cuda.gemv_cuda(x, self.quant,
-                                        plan=gemv_cuda.picked_plan(*self.quant.shape),
-                                        pdl=bool(pdl_launch(x.device)["PDL"]), norm=prologue)
-        return residual, projected
+        return residual, gemv_cuda.gemv_cuda(x, self.quant, norm=prologue)
 
 
 NORM_PROLOGUE_ENV = "TANDEM_NORM_PROLOGUE"
