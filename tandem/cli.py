@@ -122,7 +122,8 @@ def _add_train_mtp(sub) -> None:
     p.add_argument("--dev-every", type=int, default=0, metavar="STEPS",
                    help="measure the head on the dev prompts' answers every STEPS steps and "
                         "write the best head seen (the worse of chat and code decides), not "
-                        "the last; 0 (default): the last")
+                        "the last; each new best is written at once, so a run stopped early "
+                        "leaves its best head so far; 0 (default): the last")
     p.add_argument("--init-head", default=None, metavar="FILE",
                    help="continue training this head file (an earlier train-mtp output) instead "
                         "of starting from the base's last layer, so that a training longer "
@@ -154,7 +155,7 @@ def _run_train_mtp(args) -> int:
     import torch
 
     from engine.loader import load_model
-    from engine.speculative.heads import SHIPPED, head_state, save_head
+    from engine.speculative.heads import SHIPPED, best_head_writer, head_state, save_head
     from engine.speculative.train import TrainConfig, generate_corpus, train_head
 
     _check_train_mtp_flags(args)
@@ -189,7 +190,8 @@ def _run_train_mtp(args) -> int:
         source / "mtp.safetensors" if source.is_dir()
         else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
         else source.with_name(source.stem + ".mtp.safetensors"))
-    head, stats = train_head(loaded, cfg)
+    head, stats = train_head(loaded, cfg,
+                             on_best=best_head_writer(out, loaded.config, source.name))
     metadata = {"base_model": source.name, "train_steps": str(stats["steps"]),
                 "held_out_accuracy": ",".join(f"{a:.3f}" for a in stats["accuracy"]),
                 "held_out_expected_length": f"{stats['expected_length']:.3f}",

@@ -477,3 +477,38 @@ def test_a_stopped_multi_process_run_leaves_shards_the_next_run_reads(tiny, corp
     assert sum(generated) == len(full) - len(odd)  # the shard's five were not asked again
     assert (made.samples, made.greedy) == (corpus.samples, corpus.greedy)
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.pt"]
+
+
+
+def test_each_new_best_head_is_written_while_training_runs(tiny, corpus, tmp_path):
+    """train_head's on_best with train-mtp's writer: each new best head is on
+    disk as it is found (a run killed at a device call's limit keeps it), a
+    whole file each time, and the last one written is the head returned."""
+    from safetensors import safe_open
+
+    from engine.speculative.heads import best_head_writer, head_state
+
+    out = tmp_path / "head.safetensors"
+    write = best_head_writer(out, tiny.config, "tiny-llama")
+    written = []
+
+    def write_and_read_back(head, step, lengths):
+        write(head, step, lengths)
+        with safe_open(str(out), "pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        assert meta["dev_chosen_step"] == str(step) and meta["checkpoint"] == "yes"
+        assert float(meta["dev_chat_loop_length"]) == pytest.approx(lengths["chat"], abs=1e-3)
+        state = head_state(head)
+        assert sorted(tensors) == sorted(state)
+        for name, t in state.items():
+            assert torch.equal(tensors[name], t.detach().to(torch.bfloat16).cpu()), name
+        assert not (tmp_path / "head.safetensors.partial").exists()
+        written.append((step, {k: v.clone() for k, v in tensors.items()}))
+
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=12, lr=3e-2,
+                      corpus_path=None, batch_samples=2, dev_every_steps=4, dev_new_tokens=12)
+    head, stats = train_head(tiny, cfg, corpus=corpus, on_best=write_and_read_back)
+    assert written and written[0][0] == 4
+    assert [step for step, _ in written][-1] == stats["dev"]["chosen_step"]
+    for name, t in head_state(head).items():
+        assert torch.equal(written[-1][1][name], t.detach().to(torch.bfloat16).cpu()), name

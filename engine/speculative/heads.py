@@ -19,6 +19,7 @@ A model that ships its own mtp.* weights never looks for a file.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -63,8 +64,23 @@ def save_head(path: str | Path, config: ModelConfig, tensors: dict[str, torch.Te
     meta = {**_signature(config), **(extra or {})}
     out = {name: t.detach().to(torch.bfloat16).contiguous().cpu() for name, t in tensors.items()
            if name.startswith("mtp.")}
-    save_file(out, str(path), metadata=meta)
+    # through a side file and a rename: train-mtp rewrites its head at each
+    # new best, and a run killed mid-write must leave the last whole one
+    partial = Path(f"{path}.partial")
+    save_file(out, str(partial), metadata=meta)
+    os.replace(partial, path)
 
+
+
+def best_head_writer(path: str | Path, config: ModelConfig, base_model: str):
+    """train_head's on_best for `tandem train-mtp --dev-every`: writes each new
+    best head to `path` as it is found, marked as a checkpoint; the finished
+    run overwrites it with the chosen head and its held-out figures."""
+    def write(head: torch.nn.Module, step: int, lengths: dict[str, float]) -> None:
+        save_head(path, config, head_state(head),
+                  {"base_model": base_model, "dev_chosen_step": str(step), "checkpoint": "yes",
+                   **{f"dev_{kind}_loop_length": f"{v:.3f}" for kind, v in lengths.items()}})
+    return write
 
 def read_head(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors in `dtype`, after checking it was made for this base model."""

@@ -35,6 +35,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -566,8 +567,13 @@ def _token_bounded_groups(samples: list[list[int]], limit: int) -> list[list[int
     return [g for g in groups if g]
 
 
-def train_head(loaded: LoadedModel, cfg: TrainConfig,
-               corpus: Corpus | None = None) -> tuple[MTPHead, dict]:
+def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = None,
+               on_best: Callable[[MTPHead, int, dict[str, float]], None] | None = None
+               ) -> tuple[MTPHead, dict]:
+    """Trains a head; with dev_every_steps, `on_best(head, step, dev lengths)`
+    runs each time the dev measure finds a new best head, while `head` holds
+    it (tandem train-mtp writes it out then: a run killed at a device call's
+    time limit keeps its best head)."""
     torch.manual_seed(cfg.seed)
     _log(f"settings {cfg}")
     model = loaded.model
@@ -582,8 +588,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig,
     params = [p for p in head.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()
-    dev = DevChoice(dev_examples(loaded, cfg.dev_new_tokens), full_head, cfg.depth) \
-        if cfg.dev_every_steps else None
+    dev = DevChoice(dev_examples(loaded, cfg.dev_new_tokens), full_head, cfg.depth,
+                    on_best=on_best) if cfg.dev_every_steps else None
     # The softmax of the training loss runs over the tokens of the corpus only
     # (a sampled softmax, cheaper on a 49K vocabulary); held-out accuracy
     # below is measured with the full vocabulary.
@@ -662,6 +668,7 @@ class DevChoice:
     history: dict[int, dict[str, float]] = field(default_factory=dict)  # step: loop lengths
     best_step: int = -1
     best_state: dict[str, torch.Tensor] | None = None
+    on_best: Callable[[MTPHead, int, dict[str, float]], None] | None = None
 
     def score(self, step: int) -> float:
         return min(self.history[step].values())
@@ -673,6 +680,8 @@ class DevChoice:
         if self.best_step < 0 or self.score(step) > self.score(self.best_step):
             self.best_step = step
             self.best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+            if self.on_best is not None:
+                self.on_best(head, step, lengths)
         _log(f"dev at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in lengths.items()))
 
     def choose(self, model, head, last_step: int) -> dict:
