@@ -163,11 +163,53 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)float_bf16(lo) | ((unsigned)float_bf16(hi) << 16);
 }
 
+// The norm weight, staged in shared memory before griddepcontrol.wait (no
+// kernel writes it) in 16-byte loads: as 32 scalar loads a thread after the
+// wait the prologue cost 4.5-4.9 us a GEMV where the norm's own launch cost
+// 1.4-1.9 (BENCHMARKS.md 2026-12-04 18:58). Shared memory, not registers:
+// held in registers across the s^2 barrier the words took the kernel from
+// 96 to 122 registers, 4 to 3 blocks an SM at 160 threads.
 #if W_F32
-__device__ __forceinline__ float norm_weight(const float* w, int k) { return w[k]; }
+typedef float norm_w_t;
+constexpr int W_WORDS = 32;       // k's fp32 bits in word k
+__device__ __forceinline__ float weight_at(const unsigned (&w)[W_WORDS], int k) {
+    return __uint_as_float(w[k]);
+}
 #else
-__device__ __forceinline__ float norm_weight(const u16* w, int k) { return bf16_float(w[k]); }
+typedef u16 norm_w_t;
+constexpr int W_WORDS = 16;       // k = 2i in the low half of word i, as load_group
+__device__ __forceinline__ float weight_at(const unsigned (&w)[W_WORDS], int k) {
+    return bf16_float((k & 1) ? w[k >> 1] >> 16 : w[k >> 1] & 0xFFFF);
+}
 #endif
+constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
+
+// vector i of slot j's group at stash[i][j * THREADS + thread]: a warp's
+// 16-byte accesses are consecutive, so they take no bank conflicts. Copied
+// by cp.async, global to shared without registers (through registers the
+// loads in flight took the kernel from 96 to 104, 4 to 3 blocks an SM)
+__device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ weight, int g, int j,
+                                                  uint4 (*stash)[SLOTS * THREADS]) {
+    const uint4* src = reinterpret_cast<const uint4*>(weight + g * 32);
+#pragma unroll
+    for (int i = 0; i < W_VECS; ++i) {
+        asm volatile("{ .reg .u64 a; .reg .u32 s;\n"
+                     "  cvta.to.shared.u64 a, %0; cvt.u32.u64 s, a;\n"
+                     "  cp.async.cg.shared.global [s], [%1], 16; }"
+                     :: "l"(&stash[i][j * THREADS + threadIdx.x]), "l"(src + i) : "memory");
+    }
+}
+
+// a thread reads back only what its own cp.async wrote: its wait suffices
+__device__ __forceinline__ void stashed_norm_weight(uint4 (*stash)[SLOTS * THREADS], int j,
+                                                    unsigned (&w)[W_WORDS]) {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < W_VECS; ++i) {
+        const uint4 v = stash[i][j * THREADS + threadIdx.x];
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+}
 
 // s = round(x + pending) for group g (stored by block 0), its sum of squares
 __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
@@ -198,16 +240,15 @@ __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
     return squares;
 }
 
-// RMSNorm(s) of group g as bf16 words, as engine/fused's kernel rounds it
-template <typename W>
-__device__ __forceinline__ void normed_group(unsigned (&raw)[16], const W* __restrict__ weight,
-                                             int g, float rstd) {
+// RMSNorm(s) of a group as bf16 words, as engine/fused's kernel rounds it
+__device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned (&weight)[W_WORDS],
+                                             float rstd) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         float v[2] = {bf16_float(raw[i] & 0xFFFF), bf16_float(raw[i] >> 16)};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const float w = norm_weight(weight, g * 32 + 2 * i + half);
+            const float w = weight_at(weight, 2 * i + half);
 #if ZC
             v[half] = v[half] * rstd * (1.0f + w);
 #else
@@ -253,6 +294,15 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     Group next[ROWS][SLOTS];
     if (index < tiles)
         load_tile(next, index, n_rows, qw, d, sc, dmin, m);
+#if NORM
+    __shared__ uint4 weight_stash[W_VECS][SLOTS * THREADS];
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+        const int g = threadIdx.x + j * THREADS;
+        if (SLOTS * THREADS == GROUPS || g < GROUPS)
+            stash_norm_weight(static_cast<const norm_w_t*>(norm_w), g, j, weight_stash);
+    }
+#endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -285,11 +335,9 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         const int g = threadIdx.x + j * THREADS;
         if (SLOTS * THREADS == GROUPS || g < GROUPS) {
 #if NORM
-#if W_F32
-            normed_group(raw[j], static_cast<const float*>(norm_w), g, rstd);
-#else
-            normed_group(raw[j], static_cast<const u16*>(norm_w), g, rstd);
-#endif
+            unsigned weight[W_WORDS];   // this thread's own stash: no barrier needed
+            stashed_norm_weight(weight_stash, j, weight);
+            normed_group(raw[j], weight, rstd);
             xs[j] = quantize_group(raw[j]);
 #else
             unsigned group_raw[16];

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Head E and the norm prologue's second build, chained calls (the machine goes
+# back after 30 s idle; /tmp survives while it stays warm). The GGUF (three
+# 32 MB parts) and the 85,470-answer corpus (three 15 MiB parts, .device/
+# corpus.part0*) travel a part of each a call beside .whl:
+#   bash scripts/sessions/device_next44.sh gemv   (carry .whl .device/gguf.part.aa .device/corpus.part00)
+#   bash scripts/sessions/device_next44.sh park   (carry .whl .device/gguf.part.ab .device/corpus.part01)
+#   bash scripts/sessions/device_next44.sh gen    (carry .whl .device/gguf.part.ac .device/corpus.part02)
+#   bash scripts/sessions/device_next44.sh train  (carry .whl; again with INIT=/tmp/new_head.safetensors)
+#   bash scripts/sessions/device_next39.sh bench  (carry .whl)
+# gemv: the CUDA GEMV's GPU tests and bench.gemv_cuda --norm: the norm weight
+#   now staged in shared memory by cp.async before griddepcontrol.wait (the
+#   12-04 18:58 build loaded it as scalars after the wait and lost 3 us a
+#   GEMV); STEP_AB=1 also times the int4 27B step with TANDEM_NORM_PROLOGUE=1
+#   against the default, three alternating rounds.
+# gen: the prompts the corpus lacks (the request files written since 19:00),
+#   greedy and sampled; the whole corpus comes back in 15 MiB parts.
+# train: BUDGET s (default 420) from INIT (default the shipped head); each new
+#   dev best is written at once, so the step's limit loses nothing. The first
+#   call of 12-04 19:06 spent ~113 s reading 85,470 samples before step 0.
+set -uo pipefail
+call=${1:?gemv, park, gen or train}
+mkdir -p /tmp/gguf /tmp/corpus
+cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; cp .device/corpus.part* /tmp/corpus/ 2>/dev/null
+ls /tmp/gguf /tmp/corpus
+source scripts/device_env.sh
+step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switches apply)
+  STEP_TAIL=3 step "$1" 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
+}
+case "$call" in
+  gemv)
+    STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
+    STEP_TAIL=30 step sweep 170 python3 -m bench.gemv_cuda --norm --json "$OUT/sweep.json"
+    if [ "${STEP_AB:-0}" = 1 ]; then
+      for round in 1 2 3; do
+        step_27b "step_default_$round"
+        TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
+      done
+    fi ;;
+  park) ;;
+  gen)
+    [ -f /tmp/mtp_corpus.pt ] || cat /tmp/corpus/corpus.part* > /tmp/mtp_corpus.pt
+    ls -la /tmp/mtp_corpus.pt
+    bash scripts/sessions/device_next39.sh gen
+    split -b 15m -d /tmp/mtp_corpus.pt "$OUT/corpus.part" ;;
+  train)
+    assemble_gguf
+    HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
+    cp "${INIT:-$HEAD}" /tmp/start_head.safetensors
+    STEP_TAIL=12 step train "${TRAIN_LIMIT:-580}" python3 -m tandem.cli train-mtp --device cuda \
+      --max-batch 256 --samples-per-prompt 2 --new-tokens 160 --varied 100000 --max-prompts 100 \
+      --corpus /tmp/mtp_corpus.pt --time-budget "${BUDGET:-420}" --dev-every 400 \
+      --init-head /tmp/start_head.safetensors --lr "${LR:-3e-4}" --out /tmp/new_head.safetensors
+    grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
+    cp /tmp/new_head.safetensors "$OUT/" ;;
+esac
