@@ -512,3 +512,23 @@ def test_each_new_best_head_is_written_while_training_runs(tiny, corpus, tmp_pat
     assert [step for step, _ in written][-1] == stats["dev"]["chosen_step"]
     for name, t in head_state(head).items():
         assert torch.equal(written[-1][1][name], t.detach().to(torch.bfloat16).cpu()), name
+
+
+@pytest.mark.parametrize("top_id", [49151, 65535, 248319])
+def test_a_corpus_file_round_trips_and_older_files_still_load(tmp_path, top_id):
+    """Corpus.save packs the tokens into one tensor (uint16 while every id
+    fits, int32 past that: the 27B's vocabulary is 248,320); files of the
+    earlier format (lists) still load."""
+    corpus = Corpus([[1, 2, 3, top_id], [7], [top_id, 0]], [2, 1, 1], [True, False, True])
+    path = str(tmp_path / "corpus.pt")
+    corpus.save(path)
+    packed = torch.load(path)
+    assert packed["tokens"].dtype == (torch.uint16 if top_id < 2 ** 16 else torch.int32)
+    again = Corpus.load(path)
+    assert (again.samples, again.prompt_lengths, again.greedy) == (
+        corpus.samples, corpus.prompt_lengths, corpus.greedy)
+    torch.save({"samples": corpus.samples, "prompt_lengths": corpus.prompt_lengths,
+                "greedy": corpus.greedy}, path)
+    old = Corpus.load(path)
+    assert (old.samples, old.prompt_lengths, old.greedy) == (
+        corpus.samples, corpus.prompt_lengths, corpus.greedy)

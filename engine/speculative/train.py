@@ -135,13 +135,26 @@ class Corpus:
     greedy: list[bool]
 
     def save(self, path: str) -> None:
-        _save_whole({"samples": self.samples, "prompt_lengths": self.prompt_lengths,
-                     "greedy": self.greedy}, path)
+        """One flat token tensor (uint16 where every id fits) and the lengths:
+        2 bytes a token for the embedded model, where lists of ints pickled to
+        2.8 and took 12.7 s to load on the 2-core CPU (85,470 samples). The
+        files travel to the device in 15 MiB parts, so size is calls."""
+        flat = [t for sample in self.samples for t in sample]
+        dtype = torch.uint16 if max(flat, default=0) < 2 ** 16 else torch.int32
+        _save_whole({"tokens": torch.tensor(flat, dtype=dtype),
+                     "lengths": torch.tensor([len(s) for s in self.samples], dtype=torch.int64),
+                     "prompt_lengths": torch.tensor(self.prompt_lengths, dtype=torch.int64),
+                     "greedy": torch.tensor(self.greedy, dtype=torch.bool)}, path)
 
     @classmethod
     def load(cls, path: str) -> "Corpus":
         data = torch.load(path)
-        return cls(data["samples"], data["prompt_lengths"], data["greedy"])
+        if "tokens" not in data:  # written before 2026-12-04 20:00: lists
+            return cls(data["samples"], data["prompt_lengths"], data["greedy"])
+        flat = data["tokens"].to(torch.int64).tolist()
+        ends = data["lengths"].cumsum(0).tolist()
+        samples = [flat[end - n:end] for end, n in zip(ends, data["lengths"].tolist())]
+        return cls(samples, data["prompt_lengths"].tolist(), data["greedy"].tolist())
 
 
 def generate_corpus(loaded: LoadedModel, cfg: TrainConfig) -> Corpus:

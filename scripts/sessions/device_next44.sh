@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Head E and the norm prologue's second build, chained calls (the machine goes
 # back after 30 s idle; /tmp survives while it stays warm). The GGUF (three
-# 32 MB parts) and the 85,470-answer corpus (three 15 MiB parts, .device/
-# corpus.part0*) travel a part of each a call beside .whl:
+# 32 MB parts) and the 85,470-answer corpus (34 MB packed: .device/corpus.part00,
+# 01 of 15 MiB, 02 of 2.6 MB) travel a part of each a call beside .whl:
 #   bash scripts/sessions/device_next44.sh gemv   (carry .whl .device/gguf.part.aa .device/corpus.part00)
 #   bash scripts/sessions/device_next44.sh park   (carry .whl .device/gguf.part.ab .device/corpus.part01)
 #   bash scripts/sessions/device_next44.sh gen    (carry .whl .device/gguf.part.ac .device/corpus.part02)
