@@ -6,7 +6,8 @@ back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: the tile queue, twice the slots (at the
-same and at half the rows) and a capped grid. The
+same and at half the rows), a capped grid and the cross-warp sums of 2, 4, 8
+or 16 tiles reduced at once (flush). The
 best plan per shape goes to --plans-out, the file TANDEM_GEMV_CUDA_PLANS
 reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 --decode-steps 16`) runs what the sweep chose. --norm also times, on the
@@ -75,6 +76,8 @@ def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
         if best.rows > 1:  # the same registers a thread, half the threads
             tries.append(plan_for(k, rows=best.rows // 2, slots=best.slots * 2))
     tries += [plan_for(k, rows=best.rows, slots=best.slots, blocks_per_sm=b) for b in (1, 2, 3)]
+    tries += [plan_for(k, rows=best.rows, slots=best.slots, blocks_per_sm=best.blocks_per_sm,
+                       flush=f) for f in (2, 4, 8, 16) if f * best.rows <= best.threads]
     return tries
 
 
@@ -95,9 +98,10 @@ def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth:
     return {"matrix": name, "N": n, "K": k, "floor_us": floor * 1e6,
             "triton_us": triton_s * 1e6, "cuda_us": seconds * 1e6,
             "best": {"rows": best.rows, "slots": best.slots, "threads": best.threads,
-                     "blocks_per_sm": best.blocks_per_sm, "queue": best.queue},
+                     "blocks_per_sm": best.blocks_per_sm, "queue": best.queue,
+                     "flush": best.flush},
             "all": [{"rows": p.rows, "slots": p.slots, "blocks_per_sm": p.blocks_per_sm,
-                     "queue": p.queue, "us": s * 1e6} for s, p in timed]}
+                     "queue": p.queue, "flush": p.flush, "us": s * 1e6} for s, p in timed]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
                   f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['cuda_us']:.1f}",
                   f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
-                  "r{rows} s{slots} t{threads} b{blocks_per_sm} q{queue:d}".format(**r["best"])]
+                  "r{rows} s{slots} t{threads} b{blocks_per_sm} q{queue:d} f{flush}".format(
+                      **r["best"])]
                  for r in results])
     for key in ("triton_us", "cuda_us", "floor_us"):
         total = sum(r["per_step"] * r[key] for r in results)

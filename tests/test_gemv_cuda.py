@@ -50,6 +50,12 @@ def test_bad_plans_say_what_is_wrong():
         CudaGemvPlan(rows=2, slots=1, threads=64, groups=100)
     with pytest.raises(ValueError, match="rows, slots and groups"):
         CudaGemvPlan(rows=0, slots=1, threads=64, groups=64)
+    with pytest.raises(ValueError, match="flush x rows <= threads"):
+        plan_for(2048, rows=8, flush=16)   # 64 threads cannot sum 128 held rows
+    with pytest.raises(ValueError, match="flush must be >= 1"):
+        plan_for(2048, flush=0)
+    with pytest.raises(ValueError, match="tile queue reduces every tile"):
+        plan_for(5120, queue=True, flush=4)
 
 
 def _quant(n, k, asym=True, d_dtype=torch.float16, superblock=256, seed=0, device="cpu"):
@@ -88,10 +94,13 @@ def test_the_switch_is_on_by_default_where_nvrtc_loads_and_a_bad_value_names_it(
 def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path, monkeypatch):
     path = tmp_path / "plans.json"
     path.write_text(json.dumps({"34816,5120": {"rows": 4, "slots": 2, "blocks_per_sm": 3,
-                                               "queue": True}}))
+                                               "queue": True},
+                                "5120,6144": {"rows": 4, "flush": 8}}))
     monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
     assert picked_plan(34816, 5120) == CudaGemvPlan(rows=4, slots=2, threads=96, groups=160,
                                                     blocks_per_sm=3, queue=True)
+    assert picked_plan(5120, 6144) == CudaGemvPlan(rows=4, slots=1, threads=192, groups=192,
+                                                   flush=8)
     assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
 
 
@@ -165,6 +174,25 @@ def test_more_slots_per_thread_and_one_block_per_sm_walking_many_tiles(slots):
     x = _activation(2048, seed=4)
     plan = plan_for(2048, rows=2, slots=slots, blocks_per_sm=1)
     _assert_close(_run(qt, x, plan), _expected(x, qt))
+
+
+@needs_gpu
+@pytest.mark.parametrize("n, rows, flush, blocks_per_sm", [
+    (2000, 4, 8, 1),    # 500 tiles over one block an SM: flushes of 8 and a short last one
+    (2000, 4, 16, 0),   # a full grid: some blocks hold fewer tiles than a flush
+    (37, 1, 4, 0),      # fewer tiles than blocks
+    (133, 8, 2, 1),     # a partial last tile inside a held batch
+])
+def test_sums_held_across_tiles_give_the_per_tile_bits(n, rows, flush, blocks_per_sm):
+    """flush only moves the barrier: each tile's cross-warp sum is the same
+    fp32 adds in the same order, so the output is bitwise flush 1's."""
+    qt = _quant(n, 2048, seed=n + flush, device="cuda")
+    x = _activation(2048, seed=flush)
+    every_tile = _run(qt, x, plan_for(2048, rows=rows, blocks_per_sm=blocks_per_sm))
+    held = _run(qt, x, plan_for(2048, rows=rows, blocks_per_sm=blocks_per_sm, flush=flush),
+                pdl=True)
+    assert torch.equal(held, every_tile)
+    _assert_close(held, _expected(x, qt))
 
 
 @needs_gpu

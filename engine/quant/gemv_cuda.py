@@ -44,13 +44,16 @@ class CudaGemvPlan:
     K-elements each thread owns (g = thread + j * threads); threads per
     block; blocks_per_sm: how many blocks of the persistent grid each SM
     gets (0: as many as fit); queue: blocks take their tiles after the
-    first from a counter instead of striding (q4_gemv.cu, QUEUE)."""
+    first from a counter instead of striding (q4_gemv.cu, QUEUE); flush:
+    tiles whose cross-warp sums a block reduces together, at one barrier
+    pair (1: every tile; q4_gemv.cu, FLUSH)."""
     rows: int
     slots: int
     threads: int
     groups: int
     blocks_per_sm: int = 0
     queue: bool = False
+    flush: int = 1
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.slots < 1 or self.groups < 1:
@@ -62,6 +65,12 @@ class CudaGemvPlan:
                              f"the {self.groups} groups: {self}")
         if self.blocks_per_sm < 0:
             raise ValueError(f"blocks_per_sm must be >= 0: {self}")
+        if self.flush < 1 or self.flush * self.rows > self.threads:
+            raise ValueError(f"flush must be >= 1 with flush x rows <= threads "
+                             f"(a thread sums each held row): {self}")
+        if self.queue and self.flush != 1:
+            # a queued block learns its next tile at the barrier, every tile
+            raise ValueError(f"the tile queue reduces every tile (flush 1): {self}")
 
     def tiles(self, n: int) -> int:
         return -(-n // self.rows)
@@ -73,7 +82,7 @@ class CudaGemvPlan:
 
 
 def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_per_sm: int = 0,
-             queue: bool = False) -> CudaGemvPlan:
+             queue: bool = False, flush: int = 1) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
     slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
@@ -95,7 +104,7 @@ def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_
         raise ValueError(f"no thread count up to {MAX_THREADS} covers K = {k} "
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
-                        blocks_per_sm=blocks_per_sm, queue=queue)
+                        blocks_per_sm=blocks_per_sm, queue=queue, flush=flush)
 
 
 def runs(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
@@ -175,7 +184,8 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            f"-DQUEUE={int(plan.queue)}", *norm_options, "--std=c++17")
+            f"-DQUEUE={int(plan.queue)}", f"-DFLUSH={plan.flush}", *norm_options,
+            "--std=c++17")
 
 
 @dataclass
@@ -322,7 +332,8 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
         n, k = (int(v) for v in key.split(","))
         plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
                                  blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
-                                 queue=bool(spec.get("queue", False)))
+                                 queue=bool(spec.get("queue", False)),
+                                 flush=int(spec.get("flush", 1)))
     return plans
 
 

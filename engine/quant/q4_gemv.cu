@@ -18,6 +18,11 @@
 //   * the first tile's weights are loaded before griddepcontrol.wait
 //     (programmatic dependent launch): weights are never written by a
 //     kernel, only x waits for the kernel before;
+//   * FLUSH tiles' cross-warp sums wait in shared memory and are reduced
+//     together, at one barrier pair per FLUSH tiles: with a barrier pair
+//     every tile the warps of a block walk in step, and an SM whose only
+//     block (down: 544 threads, one block an SM) sits at the barrier loads
+//     nothing meanwhile;
 //   * QUEUE=1: after its first tile a block takes the next from a counter
 //     (atomicAdd) instead of striding, so blocks that run ahead take more
 //     tiles and the grid ends together; the last block out sets the two
@@ -36,7 +41,8 @@
 // or fp32, W_F32). Every block covers all of K, so its own reduction of s^2
 // gives the row's norm: the norm's launch goes away.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
-// superblock, S/32), ASYM, D_F32, PDL, QUEUE, NORM, HAS_PENDING, ZC, W_F32.
+// superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS; 1
+// with QUEUE), QUEUE, NORM, HAS_PENDING, ZC, W_F32.
 
 typedef unsigned short u16;
 
@@ -283,7 +289,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const u16* __restrict__ pending, const void* __restrict__ norm_w,
                float eps, u16* __restrict__ residual_out) {
     constexpr int WARPS = THREADS / 32;
-    __shared__ float partial[ROWS][WARPS];
+    __shared__ float partial[FLUSH][ROWS][WARPS];
 #if NORM
     __shared__ float squares_of_warp[WARPS];
 #endif
@@ -354,6 +360,8 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if QUEUE
     __syncthreads();              // queued[0] visible
 #endif
+    int held = 0;                 // tiles whose sums wait in partial
+    int first_held = index;       // the first of them; the others follow by gridDim.x
     for (int slot = 0; index < tiles; slot ^= 1) {
 #if QUEUE
         const int following = queued[slot];
@@ -376,20 +384,26 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #pragma unroll
             for (int offset = 16; offset > 0; offset >>= 1)
                 acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
-            if (lane == 0) partial[r][warp] = acc[r];
+            if (lane == 0) partial[held][r][warp] = acc[r];
         }
 #if QUEUE
         if (threadIdx.x == 0 && following < tiles) queued[slot ^ 1] = gridDim.x + atomicAdd(queue, 1);
 #endif
-        __syncthreads();
-        if (threadIdx.x < ROWS) {
-            const int n = index * ROWS + threadIdx.x;
-            float total = 0.0f;
+        ++held;
+        if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
+            __syncthreads();
+            if (threadIdx.x < held * ROWS) {
+                const int t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
+                const int n = (first_held + t * (int)gridDim.x) * ROWS + r;  // QUEUE: t = 0
+                float total = 0.0f;
 #pragma unroll
-            for (int w = 0; w < WARPS; ++w) total += partial[threadIdx.x][w];
-            if (n < n_rows) out[n] = float_bf16(total);
+                for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
+                if (n < n_rows) out[n] = float_bf16(total);
+            }
+            __syncthreads();   // partial and queued[slot] are rewritten by the next tiles
+            held = 0;
+            first_held = following;
         }
-        __syncthreads();   // partial and queued[slot] are rewritten by the next tile
         index = following;
     }
 #if QUEUE
