@@ -2,7 +2,7 @@
 on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
-    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm]
+    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: the tile queue, twice the slots (at the
@@ -13,7 +13,8 @@ reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 --decode-steps 16`) runs what the sweep chose. --norm also times, on the
 shapes that follow a norm (gate_up, gdn in_proj, attn qkv), engine/fused's
 add_rms_norm launch then the GEMV against the GEMV doing the norm in its
-prologue (gemv_cuda.NormPrologue). GPU only.
+prologue (gemv_cuda.NormPrologue); --silu the same for down and the MLP's
+silu_mul. GPU only.
 """
 from __future__ import annotations
 
@@ -36,33 +37,45 @@ def _time_cuda(x, copies, plan) -> float:
     return _time_graph(fns)
 
 
-def norm_pair(name: str, n: int, k: int, fmt, device) -> dict:
-    """add_rms_norm then the GEMV, against the GEMV with the norm prologue
-    (Qwen3.5's zero-centred norm, a pending residual), graph-timed."""
+def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict:
+    """The op before the GEMV as its own launch, then the GEMV, against the
+    GEMV doing it in its prologue, graph-timed: "norm", Qwen3.5's
+    zero-centred add_rms_norm with a pending residual (NormPrologue);
+    "silu", the MLP's silu_mul of a [1, 2K] gate_up row."""
     from engine.fused import load_kernels
     from engine.quant.gemv_cuda import NormPrologue, gemv_cuda, plan_for
 
     copies = _copies(fmt, n, k, device)
-    x, pending = (torch.randn(1, k, device=device, dtype=torch.bfloat16) for _ in range(2))
-    weight = torch.randn(k, device=device, dtype=torch.bfloat16) * 0.1
-    out = torch.empty(1, n, dtype=torch.bfloat16, device=device)
-    residual = torch.empty(1, k, dtype=torch.bfloat16, device=device)
-    plan = plan_for(k, rows=4)
     kernels = load_kernels()
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=device)
+    plan = plan_for(k, rows=4)
+    if prologue == "norm":
+        x, pending = (torch.randn(1, k, device=device, dtype=torch.bfloat16) for _ in range(2))
+        weight = torch.randn(k, device=device, dtype=torch.bfloat16) * 0.1
+        residual = torch.empty(1, k, dtype=torch.bfloat16, device=device)
 
-    def apart(qt):
-        _, normed = kernels.add_rms_norm(x, pending, weight, 1e-6, True)
-        gemv_cuda(normed, qt, out=out, plan=plan, pdl=True)
+        def apart(qt):
+            _, normed = kernels.add_rms_norm(x, pending, weight, 1e-6, True)
+            gemv_cuda(normed, qt, out=out, plan=plan, pdl=True)
 
-    def fused(qt):
-        gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
-                  norm=NormPrologue(weight, 1e-6, True, pending, residual))
+        def fused(qt):
+            gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
+                      norm=NormPrologue(weight, 1e-6, True, pending, residual))
+    else:
+        gate_up = torch.randn(1, 2 * k, device=device, dtype=torch.bfloat16)
+        gate, up = gate_up.split(k, dim=-1)
+
+        def apart(qt):
+            gemv_cuda(kernels.silu_mul(gate, up), qt, out=out, plan=plan, pdl=True)
+
+        def fused(qt):
+            gemv_cuda(gate_up, qt, out=out, plan=plan, pdl=True, silu=True)
 
     timed = {label: _time_graph([(lambda qt=copies[i % len(copies)]: fn(qt)) for i in range(16)])
              for label, fn in (("apart", apart), ("fused", fused))}
     del copies
-    return {"matrix": name, "N": n, "K": k, "apart_us": timed["apart"] * 1e6,
-            "fused_us": timed["fused"] * 1e6}
+    return {"matrix": name, "prologue": prologue, "N": n, "K": k,
+            "apart_us": timed["apart"] * 1e6, "fused_us": timed["fused"] * 1e6}
 
 
 def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
@@ -113,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write every timing")
     p.add_argument("--norm", action="store_true",
                    help="also time the norm prologue against a norm launch and the GEMV")
+    p.add_argument("--silu", action="store_true",
+                   help="also time down's SiLU prologue against a silu_mul launch and the GEMV")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gemv_cuda needs a CUDA GPU", file=sys.stderr)
@@ -143,13 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(r["per_step"] * r[key] for r in results)
         print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
     norms = []
-    if args.norm:
-        for name, fmt, n, k, per_step in model_shapes():
-            if fmt.name == "Q4_K" and name in ("gate_up", "gdn in_proj", "attn qkv"):
-                norms.append({**norm_pair(name, n, k, fmt, device), "per_step": per_step})
-        print_table("add_rms_norm + GEMV, apart against the GEMV's norm prologue, us",
-                    ["matrix", "N", "K", "apart", "fused", "saved ms/step"],
-                    [[r["matrix"], r["N"], r["K"], f"{r['apart_us']:.1f}", f"{r['fused_us']:.1f}",
+    wanted = {**({m: "norm" for m in ("gate_up", "gdn in_proj", "attn qkv")} if args.norm else {}),
+              **({"down": "silu"} if args.silu else {})}
+    for name, fmt, n, k, per_step in model_shapes():
+        if fmt.name == "Q4_K" and name in wanted:
+            norms.append({**prologue_pair(name, n, k, fmt, device, wanted[name]),
+                          "per_step": per_step})
+    if norms:
+        print_table("the op before the GEMV and the GEMV, apart against the GEMV's prologue, us",
+                    ["matrix", "prologue", "N", "K", "apart", "fused", "saved ms/step"],
+                    [[r["matrix"], r["prologue"], r["N"], r["K"], f"{r['apart_us']:.1f}",
+                      f"{r['fused_us']:.1f}",
                       f"{(r['apart_us'] - r['fused_us']) * r['per_step'] / 1e3:.2f}"]
                      for r in norms])
     if args.plans_out:

@@ -98,7 +98,13 @@ class MLP(nn.Module):
         return self.finish(self.gate_up_proj(x))
 
     def finish(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after its first projection (gate_up_proj's output)."""
+        """The MLP after its first projection (gate_up_proj's output). A
+        quantized down projection may do the activation itself
+        (QuantLinear.forward_activated: in the CUDA GEMV's prologue)."""
+        if use_fused(gate_up) and hasattr(self.down_proj, "forward_activated"):
+            out = self.down_proj.forward_activated(gate_up)
+            if out is not None:
+                return out
         gate, up = gate_up.split(self._intermediate, dim=-1)
         act = fused_kernels().silu_mul(gate, up) if use_fused(gate_up) \
             else reference.silu_mul(gate, up)

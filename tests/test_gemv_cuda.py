@@ -397,3 +397,79 @@ def test_a_layer_norm_in_the_gemv_prologue_matches_the_norm_launch(with_pending,
     assert calls and calls[-1] is not None  # the prologue ran
     assert torch.equal(residual, residual_apart)
     _assert_close(projected, projected_apart.float().cpu())
+
+
+# ------------------------------------------------------ the SiLU prologue
+
+
+def test_the_silu_prologue_switch_is_off_by_default_and_cpu_mlps_take_the_activation_launch(
+        monkeypatch):
+    """MLP.finish on the CPU (or with the switch off) is silu_mul then the
+    down projection, bit for bit; a bad switch value names the variable."""
+    from engine.fused import reference
+    from engine.loader import load_model
+    from engine.quant.linear import SILU_PROLOGUE_ENV, QuantLinear, silu_prologue_wanted
+
+    monkeypatch.delenv(SILU_PROLOGUE_ENV, raising=False)
+    assert silu_prologue_wanted() is False
+    monkeypatch.setenv(SILU_PROLOGUE_ENV, "maybe")
+    with pytest.raises(ValueError, match=SILU_PROLOGUE_ENV):
+        silu_prologue_wanted()
+    monkeypatch.setenv(SILU_PROLOGUE_ENV, "1")
+    mlp = load_model("tiny-llama", device="cpu", progress=False).model.model.layers[0].mlp
+    h, i = mlp.down_proj.out_features, mlp.down_proj.in_features
+    mlp.down_proj = QuantLinear(_quant(h, i, superblock=32), None, torch.float32)
+    gate_up = torch.randn(1, 2 * i)
+    with torch.inference_mode():
+        assert mlp.down_proj.forward_activated(gate_up) is None   # a CPU tensor
+        gate, up = gate_up.split(i, dim=-1)
+        assert torch.equal(mlp.finish(gate_up), mlp.down_proj(reference.silu_mul(gate, up)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("k", [768, 17408])
+def test_the_silu_prologue_gives_the_activation_then_the_gemv(k):
+    """SiLU(gate) * up in the prologue: the reference GEMV of the reference
+    activation's bf16 output, within the output's rounding (the exp may move
+    an activation by an ulp, a code by one); a gate_up row of the wrong width
+    or a norm beside it is refused."""
+    from engine.fused import reference
+
+    qt = _quant(300, k, seed=k + 5, device="cuda")
+    g = torch.Generator().manual_seed(k + 6)
+    gate_up = (torch.randn(1, 2 * k, generator=g) * 2).to(torch.bfloat16).cuda()
+    out = torch.full((1, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = gemv_cuda.gemv_cuda(gate_up, qt, out=out, plan=plan_for(k, rows=4), silu=True)
+    gate, up = gate_up.split(k, dim=-1)
+    act = reference.silu_mul(gate, up)
+    assert act.dtype == torch.bfloat16
+    _assert_close(y, _expected(act, qt))
+    with pytest.raises(ValueError, match="gate_up row"):
+        gemv_cuda.gemv_cuda(gate_up[:, :k].contiguous(), qt, silu=True)
+
+
+@needs_gpu
+def test_an_mlp_activation_in_the_gemv_prologue_matches_the_activation_launch(monkeypatch):
+    """The tiny Qwen3.5 in int4 on the GPU: MLP.finish with
+    TANDEM_SILU_PROLOGUE=1 runs one GEMV with the prologue (no silu_mul
+    launch) and agrees with silu_mul then the GEMV within the output's
+    rounding."""
+    from engine.loader import load_model
+    from engine.quant.linear import SILU_PROLOGUE_ENV
+
+    loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
+    mlp = loaded.model.model.layers[0].mlp
+    k = mlp.down_proj.quant.in_features
+    g = torch.Generator().manual_seed(41)
+    gate_up = torch.randn(1, 2 * k, generator=g).to(torch.bfloat16).cuda()
+    calls = []
+    real = gemv_cuda.gemv_cuda
+    monkeypatch.setattr(gemv_cuda, "gemv_cuda",
+                        lambda *a, **kw: calls.append(kw.get("silu", False)) or real(*a, **kw))
+    with torch.inference_mode():
+        monkeypatch.setenv(SILU_PROLOGUE_ENV, "0")
+        apart = mlp.finish(gate_up)
+        monkeypatch.setenv(SILU_PROLOGUE_ENV, "1")
+        fused = mlp.finish(gate_up)
+    assert calls and calls[-1] is True  # the prologue ran
+    _assert_close(fused, apart.float().cpu())

@@ -175,7 +175,8 @@ class NormPrologue:
 
 
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
-                  pdl: bool, norm: NormPrologue | None = None) -> tuple[str, ...]:
+                  pdl: bool, norm: NormPrologue | None = None,
+                  silu: bool = False) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
     norm_options = (f"-DNORM={int(norm is not None)}",
                     f"-DHAS_PENDING={int(norm is not None and norm.pending is not None)}",
@@ -185,7 +186,7 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
             f"-DQUEUE={int(plan.queue)}", f"-DFLUSH={plan.flush}", *norm_options,
-            "--std=c++17")
+            f"-DSILU={int(silu)}", "--std=c++17")
 
 
 @dataclass
@@ -252,10 +253,12 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
               plan: CudaGemvPlan | None = None, pdl: bool | None = None,
-              norm: NormPrologue | None = None) -> torch.Tensor:
+              norm: NormPrologue | None = None, silu: bool = False) -> torch.Tensor:
     """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with `norm`,
-    RMSNorm(x (+ pending)) @ w.T (NormPrologue). Unset, the plan is
-    picked_plan's and PDL is on where engine/pdl.py turns it on."""
+    RMSNorm(x (+ pending)) @ w.T (NormPrologue); with `silu`, x is the MLP's
+    gate_up row [1, 2K] and the GEMV multiplies SiLU(gate) * up, as
+    engine/fused's silu_mul rounds it. Unset, the plan is picked_plan's and
+    PDL is on where engine/pdl.py turns it on."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
@@ -268,6 +271,9 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         pdl = pdl_capable(x.device) and pdl_wanted()
     if plan.groups != k // GROUP:
         raise ValueError(f"the plan covers {plan.groups} groups, the weight has {k // GROUP}")
+    if silu and (norm is not None or x.shape[-1] != 2 * k):
+        raise ValueError(f"the SiLU prologue takes the [1, {2 * k}] gate_up row and no norm; "
+                         f"got x {tuple(x.shape)}{' and a norm' if norm is not None else ''}")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     elif not _fits_out(out, x, n):
@@ -276,7 +282,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     norm_args = norm.operands(x) if norm is not None else [x, x, 0.0, x]
     compiled = _compiled(build_options(plan, qt.superblock, qt.asymmetric,
-                                       qt.d.dtype == torch.float32, pdl, norm),
+                                       qt.d.dtype == torch.float32, pdl, norm, silu),
                          device, plan.threads)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     dmin = qt.dmin if qt.asymmetric else qt.d

@@ -104,7 +104,24 @@ class QuantLinear(_QuantHolder):
         return residual, gemv_cuda.gemv_cuda(x, self.quant, norm=prologue)
 
 
+    def forward_activated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """self(silu_mul(gate, up)) with the activation done in the CUDA
+        GEMV's prologue, from the MLP's gate_up row [1, 2K]; or None where
+        that does not apply: TANDEM_SILU_PROLOGUE unset or 0 (the default
+        until the H200 has timed it), float activations asked for, or
+        operands the kernel does not take."""
+        if self.bias is not None or not gate_up.is_cuda or not silu_prologue_wanted():
+            return None
+        from engine.quant import gemv_cuda
+
+        if gate_up.shape[-1] != 2 * self.quant.in_features or not gemv_cuda.runs(gate_up,
+                                                                                 self.quant):
+            return None
+        return gemv_cuda.gemv_cuda(gate_up, self.quant, silu=True)
+
+
 NORM_PROLOGUE_ENV = "TANDEM_NORM_PROLOGUE"
+SILU_PROLOGUE_ENV = "TANDEM_SILU_PROLOGUE"
 
 
 def norm_prologue_wanted() -> bool:
@@ -115,6 +132,16 @@ def norm_prologue_wanted() -> bool:
 
     return on_off(NORM_PROLOGUE_ENV, False, on="norms in the GEMV prologue",
                   off="a norm launch")
+
+
+def silu_prologue_wanted() -> bool:
+    """TANDEM_SILU_PROLOGUE=1: the MLP's SiLU(gate) * up runs in the prologue
+    of its down projection's CUDA GEMV (QuantLinear.forward_activated). Read
+    per call; in a CUDA graph, at capture."""
+    from engine.switches import on_off
+
+    return on_off(SILU_PROLOGUE_ENV, False, on="the activation in the GEMV prologue",
+                  off="an activation launch")
 
 
 class QuantEmbedding(_QuantHolder):

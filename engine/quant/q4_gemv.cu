@@ -40,9 +40,14 @@
 // zero-centred (1 + w) in fp32; else Llama's w * round(x^); the weight bf16
 // or fp32, W_F32). Every block covers all of K, so its own reduction of s^2
 // gives the row's norm: the norm's launch goes away.
+// SILU=1 (the MLP's activation in the prologue of its down projection): x
+// is the gate_up row [2K] and the kernel multiplies SiLU(gate) * up, rounded
+// as engine/fused's silu_mul stores it (the SiLU to bf16, then the product),
+// so the activation's launch goes away. No reduction: each thread makes its
+// own groups.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS; 1
-// with QUEUE), QUEUE, NORM, HAS_PENDING, ZC, W_F32.
+// with QUEUE), QUEUE, NORM, HAS_PENDING, ZC, W_F32, SILU (not with NORM).
 
 typedef unsigned short u16;
 
@@ -266,6 +271,26 @@ __device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned
 }
 #endif
 
+#if SILU
+__device__ __forceinline__ float rounded_bf16(float v) { return bf16_float(float_bf16(v)); }
+
+// group g of SiLU(gate) * up as bf16 words; gate_up holds gate then up
+__device__ __forceinline__ void activated_group(const u16* __restrict__ gate_up, int g,
+                                                unsigned (&raw)[16]) {
+    unsigned up[16];
+    load_group(gate_up, g, raw);
+    load_group(gate_up + GROUPS * 32, g, up);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float gate_lo = bf16_float(raw[i] & 0xFFFF), gate_hi = bf16_float(raw[i] >> 16);
+        const float act_lo = rounded_bf16(gate_lo / (1.0f + __expf(-gate_lo)));
+        const float act_hi = rounded_bf16(gate_hi / (1.0f + __expf(-gate_hi)));
+        raw[i] = (unsigned)float_bf16(act_lo * bf16_float(up[i] & 0xFFFF))
+                 | ((unsigned)float_bf16(act_hi * bf16_float(up[i] >> 16)) << 16);
+    }
+}
+#endif
+
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
     const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
@@ -347,7 +372,11 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             xs[j] = quantize_group(raw[j]);
 #else
             unsigned group_raw[16];
+#if SILU
+            activated_group(x, g, group_raw);
+#else
             load_group(x, g, group_raw);
+#endif
             xs[j] = quantize_group(group_raw);
 #endif
         } else {
