@@ -2,7 +2,7 @@
 on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
-    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu]
+    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: the tile queue, twice the slots (at the
@@ -14,7 +14,7 @@ reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 shapes that follow a norm (gate_up, gdn in_proj, attn qkv), engine/fused's
 add_rms_norm launch then the GEMV against the GEMV doing the norm in its
 prologue (gemv_cuda.NormPrologue); --silu the same for down and the MLP's
-silu_mul. GPU only.
+silu_mul, --gated for gdn out and GDN's gated norm. GPU only.
 """
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
     """The op before the GEMV as its own launch, then the GEMV, against the
     GEMV doing it in its prologue, graph-timed: "norm", Qwen3.5's
     zero-centred add_rms_norm with a pending residual (NormPrologue);
-    "silu", the MLP's silu_mul of a [1, 2K] gate_up row."""
+    "silu", the MLP's silu_mul of a [1, 2K] gate_up row; "gated", GDN's
+    gated_rms_norm over heads of 128 (GatedNormPrologue)."""
     from engine.fused import load_kernels
-    from engine.quant.gemv_cuda import NormPrologue, gemv_cuda, plan_for
+    from engine.quant.gemv_cuda import (GatedNormPrologue, NormPrologue, SiluPrologue, gemv_cuda,
+                                        plan_for)
 
     copies = _copies(fmt, n, k, device)
     kernels = load_kernels()
@@ -60,7 +62,19 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
 
         def fused(qt):
             gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
-                      norm=NormPrologue(weight, 1e-6, True, pending, residual))
+                      prologue=NormPrologue(weight, 1e-6, True, pending, residual))
+    elif prologue == "gated":   # the 27B's GDN: 48 heads of 128
+        x, gate = (torch.randn(1, k // 128, 128, device=device, dtype=torch.bfloat16)
+                   for _ in range(2))
+        weight = torch.randn(128, device=device, dtype=torch.bfloat16) * 0.1 + 1.0
+
+        def apart(qt):
+            normed = kernels.gated_rms_norm(x, gate, weight, 1e-6)
+            gemv_cuda(normed.reshape(1, k), qt, out=out, plan=plan, pdl=True)
+
+        def fused(qt):
+            gemv_cuda(x.reshape(1, k), qt, out=out, plan=plan, pdl=True,
+                      prologue=GatedNormPrologue(gate.reshape(1, k), weight, 1e-6))
     else:
         gate_up = torch.randn(1, 2 * k, device=device, dtype=torch.bfloat16)
         gate, up = gate_up.split(k, dim=-1)
@@ -69,7 +83,7 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
             gemv_cuda(kernels.silu_mul(gate, up), qt, out=out, plan=plan, pdl=True)
 
         def fused(qt):
-            gemv_cuda(gate_up, qt, out=out, plan=plan, pdl=True, silu=True)
+            gemv_cuda(gate_up, qt, out=out, plan=plan, pdl=True, prologue=SiluPrologue())
 
     timed = {label: _time_graph([(lambda qt=copies[i % len(copies)]: fn(qt)) for i in range(16)])
              for label, fn in (("apart", apart), ("fused", fused))}
@@ -128,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the norm prologue against a norm launch and the GEMV")
     p.add_argument("--silu", action="store_true",
                    help="also time down's SiLU prologue against a silu_mul launch and the GEMV")
+    p.add_argument("--gated", action="store_true",
+                   help="also time gdn out's gated norm prologue against its launch and the GEMV")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gemv_cuda needs a CUDA GPU", file=sys.stderr)
@@ -159,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
     norms = []
     wanted = {**({m: "norm" for m in ("gate_up", "gdn in_proj", "attn qkv")} if args.norm else {}),
-              **({"down": "silu"} if args.silu else {})}
+              **({"down": "silu"} if args.silu else {}),
+              **({"gdn out": "gated"} if args.gated else {})}
     for name, fmt, n, k, per_step in model_shapes():
         if fmt.name == "Q4_K" and name in wanted:
             norms.append({**prologue_pair(name, n, k, fmt, device, wanted[name]),

@@ -236,7 +236,7 @@ class GatedDeltaNet(nn.Module):
                                              windows, weight)
         else:
             out = self._mix(mixed, a, b, batch, states, windows, weight)
-        return self.out_proj(self.norm(out, z).reshape(tokens, -1))
+        return gated_norm_then_project(self.norm, out, z, self.out_proj)
 
     def _mix_around_snapshots(self, mixed, a, b, split, states, windows, weight):
         """The conv and recurrence up to each snapshot, the snapshot, then the
@@ -386,6 +386,19 @@ def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | No
             return fused
     x, h = norm.add_forward(x, pending)
     return x, linear(h)
+
+
+def gated_norm_then_project(norm: GatedRMSNorm, x: torch.Tensor, gate: torch.Tensor,
+                            linear: nn.Module) -> torch.Tensor:
+    """linear(norm(x, gate)) of GDN's output [T, heads, head_dim]. A
+    quantized projection may do the gated norm itself
+    (QuantLinear.forward_gated_normed: in the CUDA GEMV's prologue, with
+    TANDEM_GATED_PROLOGUE=1), which saves the norm's launch."""
+    if use_fused(x) and hasattr(linear, "forward_gated_normed"):
+        fused = linear.forward_gated_normed(x, gate, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    return linear(norm(x, gate).reshape(x.shape[0], -1))
 
 
 def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm) -> torch.Tensor:

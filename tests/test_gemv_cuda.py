@@ -116,11 +116,13 @@ def test_a_norm_prologue_refuses_what_the_kernel_cannot_do():
         NormPrologue(w.float(), 1e-6, False)
     pending = torch.randn(1, k, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="alias"):
-        NormPrologue(w, 1e-6, True, pending=pending, residual_out=x).operands(x)
+        NormPrologue(w, 1e-6, True, pending=pending, residual_out=x).operands(x, k)
     with pytest.raises(ValueError, match="256 elements"):
-        NormPrologue(w[:128], 1e-6, True).operands(x)
+        NormPrologue(w[:128], 1e-6, True).operands(x, k)
+    with pytest.raises(ValueError, match=r"\[1, 512\] row"):
+        NormPrologue(w, 1e-6, True).operands(x, 512)
     out = torch.empty(1, k, dtype=torch.bfloat16)
-    ops = NormPrologue(w, 1e-6, True, pending=pending, residual_out=out).operands(x)
+    ops = NormPrologue(w, 1e-6, True, pending=pending, residual_out=out).operands(x, k)
     assert ops[0] is pending and ops[1] is w and ops[2] == 1e-6 and ops[3] is out
 
 
@@ -146,6 +148,15 @@ def _activation(k, seed):
     x[0, 3] = 40.0       # an outlier sets one group's scale
     x[0, 64:96] = 0.0    # an all-zero group: scale 0, no division by zero
     return x.to(torch.bfloat16).cuda()
+
+
+def _recorded_prologues(monkeypatch) -> list:
+    """The prologue of every gemv_cuda call from here on (None: a plain GEMV)."""
+    calls = []
+    real = gemv_cuda.gemv_cuda
+    monkeypatch.setattr(gemv_cuda, "gemv_cuda",
+                        lambda *a, **kw: calls.append(kw.get("prologue")) or real(*a, **kw))
+    return calls
 
 
 def _assert_close(y, expected):
@@ -330,7 +341,7 @@ def test_the_norm_prologue_gives_the_norm_then_the_gemv(k, zero_centered, weight
         if with_pending else None
     norm = NormPrologue(weight, 1e-6, zero_centered, pending, residual)
     out = torch.full((1, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan_for(k, rows=4), norm=norm)
+    y = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan_for(k, rows=4), prologue=norm)
     if with_pending:
         s_ref, normed = reference.add_rms_norm(x, pending, weight, 1e-6, zero_centered)
         assert torch.equal(residual, s_ref)
@@ -385,10 +396,7 @@ def test_a_layer_norm_in_the_gemv_prologue_matches_the_norm_launch(with_pending,
     g = torch.Generator().manual_seed(31)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda()
     pending = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda() if with_pending else None
-    calls = []
-    real = gemv_cuda.gemv_cuda
-    monkeypatch.setattr(gemv_cuda, "gemv_cuda",
-                        lambda *a, **kw: calls.append(kw.get("norm")) or real(*a, **kw))
+    calls = _recorded_prologues(monkeypatch)
     with torch.inference_mode():
         monkeypatch.setenv(NORM_PROLOGUE_ENV, "0")
         residual_apart, projected_apart = norm_then_project(norm, x, pending, first)
@@ -408,13 +416,13 @@ def test_the_silu_prologue_switch_is_off_by_default_and_cpu_mlps_take_the_activa
     down projection, bit for bit; a bad switch value names the variable."""
     from engine.fused import reference
     from engine.loader import load_model
-    from engine.quant.linear import SILU_PROLOGUE_ENV, QuantLinear, silu_prologue_wanted
+    from engine.quant.linear import SILU_PROLOGUE_ENV, QuantLinear, prologue_wanted
 
     monkeypatch.delenv(SILU_PROLOGUE_ENV, raising=False)
-    assert silu_prologue_wanted() is False
+    assert prologue_wanted(SILU_PROLOGUE_ENV) is False
     monkeypatch.setenv(SILU_PROLOGUE_ENV, "maybe")
     with pytest.raises(ValueError, match=SILU_PROLOGUE_ENV):
-        silu_prologue_wanted()
+        prologue_wanted(SILU_PROLOGUE_ENV)
     monkeypatch.setenv(SILU_PROLOGUE_ENV, "1")
     mlp = load_model("tiny-llama", device="cpu", progress=False).model.model.layers[0].mlp
     h, i = mlp.down_proj.out_features, mlp.down_proj.in_features
@@ -432,20 +440,21 @@ def test_the_silu_prologue_gives_the_activation_then_the_gemv(k):
     """SiLU(gate) * up in the prologue: the reference GEMV of the reference
     activation's bf16 output, within the output's rounding (the exp may move
     an activation by an ulp, a code by one); a gate_up row of the wrong width
-    or a norm beside it is refused."""
+    is refused."""
     from engine.fused import reference
 
     qt = _quant(300, k, seed=k + 5, device="cuda")
     g = torch.Generator().manual_seed(k + 6)
     gate_up = (torch.randn(1, 2 * k, generator=g) * 2).to(torch.bfloat16).cuda()
     out = torch.full((1, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
-    y = gemv_cuda.gemv_cuda(gate_up, qt, out=out, plan=plan_for(k, rows=4), silu=True)
+    y = gemv_cuda.gemv_cuda(gate_up, qt, out=out, plan=plan_for(k, rows=4),
+                            prologue=gemv_cuda.SiluPrologue())
     gate, up = gate_up.split(k, dim=-1)
     act = reference.silu_mul(gate, up)
     assert act.dtype == torch.bfloat16
     _assert_close(y, _expected(act, qt))
     with pytest.raises(ValueError, match="gate_up row"):
-        gemv_cuda.gemv_cuda(gate_up[:, :k].contiguous(), qt, silu=True)
+        gemv_cuda.gemv_cuda(gate_up[:, :k].contiguous(), qt, prologue=gemv_cuda.SiluPrologue())
 
 
 @needs_gpu
@@ -462,14 +471,113 @@ def test_an_mlp_activation_in_the_gemv_prologue_matches_the_activation_launch(mo
     k = mlp.down_proj.quant.in_features
     g = torch.Generator().manual_seed(41)
     gate_up = torch.randn(1, 2 * k, generator=g).to(torch.bfloat16).cuda()
-    calls = []
-    real = gemv_cuda.gemv_cuda
-    monkeypatch.setattr(gemv_cuda, "gemv_cuda",
-                        lambda *a, **kw: calls.append(kw.get("silu", False)) or real(*a, **kw))
+    calls = _recorded_prologues(monkeypatch)
     with torch.inference_mode():
         monkeypatch.setenv(SILU_PROLOGUE_ENV, "0")
         apart = mlp.finish(gate_up)
         monkeypatch.setenv(SILU_PROLOGUE_ENV, "1")
         fused = mlp.finish(gate_up)
-    assert calls and calls[-1] is True  # the prologue ran
+    assert calls and isinstance(calls[-1], gemv_cuda.SiluPrologue)  # the prologue ran
     _assert_close(fused, apart.float().cpu())
+
+
+# ------------------------------------------------- the gated norm prologue
+
+
+def test_a_gated_norm_prologue_refuses_what_the_kernel_cannot_do():
+    from engine.quant.gemv_cuda import GatedNormPrologue
+
+    gate = torch.randn(1, 512, dtype=torch.bfloat16)
+    w = torch.randn(128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim of 32 x a power of two"):
+        GatedNormPrologue(gate, torch.randn(96, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="gate must be bf16"):
+        GatedNormPrologue(gate.float(), w, 1e-6)
+    prologue = GatedNormPrologue(gate, w, 1e-6)
+    assert prologue.flags() == {"GATED": 1, "HEAD_GROUPS": 4, "W_F32": 0, "ROUND": 1}
+    assert GatedNormPrologue(gate, w.float(), 1e-6).flags()["ROUND"] == 0
+    with pytest.raises(ValueError, match="whole 128-wide heads"):
+        prologue.operands(torch.randn(1, 512, dtype=torch.bfloat16), 448)
+    with pytest.raises(ValueError, match="gate must be a contiguous"):
+        GatedNormPrologue(gate[:, :256], w, 1e-6).operands(gate, 512)
+
+
+def test_the_gated_prologue_switch_is_off_by_default_and_cpu_layers_take_the_norm_launch(
+        monkeypatch):
+    """gated_norm_then_project on the CPU (or with the switch off) is the
+    gated norm then the projection, bit for bit."""
+    from engine.model import GatedRMSNorm, gated_norm_then_project
+    from engine.quant.linear import GATED_PROLOGUE_ENV, QuantLinear, prologue_wanted
+
+    monkeypatch.delenv(GATED_PROLOGUE_ENV, raising=False)
+    assert prologue_wanted(GATED_PROLOGUE_ENV) is False
+    monkeypatch.setenv(GATED_PROLOGUE_ENV, "1")
+    norm = GatedRMSNorm(64, 1e-6)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
+    x, z = torch.randn(1, 4, 64), torch.randn(1, 4, 64)
+    quantized = QuantLinear(_quant(48, 256, superblock=32), None, torch.float32)
+    with torch.inference_mode():
+        assert quantized.forward_gated_normed(x, z, norm.weight, 1e-6) is None  # the CPU
+        assert torch.equal(gated_norm_then_project(norm, x, z, quantized),
+                           quantized(norm(x, z).reshape(1, -1)))
+
+
+@needs_gpu
+@pytest.mark.parametrize("heads, head_dim", [(48, 128), (6, 64), (3, 32)])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_the_gated_prologue_gives_the_gated_norm_then_the_gemv(heads, head_dim, weight_dtype):
+    """GDN's gated norm in the prologue: the reference GEMV of the reference
+    gated_rms_norm's bf16 output, within the output's rounding (the rsqrt
+    and the exp may move a value by an ulp, a code by one)."""
+    from engine.fused import reference
+    from engine.quant.gemv_cuda import GatedNormPrologue
+
+    k = heads * head_dim
+    qt = _quant(300, k, superblock=32, seed=k + 7, device="cuda")
+    g = torch.Generator().manual_seed(k + 8)
+    x = (torch.randn(1, heads, head_dim, generator=g) * 2).to(torch.bfloat16).cuda()
+    z = torch.randn(1, heads, head_dim, generator=g).to(torch.bfloat16).cuda()
+    weight = (torch.randn(head_dim, generator=g) * 0.1 + 1.0).to(weight_dtype).cuda()
+    out = torch.full((1, 300), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = gemv_cuda.gemv_cuda(x.reshape(1, k), qt, out=out, plan=plan_for(k, rows=4),
+                            prologue=GatedNormPrologue(z.reshape(1, k), weight, 1e-6))
+    normed = reference.gated_rms_norm(x, z, weight, 1e-6)
+    assert normed.dtype == torch.bfloat16
+    _assert_close(y, _expected(normed.reshape(1, k), qt))
+
+
+@needs_gpu
+def test_a_gdn_gated_norm_in_the_gemv_prologue_matches_the_norm_launch(monkeypatch):
+    """gated_norm_then_project (what GatedDeltaNet.forward_projected ends
+    with) on the GPU with TANDEM_GATED_PROLOGUE=1: one GEMV with the
+    prologue, z a view of a merged in_proj row as the layer passes it, in
+    agreement with the gated norm kernel then the GEMV within the output's
+    rounding. (The tiny Qwen3.5's heads are 16 wide, under a group of 32:
+    they keep the norm launch, so the 27B's 128-wide heads are built here.)"""
+    from engine.model import GatedRMSNorm, gated_norm_then_project
+    from engine.quant.linear import GATED_PROLOGUE_ENV, QuantLinear
+
+    heads, head_dim = 6, 128
+    norm = GatedRMSNorm(head_dim, 1e-6).cuda()
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
+    norm = norm.to(torch.bfloat16)
+    out_proj = QuantLinear(_quant(200, heads * head_dim, seed=61, device="cuda"), None,
+                           torch.bfloat16)
+    g = torch.Generator().manual_seed(62)
+    projected = torch.randn(1, 1024 + heads * head_dim + 2 * heads, generator=g)
+    projected = projected.to(torch.bfloat16).cuda()
+    z = projected[:, 1024:1024 + heads * head_dim].view(1, heads, head_dim)
+    out = torch.randn(1, heads, head_dim, generator=g).to(torch.bfloat16).cuda()
+    small = GatedRMSNorm(16, 1e-6).cuda().to(torch.bfloat16)
+    calls = _recorded_prologues(monkeypatch)
+    with torch.inference_mode():
+        monkeypatch.setenv(GATED_PROLOGUE_ENV, "0")
+        apart = gated_norm_then_project(norm, out, z, out_proj)
+        monkeypatch.setenv(GATED_PROLOGUE_ENV, "1")
+        fused = gated_norm_then_project(norm, out, z, out_proj)
+        assert isinstance(calls[-1], gemv_cuda.GatedNormPrologue)  # the prologue ran
+        calls.clear()
+        narrow = gated_norm_then_project(small, out.view(1, -1, 16), z.view(1, -1, 16), out_proj)
+        assert calls == [None]  # 16-wide heads: the norm launch, then a plain GEMV
+    _assert_close(fused, apart.float().cpu())
+    assert narrow.shape == (1, 200) and not narrow.isnan().any()

@@ -134,6 +134,17 @@ def takes(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None) -> bool:
             and qt.d.dtype in (torch.float16, torch.float32))
 
 
+# The kernel's prologue flags and their values when no prologue asks for them
+_PROLOGUE_FLAGS = {"NORM": 0, "HAS_PENDING": 0, "ZC": 0, "W_F32": 0, "SILU": 0, "GATED": 0,
+                   "HEAD_GROUPS": 1, "ROUND": 0}
+
+
+def _check_operand(name: str, t: torch.Tensor, k: int, x: torch.Tensor) -> None:
+    if t.numel() != k or not t.is_contiguous() or t.device != x.device or t.data_ptr() % 16:
+        raise ValueError(f"the prologue's {name} must be a contiguous, 16-byte aligned "
+                         f"tensor of {k} elements on {x.device}")
+
+
 @dataclass(frozen=True)
 class NormPrologue:
     """The add_rms_norm before the GEMV, done in its prologue
@@ -156,14 +167,18 @@ class NormPrologue:
             # engine/fused's Llama norm stores fp32 then, which this GEMV does not take
             raise ValueError("a Llama-style norm prologue needs a bf16 weight")
 
-    def operands(self, x: torch.Tensor) -> list:
-        k = x.shape[-1]
+    def flags(self) -> dict[str, int]:
+        return {"NORM": 1, "HAS_PENDING": int(self.pending is not None),
+                "ZC": int(self.zero_centered), "W_F32": int(self.weight.dtype == torch.float32)}
+
+    def operands(self, x: torch.Tensor, k: int) -> list:
+        """(pending, norm_w, eps, residual_out) as the kernel takes them."""
+        if x.shape[-1] != k:
+            raise ValueError(f"the norm prologue takes a [1, {k}] row, got {tuple(x.shape)}")
         for name, t in (("weight", self.weight), ("pending", self.pending),
                         ("residual_out", self.residual_out)):
-            if t is not None and (t.numel() != k or not t.is_contiguous() or t.device != x.device
-                                  or t.data_ptr() % 16):
-                raise ValueError(f"the norm's {name} must be a contiguous, 16-byte aligned "
-                                 f"tensor of {k} elements on {x.device}")
+            if t is not None:
+                _check_operand(name, t, k, x)
         if self.pending is not None and (self.pending.dtype != torch.bfloat16
                                          or self.residual_out.dtype != torch.bfloat16):
             raise ValueError("pending and residual_out must be bf16")
@@ -174,19 +189,72 @@ class NormPrologue:
                 self.residual_out if self.residual_out is not None else x]
 
 
+@dataclass(frozen=True)
+class SiluPrologue:
+    """The MLP's SiLU(gate) * up before its down projection, done in the
+    prologue: x is the [1, 2K] gate_up row (gate then up), and the GEMV
+    multiplies the activation as engine/fused's silu_mul rounds it."""
+
+    def flags(self) -> dict[str, int]:
+        return {"SILU": 1}
+
+    def operands(self, x: torch.Tensor, k: int) -> list:
+        if x.shape[-1] != 2 * k:
+            raise ValueError(f"the SiLU prologue takes the [1, {2 * k}] gate_up row, "
+                             f"got {tuple(x.shape)}")
+        return [x, x, 0.0, x]
+
+
+@dataclass(frozen=True)
+class GatedNormPrologue:
+    """GDN's output norm before its out projection, done in the prologue
+    (engine/fused/reference.py's gated_rms_norm): x is the recurrence's
+    output row [1, heads x head_dim], `gate` z (as many bf16 values, one
+    contiguous row), `weight` the [head_dim] norm weight. Each head's groups
+    of 32 sit on consecutive lanes of a warp, so head_dim / 32 must be a
+    power of two up to 32."""
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def __post_init__(self) -> None:
+        head_dim = self.weight.numel()
+        groups = head_dim // GROUP
+        if head_dim % GROUP or groups < 1 or groups > 32 or groups & (groups - 1):
+            raise ValueError(f"the gated norm prologue needs a head_dim of 32 x a power of two "
+                             f"up to 1024, got {head_dim}")
+        if self.weight.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"the norm weight must be bf16 or fp32, got {self.weight.dtype}")
+        if self.gate.dtype != torch.bfloat16:
+            raise ValueError(f"the gate must be bf16, got {self.gate.dtype}")
+
+    def flags(self) -> dict[str, int]:
+        return {"GATED": 1, "HEAD_GROUPS": self.weight.numel() // GROUP,
+                "W_F32": int(self.weight.dtype == torch.float32),
+                # gated_rms_norm rounds w * x^ to bf16 when the weight is bf16
+                "ROUND": int(self.weight.dtype == torch.bfloat16)}
+
+    def operands(self, x: torch.Tensor, k: int) -> list:
+        if x.shape[-1] != k or k % self.weight.numel():
+            raise ValueError(f"the gated norm prologue takes a [1, {k}] row of whole "
+                             f"{self.weight.numel()}-wide heads, got {tuple(x.shape)}")
+        _check_operand("gate", self.gate, k, x)
+        _check_operand("weight", self.weight, self.weight.numel(), x)
+        return [self.gate, self.weight, float(self.eps), x]
+
+
+Prologue = NormPrologue | SiluPrologue | GatedNormPrologue
+
+
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
-                  pdl: bool, norm: NormPrologue | None = None,
-                  silu: bool = False) -> tuple[str, ...]:
+                  pdl: bool, prologue: Prologue | None = None) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
-    norm_options = (f"-DNORM={int(norm is not None)}",
-                    f"-DHAS_PENDING={int(norm is not None and norm.pending is not None)}",
-                    f"-DZC={int(norm is not None and norm.zero_centered)}",
-                    f"-DW_F32={int(norm is not None and norm.weight.dtype == torch.float32)}")
+    flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {})}
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            f"-DQUEUE={int(plan.queue)}", f"-DFLUSH={plan.flush}", *norm_options,
-            f"-DSILU={int(silu)}", "--std=c++17")
+            f"-DQUEUE={int(plan.queue)}", f"-DFLUSH={plan.flush}",
+            *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
 @dataclass
@@ -253,12 +321,12 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
               plan: CudaGemvPlan | None = None, pdl: bool | None = None,
-              norm: NormPrologue | None = None, silu: bool = False) -> torch.Tensor:
-    """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with `norm`,
-    RMSNorm(x (+ pending)) @ w.T (NormPrologue); with `silu`, x is the MLP's
-    gate_up row [1, 2K] and the GEMV multiplies SiLU(gate) * up, as
-    engine/fused's silu_mul rounds it. Unset, the plan is picked_plan's and
-    PDL is on where engine/pdl.py turns it on."""
+              prologue: Prologue | None = None) -> torch.Tensor:
+    """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with a
+    prologue, the op before the GEMV done first inside it: NormPrologue
+    (RMSNorm(x (+ pending))), SiluPrologue (x the [1, 2K] gate_up row),
+    GatedNormPrologue (GDN's gated norm). Unset, the plan is picked_plan's
+    and PDL is on where engine/pdl.py turns it on."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
@@ -271,25 +339,27 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         pdl = pdl_capable(x.device) and pdl_wanted()
     if plan.groups != k // GROUP:
         raise ValueError(f"the plan covers {plan.groups} groups, the weight has {k // GROUP}")
-    if silu and (norm is not None or x.shape[-1] != 2 * k):
-        raise ValueError(f"the SiLU prologue takes the [1, {2 * k}] gate_up row and no norm; "
-                         f"got x {tuple(x.shape)}{' and a norm' if norm is not None else ''}")
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     elif not _fits_out(out, x, n):
         raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
     device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    norm_args = norm.operands(x) if norm is not None else [x, x, 0.0, x]
+    if prologue is not None:
+        prologue_args = prologue.operands(x, k)
+    elif x.shape[-1] != k:
+        raise ValueError(f"x must be a [1, {k}] row, got {tuple(x.shape)}")
+    else:
+        prologue_args = [x, x, 0.0, x]
     compiled = _compiled(build_options(plan, qt.superblock, qt.asymmetric,
-                                       qt.d.dtype == torch.float32, pdl, norm, silu),
+                                       qt.d.dtype == torch.float32, pdl, prologue),
                          device, plan.threads)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     dmin = qt.dmin if qt.asymmetric else qt.d
     m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
             [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, queue_counters(x.device),
-             *norm_args], pdl)
+             *prologue_args], pdl)
     return out
 
 

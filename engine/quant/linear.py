@@ -85,10 +85,8 @@ class QuantLinear(_QuantHolder):
                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x + pending, self(rms_norm(x + pending))) with the norm done in the
         CUDA GEMV's prologue (gemv_cuda.NormPrologue), or None where that does
-        not apply: TANDEM_NORM_PROLOGUE unset or 0 (the default until the H200
-        has timed it), float activations asked for (TANDEM_GEMV_INT8_X=0), or
-        operands the kernel does not take."""
-        if self.bias is not None or not x.is_cuda or not norm_prologue_wanted():
+        not apply (prologue_wanted, operands the kernel does not take)."""
+        if not self._prologue_may_run(x, NORM_PROLOGUE_ENV):
             return None
         from engine.quant import gemv_cuda
 
@@ -101,47 +99,71 @@ class QuantLinear(_QuantHolder):
         residual = torch.empty_like(x) if pending is not None else x
         prologue = gemv_cuda.NormPrologue(weight, eps, zero_centered, pending,
                                           residual if pending is not None else None)
-        return residual, gemv_cuda.gemv_cuda(x, self.quant, norm=prologue)
-
+        return residual, gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue)
 
     def forward_activated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu_mul(gate, up)) with the activation done in the CUDA
         GEMV's prologue, from the MLP's gate_up row [1, 2K]; or None where
-        that does not apply: TANDEM_SILU_PROLOGUE unset or 0 (the default
-        until the H200 has timed it), float activations asked for, or
-        operands the kernel does not take."""
-        if self.bias is not None or not gate_up.is_cuda or not silu_prologue_wanted():
+        that does not apply (prologue_wanted, operands the kernel does not
+        take)."""
+        if not self._prologue_may_run(gate_up, SILU_PROLOGUE_ENV):
             return None
         from engine.quant import gemv_cuda
 
         if gate_up.shape[-1] != 2 * self.quant.in_features or not gemv_cuda.runs(gate_up,
                                                                                  self.quant):
             return None
-        return gemv_cuda.gemv_cuda(gate_up, self.quant, silu=True)
+        return gemv_cuda.gemv_cuda(gate_up, self.quant, prologue=gemv_cuda.SiluPrologue())
+
+    def forward_gated_normed(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> torch.Tensor | None:
+        """self(gated_rms_norm(x, gate)) for GDN's output, x and gate
+        [1, heads, head_dim], with the norm done in the CUDA GEMV's prologue;
+        or None where that does not apply (prologue_wanted, operands the
+        kernel does not take)."""
+        if not self._prologue_may_run(x, GATED_PROLOGUE_ENV):
+            return None
+        from engine.quant import gemv_cuda
+
+        head_dim = weight.numel()
+        groups = head_dim // gemv_cuda.GROUP
+        row = x.reshape(1, -1)
+        if (x.shape != gate.shape or x.shape[0] != 1 or head_dim % gemv_cuda.GROUP
+                or groups > 32 or groups & (groups - 1) or not gate.is_contiguous()
+                or gate.dtype != torch.bfloat16 or gate.data_ptr() % 16
+                or weight.dtype not in (torch.bfloat16, torch.float32)
+                or weight.data_ptr() % 16 or not gemv_cuda.runs(row, self.quant)):
+            return None
+        prologue = gemv_cuda.GatedNormPrologue(gate.reshape(1, -1), weight, eps)
+        return gemv_cuda.gemv_cuda(row, self.quant, prologue=prologue)
+
+    def _prologue_may_run(self, x: torch.Tensor, switch: str) -> bool:
+        return self.bias is None and x.is_cuda and prologue_wanted(switch)
 
 
 NORM_PROLOGUE_ENV = "TANDEM_NORM_PROLOGUE"
 SILU_PROLOGUE_ENV = "TANDEM_SILU_PROLOGUE"
+GATED_PROLOGUE_ENV = "TANDEM_GATED_PROLOGUE"
+_PROLOGUES = {NORM_PROLOGUE_ENV: ("norms in the GEMV prologue", "a norm launch"),
+              SILU_PROLOGUE_ENV: ("the MLP activation in down's GEMV prologue",
+                                  "an activation launch"),
+              GATED_PROLOGUE_ENV: ("GDN's gated norm in out_proj's GEMV prologue",
+                                   "a gated norm launch")}
 
 
-def norm_prologue_wanted() -> bool:
-    """TANDEM_NORM_PROLOGUE=1: a layer norm whose projection the CUDA GEMV
-    takes runs in that GEMV's prologue (QuantLinear.forward_normed). Read per
-    call; in a CUDA graph, at capture."""
+def prologue_wanted(switch: str) -> bool:
+    """Whether the op before a projection runs in its CUDA GEMV's prologue:
+    TANDEM_NORM_PROLOGUE=1 (layer norms: QuantLinear.forward_normed),
+    TANDEM_SILU_PROLOGUE=1 (the MLP's activation: forward_activated),
+    TANDEM_GATED_PROLOGUE=1 (GDN's gated norm: forward_gated_normed). Each
+    is off until the H200 has timed it (the norm's first build lost ~3 us a
+    GEMV). Read per call; in a CUDA graph, at capture. The prologues compute
+    int8 activations, so TANDEM_GEMV_INT8_X=0 keeps them off too
+    (gemv_cuda.runs)."""
     from engine.switches import on_off
 
-    return on_off(NORM_PROLOGUE_ENV, False, on="norms in the GEMV prologue",
-                  off="a norm launch")
-
-
-def silu_prologue_wanted() -> bool:
-    """TANDEM_SILU_PROLOGUE=1: the MLP's SiLU(gate) * up runs in the prologue
-    of its down projection's CUDA GEMV (QuantLinear.forward_activated). Read
-    per call; in a CUDA graph, at capture."""
-    from engine.switches import on_off
-
-    return on_off(SILU_PROLOGUE_ENV, False, on="the activation in the GEMV prologue",
-                  off="an activation launch")
+    on, off = _PROLOGUES[switch]
+    return on_off(switch, False, on=on, off=off)
 
 
 class QuantEmbedding(_QuantHolder):

@@ -40,6 +40,11 @@
 // zero-centred (1 + w) in fp32; else Llama's w * round(x^); the weight bf16
 // or fp32, W_F32). Every block covers all of K, so its own reduction of s^2
 // gives the row's norm: the norm's launch goes away.
+// GATED=1 (GDN's output norm in the prologue of its out projection): x is
+// the recurrence's output [heads x head_dim], `pending` the gate z, norm_w
+// the [head_dim] weight; each head's HEAD_GROUPS groups sit on consecutive
+// lanes of one warp, which sum its s^2 by shuffles: no barrier. The norm's
+// launch goes away.
 // SILU=1 (the MLP's activation in the prologue of its down projection): x
 // is the gate_up row [2K] and the kernel multiplies SiLU(gate) * up, rounded
 // as engine/fused's silu_mul stores it (the SiLU to bf16, then the product),
@@ -47,7 +52,9 @@
 // own groups.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS; 1
-// with QUEUE), QUEUE, NORM, HAS_PENDING, ZC, W_F32, SILU (not with NORM).
+// with QUEUE), QUEUE, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
+// HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
+// SILU, GATED.
 
 typedef unsigned short u16;
 
@@ -169,7 +176,7 @@ __device__ __forceinline__ XSlice quantize_group(const unsigned (&raw)[16]) {
     return s;
 }
 
-#if NORM
+#if NORM || GATED
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)float_bf16(lo) | ((unsigned)float_bf16(hi) << 16);
 }
@@ -199,9 +206,11 @@ constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
 // 16-byte accesses are consecutive, so they take no bank conflicts. Copied
 // by cp.async, global to shared without registers (through registers the
 // loads in flight took the kernel from 96 to 104, 4 to 3 blocks an SM)
-__device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ weight, int g, int j,
-                                                  uint4 (*stash)[SLOTS * THREADS]) {
-    const uint4* src = reinterpret_cast<const uint4*>(weight + g * 32);
+// (the 32 weights from element `first` on: g * 32 for NORM, the group's place
+// in its head for GATED)
+__device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ weight, int first,
+                                                  int j, uint4 (*stash)[SLOTS * THREADS]) {
+    const uint4* src = reinterpret_cast<const uint4*>(weight + first);
 #pragma unroll
     for (int i = 0; i < W_VECS; ++i) {
         asm volatile("{ .reg .u64 a; .reg .u32 s;\n"
@@ -221,7 +230,32 @@ __device__ __forceinline__ void stashed_norm_weight(uint4 (*stash)[SLOTS * THREA
         w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
     }
 }
+#endif
 
+#if GATED
+// GDN's output norm of one group, as engine/fused's gated_rms_norm rounds it:
+// round(w * round(x * rstd)) (the outer rounding only for a bf16 weight,
+// ROUND) times SiLU(z) in fp32, to bf16
+__device__ __forceinline__ void gated_group(unsigned (&raw)[16], const unsigned (&gate)[16],
+                                            const unsigned (&weight)[W_WORDS], float rstd) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        float v[2] = {bf16_float(raw[i] & 0xFFFF), bf16_float(raw[i] >> 16)};
+        const float z[2] = {bf16_float(gate[i] & 0xFFFF), bf16_float(gate[i] >> 16)};
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float y = weight_at(weight, 2 * i + half) * bf16_float(float_bf16(v[half] * rstd));
+#if ROUND
+            y = bf16_float(float_bf16(y));
+#endif
+            v[half] = y * (z[half] / (1.0f + __expf(-z[half])));
+        }
+        raw[i] = pack_bf16(v[0], v[1]);
+    }
+}
+#endif
+
+#if NORM
 // s = round(x + pending) for group g (stored by block 0), its sum of squares
 __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
                                                 const u16* __restrict__ pending,
@@ -306,7 +340,14 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     return part;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+// GATED asks for two blocks an SM: left alone ptxas gave it 140 registers
+// (two blocks of 192 threads, where 112 fit three and spill nothing)
+#if GATED
+#define GEMV_BOUNDS __launch_bounds__(THREADS, 2)
+#else
+#define GEMV_BOUNDS __launch_bounds__(THREADS)
+#endif
+extern "C" __global__ void GEMV_BOUNDS
 tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const scale_t* __restrict__ d, const signed char* __restrict__ sc,
                const scale_t* __restrict__ dmin, const signed char* __restrict__ m,
@@ -325,13 +366,18 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     Group next[ROWS][SLOTS];
     if (index < tiles)
         load_tile(next, index, n_rows, qw, d, sc, dmin, m);
-#if NORM
+#if NORM || GATED
     __shared__ uint4 weight_stash[W_VECS][SLOTS * THREADS];
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) {
         const int g = threadIdx.x + j * THREADS;
+#if GATED
+        const int first = (g % HEAD_GROUPS) * 32;
+#else
+        const int first = g * 32;
+#endif
         if (SLOTS * THREADS == GROUPS || g < GROUPS)
-            stash_norm_weight(static_cast<const norm_w_t*>(norm_w), g, j, weight_stash);
+            stash_norm_weight(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
     }
 #endif
 #if PDL
@@ -341,6 +387,31 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     if (threadIdx.x == 0) queued[0] = gridDim.x + atomicAdd(queue, 1);
 #endif
     XSlice xs[SLOTS];
+#if GATED
+    // each head's s^2 over its HEAD_GROUPS lanes; every lane shuffles (an
+    // idle one adds 0), so the shuffles see a whole warp
+    unsigned head_raw[SLOTS][16], gate_raw[SLOTS][16];
+    float head_rstd[SLOTS];
+#pragma unroll
+    for (int j = 0; j < SLOTS; ++j) {
+        const int g = threadIdx.x + j * THREADS;
+        float squares = 0.0f;
+        if (SLOTS * THREADS == GROUPS || g < GROUPS) {
+            load_group(x, g, head_raw[j]);
+            load_group(pending, g, gate_raw[j]);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const float lo = bf16_float(head_raw[j][i] & 0xFFFF);
+                const float hi = bf16_float(head_raw[j][i] >> 16);
+                squares += lo * lo + hi * hi;
+            }
+        }
+#pragma unroll
+        for (int offset = 1; offset < HEAD_GROUPS; offset <<= 1)
+            squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+        head_rstd[j] = rsqrtf(squares / (float)(HEAD_GROUPS * 32) + eps);
+    }
+#endif
 #if NORM
     unsigned raw[SLOTS][16];
     float squares = 0.0f;
@@ -370,6 +441,11 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             stashed_norm_weight(weight_stash, j, weight);
             normed_group(raw[j], weight, rstd);
             xs[j] = quantize_group(raw[j]);
+#elif GATED
+            unsigned weight[W_WORDS];
+            stashed_norm_weight(weight_stash, j, weight);
+            gated_group(head_raw[j], gate_raw[j], weight, head_rstd[j]);
+            xs[j] = quantize_group(head_raw[j]);
 #else
             unsigned group_raw[16];
 #if SILU

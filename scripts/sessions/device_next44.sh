@@ -15,8 +15,10 @@
 #   reduced at one barrier pair: down runs one 17-warp block an SM, which
 #   loads nothing while it waits at a barrier every tile); STEP_AB=1 also
 #   times the int4 27B step: the default, the sweep's plans,
-#   TANDEM_NORM_PROLOGUE=1 and TANDEM_SILU_PROLOGUE=1 (new: the MLP's
-#   silu_mul in down's prologue, --silu in the sweep), three alternating rounds.
+#   TANDEM_NORM_PROLOGUE=1, TANDEM_SILU_PROLOGUE=1 (new: the MLP's silu_mul
+#   in down's prologue, --silu in the sweep) and TANDEM_GATED_PROLOGUE=1
+#   (new: GDN's gated norm in out_proj's, --gated), three alternating rounds
+#   (5 x 3 step runs: give that call the whole 600 s).
 # gen: the prompts the corpus lacks (the request files written since 19:00),
 #   greedy and sampled; the whole corpus comes back in 15 MiB parts.
 # train: BUDGET s (default 420) from INIT (default the shipped head); each new
@@ -34,7 +36,7 @@ step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switch
 case "$call" in
   gemv)
     STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
-    STEP_TAIL=30 step sweep 170 python3 -m bench.gemv_cuda --norm --silu --json "$OUT/sweep.json" \
+    STEP_TAIL=30 step sweep 170 python3 -m bench.gemv_cuda --norm --silu --gated --json "$OUT/sweep.json" \
       --plans-out /tmp/plans.json
     cp /tmp/plans.json "$OUT/"
     if [ "${STEP_AB:-0}" = 1 ]; then
@@ -43,6 +45,7 @@ case "$call" in
         TANDEM_GEMV_CUDA_PLANS=/tmp/plans.json step_27b "step_swept_$round"
         TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
         TANDEM_SILU_PROLOGUE=1 step_27b "step_silu_$round"
+        TANDEM_GATED_PROLOGUE=1 step_27b "step_gated_$round"
       done
     fi ;;
   park) ;;
