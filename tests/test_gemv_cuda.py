@@ -581,3 +581,24 @@ def test_a_gdn_gated_norm_in_the_gemv_prologue_matches_the_norm_launch(monkeypat
         assert calls == [None]  # 16-wide heads: the norm launch, then a plain GEMV
     _assert_close(fused, apart.float().cpu())
     assert narrow.shape == (1, 200) and not narrow.isnan().any()
+
+
+@pytest.mark.parametrize("prologue", [None, "norm", "silu", "gated"])
+def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue):
+    """An undefined macro reads as 0 in #if, silently: every name the source
+    tests in #if / #elif gets a -D from build_options, whatever the prologue."""
+    import re
+
+    from engine.quant.gemv_cuda import (GatedNormPrologue, NormPrologue, SiluPrologue,
+                                        build_options)
+
+    w = torch.randn(128, dtype=torch.bfloat16)
+    prologues = {None: None, "norm": NormPrologue(w, 1e-6, True), "silu": SiluPrologue(),
+                 "gated": GatedNormPrologue(torch.randn(1, 512, dtype=torch.bfloat16), w, 1e-6)}
+    options = build_options(plan_for(5120), 256, True, False, True, prologues[prologue])
+    defined = {o[2:].split("=")[0] for o in options if o.startswith("-D")}
+    source = gemv_cuda.SOURCE.read_text()
+    tested = {name for line in re.findall(r"^#\s*(?:el)?if\s+(.*)$", source, re.M)
+              for name in re.findall(r"[A-Z_][A-Z0-9_]*", line)}
+    assert tested <= defined, tested - defined
+    assert len([o for o in options if o.startswith("-D")]) == len(defined)  # each once
