@@ -17,8 +17,9 @@
 #   times the int4 27B step: the default, the sweep's plans,
 #   TANDEM_NORM_PROLOGUE=1, TANDEM_SILU_PROLOGUE=1 (new: the MLP's silu_mul
 #   in down's prologue, --silu in the sweep) and TANDEM_GATED_PROLOGUE=1
-#   (new: GDN's gated norm in out_proj's, --gated), three alternating rounds
-#   (5 x 3 step runs: give that call the whole 600 s).
+#   (new: GDN's gated norm in out_proj's, --gated), ROUNDS (3) alternating
+#   rounds (a step run took ~24 s on 12-04: 15 of them, the tests and the
+#   sweep come to ~450 s).
 # gen: the prompts the corpus lacks (the request files written since 19:00),
 #   greedy and sampled; the whole corpus comes back in 15 MiB parts.
 # train: BUDGET s (default 420) from INIT (default the shipped head); each new
@@ -40,7 +41,7 @@ case "$call" in
       --plans-out /tmp/plans.json
     cp /tmp/plans.json "$OUT/"
     if [ "${STEP_AB:-0}" = 1 ]; then
-      for round in 1 2 3; do
+      for round in $(seq "${ROUNDS:-3}"); do
         step_27b "step_default_$round"
         TANDEM_GEMV_CUDA_PLANS=/tmp/plans.json step_27b "step_swept_$round"
         TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
