@@ -56,9 +56,9 @@ def test_hand_written_requests_avoid_every_held_out_subject(source):
     assert all(p.isascii() and p == p.strip() and p[-1] in ".?!" for p in requests)
 
 
-def test_the_request_files_add_53500_requests_of_their_own():
+def test_the_request_files_add_69500_requests_of_their_own():
     requests = chat_requests()
-    assert len(requests) >= 53500 and not set(requests) & set(NATURAL_CHAT)
+    assert len(requests) >= 69500 and not set(requests) & set(NATURAL_CHAT)
 
 
 def test_code_tasks_avoid_the_held_out_code_subjects_and_join_the_varied_prompts():
