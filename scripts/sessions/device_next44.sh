@@ -20,11 +20,15 @@
 #   (new: GDN's gated norm in out_proj's, --gated), ROUNDS (3) alternating
 #   rounds (a step run took ~24 s on 12-04: 15 of them, the tests and the
 #   sweep come to ~450 s).
-# gen: the prompts the corpus lacks (the request files written since 19:00),
-#   greedy and sampled; the whole corpus comes back in 15 MiB parts.
+# gen: the prompts the corpus lacks (the 64 request files written 12-04
+#   19:30-20:10: 32,000 prompts, 64,000 answers greedy and sampled, ~9.3 M
+#   tokens, ~330 s at 19:00's ~28,000 tok/s plus the loads); the whole corpus
+#   (~149,000 samples, ~57 MB packed) comes back in 15 MiB parts: keep them
+#   as .device/corpus.part0*.
 # train: BUDGET s (default 420) from INIT (default the shipped head); each new
 #   dev best is written at once, so the step's limit loses nothing. The first
-#   call of 12-04 19:06 spent ~113 s reading 85,470 samples before step 0.
+#   call of 12-04 19:06 spent ~113 s reading 85,470 samples before step 0:
+#   expect ~200 s for ~149,000, so BUDGET=360 in a 600 s call.
 set -uo pipefail
 call=${1:?gemv, park, gen or train}
 mkdir -p /tmp/gguf /tmp/corpus
