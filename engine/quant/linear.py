@@ -125,16 +125,15 @@ class QuantLinear(_QuantHolder):
             return None
         from engine.quant import gemv_cuda
 
-        head_dim = weight.numel()
-        groups = head_dim // gemv_cuda.GROUP
         row = x.reshape(1, -1)
-        if (x.shape != gate.shape or x.shape[0] != 1 or head_dim % gemv_cuda.GROUP
-                or groups > 32 or groups & (groups - 1) or not gate.is_contiguous()
-                or gate.dtype != torch.bfloat16 or gate.data_ptr() % 16
-                or weight.dtype not in (torch.bfloat16, torch.float32)
-                or weight.data_ptr() % 16 or not gemv_cuda.runs(row, self.quant)):
+        if x.shape != gate.shape or x.shape[0] != 1 or not gate.is_contiguous() \
+                or not gemv_cuda.runs(row, self.quant):
             return None
-        prologue = gemv_cuda.GatedNormPrologue(gate.reshape(1, -1), weight, eps)
+        try:  # the prologue's own checks: head width, dtypes, sizes, alignment
+            prologue = gemv_cuda.GatedNormPrologue(gate.reshape(1, -1), weight, eps)
+            prologue.operands(row, self.quant.in_features)
+        except ValueError:  # e.g. heads narrower than a group: the norm's launch
+            return None
         return gemv_cuda.gemv_cuda(row, self.quant, prologue=prologue)
 
     def _prologue_may_run(self, x: torch.Tensor, switch: str) -> bool:
