@@ -124,11 +124,8 @@ def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth:
     del copies
     return {"matrix": name, "N": n, "K": k, "floor_us": floor * 1e6,
             "triton_us": triton_s * 1e6, "cuda_us": seconds * 1e6,
-            "best": {"rows": best.rows, "slots": best.slots, "threads": best.threads,
-                     "blocks_per_sm": best.blocks_per_sm, "queue": best.queue,
-                     "flush": best.flush},
-            "all": [{"rows": p.rows, "slots": p.slots, "blocks_per_sm": p.blocks_per_sm,
-                     "queue": p.queue, "flush": p.flush, "us": s * 1e6} for s, p in timed]}
+            "best": {**best.spec(), "threads": best.threads},
+            "all": [{**p.spec(), "us": s * 1e6} for s, p in timed]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,11 @@ def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path,
     assert picked_plan(5120, 6144) == CudaGemvPlan(rows=4, slots=1, threads=192, groups=192,
                                                    flush=8)
     assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
+    written = plan_for(6144, rows=2, slots=2, blocks_per_sm=1, flush=4)
+    path.write_text(json.dumps({"5120,6144": written.spec()}))   # what --plans-out writes
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(tmp_path / "again.json"))
+    (tmp_path / "again.json").write_text(path.read_text())
+    assert picked_plan(5120, 6144) == written
 
 
 def test_a_norm_prologue_refuses_what_the_kernel_cannot_do():

@@ -72,6 +72,12 @@ class CudaGemvPlan:
             # a queued block learns its next tile at the barrier, every tile
             raise ValueError(f"the tile queue reduces every tile (flush 1): {self}")
 
+    def spec(self) -> dict:
+        """The choices a plans file records (plan_for rebuilds the plan from
+        them and K: groups and threads follow)."""
+        return {"rows": self.rows, "slots": self.slots, "blocks_per_sm": self.blocks_per_sm,
+                "queue": self.queue, "flush": self.flush}
+
     def tiles(self, n: int) -> int:
         return -(-n // self.rows)
 
@@ -409,14 +415,14 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
         plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
                                  blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
                                  queue=bool(spec.get("queue", False)),
-                                 flush=int(spec.get("flush", 1)))
+                                 flush=int(spec.get("flush", 1)))  # older files lack the last
     return plans
 
 
 def picked_plan(n: int, k: int) -> CudaGemvPlan:
     """The plan a sweep wrote for (N, K) into the JSON file TANDEM_GEMV_CUDA_PLANS
-    names ({"N,K": {"rows": R, "slots": S, "blocks_per_sm": B, "queue": Q}}), else
-    plan_for(k) at DEFAULT_ROWS."""
+    names ({"N,K": CudaGemvPlan.spec()}, as bench.gemv_cuda --plans-out writes it),
+    else plan_for(k) at DEFAULT_ROWS."""
     import os
 
     path = os.environ.get(PLANS_ENV, "")

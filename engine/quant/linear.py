@@ -90,16 +90,16 @@ class QuantLinear(_QuantHolder):
             return None
         from engine.quant import gemv_cuda
 
-        weight_ok = weight.dtype == torch.bfloat16 or (
-            weight.dtype == torch.float32 and zero_centered)
-        pending_ok = pending is None or (pending.dtype == torch.bfloat16
-                                         and pending.is_contiguous() and pending.shape == x.shape)
-        if not (weight_ok and pending_ok and gemv_cuda.runs(x, self.quant)):
+        if not gemv_cuda.runs(x, self.quant):
             return None
-        residual = torch.empty_like(x) if pending is not None else x
-        prologue = gemv_cuda.NormPrologue(weight, eps, zero_centered, pending,
-                                          residual if pending is not None else None)
-        return residual, gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue)
+        residual = torch.empty_like(x) if pending is not None else None
+        try:  # the prologue's own checks: weight dtype, pending's dtype, size, alignment
+            prologue = gemv_cuda.NormPrologue(weight, eps, zero_centered, pending, residual)
+            prologue.operands(x, self.quant.in_features)
+        except ValueError:  # e.g. a Llama norm's fp32 weight: the norm's launch
+            return None
+        return (x if residual is None else residual,
+                gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue))
 
     def forward_activated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu_mul(gate, up)) with the activation done in the CUDA

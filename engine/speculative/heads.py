@@ -71,7 +71,6 @@ def save_head(path: str | Path, config: ModelConfig, tensors: dict[str, torch.Te
     os.replace(partial, path)
 
 
-
 def best_head_writer(path: str | Path, config: ModelConfig, base_model: str):
     """train_head's on_best for `tandem train-mtp --dev-every`: writes each new
     best head to `path` as it is found, marked as a checkpoint; the finished
@@ -81,6 +80,7 @@ def best_head_writer(path: str | Path, config: ModelConfig, base_model: str):
                   {"base_model": base_model, "dev_chosen_step": str(step), "checkpoint": "yes",
                    **{f"dev_{kind}_loop_length": f"{v:.3f}" for kind, v in lengths.items()}})
     return write
+
 
 def read_head(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors in `dtype`, after checking it was made for this base model."""
