@@ -5,7 +5,7 @@ back-to-back calls, weight copies cycled past L2, PDL on as in the step):
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
 
 First every rows-per-tile at the plan's own slots and a full persistent
-grid, then, for each shape's best: the tile queue, twice the slots (at the
+grid, then, for each shape's best: twice the slots (at the
 same and at half the rows), a capped grid and the cross-warp sums of 2, 4, 8
 or 16 tiles reduced at once (flush). The
 best plan per shape goes to --plans-out, the file TANDEM_GEMV_CUDA_PLANS
@@ -97,7 +97,7 @@ def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
 
     if best is None:
         return [plan_for(k, rows=r) for r in rows_list]
-    tries = [plan_for(k, rows=best.rows, slots=best.slots, queue=True)]
+    tries = []
     if best.threads > 64:
         tries.append(plan_for(k, rows=best.rows, slots=best.slots * 2))
         if best.rows > 1:  # the same registers a thread, half the threads
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
                   f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['cuda_us']:.1f}",
                   f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
-                  "r{rows} s{slots} t{threads} b{blocks_per_sm} q{queue:d} f{flush}".format(
+                  "r{rows} s{slots} t{threads} b{blocks_per_sm} f{flush}".format(
                       **r["best"])]
                  for r in results])
     for key in ("triton_us", "cuda_us", "floor_us"):

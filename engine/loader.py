@@ -76,7 +76,9 @@ def load_model(spec: str | None = None, device: str | torch.device = "cpu",
     loaded = _load(spec, torch.device(device), dtype, progress, seed, weights, trained_head)
     if loaded.device.type == "cuda":  # (imports triton)
         from engine.dense_gemv import adopt_dense_gemv
+        from engine.quant.linear import adopt_read_ahead
         adopt_dense_gemv(loaded.model, loaded.device)
+        adopt_read_ahead(loaded.model)
     return loaded
 
 

@@ -510,6 +510,20 @@ class CausalLM(nn.Module):
     def output_embedding(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def decode_projections(self) -> list[nn.Module]:
+        """The decoder layers' weight projections in the order a step runs
+        them (DecoderLayer.forward_deferred): each mixer's first and last,
+        then the MLP's two; a weight-read-ahead chain follows this order
+        (engine/quant/linear.read_ahead_chain)."""
+        order = []
+        for layer in self.model.layers:
+            if layer.is_linear:
+                order += [layer.linear_attn.in_proj, layer.linear_attn.out_proj]
+            else:
+                order += [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            order += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        return order
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, all_logits: bool = False,
                 return_hidden: bool = False):

@@ -54,8 +54,6 @@ def test_bad_plans_say_what_is_wrong():
         plan_for(2048, rows=8, flush=16)   # 64 threads cannot sum 128 held rows
     with pytest.raises(ValueError, match="flush must be >= 1"):
         plan_for(2048, flush=0)
-    with pytest.raises(ValueError, match="tile queue reduces every tile"):
-        plan_for(5120, queue=True, flush=4)
 
 
 def _quant(n, k, asym=True, d_dtype=torch.float16, superblock=256, seed=0, device="cpu"):
@@ -93,12 +91,13 @@ def test_the_switch_is_on_by_default_where_nvrtc_loads_and_a_bad_value_names_it(
 
 def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path, monkeypatch):
     path = tmp_path / "plans.json"
+    # "queue": a key of files written before the tile queue was removed
     path.write_text(json.dumps({"34816,5120": {"rows": 4, "slots": 2, "blocks_per_sm": 3,
-                                               "queue": True},
+                                               "queue": False},
                                 "5120,6144": {"rows": 4, "flush": 8}}))
     monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
     assert picked_plan(34816, 5120) == CudaGemvPlan(rows=4, slots=2, threads=96, groups=160,
-                                                    blocks_per_sm=3, queue=True)
+                                                    blocks_per_sm=3)
     assert picked_plan(5120, 6144) == CudaGemvPlan(rows=4, slots=1, threads=192, groups=192,
                                                    flush=8)
     assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
@@ -209,35 +208,6 @@ def test_sums_held_across_tiles_give_the_per_tile_bits(n, rows, flush, blocks_pe
                 pdl=True)
     assert torch.equal(held, every_tile)
     _assert_close(held, _expected(x, qt))
-
-
-@needs_gpu
-@pytest.mark.parametrize("blocks_per_sm", [1, 0])
-def test_the_tile_queue_gives_the_strided_grids_bits_and_leaves_its_counters_zero(
-        blocks_per_sm):
-    """A tile's sum does not depend on which block takes it, so the queue's
-    output is bitwise the strided grid's; its counters are back at zero after
-    every launch, eager and in a graph of chained dependent launches."""
-    qt = _quant(2000, 2048, seed=13, device="cuda")
-    x = _activation(2048, seed=14)
-    strided = _run(qt, x, plan_for(2048, rows=4, blocks_per_sm=blocks_per_sm))
-    plan = plan_for(2048, rows=4, blocks_per_sm=blocks_per_sm, queue=True)
-    counters = gemv_cuda.queue_counters(x.device)
-    for _ in range(3):
-        assert torch.equal(_run(qt, x, plan, pdl=True), strided)
-        torch.cuda.synchronize()
-        assert counters.tolist() == [0, 0]
-    outs = [torch.full((1, 2000), float("nan"), dtype=torch.bfloat16, device="cuda")
-            for _ in range(3)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for out in outs:
-            gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, pdl=True)
-    for _ in range(2):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(out, strided) for out in outs)
-    assert counters.tolist() == [0, 0]
 
 
 @needs_gpu
@@ -607,3 +577,162 @@ def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue):
               for name in re.findall(r"[A-Z_][A-Z0-9_]*", line)}
     assert tested <= defined, tested - defined
     assert len([o for o in options if o.startswith("-D")]) == len(defined)  # each once
+
+
+# ------------------------------------------------- reading the next weight ahead into L2
+
+
+def test_a_read_ahead_takes_the_leading_rows_of_each_aligned_tensor_within_its_budget():
+    from engine.quant.gemv_cuda import L2Prefetch
+
+    qt = _quant(300, 512)   # Q4_K-like: codes 256 B a row, sc and m 16, d and dmin 4
+    per_row = 256 + 16 + 16 + 4 + 4
+    got = L2Prefetch.of(qt, 100 * per_row + 7)
+    assert got.rows == 100
+    sizes = {t.data_ptr(): size for t, size in got.ranges}
+    assert sizes[qt.qweight.data_ptr()] == 100 * 256
+    assert sizes[qt.sc.data_ptr()] == sizes[qt.m.data_ptr()] == 1600
+    assert sizes[qt.d.data_ptr()] == 400 // 16 * 16   # rounded down to whole 16-byte units
+    assert all(size % 16 == 0 for size in sizes.values()) and got.nbytes <= 100 * per_row
+    assert L2Prefetch.of(qt, 10 ** 9).rows == 300           # never past the weight
+    assert L2Prefetch.of(qt, 1).rows == 1                   # at least one row
+    # a range that does not start on 16 bytes is left to the GEMV's own loads
+    storage = torch.empty(qt.sc.numel() + 1, dtype=qt.sc.dtype)
+    storage[1:] = qt.sc.reshape(-1)
+    odd_sc = storage[1:].view(qt.sc.shape)
+    got = L2Prefetch.of(QuantTensor(qt.qweight, qt.d, odd_sc, qt.dmin, qt.m), 100 * per_row)
+    assert got.rows == 100 and len(got.ranges) == 4
+    assert odd_sc.data_ptr() not in {t.data_ptr() for t, _ in got.ranges}
+
+
+def test_the_read_ahead_parameter_matches_the_kernels_struct():
+    """_Regions is passed by value as q4_gemv.cu's L2Regions: the same count
+    of ranges, and the C layout (5 pointers, then 5 unsigned, padded to 8)."""
+    import ctypes
+    import re
+
+    from engine.quant.gemv_cuda import L2_REGIONS, L2Prefetch, _Regions
+
+    source = gemv_cuda.SOURCE.read_text()
+    assert int(re.search(r"constexpr int L2_REGIONS = (\d+);", source).group(1)) == L2_REGIONS
+    assert ctypes.sizeof(_Regions) == 64 and _Regions.bytes.offset == 8 * L2_REGIONS
+    qt = _quant(64, 512)
+    regions = L2Prefetch.of(qt, 1 << 20).regions()
+    assert list(regions.bytes) == [64 * 256, 64 * 4, 64 * 16, 64 * 4, 64 * 16]
+    assert regions.base[0] == qt.qweight.data_ptr()
+
+
+def test_the_read_ahead_chain_follows_the_order_a_decode_step_calls_the_projections(
+        monkeypatch):
+    """decode_projections against the calls of a real forward (hooks on
+    every projection of the decoder layers), and the chain links each
+    QuantLinear to the next without adding anything to the state dict."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from engine.loader import load_model
+    from engine.quant.linear import QuantLinear, SplitLinear, read_ahead_chain
+    from torch import nn
+
+    loaded = load_model("tiny-qwen3.5", weights="q4_k_m", progress=False)
+    model = loaded.model
+    projections = model.decode_projections()
+    assert len(projections) == 4 * len(model.model.layers)
+    called = []
+    parts = {id(p) for m in model.modules() if isinstance(m, SplitLinear) for p in m.parts}
+    hooks = [m.register_forward_hook(lambda module, *_: called.append(module))
+             for layer in model.model.layers for m in layer.modules()
+             if isinstance(m, (QuantLinear, nn.Linear, SplitLinear)) and id(m) not in parts]
+    cache = PagedKVCache(loaded.config, CacheShape(4, 16, 1), "cpu",
+                         make_format("bf16", dtype=torch.float32))
+    with torch.inference_mode():
+        model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 0)], 16, "cpu"), cache)
+    for hook in hooks:
+        hook.remove()
+    assert [id(m) for m in called] == [id(m) for m in projections]
+    keys = set(model.state_dict())
+    quant = [m for m in projections if isinstance(m, QuantLinear)]
+    linked = read_ahead_chain(projections, 8 << 20)
+    pairs = list(zip(projections, projections[1:]))
+    assert linked == sum(isinstance(a, QuantLinear) and isinstance(b, QuantLinear)
+                         for a, b in pairs) > 0
+    for a, b in pairs:
+        if isinstance(a, QuantLinear):
+            assert a._read_ahead == ((b, 8 << 20) if isinstance(b, QuantLinear) else None)
+    assert not isinstance(projections[-1], QuantLinear) or projections[-1]._read_ahead is None
+    assert set(model.state_dict()) == keys      # the link is no child module
+    assert read_ahead_chain(projections, 0) == 0
+    assert all(m._read_ahead is None for m in quant)
+
+
+def test_the_read_ahead_switch_names_itself_and_is_off_by_default(monkeypatch):
+    from engine.loader import load_model
+    from engine.quant.linear import L2_PREFETCH_ENV, QuantLinear, adopt_read_ahead
+
+    model = load_model("tiny-qwen3.5", weights="q4_k_m", progress=False).model
+    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
+    assert adopt_read_ahead(model) == 0
+    assert all(m._read_ahead is None for m in model.modules() if isinstance(m, QuantLinear))
+    monkeypatch.setenv(L2_PREFETCH_ENV, "12")
+    with pytest.raises(ValueError, match=L2_PREFETCH_ENV):
+        adopt_read_ahead(model)
+    monkeypatch.setenv(L2_PREFETCH_ENV, "16")
+    assert adopt_read_ahead(model) > 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_gemv_that_reads_the_next_weight_ahead_gives_the_same_bits(pdl):
+    """The read-ahead only warms L2: the output is bitwise the plain GEMV's,
+    eager and in a graph where the weight it read ahead is the next GEMV's."""
+    from engine.quant.gemv_cuda import L2Prefetch
+
+    a = _quant(1024, 2048, seed=21, device="cuda")
+    b = _quant(512, 1024, seed=22, device="cuda")
+    x = _activation(2048, seed=23)
+    plan_a, plan_b = plan_for(2048), plan_for(1024)
+    plain = _run(a, x, plan_a, pdl=pdl)
+    ahead = gemv_cuda.gemv_cuda(x, a, plan=plan_a, pdl=pdl,
+                                l2_prefetch=L2Prefetch.of(b, 1 << 20))
+    assert torch.equal(ahead, plain)
+    mid = torch.full((1, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_cuda.gemv_cuda(x, a, out=mid, plan=plan_a, pdl=pdl,
+                            l2_prefetch=L2Prefetch.of(b, 256 << 10))
+        gemv_cuda.gemv_cuda(mid, b, out=out, plan=plan_b, pdl=pdl)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(mid, plain)
+    assert torch.equal(out, _run(b, plain, plan_b, pdl=pdl))
+
+
+@needs_gpu
+def test_the_model_with_read_ahead_decodes_the_same_logits(monkeypatch):
+    """TANDEM_GEMV_L2_PREFETCH_MB links the loaded int4 model's projections;
+    its decode step's logits are bitwise those of the model without."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from engine.loader import load_model
+    from engine.quant.linear import L2_PREFETCH_ENV, read_ahead_chain
+
+    monkeypatch.setenv(L2_PREFETCH_ENV, "8")
+    loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
+    model = loaded.model
+    linked = [m for m in model.decode_projections() if getattr(m, "_read_ahead", None)]
+    assert linked
+
+    def step():
+        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 1), "cuda",
+                             make_format("bf16", dtype=torch.bfloat16))
+        with torch.inference_mode():
+            model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 0)], 16, "cuda"),
+                  cache)
+            return model(ForwardBatch.build([SequenceInput((7,), 3, (0,), 0)], 16, "cuda"),
+                         cache)
+
+    ahead = step()
+    read_ahead_chain(model.decode_projections(), 0)
+    assert torch.equal(step(), ahead)

@@ -43,8 +43,7 @@ class CudaGemvPlan:
     """rows: output rows a block computes per tile; slots: groups of 32
     K-elements each thread owns (g = thread + j * threads); threads per
     block; blocks_per_sm: how many blocks of the persistent grid each SM
-    gets (0: as many as fit); queue: blocks take their tiles after the
-    first from a counter instead of striding (q4_gemv.cu, QUEUE); flush:
+    gets (0: as many as fit); flush:
     tiles whose cross-warp sums a block reduces together, at one barrier
     pair (1: every tile; q4_gemv.cu, FLUSH)."""
     rows: int
@@ -52,7 +51,6 @@ class CudaGemvPlan:
     threads: int
     groups: int
     blocks_per_sm: int = 0
-    queue: bool = False
     flush: int = 1
 
     def __post_init__(self) -> None:
@@ -68,15 +66,12 @@ class CudaGemvPlan:
         if self.flush < 1 or self.flush * self.rows > self.threads:
             raise ValueError(f"flush must be >= 1 with flush x rows <= threads "
                              f"(a thread sums each held row): {self}")
-        if self.queue and self.flush != 1:
-            # a queued block learns its next tile at the barrier, every tile
-            raise ValueError(f"the tile queue reduces every tile (flush 1): {self}")
 
     def spec(self) -> dict:
         """The choices a plans file records (plan_for rebuilds the plan from
         them and K: groups and threads follow)."""
         return {"rows": self.rows, "slots": self.slots, "blocks_per_sm": self.blocks_per_sm,
-                "queue": self.queue, "flush": self.flush}
+                "flush": self.flush}
 
     def tiles(self, n: int) -> int:
         return -(-n // self.rows)
@@ -88,7 +83,7 @@ class CudaGemvPlan:
 
 
 def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_per_sm: int = 0,
-             queue: bool = False, flush: int = 1) -> CudaGemvPlan:
+             flush: int = 1) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
     slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
@@ -110,7 +105,7 @@ def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_
         raise ValueError(f"no thread count up to {MAX_THREADS} covers K = {k} "
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
-                        blocks_per_sm=blocks_per_sm, queue=queue, flush=flush)
+                        blocks_per_sm=blocks_per_sm, flush=flush)
 
 
 def runs(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
@@ -251,15 +246,61 @@ class GatedNormPrologue:
 
 Prologue = NormPrologue | SiluPrologue | GatedNormPrologue
 
+L2_REGIONS = 5  # q4_gemv.cu's L2Regions: a QuantTensor's qweight, d, sc, dmin, m
+
+
+class _Regions(ctypes.Structure):
+    """q4_gemv.cu's L2Regions, the kernel's last parameter (by value)."""
+    _fields_ = [("base", ctypes.c_void_p * L2_REGIONS), ("bytes", ctypes.c_uint * L2_REGIONS)]
+
+
+@dataclass(frozen=True)
+class L2Prefetch:
+    """The first `rows` rows of a weight that a GEMV asks L2 for after its
+    last tile (q4_gemv.cu, L2_PREFETCH): the projection that runs next, whose
+    bytes then stream from DRAM while the small kernels between the two run.
+    ranges: (tensor, bytes from its start) for each of the weight's tensors
+    whose rows prefix is a whole number of 16-byte units from an aligned
+    base; the others are left to the GEMV's own loads."""
+    rows: int
+    ranges: tuple[tuple[torch.Tensor, int], ...]
+
+    @classmethod
+    def of(cls, qt: QuantTensor, budget_bytes: int) -> "L2Prefetch":
+        """As many leading rows of `qt` as `budget_bytes` holds (codes and
+        scales together), at least one."""
+        n = qt.out_features
+        parts = [t for t in (qt.qweight, qt.d, qt.sc, qt.dmin, qt.m) if t is not None]
+        per_row = sum(t.nbytes for t in parts) // n
+        rows = max(1, min(n, budget_bytes // max(per_row, 1)))
+        ranges = []
+        for t in parts:
+            size = t.nbytes * rows // n // 16 * 16
+            if size and t.is_contiguous() and t.data_ptr() % 16 == 0:
+                ranges.append((t, size))
+        return cls(rows, tuple(ranges))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(size for _, size in self.ranges)
+
+    def regions(self) -> _Regions:
+        regions = _Regions()
+        for i, (t, size) in enumerate(self.ranges):
+            regions.base[i] = t.data_ptr()
+            regions.bytes[i] = size
+        return regions
+
 
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
-                  pdl: bool, prologue: Prologue | None = None) -> tuple[str, ...]:
+                  pdl: bool, prologue: Prologue | None = None,
+                  l2_prefetch: bool = False) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {})}
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            f"-DQUEUE={int(plan.queue)}", f"-DFLUSH={plan.flush}",
+            f"-DFLUSH={plan.flush}", f"-DL2_PREFETCH={int(l2_prefetch)}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -313,6 +354,7 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
     from torch.cuda._utils import _get_gpu_runtime_library
 
     values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)
+              else a if isinstance(a, ctypes.Structure)
               else ctypes.c_float(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
     pointers = (ctypes.c_void_p * len(values))(
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
@@ -327,12 +369,15 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
               plan: CudaGemvPlan | None = None, pdl: bool | None = None,
-              prologue: Prologue | None = None) -> torch.Tensor:
+              prologue: Prologue | None = None, l2_prefetch: L2Prefetch | None = None
+              ) -> torch.Tensor:
     """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with a
     prologue, the op before the GEMV done first inside it: NormPrologue
     (RMSNorm(x (+ pending))), SiluPrologue (x the [1, 2K] gate_up row),
-    GatedNormPrologue (GDN's gated norm). Unset, the plan is picked_plan's
-    and PDL is on where engine/pdl.py turns it on."""
+    GatedNormPrologue (GDN's gated norm); with l2_prefetch, the next
+    weight's leading rows asked of L2 at the end (sm_90 on; elsewhere
+    ignored). Unset, the plan is picked_plan's and PDL is on where
+    engine/pdl.py turns it on."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
@@ -357,25 +402,20 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"x must be a [1, {k}] row, got {tuple(x.shape)}")
     else:
         prologue_args = [x, x, 0.0, x]
+    if l2_prefetch is not None and (not l2_prefetch.ranges or
+                                    torch.cuda.get_device_capability(device)[0] < 9):
+        l2_prefetch = None  # the bulk prefetch is sm_90's
     compiled = _compiled(build_options(plan, qt.superblock, qt.asymmetric,
-                                       qt.d.dtype == torch.float32, pdl, prologue),
+                                       qt.d.dtype == torch.float32, pdl, prologue,
+                                       l2_prefetch is not None),
                          device, plan.threads)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     dmin = qt.dmin if qt.asymmetric else qt.d
     m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
-            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, queue_counters(x.device),
-             *prologue_args], pdl)
+            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
+             l2_prefetch.regions() if l2_prefetch is not None else _Regions()], pdl)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def queue_counters(device: torch.device) -> torch.Tensor:
-    """A QUEUE launch's (tiles taken, blocks done), zero between launches: the
-    last block of each launch sets them back. One pair per device serves
-    every launch of the process, since a worker runs its model on one
-    stream and a launch touches them only after the one before is done."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 CUDA_ENV = "TANDEM_GEMV_CUDA"
@@ -414,8 +454,7 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
         n, k = (int(v) for v in key.split(","))
         plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
                                  blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
-                                 queue=bool(spec.get("queue", False)),
-                                 flush=int(spec.get("flush", 1)))  # older files lack the last
+                                 flush=int(spec.get("flush", 1)))  # older files lack it
     return plans
 
 

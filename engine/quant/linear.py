@@ -76,8 +76,36 @@ class QuantLinear(_QuantHolder):
         super().__init__(qt, compute_dtype)
         self.in_features, self.out_features = qt.in_features, qt.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        # (the projection that runs next, bytes of it to read ahead) or None:
+        # a tuple, so that nn.Module does not adopt the other module as a child
+        self._read_ahead: tuple[QuantLinear, int] | None = None
+
+    def read_ahead(self, following: "QuantLinear | None", budget_bytes: int) -> None:
+        """After this projection's one-row CUDA GEMV, ask L2 for the first
+        `budget_bytes` of `following`'s weight (the projection the model runs
+        next): DRAM streams it while the small kernels between the two run
+        (gemv_cuda.L2Prefetch). None or 0 bytes: nothing."""
+        self._read_ahead = (following, budget_bytes) \
+            if following is not None and budget_bytes > 0 else None
+
+    def _l2_prefetch(self):
+        """The L2Prefetch of the projection that runs next, from its current
+        buffers (an arena may have moved them since read_ahead), or None."""
+        if self._read_ahead is None:
+            return None
+        following, budget = self._read_ahead
+        qt = following.quant
+        if qt.qweight.device != self.qweight.device:
+            return None
+        from engine.quant.gemv_cuda import L2Prefetch
+        return L2Prefetch.of(qt, budget)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._read_ahead is not None and x.is_cuda and x.dim() == 2:
+            from engine.quant import gemv_cuda
+
+            if gemv_cuda.runs(x, self.quant, self.bias):
+                return gemv_cuda.gemv_cuda(x, self.quant, l2_prefetch=self._l2_prefetch())
         return quant_matmul(x, self.quant, self.bias)
 
     def forward_normed(self, x: torch.Tensor, pending: torch.Tensor | None,
@@ -99,7 +127,8 @@ class QuantLinear(_QuantHolder):
         except ValueError:  # e.g. a Llama norm's fp32 weight: the norm's launch
             return None
         return (x if residual is None else residual,
-                gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue))
+                gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue,
+                                    l2_prefetch=self._l2_prefetch()))
 
     def forward_activated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """self(silu_mul(gate, up)) with the activation done in the CUDA
@@ -113,7 +142,8 @@ class QuantLinear(_QuantHolder):
         if gate_up.shape[-1] != 2 * self.quant.in_features or not gemv_cuda.runs(gate_up,
                                                                                  self.quant):
             return None
-        return gemv_cuda.gemv_cuda(gate_up, self.quant, prologue=gemv_cuda.SiluPrologue())
+        return gemv_cuda.gemv_cuda(gate_up, self.quant, prologue=gemv_cuda.SiluPrologue(),
+                                   l2_prefetch=self._l2_prefetch())
 
     def forward_gated_normed(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                              eps: float) -> torch.Tensor | None:
@@ -134,7 +164,8 @@ class QuantLinear(_QuantHolder):
             prologue.operands(row, self.quant.in_features)
         except ValueError:  # e.g. heads narrower than a group: the norm's launch
             return None
-        return gemv_cuda.gemv_cuda(row, self.quant, prologue=prologue)
+        return gemv_cuda.gemv_cuda(row, self.quant, prologue=prologue,
+                                   l2_prefetch=self._l2_prefetch())
 
     def _prologue_may_run(self, x: torch.Tensor, switch: str) -> bool:
         return self.bias is None and x.is_cuda and prologue_wanted(switch)
@@ -163,6 +194,35 @@ def prologue_wanted(switch: str) -> bool:
 
     on, off = _PROLOGUES[switch]
     return on_off(switch, False, on=on, off=off)
+
+
+L2_PREFETCH_ENV = "TANDEM_GEMV_L2_PREFETCH_MB"
+L2_PREFETCH_CHOICES = (0, 4, 8, 16, 24, 32, 48)
+
+
+def read_ahead_chain(projections: Sequence[nn.Module], budget_bytes: int) -> int:
+    """Each QuantLinear of `projections` (in the order they run) reads ahead
+    `budget_bytes` of the next one when that is a QuantLinear too; returns
+    how many do. 0 bytes unlinks them all."""
+    linked = 0
+    for current, following in zip(projections, [*projections[1:], None]):
+        if isinstance(current, QuantLinear):
+            quant_next = following if isinstance(following, QuantLinear) else None
+            current.read_ahead(quant_next, budget_bytes)
+            linked += quant_next is not None and budget_bytes > 0
+    return linked
+
+
+def adopt_read_ahead(model: nn.Module) -> int:
+    """read_ahead_chain over a GPU model's decode projections with
+    TANDEM_GEMV_L2_PREFETCH_MB megabytes (read at load; 0, the default
+    until the H200 has timed it, links nothing)."""
+    from engine.switches import one_of
+
+    megabytes = one_of(L2_PREFETCH_ENV, 0, L2_PREFETCH_CHOICES)
+    if not megabytes or not hasattr(model, "decode_projections"):
+        return 0
+    return read_ahead_chain(model.decode_projections(), megabytes << 20)
 
 
 class QuantEmbedding(_QuantHolder):

@@ -22,12 +22,15 @@
 //     together, at one barrier pair per FLUSH tiles: with a barrier pair
 //     every tile the warps of a block walk in step, and an SM whose only
 //     block (down: 544 threads, one block an SM) sits at the barrier loads
-//     nothing meanwhile;
-//   * QUEUE=1: after its first tile a block takes the next from a counter
-//     (atomicAdd) instead of striding, so blocks that run ahead take more
-//     tiles and the grid ends together; the last block out sets the two
-//     counters back to zero for the next launch (a launch's blocks touch
-//     them only after griddepcontrol.wait, when the launch before is done).
+//     nothing meanwhile.
+//   * L2_PREFETCH=1: after its last tile each block asks L2 for its share of
+//     the first rows of the projection that runs next (`prefetch`, up to
+//     L2_REGIONS byte ranges: its codes and scales), so that DRAM streams
+//     that weight through the small kernels between the two GEMVs (norms,
+//     GDN steps, attention), which leave it idle.
+// (A tile queue, blocks taking their tiles from an atomic counter so that
+// the grid ends together, lost 2-17 us on every 27B shape in two sweeps and
+// was removed: BENCHMARKS.md 2026-12-04 21:16.)
 //
 // Layout (engine/quant/tensor.py): qweight uint8 [N, K/2] (byte j: k = 2j in
 // its low nibble, 2j + 1 in its high one), so the four int32 words of group
@@ -51,12 +54,20 @@
 // so the activation's launch goes away. No reduction: each thread makes its
 // own groups.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
-// superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS; 1
-// with QUEUE), QUEUE, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
+// superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
+// L2_PREFETCH, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED.
 
 typedef unsigned short u16;
+
+// the byte ranges L2_PREFETCH reads ahead, passed by value (gemv_cuda.py's
+// _Regions has the same layout); an empty range has bytes 0
+constexpr int L2_REGIONS = 5;
+struct L2Regions {
+    const char* base[L2_REGIONS];
+    unsigned bytes[L2_REGIONS];   // multiples of 16, from 16-byte aligned bases
+};
 
 #if D_F32
 typedef float scale_t;
@@ -205,7 +216,12 @@ constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
 // vector i of slot j's group at stash[i][j * THREADS + thread]: a warp's
 // 16-byte accesses are consecutive, so they take no bank conflicts. Copied
 // by cp.async, global to shared without registers (through registers the
-// loads in flight took the kernel from 96 to 104, 4 to 3 blocks an SM)
+// loads in flight took the kernel from 96 to 104, 4 to 3 blocks an SM).
+// .ca, through L1: every block reads the same weight (GATED: one 256-byte
+// head weight for all ~50K threads), and with .cg (L2 only) GATED ran
+// 74.9 us against 8.8 for the norm's launch and the GEMV (12-04 21:16; ncu:
+// DRAM 4.8% busy, half the stalls on L1TEX): the guess is one L2 slice
+// serving every copy. Untimed since the change.
 // (the 32 weights from element `first` on: g * 32 for NORM, the group's place
 // in its head for GATED)
 __device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ weight, int first,
@@ -215,7 +231,7 @@ __device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ w
     for (int i = 0; i < W_VECS; ++i) {
         asm volatile("{ .reg .u64 a; .reg .u32 s;\n"
                      "  cvta.to.shared.u64 a, %0; cvt.u32.u64 s, a;\n"
-                     "  cp.async.cg.shared.global [s], [%1], 16; }"
+                     "  cp.async.ca.shared.global [s], [%1], 16; }"
                      :: "l"(&stash[i][j * THREADS + threadIdx.x]), "l"(src + i) : "memory");
     }
 }
@@ -325,6 +341,25 @@ __device__ __forceinline__ void activated_group(const u16* __restrict__ gate_up,
 }
 #endif
 
+#if L2_PREFETCH
+// this block's share of each range, in 16-byte multiples: a bulk prefetch
+// into L2 (sm_90), which nothing waits for
+__device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
+#pragma unroll
+    for (int i = 0; i < L2_REGIONS; ++i) {
+        const unsigned bytes = regions.bytes[i];
+        const unsigned share = (bytes + gridDim.x * 16u - 1u) / (gridDim.x * 16u) * 16u;
+        const unsigned first = blockIdx.x * share;
+        if (share == 0u || first >= bytes) continue;
+        const unsigned size = min(share, bytes - first);
+        asm volatile("{ .reg .u64 a;\n"
+                     "  cvta.to.global.u64 a, %0;\n"
+                     "  cp.async.bulk.prefetch.L2.global [a], %1; }"
+                     :: "l"(regions.base[i] + first), "r"(size) : "memory");
+    }
+}
+#endif
+
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
     const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
@@ -340,8 +375,10 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     return part;
 }
 
-// GATED asks for two blocks an SM: left alone ptxas gave it 140 registers
-// (two blocks of 192 threads, where 112 fit three and spill nothing)
+// GATED asks for two blocks an SM: left alone ptxas gave it 140 registers.
+// It takes 112 then and spills nothing, yet the driver still runs two
+// 192-thread blocks an SM, not three (H200 12-04 21:40: the occupancy query
+// and ncu's "Block Limit Registers" both say 2)
 #if GATED
 #define GEMV_BOUNDS __launch_bounds__(THREADS, 2)
 #else
@@ -351,15 +388,14 @@ extern "C" __global__ void GEMV_BOUNDS
 tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const scale_t* __restrict__ d, const signed char* __restrict__ sc,
                const scale_t* __restrict__ dmin, const signed char* __restrict__ m,
-               u16* __restrict__ out, int n_rows, int* __restrict__ queue,
+               u16* __restrict__ out, int n_rows,
                const u16* __restrict__ pending, const void* __restrict__ norm_w,
-               float eps, u16* __restrict__ residual_out) {
+               float eps, u16* __restrict__ residual_out, const L2Regions prefetch) {
     constexpr int WARPS = THREADS / 32;
     __shared__ float partial[FLUSH][ROWS][WARPS];
 #if NORM
     __shared__ float squares_of_warp[WARPS];
 #endif
-    __shared__ int queued[2];     // the tile after the next one, taken a tile ahead
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = (n_rows + ROWS - 1) / ROWS;
     int index = blockIdx.x;
@@ -382,9 +418,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-#if QUEUE
-    if (threadIdx.x == 0) queued[0] = gridDim.x + atomicAdd(queue, 1);
 #endif
     XSlice xs[SLOTS];
 #if GATED
@@ -462,17 +495,10 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-#if QUEUE
-    __syncthreads();              // queued[0] visible
-#endif
     int held = 0;                 // tiles whose sums wait in partial
     int first_held = index;       // the first of them; the others follow by gridDim.x
-    for (int slot = 0; index < tiles; slot ^= 1) {
-#if QUEUE
-        const int following = queued[slot];
-#else
+    while (index < tiles) {
         const int following = index + gridDim.x;
-#endif
         Group tile[ROWS][SLOTS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
@@ -491,34 +517,24 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                 acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
             if (lane == 0) partial[held][r][warp] = acc[r];
         }
-#if QUEUE
-        if (threadIdx.x == 0 && following < tiles) queued[slot ^ 1] = gridDim.x + atomicAdd(queue, 1);
-#endif
         ++held;
         if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
             __syncthreads();
             if (threadIdx.x < held * ROWS) {
                 const int t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
-                const int n = (first_held + t * (int)gridDim.x) * ROWS + r;  // QUEUE: t = 0
+                const int n = (first_held + t * (int)gridDim.x) * ROWS + r;
                 float total = 0.0f;
 #pragma unroll
                 for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
                 if (n < n_rows) out[n] = float_bf16(total);
             }
-            __syncthreads();   // partial and queued[slot] are rewritten by the next tiles
+            __syncthreads();   // partial is rewritten by the next tiles
             held = 0;
             first_held = following;
         }
         index = following;
     }
-#if QUEUE
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(queue + 1, 1) == (int)gridDim.x - 1) {   // the last block out
-            queue[0] = 0;
-            queue[1] = 0;
-            __threadfence();
-        }
-    }
+#if L2_PREFETCH
+    if (threadIdx.x == 0) prefetch_share(prefetch);
 #endif
 }
