@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The weight read-ahead into L2, the prologues' copies through L1, and a
+# head from D at a lower rate; chained calls (the machine goes back after
+# 30 s idle; /tmp survives while it stays warm). Carry (64 MiB a call with
+# the tracked tree's ~16 MB; .whl stays on the machine once carried):
+#   bash scripts/sessions/device_next46.sh gemv   (carry .whl .device/gguf.part.aa)
+#   bash scripts/sessions/device_next46.sh park   (carry .device/gguf.part.ab .device/corpus.part00)
+#   bash scripts/sessions/device_next46.sh park   (carry .device/gguf.part.ac .device/corpus.part01)
+#   bash scripts/sessions/device_next46.sh train  (carry .device/corpus.part02 .device/corpus.part03)
+#   bash scripts/sessions/device_next39.sh bench
+# gemv: the CUDA GEMV's GPU tests (new: a GEMV that reads the next weight
+#   ahead gives the same bits, eager, in a graph and through the model),
+#   the prologue probe (the norm weight's cp.async now .ca: GATED ran 74.9 us
+#   against 8.8 with .cg at 21:16), then the int4 27B step in ROUNDS (2)
+#   alternating rounds: the default, TANDEM_GEMV_L2_PREFETCH_MB 8 / 16 / 32
+#   (each projection's GEMV asks L2 for the next one's leading rows after
+#   its last tile, so DRAM streams them through the small kernels between),
+#   TANDEM_GATED_PROLOGUE=1 and TANDEM_NORM_PROLOGUE=1 (~22 s a run: ~400 s).
+# train: from head D (INIT) at LR (default 1e-4: at 3e-4 the 21:27 run
+#   fell from D's dev 2.021 to 1.922 by step 400 and peaked at 2.018) on the
+#   149,470-sample corpus (~190 s of reading and features before step 0).
+set -uo pipefail
+call=${1:?gemv, park or train}
+mkdir -p /tmp/gguf /tmp/corpus
+cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; cp .device/corpus.part* /tmp/corpus/ 2>/dev/null
+ls /tmp/gguf /tmp/corpus
+source scripts/device_env.sh
+step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switches apply)
+  STEP_TAIL=3 step "$1" 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
+}
+case "$call" in
+  gemv)
+    STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
+    STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
+    for round in $(seq "${ROUNDS:-2}"); do
+      step_27b "step_default_$round"
+      for mb in 8 16 32; do
+        TANDEM_GEMV_L2_PREFETCH_MB=$mb step_27b "step_ahead${mb}_$round"
+      done
+      TANDEM_GATED_PROLOGUE=1 step_27b "step_gated_$round"
+      TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
+    done ;;
+  park) ;;
+  train)
+    [ -f /tmp/mtp_corpus.pt ] || cat /tmp/corpus/corpus.part* > /tmp/mtp_corpus.pt
+    ls -la /tmp/mtp_corpus.pt   # 59,308,889 bytes
+    assemble_gguf
+    HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
+    cp "${INIT:-$HEAD}" /tmp/start_head.safetensors
+    STEP_TAIL=12 step train "${TRAIN_LIMIT:-570}" python3 -m tandem.cli train-mtp --device cuda \
+      --max-batch 256 --samples-per-prompt 2 --new-tokens 160 --varied 100000 --max-prompts 100 \
+      --corpus /tmp/mtp_corpus.pt --time-budget "${BUDGET:-340}" --dev-every 400 \
+      --init-head /tmp/start_head.safetensors --lr "${LR:-1e-4}" --out /tmp/new_head.safetensors
+    grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
+    cp /tmp/new_head.safetensors "$OUT/" ;;
+esac
