@@ -3,6 +3,7 @@ on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
+        [--read-ahead [MB ...]]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: twice the slots (at the
@@ -14,7 +15,10 @@ reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 shapes that follow a norm (gate_up, gdn in_proj, attn qkv), engine/fused's
 add_rms_norm launch then the GEMV against the GEMV doing the norm in its
 prologue (gemv_cuda.NormPrologue); --silu the same for down and the MLP's
-silu_mul, --gated for gdn out and GDN's gated norm. GPU only.
+silu_mul, --gated for gdn out and GDN's gated norm. --read-ahead times
+two GEMVs in the step's order with the small kernels between them (stood in
+for by tiny elementwise launches), plain against the first reading the
+second's leading 8, 16 or 32 MB into L2 (gemv_cuda.L2Prefetch). GPU only.
 """
 from __future__ import annotations
 
@@ -92,6 +96,41 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
             "apart_us": timed["apart"] * 1e6, "fused_us": timed["fused"] * 1e6}
 
 
+# (first, second, small kernels between them in a 27B step): GDN's conv,
+# recurrence and gated norm; an add_rms_norm; the MLP's activation
+READ_AHEAD_PAIRS = (("gdn in_proj", "gdn out", 3), ("gdn out", "gate_up", 1),
+                    ("gate_up", "down", 1), ("down", "gdn in_proj", 1))
+
+
+def read_ahead_pair(first: tuple, second: tuple, gap: int, megabytes: list[int],
+                    device) -> dict:
+    """us per (first GEMV, `gap` tiny launches, second GEMV), graph-timed
+    with weight copies cycled past L2, for each read-ahead size (0: none)."""
+    from engine.quant.gemv_cuda import L2Prefetch, gemv_cuda
+
+    (name_a, fmt_a, n_a, k_a), (name_b, fmt_b, n_b, k_b) = first, second
+    copies_a, copies_b = _copies(fmt_a, n_a, k_a, device), _copies(fmt_b, n_b, k_b, device)
+    x_a = torch.randn(1, k_a, device=device, dtype=torch.bfloat16)
+    x_b = torch.randn(1, k_b, device=device, dtype=torch.bfloat16)
+    out_a = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
+    out_b = torch.empty(1, n_b, device=device, dtype=torch.bfloat16)
+    small = torch.zeros(1, 6144, device=device, dtype=torch.bfloat16)
+
+    def sequence(i: int, budget: int) -> None:
+        a, b = copies_a[i % len(copies_a)], copies_b[i % len(copies_b)]
+        ahead = L2Prefetch.of(b, budget) if budget else None
+        gemv_cuda(x_a, a, out=out_a, pdl=True, l2_prefetch=ahead)
+        for _ in range(gap):
+            small.mul_(1.0)
+        gemv_cuda(x_b, b, out=out_b, pdl=True)
+
+    timed = {mb: _time_graph([(lambda i=i, mb=mb: sequence(i, mb << 20)) for i in range(8)])
+             * 1e6 for mb in [0, *megabytes]}
+    del copies_a, copies_b
+    return {"first": name_a, "second": name_b, "gap": gap,
+            "us": {str(mb): us for mb, us in timed.items()}}
+
+
 def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
     from engine.quant.gemv_cuda import plan_for
 
@@ -141,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time down's SiLU prologue against a silu_mul launch and the GEMV")
     p.add_argument("--gated", action="store_true",
                    help="also time gdn out's gated norm prologue against its launch and the GEMV")
+    p.add_argument("--read-ahead", type=int, nargs="*", metavar="MB",
+                   help="also time GEMV pairs with the first reading the second ahead "
+                        "(MB each; none given: 8 16 32)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.gemv_cuda needs a CUDA GPU", file=sys.stderr)
@@ -185,13 +227,25 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['fused_us']:.1f}",
                       f"{(r['apart_us'] - r['fused_us']) * r['per_step'] / 1e3:.2f}"]
                      for r in norms])
+    aheads = []
+    if args.read_ahead is not None:
+        shapes = {name: (name, fmt, n, k) for name, fmt, n, k, _ in model_shapes()
+                  if fmt.name == "Q4_K"}
+        sizes = args.read_ahead or [8, 16, 32]
+        for first, second, gap in READ_AHEAD_PAIRS:
+            aheads.append(read_ahead_pair(shapes[first], shapes[second], gap, sizes, device))
+        print_table("first GEMV, small launches, second GEMV: us, the first reading the "
+                    "second's leading MB into L2",
+                    ["first", "second", "gap", "none", *(f"{mb} MB" for mb in sizes)],
+                    [[r["first"], r["second"], r["gap"],
+                      *(f"{r['us'][str(mb)]:.1f}" for mb in [0, *sizes])] for r in aheads])
     if args.plans_out:
         with open(args.plans_out, "w") as f:
             json.dump({f"{r['N']},{r['K']}": r["best"] for r in results}, f, indent=1)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results, "norm": norms},
-                      f, indent=1)
+            json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results, "norm": norms,
+                       "read_ahead": aheads}, f, indent=1)
     return 0
 
 

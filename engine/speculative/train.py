@@ -408,7 +408,10 @@ def base_features(model: CausalLM, samples: list[list[int]]
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sample: (normed final hidden [T, H], the base's greedy choice at
     each position [T]), from one prefill forward of all of them (a forward a
-    sample cost the H200 ~250 s of a 600 s call for 8,235 samples)."""
+    sample cost the H200 ~250 s of a 600 s call for 8,235 samples). The
+    hidden stays in the model's dtype, bf16 on a GPU: the 149,470-sample
+    corpus of 12-04 is 28.4 M tokens, 33 GB so against 65 in fp32; the loss
+    widens each step's rows (`_widened`)."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
@@ -425,7 +428,14 @@ def base_features(model: CausalLM, samples: list[list[int]]
     batch = ForwardBatch.build(seqs, page, device)
     logits, hidden = model(batch, cache, all_logits=True, return_hidden=True)
     bounds = list(zip(batch.offsets, batch.offsets[1:]))
-    return [(hidden[lo:hi].float(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
+    # copies, not views: nothing here says the forward's output is not a workspace
+    return [(hidden[lo:hi].clone(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
+
+
+def _widened(hidden: torch.Tensor) -> torch.Tensor:
+    """Features in fp32 for the head, which trains in fp32 (base_features
+    keeps them in the model's dtype; widening is exact)."""
+    return hidden.float()
 
 
 def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary,
@@ -717,7 +727,7 @@ def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
     its normed final hidden times the same rows, so no teacher output is
     stored)."""
     total, weight_sum = 0.0, 0.0
-    h = example.hidden[:-1]
+    h = _widened(example.hidden[:-1])
     for r in range(1, depth + 1):
         pairs = pairs_at_depth(example, r)
         labelled = pairs.labels != IGNORE
@@ -728,7 +738,8 @@ def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
                            pairs.mask)
         logits = F.linear(out, lm_head)
         if soft_targets:
-            target = F.softmax(F.linear(example.hidden[r:r + pairs.n], lm_head) / temperature,
+            target = F.softmax(F.linear(_widened(example.hidden[r:r + pairs.n]), lm_head)
+                               / temperature,
                                dim=-1)
             per_pair = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
             loss = per_pair[labelled].mean()
@@ -776,7 +787,7 @@ def evaluate(model, head, lm_head, examples: list[Example], depth: int) -> dict:
     hits, counts = [0] * depth, [0] * depth
     run_sum, starts, steps, accepted = 0.0, 0, 0, 0
     for e in examples:
-        h = e.hidden[:-1]
+        h = _widened(e.hidden[:-1])
         n0 = len(e.tokens) - depth  # start positions whose whole chain is labelled
         chain = torch.ones(max(n0, 0), dtype=torch.bool, device=h.device)
         answer = e.labels[1:1 + max(n0, 0)] != IGNORE

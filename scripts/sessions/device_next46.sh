@@ -11,7 +11,9 @@
 # gemv: the CUDA GEMV's GPU tests (new: a GEMV that reads the next weight
 #   ahead gives the same bits, eager, in a graph and through the model),
 #   the prologue probe (the norm weight's cp.async now .ca: GATED ran 74.9 us
-#   against 8.8 with .cg at 21:16), then the int4 27B step in ROUNDS (2)
+#   against 8.8 with .cg at 21:16), bench.gemv_cuda --read-ahead (GEMV pairs
+#   with tiny launches between: does the read-ahead shorten the pair, or does
+#   the first GEMV's end wait for its prefetch?), then the int4 27B step in ROUNDS (2)
 #   alternating rounds: the default, TANDEM_GEMV_L2_PREFETCH_MB 8 / 16 / 32
 #   (each projection's GEMV asks L2 for the next one's leading rows after
 #   its last tile, so DRAM streams them through the small kernels between),
@@ -32,6 +34,8 @@ case "$call" in
   gemv)
     STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
     STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
+    STEP_TAIL=12 step ahead 120 python3 -m bench.gemv_cuda --only "gdn out" --read-ahead \
+      --json "$OUT/ahead.json"
     for round in $(seq "${ROUNDS:-2}"); do
       step_27b "step_default_$round"
       for mb in 8 16 32; do
