@@ -33,9 +33,15 @@ from bench.quant import (_copies, _copy_bandwidth, _time_gemv, _time_graph, mode
 
 
 def _time_cuda(x, copies, plan) -> float:
-    from engine.quant.gemv_cuda import gemv_cuda
+    """Seconds a call, or inf for a plan whose build spills (never launched:
+    gemv_cuda.SpillingPlan)."""
+    from engine.quant.gemv_cuda import SpillingPlan, gemv_cuda
 
     out = torch.empty(1, copies[0].out_features, dtype=x.dtype, device=x.device)
+    try:
+        gemv_cuda(x, copies[0], out=out, plan=plan, pdl=True)
+    except SpillingPlan:
+        return float("inf")
     fns = [(lambda qt=copies[i % len(copies)]: gemv_cuda(x, qt, out=out, plan=plan, pdl=True))
            for i in range(16)]
     return _time_graph(fns)
@@ -164,7 +170,8 @@ def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth:
     return {"matrix": name, "N": n, "K": k, "floor_us": floor * 1e6,
             "triton_us": triton_s * 1e6, "cuda_us": seconds * 1e6,
             "best": {**best.spec(), "threads": best.threads},
-            "all": [{**p.spec(), "us": s * 1e6} for s, p in timed]}
+            "all": [{**p.spec(), "us": s * 1e6 if s != float("inf") else None}  # None: spills
+                    for s, p in timed]}
 
 
 def main(argv: list[str] | None = None) -> int:

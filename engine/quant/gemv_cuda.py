@@ -34,8 +34,9 @@ MAX_THREADS = 1024
 # 4 rows a tile won every one-row Q4_K shape of the 27B on the H200 against
 # 1, 2 and 8 (bench.gemv_cuda, 2026-12-04 16:40, BENCHMARKS.md)
 DEFAULT_ROWS = 4
-# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,7 @@ class _Compiled:
     function: ctypes.c_void_p
     module: object        # keeps the loaded module alive
     resident_per_sm: int
+    local_bytes: int      # a thread's local memory: > 0 when ptxas spilled
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,7 +329,18 @@ def _compiled(options: tuple[str, ...], device: int, threads: int) -> _Compiled:
     _check(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
         ctypes.byref(resident), kernel.func, threads, ctypes.c_size_t(0)),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    return _Compiled(kernel.func, kernel, resident.value)
+    local = ctypes.c_int(0)
+    _check(_get_gpu_runtime_library().cuFuncGetAttribute(
+        ctypes.byref(local), _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.func), "cuFuncGetAttribute")
+    return _Compiled(kernel.func, kernel, resident.value, local.value)
+
+
+class SpillingPlan(ValueError):
+    """A plan whose build spills registers to local memory: never launched,
+    since a launch of a spilling kernel raises its context's local-memory
+    reservation for good (tests/test_kernel_stacks.py; the 24 GiB run lost a
+    gigabyte to it on 12-03). 8 rows a tile at 544 threads (down's K) spill
+    100 bytes a thread, with flush 2-16 244."""
 
 
 def _check(result: int, what: str) -> None:
@@ -383,6 +396,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
                          f"{x.dtype} on {x.device} and {qt.describe()}")
     n, k = qt.shape
+    given = plan is not None
     plan = plan or picked_plan(n, k)
     if pdl is None:
         from engine.pdl import pdl_capable, pdl_wanted
@@ -405,10 +419,21 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     if l2_prefetch is not None and (not l2_prefetch.ranges or
                                     torch.cuda.get_device_capability(device)[0] < 9):
         l2_prefetch = None  # the bulk prefetch is sm_90's
-    compiled = _compiled(build_options(plan, qt.superblock, qt.asymmetric,
+    def build(plan: CudaGemvPlan) -> _Compiled:
+        return _compiled(build_options(plan, qt.superblock, qt.asymmetric,
                                        qt.d.dtype == torch.float32, pdl, prologue,
                                        l2_prefetch is not None),
                          device, plan.threads)
+
+    compiled = build(plan)
+    if compiled.local_bytes and not given and plan != plan_for(k):
+        plan = plan_for(k)   # a plans file's choice that spills with these flags
+        compiled = build(plan)
+    if compiled.local_bytes:
+        raise SpillingPlan(f"the CUDA GEMV's build for plan {plan.spec()} (K = {k}) spills "
+                           f"{compiled.local_bytes} bytes a thread to local memory, which "
+                           f"would raise the process's local-memory reservation for good: "
+                           f"use fewer rows a tile or fewer slots")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     dmin = qt.dmin if qt.asymmetric else qt.d
     m = qt.m if qt.asymmetric else qt.sc
