@@ -6,7 +6,8 @@ verify   the target forward of k+1 tokens (with per-position GDN slots) vs a
          Both replay CUDA graphs on a GPU (DecodeForward, VerifyForward);
          --no-cuda-graphs times the eager forwards.
 tokens   tokens/s and mean accepted length with and without speculation on
-         chat and code prompts (offline engine, greedy).
+         chat and code prompts (offline engine, greedy); --per-prompt also
+         each prompt's (six a side: one answer moves a side's mean by ~0.06).
 Prints a table last; --json writes the rows."""
 from __future__ import annotations
 
@@ -87,7 +88,14 @@ def verify_ratio(model_name: str, device: str, context: int, ks, repeats: int,
     return rows
 
 
-def tokens_per_second(model_name, device, methods, ks, new_tokens) -> list[dict]:
+def _accepted_length(before: dict, after: dict) -> float:
+    """Tokens per target forward between two snapshots of spec_totals."""
+    steps = after["steps"] - before["steps"]
+    return (after["accepted"] - before["accepted"] + steps) / steps if steps else 1.0
+
+
+def tokens_per_second(model_name, device, methods, ks, new_tokens,
+                      per_prompt: bool = False) -> list[dict]:
     from engine.llm import EngineConfig, OfflineEngine
     from engine.sampling import SamplingParams
     from engine.speculative import SpeculativeConfig
@@ -103,15 +111,19 @@ def tokens_per_second(model_name, device, methods, ks, new_tokens) -> list[dict]
                 prompts = [engine.chat_prompt([{"role": "user", "content": t}]) for t in texts]
                 engine.generate_ids(prompts[0], SamplingParams(temperature=0, max_new_tokens=4))
                 engine.spec_totals = {key: 0 for key in engine.spec_totals}
-                count, start = 0, time.perf_counter()
+                count, start, each = 0, time.perf_counter(), []
                 for prompt in prompts:
+                    before = dict(engine.spec_totals)
                     count += len(engine.generate_ids(prompt, params))
+                    each.append(_accepted_length(before, engine.spec_totals))
                 _sync(device)
                 elapsed = time.perf_counter() - start
                 rows.append({"bench": "tokens", "model": model_name, "prompts": kind,
                              "method": method, "k": k if method != "none" else 0,
                              "tok_s": count / elapsed,
-                             "mean_accepted_length": engine.mean_accepted_length or 1.0})
+                             "mean_accepted_length": engine.mean_accepted_length or 1.0,
+                             **({"per_prompt": [round(a, 3) for a in each]}
+                                if per_prompt else {})})
     return rows
 
 
@@ -127,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="time the verify bench's eager forwards instead of graph replays")
+    p.add_argument("--per-prompt", action="store_true",
+                   help="also each prompt's mean accepted length (tokens rows)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     rows = []
@@ -135,7 +149,7 @@ def main(argv=None) -> int:
                              cuda_graphs=False if a.no_cuda_graphs else None)
     if a.tokens_model:
         rows += tokens_per_second(None if a.tokens_model == "embedded" else a.tokens_model,
-                                  a.device, a.methods, a.ks, a.new_tokens)
+                                  a.device, a.methods, a.ks, a.new_tokens, a.per_prompt)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -146,7 +160,8 @@ def main(argv=None) -> int:
                   f"{r['ms']:.2f} ms ({r['ratio']:.2f}x plain)")
         else:
             print(f"tokens {r['model']} {r['prompts']} {r['method']} k={r['k']}: "
-                  f"{r['tok_s']:.1f} tok/s, mean accepted length {r['mean_accepted_length']:.2f}")
+                  f"{r['tok_s']:.1f} tok/s, mean accepted length {r['mean_accepted_length']:.2f}"
+                  + (f" (by prompt {r['per_prompt']})" if "per_prompt" in r else ""))
     return 0
 
 

@@ -190,3 +190,19 @@ def test_mtp_gap_sorts_drafted_tokens_by_kind():
          "word-start"]
     assert [_position_bucket(i) for i in (0, 3, 4, 15, 16, 47, 48, 95)] == \
         ["answer 0-3"] * 2 + ["answer 4-15"] * 2 + ["answer 16-47"] * 2 + ["answer 48+"] * 2
+
+
+def test_the_speculative_bench_gives_each_prompts_accepted_length():
+    """bench.speculative --per-prompt: one length a prompt, from the engine's
+    own counters, and the side's mean (weighted by verify steps) lies
+    between the prompts' extremes."""
+    from bench.speculative import CHAT, CODE, tokens_per_second
+
+    rows = tokens_per_second(None, "cpu", ["mtp"], [3], 12, per_prompt=True)
+    assert [r["prompts"] for r in rows] == ["chat", "code"]
+    for r in rows:
+        assert len(r["per_prompt"]) == len(CHAT if r["prompts"] == "chat" else CODE)
+        assert all(1.0 <= a <= 4.0 for a in r["per_prompt"])
+        assert min(r["per_prompt"]) - 1e-3 <= r["mean_accepted_length"] <= \
+            max(r["per_prompt"]) + 1e-3
+        assert len(set(r["per_prompt"])) > 1   # the prompts differ

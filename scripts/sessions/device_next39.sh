@@ -66,6 +66,6 @@ case "$call" in
     assemble_gguf
     cp /tmp/new_head.safetensors "$HEAD"
     STEP_TAIL=10 step spec_new 220 python3 -m bench.speculative --device cuda \
-      --tokens-model embedded --methods none mtp --ks 3 --new-tokens 96 \
+      --tokens-model embedded --methods none mtp --ks 3 --new-tokens 96 --per-prompt \
       --json "$OUT/spec_new.json" ;;
 esac
