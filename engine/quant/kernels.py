@@ -167,15 +167,16 @@ def gemm(x: torch.Tensor, qt: QuantTensor, block_m: int = 64, block_n: int = 64,
     return out
 
 
-def triton_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
-                  ) -> torch.Tensor:
-    """x [..., K] -> [..., N]: gemv for up to GEMV_MAX_ROWS rows, else gemm."""
+def triton_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
+                  l2_prefetch=None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: gemv for up to GEMV_MAX_ROWS rows (l2_prefetch:
+    what a one-row CUDA GEMV reads ahead), else gemm."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         y = x2.new_empty(0, qt.out_features)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
-        y = gemv(x2, qt, bias=bias)
+        y = gemv(x2, qt, bias=bias, l2_prefetch=l2_prefetch)
     else:
         y = gemm(x2, qt)
         if bias is not None:

@@ -29,12 +29,13 @@ from torch import nn
 from engine.quant.tensor import QuantTensor
 
 
-def quant_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """x [..., K] @ w.T (+ bias): Triton kernels on CUDA, the PyTorch reference elsewhere."""
+def quant_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
+                 l2_prefetch=None) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias): Triton kernels on CUDA, the PyTorch reference elsewhere.
+    l2_prefetch (gemv_cuda.L2Prefetch): the weight a one-row CUDA GEMV reads ahead."""
     if x.device.type == "cuda":
         from engine.quant.kernels import triton_matmul
-        return triton_matmul(x, qt, bias)
+        return triton_matmul(x, qt, bias, l2_prefetch)
     from engine.quant.kernels import reference_matmul
     return reference_matmul(x, qt, bias)
 
@@ -101,12 +102,8 @@ class QuantLinear(_QuantHolder):
         return L2Prefetch.of(qt, budget)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._read_ahead is not None and x.is_cuda and x.dim() == 2:
-            from engine.quant import gemv_cuda
-
-            if gemv_cuda.runs(x, self.quant, self.bias):
-                return gemv_cuda.gemv_cuda(x, self.quant, l2_prefetch=self._l2_prefetch())
-        return quant_matmul(x, self.quant, self.bias)
+        one_row = x.is_cuda and x.numel() == x.shape[-1]   # what the CUDA GEMV takes
+        return quant_matmul(x, self.quant, self.bias, self._l2_prefetch() if one_row else None)
 
     def forward_normed(self, x: torch.Tensor, pending: torch.Tensor | None,
                        weight: torch.Tensor, eps: float, zero_centered: bool

@@ -89,6 +89,9 @@ __device__ __forceinline__ u16 float_bf16(float f) {
     return r;
 }
 
+// a float as the bf16 a store would leave it
+__device__ __forceinline__ float rounded_bf16(float v) { return bf16_float(float_bf16(v)); }
+
 __device__ __forceinline__ int dp4a(int a, int b, int c) {
     int d;
     asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -260,9 +263,9 @@ __device__ __forceinline__ void gated_group(unsigned (&raw)[16], const unsigned 
         const float z[2] = {bf16_float(gate[i] & 0xFFFF), bf16_float(gate[i] >> 16)};
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float y = weight_at(weight, 2 * i + half) * bf16_float(float_bf16(v[half] * rstd));
+            float y = weight_at(weight, 2 * i + half) * rounded_bf16(v[half] * rstd);
 #if ROUND
-            y = bf16_float(float_bf16(y));
+            y = rounded_bf16(y);
 #endif
             v[half] = y * (z[half] / (1.0f + __expf(-z[half])));
         }
@@ -313,7 +316,7 @@ __device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned
 #if ZC
             v[half] = v[half] * rstd * (1.0f + w);
 #else
-            v[half] = w * bf16_float(float_bf16(v[half] * rstd));
+            v[half] = w * rounded_bf16(v[half] * rstd);
 #endif
         }
         raw[i] = pack_bf16(v[0], v[1]);
@@ -322,8 +325,6 @@ __device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned
 #endif
 
 #if SILU
-__device__ __forceinline__ float rounded_bf16(float v) { return bf16_float(float_bf16(v)); }
-
 // group g of SiLU(gate) * up as bf16 words; gate_up holds gate then up
 __device__ __forceinline__ void activated_group(const u16* __restrict__ gate_up, int g,
                                                 unsigned (&raw)[16]) {

@@ -411,7 +411,7 @@ def base_features(model: CausalLM, samples: list[list[int]]
     sample cost the H200 ~250 s of a 600 s call for 8,235 samples). The
     hidden stays in the model's dtype, bf16 on a GPU: the 149,470-sample
     corpus of 12-04 is 28.4 M tokens, 33 GB so against 65 in fp32; the loss
-    widens each step's rows (`_widened`)."""
+    widens each step's rows (`widened`)."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
@@ -432,7 +432,7 @@ def base_features(model: CausalLM, samples: list[list[int]]
     return [(hidden[lo:hi].clone(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
 
 
-def _widened(hidden: torch.Tensor) -> torch.Tensor:
+def widened(hidden: torch.Tensor) -> torch.Tensor:
     """Features in fp32 for the head, which trains in fp32 (base_features
     keeps them in the model's dtype; widening is exact)."""
     return hidden.float()
@@ -727,7 +727,7 @@ def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
     its normed final hidden times the same rows, so no teacher output is
     stored)."""
     total, weight_sum = 0.0, 0.0
-    h = _widened(example.hidden[:-1])
+    h = widened(example.hidden[:-1])
     for r in range(1, depth + 1):
         pairs = pairs_at_depth(example, r)
         labelled = pairs.labels != IGNORE
@@ -738,7 +738,7 @@ def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
                            pairs.mask)
         logits = F.linear(out, lm_head)
         if soft_targets:
-            target = F.softmax(F.linear(_widened(example.hidden[r:r + pairs.n]), lm_head)
+            target = F.softmax(F.linear(widened(example.hidden[r:r + pairs.n]), lm_head)
                                / temperature,
                                dim=-1)
             per_pair = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
@@ -787,7 +787,7 @@ def evaluate(model, head, lm_head, examples: list[Example], depth: int) -> dict:
     hits, counts = [0] * depth, [0] * depth
     run_sum, starts, steps, accepted = 0.0, 0, 0, 0
     for e in examples:
-        h = _widened(e.hidden[:-1])
+        h = widened(e.hidden[:-1])
         n0 = len(e.tokens) - depth  # start positions whose whole chain is labelled
         chain = torch.ones(max(n0, 0), dtype=torch.bool, device=h.device)
         answer = e.labels[1:1 + max(n0, 0)] != IGNORE

@@ -13,9 +13,6 @@
 set -uo pipefail
 call=${1:?a or b}
 source scripts/device_env.sh
-step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switches apply)
-  STEP_TAIL=3 step "$1" 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
-}
 case "$call" in
   a)
     STEP_TAIL=12 step tests_a 360 python3 -m pytest -q -x -p no:cacheprovider \

@@ -31,13 +31,8 @@
 #   expect ~200 s for ~149,000, so BUDGET=360 in a 600 s call.
 set -uo pipefail
 call=${1:?gemv, park, gen or train}
-mkdir -p /tmp/gguf /tmp/corpus
-cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; cp .device/corpus.part* /tmp/corpus/ 2>/dev/null
-ls /tmp/gguf /tmp/corpus
 source scripts/device_env.sh
-step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switches apply)
-  STEP_TAIL=3 step "$1" 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
-}
+park_parts
 case "$call" in
   gemv)
     STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
