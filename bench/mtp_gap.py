@@ -115,23 +115,25 @@ def chains(model, head, e: train.Example, depth: int, engine_kv: bool):
             preds.append(F.linear(out, lm).argmax(-1)[:n0])
             h = out
         return torch.stack(preds)
-    assert len(head.layers) == 1
-    layer = head.layers[0]
-    # depth 1: every pair, causal over depth-1 keys (the engine's catch-up pairs)
+    # depth 1: every pair, causal over depth-1 keys (the engine's catch-up pairs);
+    # each layer's depth-1 keys and values are the bank that deeper drafts read
     n = T - 1
     pos = torch.arange(n)
     embedded = model.model.embed_tokens(e.tokens[1:]).float()
     x = head.fc(torch.cat((head.pre_fc_norm_embedding(embedded),
                            head.pre_fc_norm_hidden(train.widened(e.hidden[:n]))), -1))
     cs = model.rotary.cos_sin(pos, x.dtype)
-    _, _, k1, v1 = layer.self_attn.project(layer.input_layernorm(x))
-    k1 = model.rotary.apply(k1, *cs)
-    # the row's own key comes in as its "extra" key: the bank is strictly earlier
-    out, _, _ = _layer_attend(layer, x, cs, model.rotary, k1, v1, pos[None, :] < pos[:, None])
-    out = head.norm(out)
+    banks = []
+    for layer in head.layers:
+        _, _, k1, v1 = layer.self_attn.project(layer.input_layernorm(x))
+        k1 = model.rotary.apply(k1, *cs)
+        banks.append((k1, v1))
+        # the row's own key comes in as its "extra" key: the bank is strictly earlier
+        x, _, _ = _layer_attend(layer, x, cs, model.rotary, k1, v1, pos[None, :] < pos[:, None])
+    out = head.norm(x)
     preds = [F.linear(out, lm).argmax(-1)[:n0]]
     h = out[:n0]
-    ek, ev = [], []
+    extra = [([], []) for _ in head.layers]  # per layer: the chain's own earlier keys, values
     for r in range(2, depth + 1):
         start = torch.arange(n0)
         p = start + r - 1
@@ -139,9 +141,11 @@ def chains(model, head, e: train.Example, depth: int, engine_kv: bool):
             model.model.embed_tokens(e.tokens[r:r + n0]).float()), head.pre_fc_norm_hidden(h)), -1))
         cs = model.rotary.cos_sin(p, x.dtype)
         mask = pos[None, :] <= start[:, None]  # depth-1 keys up to the chain's start
-        o, k, v = _layer_attend(layer, x, cs, model.rotary, k1, v1, mask, ek, ev)
-        ek, ev = ek + [k], ev + [v]
-        h = head.norm(o)
+        for layer, (bank_k, bank_v), (ek, ev) in zip(head.layers, banks, extra):
+            x, k, v = _layer_attend(layer, x, cs, model.rotary, bank_k, bank_v, mask, ek, ev)
+            ek.append(k)
+            ev.append(v)
+        h = head.norm(x)
         preds.append(F.linear(h, lm).argmax(-1))
     return torch.stack(preds)
 

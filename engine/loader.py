@@ -155,7 +155,7 @@ def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
                        dtype: torch.dtype) -> ModelConfig:
     """A model without MTP weights picks up a head trained by `tandem train-mtp`
     (engine/speculative/heads.py says where it looks); its tensors join `tensors`."""
-    from engine.speculative.heads import head_path_for, read_head
+    from engine.speculative.heads import head_layer_count, head_path_for, read_head
 
     if config.mtp_num_layers or any(n.startswith("mtp.") for n in tensors):
         return config
@@ -163,8 +163,9 @@ def _with_trained_head(config: ModelConfig, tensors: dict, source: Path,
     if head is None:
         return config
     _log(f"using the MTP head {head}")
-    tensors.update(read_head(head, config, dtype))
-    return replace(config, mtp_num_layers=1)
+    head_tensors = read_head(head, config, dtype)
+    tensors.update(head_tensors)
+    return replace(config, mtp_num_layers=head_layer_count(head_tensors))
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device, dtype,
@@ -312,10 +313,26 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
         hf = read_hf_config(path)
         config = ModelConfig.from_hf(hf)
         recipe = "gptq-int4" if packed and hf.get("quantization_config") else "bf16"
-        return counted(config, recipe, label)
+        return _planned_with_head(counted(config, recipe, label), path, dtype)
     from engine.weights.gguf import gguf_plan_inputs
     hf, nbytes, embedding = gguf_plan_inputs(path, packed, dtype)
-    return PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding)
+    return _planned_with_head(PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding),
+                              path, dtype)
+
+
+def _planned_with_head(inputs: PlanInputs, source: Path, dtype: torch.dtype) -> PlanInputs:
+    """The plan of a model that ships no MTP head but has a trained one beside
+    it (as load_model picks it up): its layers join the config, so that
+    `--speculative mtp` plans their KV, and its weights the weight bytes."""
+    from engine.speculative.heads import head_path_for, head_shape
+
+    config = inputs.config
+    head = None if config.mtp_num_layers else head_path_for(source)
+    if head is None:
+        return inputs
+    shape = head_shape(head, config)
+    return inputs._replace(config=replace(config, mtp_num_layers=shape.layers),
+                           weight_bytes=inputs.weight_bytes + shape.parameters * dtype.itemsize)
 
 
 def peek_config(spec: str | None) -> ModelConfig | None:

@@ -128,6 +128,10 @@ def _add_train_mtp(sub) -> None:
                    help="continue training this head file (an earlier train-mtp output) instead "
                         "of starting from the base's last layer, so that a training longer "
                         "than one device call runs as several")
+    p.add_argument("--head-layers", type=int, default=None, metavar="N",
+                   help="decoder layers of the head (Qwen3.5's mtp_num_hidden_layers; default: "
+                        "as many as --init-head's file has, else 1); more than --init-head's "
+                        "file grows it by layers that start as identities")
     p.add_argument("--corpus-only", action="store_true",
                    help="answer the prompts missing from --corpus, save it and stop (no "
                         "training): generation and training can then run on different "
@@ -147,6 +151,16 @@ def _check_train_mtp_flags(args) -> None:
     if args.init_head and not Path(args.init_head).is_file():
         raise TandemError(f"--init-head {args.init_head}: no such file (give an earlier "
                           "train-mtp output)")
+    if args.init_head and args.head_layers is not None:
+        from safetensors import safe_open
+
+        from engine.speculative.heads import head_layer_count
+
+        with safe_open(args.init_head, framework="pt") as f:
+            held = head_layer_count(f.keys())
+        if args.head_layers < held:
+            raise TandemError(f"--head-layers {args.head_layers}: --init-head {args.init_head} "
+                              f"holds {held} layers, and a head cannot shrink")
 
 
 def _run_train_mtp(args) -> int:
@@ -155,7 +169,7 @@ def _run_train_mtp(args) -> int:
     import torch
 
     from engine.loader import load_model
-    from engine.speculative.heads import SHIPPED, best_head_writer, head_state, save_head
+    from engine.speculative.heads import best_head_writer, head_paths, head_state, save_head
     from engine.speculative.train import TrainConfig, generate_corpus, train_head
 
     _check_train_mtp_flags(args)
@@ -168,7 +182,7 @@ def _run_train_mtp(args) -> int:
                           batch_samples=args.batch_samples, soft_targets=args.soft_targets,
                           target_temperature=args.target_temperature,
                           dev_every_steps=args.dev_every, init_head_path=args.init_head,
-                          gen_processes=args.gen_processes)
+                          gen_processes=args.gen_processes, head_layers=args.head_layers)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -180,16 +194,18 @@ def _run_train_mtp(args) -> int:
         raise TandemError(f"{loaded.source} ships its own MTP head; nothing to train")
     if loaded.source.startswith("dummy:"):
         raise TandemError("train-mtp needs real weights (a GGUF file or HF directory)")
+    if (args.head_layers or 1) > len(loaded.config.attention_layers):
+        raise TandemError(f"--head-layers {args.head_layers}: a head starts from the base's last "
+                          f"full-attention layers, and {loaded.source} has "
+                          f"{len(loaded.config.attention_layers)}")
     if args.corpus_only:
         corpus = generate_corpus(loaded, cfg)
         print(f"tandem: {args.corpus} holds the {len(corpus.samples)} samples of this recipe "
               f"({sum(map(len, corpus.samples))} tokens); no head trained")
         return 0
     source = Path(loaded.source)
-    out = Path(args.out) if args.out else (
-        source / "mtp.safetensors" if source.is_dir()
-        else SHIPPED / f"{source.stem.lower()}.mtp.safetensors" if args.model is None
-        else source.with_name(source.stem + ".mtp.safetensors"))
+    # the embedded model's head ships in this package; any other goes beside its model
+    out = Path(args.out) if args.out else head_paths(source)[-1 if args.model is None else 0]
     head, stats = train_head(loaded, cfg,
                              on_best=best_head_writer(out, loaded.config, source.name))
     metadata = {"base_model": source.name, "train_steps": str(stats["steps"]),

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import ModelConfig, shape_hf_config
 from engine.loader import plan_inputs
+from engine.weights.gguf import embedded_model_path, gguf_plan_inputs
 from kvstore.plan import GiB, weight_bytes_of
 from tandem.cli import main
 
@@ -83,4 +84,24 @@ def test_gguf_plan_reads_only_the_tensor_table():
     assert config.hidden_size == 576
     # SmolLM2's token table, 49152 x 576: Q8_0 in the file (34 bytes per 32), bf16 dequantized
     assert dense_table == 49152 * 576 * 2 and packed_table < dense_table
-    assert packed < dense / 2.5  # Q4_1 matrices stay 4-bit + scales; bf16 is 16 bits
+    # Q4_1 matrices stay 4-bit + scales; bf16 is 16 bits (both count the shipped
+    # MTP head's bf16 weights too, as loading does)
+    head = dense - gguf_plan_inputs(embedded_model_path(), False, torch.bfloat16)[1]
+    assert head == packed - gguf_plan_inputs(embedded_model_path(), True, torch.bfloat16)[1] > 0
+    assert packed - head < (dense - head) / 2.5
+
+
+def test_the_embedded_models_trained_head_is_planned_as_serve_loads_it(capsys):
+    """--speculative mtp on the embedded model: `tandem serve` picks up the
+    shipped head, so the plan must too (it refused, "this model has none"),
+    with the head's layer in the MTP KV line and its weights in the weights."""
+    assert main(["plan", "--speculative", "mtp", "--device", "cpu",
+                 "--gpu-memory-budget", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"mtp kv pages .* x 1 MTP layers", out), out
+    with_head = plan_inputs(None, "bf16", "cpu")
+    assert with_head.config.mtp_num_layers == 1
+    head_parameters = 1152 * 576 + 3 * 576 + (576 * (576 + 2 * 192 + 576) + 3 * 576 * 1536
+                                              + 2 * 576)
+    _, gguf_alone, _ = gguf_plan_inputs(embedded_model_path(), False, torch.float32)
+    assert with_head.weight_bytes - gguf_alone == head_parameters * 4  # fp32 on the CPU

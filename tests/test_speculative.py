@@ -272,3 +272,63 @@ def test_decode_scheduler_speculates_with_exact_greedy_parity(qwen35):
     run_to_completion(sched)
     assert [s.output for s in seqs] == reference
     assert seqs[0].spec is not None and seqs[0].spec.drafted > 0 and seqs[1].spec is None
+
+
+def test_a_two_layer_trained_head_is_planned_loaded_and_drafts_exactly(embedded, tmp_path):
+    """A train-mtp head of two layers beside a GGUF file: the plan (no weights
+    read) and the loaded model both count two MTP layers and the same bytes;
+    speculation keeps greedy parity, and every first draft is the dense
+    head's prediction over the verified text (both layers' MTP KV filled
+    right by the catch-up pairs)."""
+    from engine.loader import plan_inputs
+    from engine.speculative import train
+    from engine.speculative.heads import head_path_for, head_state, save_head
+    from engine.weights.gguf import embedded_model_path
+
+    gguf = tmp_path / "base.gguf"
+    gguf.symlink_to(embedded_model_path())
+    base = load_model(str(gguf), progress=False, trained_head=False)
+    shipped = head_path_for(embedded_model_path())
+    head = train.head_from_file(base.model, str(shipped), layers=2)
+    torch.manual_seed(0)
+    with torch.no_grad():  # the grown layer starts as an identity: make it matter
+        new = head.layers[1]
+        for proj, like in ((new.self_attn.o_proj, head.layers[0].self_attn.o_proj),
+                           (new.mlp.down_proj, head.layers[0].mlp.down_proj)):
+            proj.weight.copy_(torch.randn_like(proj.weight) * like.weight.std() * 0.3)
+    save_head(tmp_path / "base.mtp.safetensors", base.config, head_state(head))
+
+    loaded = load_model(str(gguf), progress=False)
+    planned = plan_inputs(str(gguf), "auto", "cpu")
+    held = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
+    assert loaded.config.mtp_num_layers == planned.config.mtp_num_layers == 2
+    assert planned.weight_bytes == held
+
+    prompts = _chat(loaded, EMBEDDED_TEXTS)
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    reference, _ = _run(loaded, prompts, params)
+    got, engine = _run(loaded, prompts, params, SpeculativeConfig("mtp", 3))
+    assert got == reference
+    first_drafts = []
+    inner = engine.spec.draft
+
+    def draft(seqs):
+        inner(seqs)
+        first_drafts.extend((list(s.prompt) + list(s.output), s.spec.drafts[0])
+                            for s in seqs if s.spec is not None and s.spec.drafts)
+    engine.spec.draft = draft
+    for prompt in prompts:
+        engine.generate_ids(prompt, params)
+    totals = engine.spec_totals
+    assert len(first_drafts) >= 10 and 0 < totals["accepted"] < totals["drafted"]
+    lm = loaded.model.output_embedding.float()
+    with torch.no_grad():
+        for text, drafted in first_drafts:
+            tokens = torch.tensor(text)
+            features = train.base_features(loaded.model, [text])[0][0]
+            out = train.head_forward(loaded.model, loaded.model.mtp, features[:-1].float(),
+                                     tokens[1:], torch.arange(len(text) - 1))
+            logits = torch.nn.functional.linear(out[-1], lm)
+            # the engine's features come from incremental verify steps: equal to
+            # fp32 rounding, so a near-tie may pick either token
+            assert logits[drafted] >= logits.max() - 1e-3

@@ -550,3 +550,46 @@ def test_bf16_features_give_the_loss_of_their_fp32_widening(tiny, corpus):
                 float(_unrolled_loss(model, head, lm_head, wide, 3, soft))
         assert evaluate(model, head, lm_head, [narrow], 3) == \
             evaluate(model, head, lm_head, [wide], 3)
+
+
+def test_a_grown_head_starts_as_the_file_head_and_trains_its_new_layer(tiny, corpus, tmp_path):
+    """--init-head FILE --head-layers 2: the file's layer is kept and the new one
+    passes the residual stream through (o_proj and down_proj zero), so the grown
+    head computes the file's head's outputs exactly; training then moves the
+    new layer; a head never shrinks."""
+    from engine.speculative.heads import head_state, save_head
+
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=10, lr=3e-3,
+                      corpus_path=None, batch_samples=2)
+    one, _ = train_head(tiny, cfg, corpus=corpus)
+    path = tmp_path / "one.mtp.safetensors"
+    save_head(path, tiny.config, head_state(one))
+    kept, grown = head_from_file(tiny.model, str(path)), head_from_file(tiny.model, str(path), 2)
+    assert (len(kept.layers), len(grown.layers)) == (1, 2)
+    e = make_examples(tiny.model, corpus)[0]
+    inputs = (e.hidden[:-1].float(), e.tokens[1:], torch.arange(len(e.tokens) - 1))
+    with torch.no_grad():
+        assert torch.equal(head_forward(tiny.model, grown, *inputs),
+                           head_forward(tiny.model, kept, *inputs))
+    trained, _ = train_head(tiny, replace(cfg, init_head_path=str(path), head_layers=2),
+                            corpus=corpus)
+    assert len(trained.layers) == 2
+    assert trained.layers[1].self_attn.o_proj.weight.abs().sum() > 0
+    assert trained.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    two = tmp_path / "two.mtp.safetensors"
+    save_head(two, tiny.config, head_state(trained))
+    assert len(head_from_file(tiny.model, str(two)).layers) == 2
+    with pytest.raises(ValueError, match="cannot shrink"):
+        head_from_file(tiny.model, str(two), 1)
+    with pytest.raises(ValueError, match="head-layers"):
+        TrainConfig(head_layers=0)
+
+
+def test_train_mtp_refuses_to_shrink_an_init_head(tiny, tmp_path, capsys):
+    from engine.speculative.heads import head_state, save_head
+    from tandem.cli import main
+
+    path = tmp_path / "two.mtp.safetensors"
+    save_head(path, tiny.config, head_state(init_head(tiny.model, 2)))
+    assert main(["train-mtp", "--init-head", str(path), "--head-layers", "1"]) == 2
+    assert "holds 2 layers" in capsys.readouterr().err

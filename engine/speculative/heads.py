@@ -4,9 +4,11 @@ A head file is a safetensors file holding exactly the `mtp.*` tensors of a
 checkpoint, per matrix (q_proj, k_proj, gate_proj, ...; the loader merges
 them as it merges any checkpoint; a file under the merged names loads too)
 (Qwen3.5's structure: fc, pre_fc_norm_embedding,
-pre_fc_norm_hidden, one decoder layer of the base model's type, norm; the
-lm_head is the base model's), stored in bf16, with metadata naming the base
-shape so a head never loads onto a model it was not trained for.
+pre_fc_norm_hidden, decoder layers of the base model's type, one unless
+`train-mtp --head-layers` says more (Qwen3.5's `mtp_num_hidden_layers`),
+norm; the lm_head is the base model's), stored in bf16, with metadata naming
+the base shape so a head never loads onto a model it was not trained for.
+How many layers a head has is read from its tensor names.
 
 Where `--model` finds it (the first that exists):
   * a GGUF file `DIR/NAME.gguf`:   `DIR/NAME.mtp.safetensors`, then the head
@@ -19,8 +21,12 @@ A model that ships its own mtp.* weights never looks for a file.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,15 +37,20 @@ FORMAT = "tandem-mtp-head-v1"
 SHIPPED = Path(__file__).resolve().parent.parent / "heads"
 
 
-def head_path_for(source: str | Path) -> Path | None:
-    """The head file that belongs to a model file or directory, or None."""
+def head_paths(source: str | Path) -> list[Path]:
+    """Where a head for a model file or directory may live, in the order
+    --model looks (the module docstring)."""
     path = Path(source)
     if path.is_dir():
-        candidates = [path / "mtp.safetensors"]
-    else:
-        candidates = [path.with_name(path.stem + ".mtp.safetensors"),
-                      SHIPPED / f"{path.stem.lower()}.mtp.safetensors"]
-    return next((c for c in candidates if c.is_file()), None)
+        from engine.weights.hf import TRAINED_HEAD_FILE
+        return [path / TRAINED_HEAD_FILE]
+    return [path.with_name(path.stem + ".mtp.safetensors"),
+            SHIPPED / f"{path.stem.lower()}.mtp.safetensors"]
+
+
+def head_path_for(source: str | Path) -> Path | None:
+    """The head file that belongs to a model file or directory, or None."""
+    return next((c for c in head_paths(source) if c.is_file()), None)
 
 
 def _signature(config: ModelConfig) -> dict[str, str]:
@@ -82,16 +93,49 @@ def best_head_writer(path: str | Path, config: ModelConfig, base_model: str):
     return write
 
 
+_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
+
+
+def head_layer_count(names: Iterable[str]) -> int:
+    """Decoder layers of a head, from its tensor names (mtp.layers.{i}.*)."""
+    found = {int(m.group(1)) for m in map(_LAYER.match, names) if m}
+    if found != set(range(len(found))):
+        raise ModelLoadError(f"an MTP head's layers must be numbered 0.., found {sorted(found)}")
+    return len(found)
+
+
+class HeadShape(NamedTuple):
+    """What the memory plan needs of a head file, read from its header."""
+    layers: int
+    parameters: int
+
+
+def _checked(f, path: Path, config: ModelConfig) -> None:
+    meta = f.metadata() or {}
+    want = _signature(config)
+    wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+    if wrong:
+        raise ModelLoadError(
+            f"{path}: this MTP head was not made for this model ({json.dumps(wrong)}: "
+            "(head, model)); delete it or retrain with `tandem train-mtp`")
+
+
 def read_head(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors in `dtype`, after checking it was made for this base model."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        want = _signature(config)
-        wrong = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
-        if wrong:
-            raise ModelLoadError(
-                f"{path}: this MTP head was not made for this model ({json.dumps(wrong)}: "
-                "(head, model)); delete it or retrain with `tandem train-mtp`")
+        _checked(f, path, config)
         return {name: f.get_tensor(name).to(dtype) for name in f.keys()}
+
+
+def head_shape(path: Path, config: ModelConfig) -> HeadShape:
+    """A head file's layers and parameter count without reading its tensors
+    (`tandem plan` loads no weights), after the same check as read_head."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        _checked(f, path, config)
+        names = list(f.keys())
+        parameters = sum(math.prod(f.get_slice(name).get_shape()) for name in names)
+    return HeadShape(head_layer_count(names), parameters)

@@ -50,6 +50,10 @@ from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, HELD_OUT_CHAT, HELD_
 
 
 
+# a head's decoder layers at most: each adds a layer's compute to every draft
+MAX_HEAD_LAYERS = 4
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     samples_per_prompt: int = 2
@@ -96,6 +100,12 @@ class TrainConfig:
     # sequence and step (the H200 answered 2,400 tok/s at batch 128, 3,040 at
     # 256), so one process leaves the GPU mostly idle
     gen_processes: int = 1
+    # the head's decoder layers (Qwen3.5's mtp_num_hidden_layers); None: as
+    # many as the --init-head file has, else 1. A head file with fewer grows:
+    # its layers are kept and each new one starts as the base's last layer
+    # with its two output projections zeroed, an identity on the residual
+    # stream, so training starts from exactly the file's head
+    head_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.gen_processes < 1:
@@ -105,6 +115,9 @@ class TrainConfig:
                 or self.self_instruct < 0 or self.batch_samples < 1 or self.varied < 0 \
                 or self.dev_every_steps < 0 or self.dev_new_tokens < 8:
             raise ValueError(f"train-mtp: bad settings {self}")
+        if self.head_layers is not None and not 1 <= self.head_layers <= MAX_HEAD_LAYERS:
+            raise ValueError(f"train-mtp: --head-layers must be in 1..{MAX_HEAD_LAYERS}, got "
+                             f"{self.head_layers}")
         if not 0.0 < self.target_temperature <= 4.0:
             raise ValueError(f"train-mtp: the target temperature must be in (0, 4], got "
                              f"{self.target_temperature}")
@@ -470,11 +483,17 @@ def head_forward(model: CausalLM, head: MTPHead, hidden: torch.Tensor, next_toke
     return head.norm(x)
 
 
-def init_head(model: CausalLM) -> MTPHead:
-    """fc = [0 | I], decoder layer = copy of the base's last layer, norm = base norm."""
+def init_head(model: CausalLM, layers: int = 1) -> MTPHead:
+    """fc = [0 | I], decoder layers = copies of the base's last `layers`
+    full-attention layers in their order, norm = base norm: the head starts
+    as "run the last layers again"."""
     from dataclasses import replace
 
-    config = replace(model.config, mtp_num_layers=1)
+    sources = model.config.attention_layers[-layers:]
+    if len(sources) < layers:
+        raise ValueError(f"a {layers}-layer head needs {layers} full-attention layers to start "
+                         f"from; the base model has {len(sources)}")
+    config = replace(model.config, mtp_num_layers=layers)
     head = MTPHead(config).float()
     with torch.no_grad():
         h = config.hidden_size
@@ -482,23 +501,48 @@ def init_head(model: CausalLM) -> MTPHead:
         head.fc.weight[:, h:] = torch.eye(h)
         for norm in (head.pre_fc_norm_embedding, head.pre_fc_norm_hidden):
             norm.weight.fill_(0.0 if norm.zero_centered else 1.0)
-        last = model.model.layers[model.config.attention_layers[-1]]
-        head.layers[0].load_state_dict({k: v.float() for k, v in last.state_dict().items()})
+        for layer, source in zip(head.layers, sources):
+            base = model.model.layers[source]
+            layer.load_state_dict({k: v.float() for k, v in base.state_dict().items()})
         head.norm.weight.copy_(model.model.norm.weight.float())
     return head
 
 
-def head_from_file(model: CausalLM, path: str) -> MTPHead:
+def head_from_file(model: CausalLM, path: str, layers: int | None = None) -> MTPHead:
     """The head a train-mtp file holds (checked against this base model), in
-    fp32 and the module layout training uses, to continue training it."""
-    from engine.speculative.heads import read_head
+    fp32 and the module layout training uses, to continue training it; with
+    `layers` more than the file's, grown by identity layers after its own
+    (TrainConfig.head_layers)."""
+    from engine.speculative.heads import head_layer_count, read_head
     from engine.weights.merge import merge_checkpoint, merge_groups
 
-    head = init_head(model)
     tensors = read_head(Path(path), model.config, torch.float32)
+    held = head_layer_count(tensors)
+    layers = held if layers is None else layers
+    if layers < held:
+        raise ValueError(f"{path} holds a {held}-layer head; it cannot shrink to {layers} "
+                         f"(--head-layers)")
+    head = init_head(model, held)
     merge_checkpoint(tensors, merge_groups(head, prefix="mtp."), torch.float32, str(path))
     head.load_state_dict({name.removeprefix("mtp."): t for name, t in tensors.items()})
-    return head
+    if layers == held:
+        return head
+    grown = init_head(model, layers)
+    missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
+    new = tuple(f"layers.{i}." for i in range(held, layers))
+    assert not unexpected and all(name.startswith(new) for name in missing), (missing, unexpected)
+    for layer in grown.layers[held:]:
+        _make_identity(layer)
+    return grown
+
+
+@torch.no_grad()
+def _make_identity(layer: DecoderLayer) -> None:
+    """Zero the projections that write into the residual stream (attention's
+    o_proj, the MLP's down_proj): the layer then passes its input through
+    unchanged, and both get gradients from the first step on."""
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
 
 
 IGNORE = -100  # cross_entropy's ignore_index: labels inside the prompt
@@ -606,8 +650,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
     # the last prompts' samples are held out whole (no shared prompt text)
     held = max(len(examples) // 10 // cfg.samples_per_prompt, 1) * cfg.samples_per_prompt
     training, held_out = examples[:-held], examples[-held:]
-    head = (head_from_file(model, cfg.init_head_path) if cfg.init_head_path
-            else init_head(model)).to(device)
+    head = (head_from_file(model, cfg.init_head_path, cfg.head_layers) if cfg.init_head_path
+            else init_head(model, cfg.head_layers or 1)).to(device)
     params = [p for p in head.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()

@@ -36,8 +36,13 @@ def canonical_name(name: str) -> str | None:
     return name
 
 
+# the head `tandem train-mtp` writes into a directory whose model has none
+# (engine/speculative/heads.py): beside the checkpoint, not a shard of it
+TRAINED_HEAD_FILE = "mtp.safetensors"
+
+
 def safetensors_files(path: Path) -> list[Path]:
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != TRAINED_HEAD_FILE)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files in the model directory")
     return files

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The weight read-ahead into L2, the prologues' copies through L1, and a
-# head from D at a lower rate; chained calls (the machine goes back after
+# two-layer head grown from D; chained calls (the machine goes back after
 # 30 s idle; /tmp survives while it stays warm). Carry (64 MiB a call with
 # the tracked tree's ~16 MB; .whl stays on the machine once carried):
 #   bash scripts/sessions/device_next46.sh gemv   (carry .whl .device/gguf.part.aa)
@@ -18,9 +18,13 @@
 #   (each projection's GEMV asks L2 for the next one's leading rows after
 #   its last tile, so DRAM streams them through the small kernels between),
 #   TANDEM_GATED_PROLOGUE=1 and TANDEM_NORM_PROLOGUE=1 (~22 s a run: ~400 s).
-# train: from head D (INIT) at LR (default 1e-4: at 3e-4 the 21:27 run
-#   fell from D's dev 2.021 to 1.922 by step 400 and peaked at 2.018) on the
-#   149,470-sample corpus (~190 s of reading and features before step 0).
+# train: from head D (INIT) grown to HEAD_LAYERS decoder layers (default 2:
+#   D's layer, then one that starts as an identity, so step 0 is D exactly;
+#   HEAD_LAYERS=1 continues D as it is) at LR (default 1e-4: at 3e-4 the
+#   21:27 run fell from D's dev 2.021 to 1.922 by step 400 and peaked at
+#   2.018) on the 149,470-sample corpus (~190 s of reading and features
+#   before step 0). The 2-layer head file is ~15 MiB, under what a call
+#   returns. Then `device_next39.sh bench` benchmarks /tmp/new_head.
 set -uo pipefail
 call=${1:?gemv, park or train}
 source scripts/device_env.sh
@@ -49,7 +53,8 @@ case "$call" in
     STEP_TAIL=12 step train "${TRAIN_LIMIT:-570}" python3 -m tandem.cli train-mtp --device cuda \
       --max-batch 256 --samples-per-prompt 2 --new-tokens 160 --varied 100000 --max-prompts 100 \
       --corpus /tmp/mtp_corpus.pt --time-budget "${BUDGET:-340}" --dev-every 400 \
-      --init-head /tmp/start_head.safetensors --lr "${LR:-1e-4}" --out /tmp/new_head.safetensors
+      --init-head /tmp/start_head.safetensors --head-layers "${HEAD_LAYERS:-2}" \
+      --lr "${LR:-1e-4}" --out /tmp/new_head.safetensors
     grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
     cp /tmp/new_head.safetensors "$OUT/" ;;
 esac
