@@ -273,6 +273,8 @@ async def _json(request) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(None, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder's stack, not the body's size, ran out
+        raise invalid(None, "the request body nests arrays or objects too deeply to read") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
     return body

@@ -22,8 +22,10 @@ Decisions (README "OpenAI-compatible HTTP API"):
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -33,6 +35,11 @@ from openai_api.tools import OPEN as TOOL_OPEN
 from tandem.v1 import generation_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
+_INT32_MAX = (1 << 31) - 1  # top_k's protobuf field
+_TOKEN_ID_LIMIT = 1 << 32  # TokenIds' protobuf field: uint32
+# half of a UTF-16 surrogate pair: JSON may escape one alone ("\ud800") and
+# json.loads keeps it, but protobuf strings are UTF-8, which cannot hold it
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -114,6 +121,42 @@ def _check_range(name: str, value, low, high) -> None:
 
 
 # --- requests -----------------------------------------------------------------
+def _names_bad_text(translate):
+    """A lone surrogate fails only where its string meets protobuf, deep in a
+    translation: then the body is searched for it, so the 400 names where it
+    is and valid requests pay nothing."""
+    @functools.wraps(translate)
+    def checked(body, *args):
+        try:
+            return translate(body, *args)
+        except UnicodeEncodeError:
+            where = _surrogate_at(body)
+            raise invalid(where, f"{where or 'the request body'} holds a lone UTF-16 surrogate "
+                                 "(an unpaired \\ud800-\\udfff escape): send valid Unicode "
+                                 "text") from None
+    return checked
+
+
+def _surrogate_at(body) -> str | None:
+    """Where in the JSON `body` the first string with a lone surrogate is (for a
+    key, the object holding it: the key itself cannot be shown)."""
+    pending = [(None, body)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict):
+            if any(_SURROGATE.search(key) for key in value):
+                return where
+            pending.extend((key if where is None else f"{where}.{key}", item)
+                           for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            pending.extend((f"{where}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+@_names_bad_text
 def chat_job(body, models: frozenset[str], served_model: str) -> Job:
     b = _Body(body)
     model = _model(b, models, served_model)
@@ -135,6 +178,7 @@ def chat_job(body, models: frozenset[str], served_model: str) -> Job:
                _include_usage(b), top, tool_names if choice != "none" else frozenset(), prefix)
 
 
+@_names_bad_text
 def completion_job(body, models: frozenset[str], served_model: str) -> Job:
     b = _Body(body)
     model = _model(b, models, served_model)
@@ -207,7 +251,7 @@ def _generate_request(b: _Body, id_prefix: str) -> pb.GenerateRequest:
                         ("presence_penalty", b.number("presence_penalty", -2.0, 2.0)),
                         ("frequency_penalty", b.number("frequency_penalty", -2.0, 2.0)),
                         # vLLM's extra sampling parameters, for clients that send them
-                        ("top_k", b.integer("top_k", -1)),
+                        ("top_k", b.integer("top_k", -1, _INT32_MAX)),
                         ("min_p", b.number("min_p", 0.0, 1.0)),
                         ("repetition_penalty", b.number("repetition_penalty", 0.0, None, low_open=True))):
         if value is not None:
@@ -243,6 +287,10 @@ def _completion_prompt(b: _Body) -> str | list[int]:
         return prompt
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+        too_big = next((t for t in prompt if t >= _TOKEN_ID_LIMIT), None)
+        if too_big is not None:
+            raise invalid("prompt", f"'prompt' holds the token id {too_big}, which is past any "
+                                    "vocabulary: token ids are below the model's vocab size")
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise invalid("prompt", "a batch of prompts is not supported: send one request per prompt")
@@ -268,7 +316,7 @@ def _message(i: int, m) -> pb.ChatMessage:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise invalid(where, f"{where} must be an object with 'role' and 'content'")
-    role = _ROLES.get(m.get("role"))
+    role = _ROLES.get(m.get("role")) if isinstance(m.get("role"), str) else None
     if role is None:
         raise invalid(f"{where}.role", f"{where}.role must be one of {sorted(_ROLES)}, "
                                         f"got {m.get('role')!r}")
@@ -351,8 +399,9 @@ def _tool_choice(b: _Body, tool_names: frozenset[str]) -> tuple[str, str | None]
             raise invalid("tool_choice", f"tool_choice {choice!r} needs 'tools'")
         return choice, None
     name = None
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+            choice.get("function"), dict):
+        name = choice["function"].get("name")
     if not isinstance(name, str):
         raise invalid("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or "
                                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")

@@ -145,13 +145,15 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                         log(PROCESS, f"could not tell the decode side of the abort: {e}")
                 # forgotten only here, by the thread: until the chunk in flight
                 # is done, Abort must find the work and wait for it
-                if self.work.get(job.request_id) is work:
-                    del self.work[job.request_id]
-                work.finished.set()
+                self._forget(job.request_id, work)
 
-        loop = asyncio.get_running_loop()
+        queued = self.gpu.submit(run)
+        # a call cancelled while its job waits behind another prefill cancels
+        # the job, and `run` never runs: forget it here, or Abort waits its
+        # full 30 s for it (the router holding the request's pages meanwhile)
+        queued.add_done_callback(lambda f: f.cancelled() and self._forget(job.request_id, work))
         try:
-            result, pages, sent, held = await loop.run_in_executor(self.gpu, run)
+            result, pages, sent, held = await asyncio.wrap_future(queued)
         except InvalidRequestError as e:
             await abort_with(context, e)
         except TransferError as e:
@@ -163,6 +165,12 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                                   prefilled_tokens=len(job.tokens) - job.start,
                                   transferred_pages=pages, transferred_bytes=sent,
                                   open_held=held)
+
+    def _forget(self, request_id: str, work: _Work) -> None:
+        """`work` is over: Abort no longer finds it, and one waiting for it returns."""
+        if self.work.get(request_id) is work:
+            del self.work[request_id]
+        work.finished.set()
 
     @contextmanager
     def _profiled(self, job: PrefillJob, waited: float) -> Iterator[Timeline | None]:

@@ -18,6 +18,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ from tandem.v1 import generation_pb2_grpc as pb_grpc
 
 PROCESS = "router"
 SERVICE = "tandem.v1.GenerationService"
+# requests tokenized (or chats rendered) at once, off the event loop
+TOKENIZER_THREADS = 4
 _FINISH = {wpb.DECODE_FINISH_STOP: pb.FINISH_REASON_STOP,
            wpb.DECODE_FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
            wpb.DECODE_FINISH_ABORT: pb.FINISH_REASON_ABORT}
@@ -127,13 +130,18 @@ class Router(pb_grpc.GenerationServiceServicer):
         self.open_pages = info.open_pages_per_sequence
         self.max_context = min(info.config.max_position_embeddings, info.num_pages * info.page_size)
         self.running: dict[str, Running] = {}
+        # the tokenizer releases the GIL: a long text tokenizes on these while
+        # the event loop streams every other request's tokens (on the loop, 24
+        # MB of text held every stream for 25 s); its own pool, so that the
+        # store calls on the default one never wait behind a tokenization
+        self.tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
     # --- public RPCs ------------------------------------------------------
     async def Generate(self, request, context):
         started = time.perf_counter()
         try:
-            req = request_from_pb(request, self.tokenizer, self.max_context,
-                                  self.model_config.vocab_size)
+            req = await self._off_loop(request_from_pb, request, self.tokenizer, self.max_context,
+                                       self.model_config.vocab_size)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         self.metrics.ttft_phase("tokenize", time.perf_counter() - started)
@@ -167,14 +175,15 @@ class Router(pb_grpc.GenerationServiceServicer):
         try:
             kind = request.WhichOneof("input")
             if kind == "chat":
-                ids = chat_prompt(request.chat, self.tokenizer)
+                ids = await self._off_loop(chat_prompt, request.chat, self.tokenizer)
             elif kind == "text":
-                ids = self.tokenizer.encode(request.text)
+                ids = await self._off_loop(self.tokenizer.encode, request.text)
             else:
                 raise InvalidRequestError("set one of text or chat")
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.TokenizeResponse(token_ids=ids, prompt_text=self.tokenizer.decode(ids))
+        text = await self._off_loop(self.tokenizer.decode, ids)
+        return pb.TokenizeResponse(token_ids=ids, prompt_text=text)
 
     async def GetModelInfo(self, request, context):
         info = self.store.info
@@ -182,6 +191,10 @@ class Router(pb_grpc.GenerationServiceServicer):
                             architecture=self.model_config.arch, max_context_tokens=self.max_context,
                             vocab_size=self.model_config.vocab_size, kv_format=info.kv_format.name,
                             page_size=self.page_size, speculative=_describe(self.speculative))
+
+    async def _off_loop(self, work, *args):
+        """`work(*args)` (tokenizing, rendering a chat) on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, work, *args)
 
     # --- one request --------------------------------------------------------
     async def _generate(self, req: GenerationRequest, handle: Running, held: Held, context, started):
@@ -536,6 +549,7 @@ async def _main(args) -> None:
     register = _public_api(router)
 
     async def on_stop() -> None:
+        router.tokenizing.shutdown(wait=False, cancel_futures=True)
         await prefill_channel.close()
         await decode_channel.close()
         if metrics_server is not None:
@@ -582,6 +596,7 @@ async def _main_disaggregated(args) -> None:
     register = _public_api(router)
 
     async def on_stop() -> None:
+        router.tokenizing.shutdown(wait=False, cancel_futures=True)
         for channel in channels:
             await channel.close()
         if metrics_server is not None:

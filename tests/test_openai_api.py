@@ -249,6 +249,10 @@ def test_malformed_tool_call_comes_back_as_text(client, model):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"stop": 7}, "stop"),
+    ({"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
+    ({"extra_body": {"top_k": 2**31}}, "top_k"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice"),
 ])
 def test_bad_parameters_are_400_naming_the_parameter(client, model, kwargs, param):
     args = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -298,6 +302,32 @@ def test_api_key_bad_json_and_unknown_routes(service, model):
     assert status == 404 and body["error"]["code"] == "unknown_url"
     status, body = _http(service, "/v1/chat/completions", method="GET")
     assert status == 405 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_text_protobuf_cannot_carry_is_400_naming_where(service, model):
+    """JSON that json.loads takes but a GenerateRequest cannot hold: a lone
+    UTF-16 surrogate escape (protobuf strings are UTF-8), a token id past
+    uint32, nesting past the decoder's stack. Each is a 400 naming the
+    parameter, never a 500."""
+    chat = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for body, param in (
+            ({**chat, "messages": [{"role": "user", "content": "a\ud800b"}]},
+             "messages[0].content"),
+            ({**chat, "stop": ["ok", "\udfff"]}, "stop[1]"),
+            ({**chat, "cache_salt": "\ud800"}, "cache_salt")):
+        status, reply = _http(service, "/v1/chat/completions", json.dumps(body).encode())
+        assert (status, reply["error"]["param"]) == (400, param), reply
+        assert "lone UTF-16 surrogate" in reply["error"]["message"]
+    for prompt in ("\udc00", [1, 2**32]):
+        status, reply = _http(service, "/v1/completions",
+                              json.dumps({"model": model, "prompt": prompt}).encode())
+        assert (status, reply["error"]["param"]) == (400, "prompt"), reply
+    status, reply = _http(service, "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "too deeply" in reply["error"]["message"]
+    # an emoji escaped as its surrogate pair is valid text
+    status, reply = _http(service, "/v1/chat/completions", json.dumps(
+        {**chat, "messages": [{"role": "user", "content": "\U0001F600"}]}).encode())
+    assert status == 200, reply
 
 
 def test_disconnect_mid_stream_gives_back_every_page(service, client, model):

@@ -3,6 +3,7 @@ decode and router as separate processes talking real gRPC over the shared
 store, with the real embedded model. Checked against the offline engine."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -226,6 +227,49 @@ def test_cancel_and_deadline_give_back_every_page(service):
     assert service.store_stats().held_pages == baseline
 
 
+def test_a_prefill_cancelled_while_queued_is_forgotten_at_once(tmp_path):
+    """A Prefill call cancelled while its job waits behind another prefill (a
+    client that hangs up during a long prompt's turn): the job never runs, and
+    the router's Abort for it answers at once instead of waiting 30 s for a
+    job that will never finish (the request's pages held all that time)."""
+    from prefill.server import PrefillService
+    from tests.test_kvstore_process import StoreProcess
+
+    class Context:
+        def add_done_callback(self, callback):
+            pass
+
+    proc = StoreProcess(tmp_path, "--model", "tiny-llama", "--max-context-tokens", "256",
+                        "--live-slots", "1").wait_serving()
+    try:
+        with StoreClient.connect(proc.socket, "prefill") as client:
+            service = PrefillService(client, chunk=16)
+            busy = threading.Event()
+            service.gpu.submit(busy.wait)  # another prefill holds the worker's thread
+            request = wpb.PrefillRequest(
+                request_id="queued", tokens_le32=pack_token_ids(range(3, 20)), start=0,
+                pages=client.allocate(pages=2).pages, state_slot=-1,
+                sampling=wpb.Sampling(top_p=1.0, repetition_penalty=1.0, max_new_tokens=2))
+
+            async def hang_up_then_abort():
+                call = asyncio.ensure_future(service.Prefill(request, Context()))
+                await asyncio.sleep(0.2)
+                assert "queued" in service.work  # accepted, its job queued
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+                return await asyncio.wait_for(
+                    service.Abort(wpb.AbortWork(request_id="queued"), None), timeout=5)
+
+            try:
+                reply = asyncio.run(hang_up_then_abort())
+            finally:
+                busy.set()
+            assert not reply.found and not service.work
+            service.gpu.shutdown()
+    finally:
+        assert proc.terminate() == 0
+
+
 def test_abort_by_id(service):
     call = service.stub.Generate(pb.GenerateRequest(request_id="to-abort", chat=_chat("Hello"),
                                                     max_new_tokens=300, ignore_eos=True))
@@ -249,6 +293,39 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(service, kwargs
     assert message in err.value.details()
     ids, _, _ = _generate(service.stub, text="Hi", max_new_tokens=2)
     assert len(ids) >= 1
+
+
+def test_a_huge_text_does_not_hold_up_other_streams(service):
+    """Tokenizing runs off the router's event loop: while it reads 12 MB of
+    text (seconds, then INVALID_ARGUMENT for the context), a running stream
+    keeps getting its tokens."""
+    arrivals = []
+    call = service.stub.Generate(pb.GenerateRequest(text="Once upon a time", max_new_tokens=4000,
+                                                    ignore_eos=True), timeout=300)
+
+    def stream():
+        try:
+            for _ in call:
+                arrivals.append(time.perf_counter())
+        except grpc.RpcError:
+            pass  # cancelled below
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    deadline = time.monotonic() + 60
+    while len(arrivals) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(arrivals) >= 3, "the stream never started"
+    started = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(service.stub, text="hello world " * 1_000_000)
+    ended = time.perf_counter()
+    call.cancel()
+    streaming.join()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context" in err.value.details()
+    during = [t for t in arrivals if started <= t <= ended]
+    gaps = [b - a for a, b in zip([started, *during], [*during, ended])]
+    assert max(gaps) < (ended - started) / 2, (max(gaps), ended - started)
 
 
 def test_workers_refuse_malformed_packed_prompts(service):
