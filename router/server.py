@@ -35,7 +35,8 @@ from router.requests import GenerationRequest, chat_prompt, request_from_pb
 from router.text import TextStream
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
-from tandem.serving import GRPC_OPTIONS, log, run_server, serve, status_of, unix_target
+from tandem.serving import (GRPC_OPTIONS, add_refusing_undecodable, log, run_server, serve,
+                            status_of, unix_target)
 from tandem.wire import pack_token_ids, packed_prefix, sampling_to_pb
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -521,7 +522,7 @@ def _public_api(router):
     """What the router's gRPC server registers: the public GenerationService
     (served by `router`, shared or disaggregated), reflection and health."""
     def register(server) -> None:
-        pb_grpc.add_GenerationServiceServicer_to_server(router, server)
+        add_refusing_undecodable(pb_grpc.add_GenerationServiceServicer_to_server, router, server)
         names = (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
                  reflection.SERVICE_NAME, "grpc.health.v1.Health")
         reflection.enable_server_reflection(names, server)

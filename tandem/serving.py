@@ -146,6 +146,73 @@ async def abort_with(context, error: TandemError) -> None:
     await context.abort(status_of(error), str(error))
 
 
+class _Undecodable:
+    """A request whose bytes are no valid message of its type (invalid UTF-8 in
+    a string, a torn field): the handler refuses it. Left to grpc, a parse
+    failure is UNKNOWN, a status that blames the server."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _lenient(parse, type_name: str):
+    from google.protobuf.message import DecodeError
+
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return _Undecodable(f"the request does not decode as a {type_name} ({e}): send "
+                                "the message its .proto defines, with UTF-8 strings")
+    return deserialize
+
+
+def _refusing_undecodable(behavior, streaming: bool):
+    if streaming:
+        async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for response in behavior(request, context):
+                yield response
+        return stream
+
+    async def unary(request, context):
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behavior(request, context)
+    return unary
+
+
+def add_refusing_undecodable(add_servicer, servicer, server: grpc.aio.Server) -> None:
+    """`add_servicer(servicer, server)` (a generated add_*Servicer_to_server),
+    with every request that does not decode answered INVALID_ARGUMENT: the
+    public API's promise for bad input. Unary-unary and unary-stream methods."""
+    class Registering:
+        def add_generic_rpc_handlers(self, handlers) -> None:
+            pass  # the registered handlers below say the same
+
+        def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+            wrapped = {name: _lenient_handler(handler) for name, handler in handlers.items()}
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service,
+                                                                                  wrapped),))
+            server.add_registered_method_handlers(service, wrapped)
+
+    add_servicer(servicer, Registering())
+
+
+def _lenient_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    if handler.request_streaming or handler.stream_stream or handler.stream_unary:
+        raise ValueError("add_refusing_undecodable takes unary-request methods only")
+    parse = handler.request_deserializer
+    type_name = getattr(parse, "__self__", None)
+    type_name = type_name.DESCRIPTOR.full_name if type_name is not None else "request"
+    streaming = handler.unary_stream is not None
+    behavior = handler.unary_stream if streaming else handler.unary_unary
+    return handler._replace(request_deserializer=_lenient(parse, type_name),
+                            **{"unary_stream" if streaming else "unary_unary":
+                               _refusing_undecodable(behavior, streaming)})
+
+
 def claim_socket_path(path: str) -> None:
     """Remove a stale socket file; refuse when a live process listens there."""
     if not os.path.exists(path):

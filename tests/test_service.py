@@ -328,6 +328,24 @@ def test_a_huge_text_does_not_hold_up_other_streams(service):
     assert max(gaps) < (ended - started) / 2, (max(gaps), ended - started)
 
 
+def test_bytes_that_are_no_valid_request_are_invalid_argument(service):
+    """A client that does not speak the protos (invalid UTF-8 in a string, a
+    torn field) gets INVALID_ARGUMENT naming the message, not grpc's UNKNOWN;
+    the service keeps serving."""
+    bad_utf8 = b"\x0a\x02\xff\xfe"  # field 1, a string, holding two bytes that are no UTF-8
+    torn = b"\x0a\x10ab"  # field 1 says 16 bytes and brings 2
+    for method, streaming in (("Generate", True), ("Tokenize", False)):
+        call = (service.channel.unary_stream if streaming else service.channel.unary_unary)(
+            f"/tandem.v1.GenerationService/{method}")
+        for payload in (bad_utf8, torn):
+            with pytest.raises(grpc.RpcError) as err:
+                reply = call(payload, timeout=30)
+                list(reply) if streaming else reply
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert f"tandem.v1.{method}Request" in err.value.details()
+    assert _generate(service.stub, text="Hello", max_new_tokens=2)[0]
+
+
 def test_workers_refuse_malformed_packed_prompts(service):
     """The workers' packed token-id fields, straight on the wire: a length that
     is not whole 4-byte ids, or an id past the vocabulary, is INVALID_ARGUMENT
