@@ -45,6 +45,10 @@ PROCESS = "router"
 SERVICE = "tandem.v1.GenerationService"
 # requests tokenized (or chats rendered) at once, off the event loop
 TOKENIZER_THREADS = 4
+# how long a worker may take to stop a request (it finishes the chunk or step
+# in flight), and how often one that did not is asked again
+STOP_TIMEOUT_S = 30.0
+STOP_RETRY_S = 10.0
 _FINISH = {wpb.DECODE_FINISH_STOP: pb.FINISH_REASON_STOP,
            wpb.DECODE_FINISH_LENGTH: pb.FINISH_REASON_LENGTH,
            wpb.DECODE_FINISH_ABORT: pb.FINISH_REASON_ABORT}
@@ -136,6 +140,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         # MB of text held every stream for 25 s); its own pool, so that the
         # store calls on the default one never wait behind a tokenization
         self.tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        # give-backs waiting for a worker that has not yet stopped their request
+        self.stopping: set[asyncio.Task] = set()
 
     # --- public RPCs ------------------------------------------------------
     async def Generate(self, request, context):
@@ -408,12 +414,31 @@ class Router(pb_grpc.GenerationServiceServicer):
         worker still busy with the request is stopped first, so no step of it
         writes into pages another request already got."""
         async def release() -> None:
-            await self._stop_worker(handle)
-            if handle.prefill_held is not None:
-                await self._release(handle.prefill_held, handle.prefill_store)
-            await self._release(held, handle.decode_store or self.store)
+            if not await self._stop_worker(handle):
+                # the worker neither confirmed the stop nor died: a chunk of this
+                # request may still be writing into its pages, so they stay held
+                # (a leak, not another request's corruption) until it does,
+                # asked again in the background; the call itself ends now
+                task = asyncio.ensure_future(self._release_once_stopped(held, handle))
+                self.stopping.add(task)
+                task.add_done_callback(self.stopping.discard)
+                return
+            await self._release_all(held, handle)
 
         await asyncio.shield(asyncio.ensure_future(release()))
+
+    async def _release_all(self, held: Held, handle: Running) -> None:
+        if handle.prefill_held is not None:
+            await self._release(handle.prefill_held, handle.prefill_store)
+        await self._release(held, handle.decode_store or self.store)
+
+    async def _release_once_stopped(self, held: Held, handle: Running) -> None:
+        while True:
+            await asyncio.sleep(STOP_RETRY_S)
+            if await self._stop_worker(handle):
+                log(PROCESS, f"{handle.busy_in} stopped {handle.request_id}: its pages go back")
+                await self._release_all(held, handle)
+                return
 
     async def _release(self, held: Held, store: StoreClient) -> None:
         """Everything `held` names goes back to `store`. The lists are emptied
@@ -463,19 +488,24 @@ class Router(pb_grpc.GenerationServiceServicer):
                     if part_error.code != "FAILED_PRECONDITION":
                         raise
 
-    async def _stop_worker(self, handle: Running) -> None:
+    async def _stop_worker(self, handle: Running) -> bool:
+        """Whether every worker busy with the request has stopped it (or is
+        dead: a dead worker writes nothing any more)."""
         prefill = handle.prefill_stub or self.prefill
         decode = handle.decode_stub or self.decode
         stubs = {"prefill": [prefill], "decode": [decode],
                  "transfer": [prefill, decode]}.get(handle.busy_in, [])
+        stopped = True
         for stub in stubs:  # the writer first: prefill pushes into the decode store
             try:
-                await stub.Abort(wpb.AbortWork(request_id=handle.request_id), timeout=30)
+                await stub.Abort(wpb.AbortWork(request_id=handle.request_id),
+                                 timeout=STOP_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
-                # a dead worker writes nothing any more; anything else is worth a line
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
-                    log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id}: "
-                                 f"{e.code().name}")
+                    stopped = False
+                    log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id} "
+                                 f"({e.code().name}): its pages stay held until it does")
+        return stopped
 
     @staticmethod
     def _decode_request(req: GenerationRequest, plan: Plan, first: int,

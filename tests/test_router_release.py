@@ -8,9 +8,10 @@ import asyncio
 import threading
 import time
 
+import grpc
 import pytest
 
-from router.server import Held, Router
+from router.server import Held, Router, Running
 
 
 class _SlowUnlockStore:
@@ -58,3 +59,60 @@ def test_a_release_cancelled_during_the_unlock_still_frees_pages_and_slots():
     asyncio.run(cancel_mid_unlock())
     assert store.calls == [("unlock", [11]), ("release", [3, 4], [7])]
     assert (held.pages, held.slots, held.nodes) == ([], [], [])  # never given back twice
+
+
+class _Worker:
+    """A worker stub whose Abort fails with `failures` (status codes) in turn,
+    then stops the request."""
+
+    def __init__(self, *failures) -> None:
+        self.failures = list(failures)
+        self.aborts = 0
+
+    async def Abort(self, request, timeout):
+        self.aborts += 1
+        if self.failures:
+            raise grpc.aio.AioRpcError(self.failures.pop(0), grpc.aio.Metadata(),
+                                       grpc.aio.Metadata())
+
+
+class _StoppingRouterParts(_RouterParts):
+    """_RouterParts with the worker-stopping half of the give-back."""
+    prefill = decode = None
+    _give_back = Router._give_back
+    _stop_worker = Router._stop_worker
+    _release_all = Router._release_all
+    _release_once_stopped = Router._release_once_stopped
+
+    def __init__(self) -> None:
+        self.stopping = set()
+
+
+@pytest.mark.parametrize("failure, held_until_stopped", [
+    (grpc.StatusCode.DEADLINE_EXCEEDED, True),  # busy past the timeout: may still write
+    (grpc.StatusCode.UNAVAILABLE, False)])  # dead: writes nothing any more
+def test_pages_go_back_only_once_the_worker_has_stopped_the_request(monkeypatch, failure,
+                                                                   held_until_stopped):
+    """A worker that does not confirm the stop in time may still be writing the
+    request's pages: they stay held (the call returns at once) and go back when
+    a later Abort succeeds; a dead worker's go back at once."""
+    import router.server
+
+    monkeypatch.setattr(router.server, "STOP_RETRY_S", 0.05)
+    store, worker = _SlowUnlockStore(), _Worker(failure)
+    parts = _StoppingRouterParts()
+    handle = Running("r1", busy_in="prefill", prefill_stub=worker, decode_store=store)
+
+    async def give_back() -> list:
+        await parts._give_back(Held(pages=[3, 4], slots=[7]), handle)
+        right_after = list(store.calls)
+        for _ in range(100):
+            if store.calls:
+                break
+            await asyncio.sleep(0.01)
+        return right_after
+
+    right_after = asyncio.run(give_back())
+    assert right_after == ([] if held_until_stopped else [("release", [3, 4], [7])])
+    assert store.calls == [("release", [3, 4], [7])]
+    assert worker.aborts == (2 if held_until_stopped else 1) and not parts.stopping
