@@ -644,7 +644,15 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
     torch.manual_seed(cfg.seed)
     _log(f"settings {cfg}")
     model = loaded.model
-    examples = make_examples(model, corpus or generate_corpus(loaded, cfg))
+    # each phase before step 0 is timed: on the H200 they took ~190 s of a
+    # 570 s call (12-04 21:27), time the training did not get
+    began = time.monotonic()
+    corpus = corpus or generate_corpus(loaded, cfg)
+    _log(f"corpus of {len(corpus.samples)} samples ready in {time.monotonic() - began:.0f} s")
+    began = time.monotonic()
+    examples = make_examples(model, corpus)
+    _log(f"base features of {sum(len(e.tokens) for e in examples)} tokens in "
+         f"{time.monotonic() - began:.0f} s")
     device = model.output_embedding.device
     rng = random.Random(cfg.seed)
     # the last prompts' samples are held out whole (no shared prompt text)
@@ -655,8 +663,12 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
     params = [p for p in head.parameters()]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()
+    began = time.monotonic()
     dev = DevChoice(dev_examples(loaded, cfg.dev_new_tokens), full_head, cfg.depth,
                     on_best=on_best) if cfg.dev_every_steps else None
+    if dev is not None:
+        _log(f"dev prompts answered in {time.monotonic() - began:.0f} s")
+    began = time.monotonic()
     # The softmax of the training loss runs over the tokens of the corpus only
     # (a sampled softmax, cheaper on a 49K vocabulary); held-out accuracy
     # below is measured with the full vocabulary.
@@ -668,7 +680,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
     for e in training:
         e.labels = torch.where(e.labels == IGNORE, e.labels, remap[e.labels.clamp(min=0)])
     _log(f"{len(training)} training and {len(held_out)} held-out samples, "
-         f"{len(vocab)} tokens in the loss vocabulary")
+         f"{len(vocab)} tokens in the loss vocabulary (remapped in "
+         f"{time.monotonic() - began:.0f} s)")
     started, step, epochs = time.monotonic(), 0, 0
     budget = cfg.time_budget_s
     while time.monotonic() - started < budget:
