@@ -79,13 +79,15 @@ class StepLoop:
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", (request_id, None)))
 
-    def abort_and_wait(self, request_id: str, timeout: float = 10.0) -> bool:
-        """Abort, and return once the step loop has let go of the request: no
-        step that could write its KV is running any more."""
+    def abort_and_wait(self, request_id: str, timeout: float = 10.0) -> bool | None:
+        """Abort, and return once the step loop has let go of the request (no
+        step that could write its KV is running any more): whether it had it;
+        None when the loop did not answer within `timeout`."""
         done = threading.Event()
         found: list[bool] = []
         self.commands.put(("abort", (request_id, (done, found))))
-        done.wait(timeout)
+        if not done.wait(timeout):
+            return None
         return bool(found and found[0])
 
     @torch.inference_mode()
@@ -213,6 +215,11 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         receiving = (self.inbox is not None
                      and await asyncio.to_thread(self.inbox.cancel, request.request_id))
         found = await asyncio.to_thread(self.steps.abort_and_wait, request.request_id)
+        if found is None:  # the router keeps the pages a step may still write
+            import grpc
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the decode step loop has not let go of "
+                                f"{request.request_id!r} yet")
         return pb.AbortWorkReply(found=found or receiving)
 
     async def Receive(self, request, context):

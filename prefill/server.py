@@ -37,6 +37,9 @@ from transfer.protocol import TransferError, TransferSpec
 from tandem.wire import generated_token_pb, sampling_from_pb, token_ids_from_pb
 
 PROCESS = "prefill"
+# how long Abort waits for the chunk in flight: under the router's own timeout
+# (router.server.STOP_TIMEOUT_S), so that it hears "still running", not silence
+STOP_WAIT_S = 25.0
 # `tandem serve` passes its environment on, so this turns profiling on there:
 # TANDEM_PROFILE_PREFILL=N profiles every N-th request
 PROFILE_ENV = "TANDEM_PROFILE_PREFILL"
@@ -217,12 +220,21 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         return transfer_from_pb(request.transfer)
 
     async def Abort(self, request, context):
-        """Returns once the request's chunk in flight (if any) has finished."""
+        """Returns once the request's chunk in flight (if any) has finished; a
+        chunk still running after STOP_WAIT_S is DEADLINE_EXCEEDED, so that the
+        router keeps the pages it may still write."""
         work = self.work.get(request.request_id)
         if work is None:
             return pb.AbortWorkReply(found=False)
         work.cancelled.set()
-        await asyncio.to_thread(work.finished.wait, 30.0)
+        # polled, not waited for on a thread: many aborts at once would fill
+        # the default pool, which the store calls share
+        deadline = time.monotonic() + STOP_WAIT_S
+        while not work.finished.is_set():
+            if time.monotonic() >= deadline:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the prefill of {request.request_id!r} is still running")
+            await asyncio.sleep(0.005)
         return pb.AbortWorkReply(found=True)
 
 

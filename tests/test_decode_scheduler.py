@@ -139,6 +139,9 @@ def test_step_loop_abort_returns_only_when_the_sequence_is_gone():
         time.sleep(0.2)
         assert len(seq.output) == produced  # no step touched it after the ack
         assert not steps.scheduler.has_work
-        assert not steps.abort_and_wait("long")  # already gone: found is False
+        assert steps.abort_and_wait("long") is False  # already gone: found is False
     finally:
         steps.stop()
+    # a loop that does not answer in time (stopped here; stuck in a step in
+    # life) is None, which the worker's Abort turns into DEADLINE_EXCEEDED
+    assert steps.abort_and_wait("long", timeout=0.1) is None

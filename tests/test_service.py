@@ -270,6 +270,40 @@ def test_a_prefill_cancelled_while_queued_is_forgotten_at_once(tmp_path):
         assert proc.terminate() == 0
 
 
+def test_a_worker_that_cannot_stop_in_time_says_so(tmp_path, monkeypatch):
+    """Abort of a chunk still running past the wait is DEADLINE_EXCEEDED, not
+    "stopped": the router then keeps the pages the chunk may still write
+    (tests/test_router_release.py); once the chunk is over, Abort says found."""
+    import prefill.server
+    from prefill.server import PrefillService, _Work
+    from tests.test_kvstore_process import StoreProcess
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            raise Aborted(code, details)
+
+    monkeypatch.setattr(prefill.server, "STOP_WAIT_S", 0.1)
+    proc = StoreProcess(tmp_path, "--model", "tiny-llama", "--max-context-tokens", "256",
+                        "--live-slots", "1").wait_serving()
+    try:
+        with StoreClient.connect(proc.socket, "prefill") as client:
+            service = PrefillService(client, chunk=16)
+            work = service.work["stuck"] = _Work()
+            with pytest.raises(Aborted) as err:
+                asyncio.run(service.Abort(wpb.AbortWork(request_id="stuck"), Context()))
+            assert err.value.args[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert work.cancelled.is_set() and "still running" in err.value.args[1]
+            work.finished.set()
+            reply = asyncio.run(service.Abort(wpb.AbortWork(request_id="stuck"), Context()))
+            assert reply.found
+            service.gpu.shutdown()
+    finally:
+        assert proc.terminate() == 0
+
+
 def test_abort_by_id(service):
     call = service.stub.Generate(pb.GenerateRequest(request_id="to-abort", chat=_chat("Hello"),
                                                     max_new_tokens=300, ignore_eos=True))
