@@ -117,7 +117,9 @@ class _Body:
 def _check_range(name: str, value, low, high) -> None:
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise invalid(name, f"'{name}' must be in {bounds}, got {value}")
+        # 1e300 passes as an integer: say it in a few digits, not three hundred
+        shown = f"{value:.3g}" if abs(value) >= 1e15 else value
+        raise invalid(name, f"'{name}' must be in {bounds}, got {shown}")
 
 
 # --- requests -----------------------------------------------------------------

@@ -324,6 +324,13 @@ def test_text_protobuf_cannot_carry_is_400_naming_where(service, model):
         assert (status, reply["error"]["param"]) == (400, "prompt"), reply
     status, reply = _http(service, "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000)
     assert status == 400 and "too deeply" in reply["error"]["message"]
+    status, reply = _http(service, "/v1/chat/completions",
+                          json.dumps(chat)[:-1].encode() + b', "seed": ' + b"9" * 5000 + b"}")
+    assert status == 400 and "not valid JSON" in reply["error"]["message"], reply
+    status, reply = _http(service, "/v1/chat/completions",
+                          json.dumps({**chat, "max_tokens": 1e300}).encode())
+    assert (status, reply["error"]["param"]) == (400, "max_tokens"), reply
+    assert "got 1e+300" in reply["error"]["message"]
     # an emoji escaped as its surrogate pair is valid text
     status, reply = _http(service, "/v1/chat/completions", json.dumps(
         {**chat, "messages": [{"role": "user", "content": "\U0001F600"}]}).encode())
