@@ -238,6 +238,24 @@ def test_the_dev_measure_keeps_the_best_head_seen(tiny, corpus):
         assert again == pytest.approx(history[best][kind], abs=1e-9)
 
 
+def test_a_continued_head_is_measured_before_its_first_step(tiny, corpus, tmp_path):
+    """--init-head with --dev-every: step 0, the head continued from, is a
+    candidate, so a training that only makes it worse ends with it."""
+    from engine.speculative.heads import head_state, save_head
+
+    path = tmp_path / "start.mtp.safetensors"
+    save_head(path, tiny.config, head_state(init_head(tiny.model)))
+    start = head_from_file(tiny.model, str(path))
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=4, lr=10.0,
+                      corpus_path=None, batch_samples=2, dev_every_steps=4, dev_new_tokens=12,
+                      init_head_path=str(path))
+    head, stats = train_head(tiny, cfg, corpus=corpus)
+    history = stats["dev"]["history"]
+    assert sorted(history) == [0, 4] and min(history[4].values()) < min(history[0].values())
+    assert stats["dev"]["chosen_step"] == 0
+    assert all(torch.equal(head.state_dict()[k].cpu(), v) for k, v in start.state_dict().items())
+
+
 def test_a_worse_last_head_gives_way_to_the_best_one_measured(tiny, corpus):
     model = tiny.model
     examples = make_examples(model, corpus)

@@ -668,6 +668,11 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
                     on_best=on_best) if cfg.dev_every_steps else None
     if dev is not None:
         _log(f"dev prompts answered in {time.monotonic() - began:.0f} s")
+        if cfg.init_head_path:
+            # the head continued from is a candidate too: a warm restart falls
+            # below it first (12-04 21:27: 2.021 -> 1.922 by step 400), and a
+            # run that never climbs back must end with the head it started from
+            dev.measure(model, head, 0)
     began = time.monotonic()
     # The softmax of the training loss runs over the tokens of the corpus only
     # (a sampled softmax, cheaper on a 49K vocabulary); held-out accuracy
