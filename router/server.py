@@ -35,8 +35,8 @@ from router.requests import GenerationRequest, chat_prompt, request_from_pb
 from router.text import TextStream
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
-from tandem.serving import (GRPC_OPTIONS, add_refusing_undecodable, log, run_server, serve,
-                            status_of, unix_target)
+from tandem.serving import (add_refusing_undecodable, log, run_server, serve, status_of,
+                            worker_channel)
 from tandem.wire import pack_token_ids, packed_prefix, sampling_to_pb
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -164,7 +164,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         except (StoreError, TandemError) as e:
             await context.abort(status_of(e), str(e))
         except grpc.aio.AioRpcError as e:
-            await context.abort(*_worker_failure(e))
+            await context.abort(*_worker_failure(e, handle.busy_in))
         finally:
             self.running.pop(req.request_id, None)
             await self._give_back(held, handle)
@@ -538,12 +538,18 @@ def _chunk(request_id: str, token: wpb.GeneratedToken, text: str, tokenizer,
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
-def _worker_failure(e: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+# who failed a request, by Running.busy_in when its call to a worker failed
+_WORKER_NAMES = {"prefill": "the prefill worker", "decode": "the decode worker",
+                 "transfer": "the prefill or decode worker (KV transfer)"}
+
+
+def _worker_failure(e: grpc.aio.AioRpcError, busy_in: str | None) -> tuple[grpc.StatusCode, str]:
     code = e.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return code, "the request's deadline passed before it finished"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-        return grpc.StatusCode.UNAVAILABLE, (f"a worker is unavailable ({e.details()}); the server "
+        worker = _WORKER_NAMES.get(busy_in, "a worker")
+        return grpc.StatusCode.UNAVAILABLE, (f"{worker} is unavailable ({e.details()}); the server "
                                              "keeps its cache: retry shortly")
     return code, e.details() or code.name
 
@@ -569,8 +575,8 @@ async def _main(args) -> None:
     wait_for_store(args.store, timeout=args.store_timeout)
     store = StoreClient.connect(args.store, name=PROCESS, map_memory=False)
     tokenizer = load_tokenizer(store.info.model_id)
-    prefill_channel = grpc.aio.insecure_channel(unix_target(args.prefill), options=GRPC_OPTIONS)
-    decode_channel = grpc.aio.insecure_channel(unix_target(args.decode), options=GRPC_OPTIONS)
+    prefill_channel = worker_channel(args.prefill)
+    decode_channel = worker_channel(args.decode)
     metrics = RouterMetrics()
     metrics_server = metrics.serve(args.metrics_port, args.host) if args.metrics_port else None
     router = Router(store, wpb_grpc.PrefillServiceStub(prefill_channel),
@@ -606,7 +612,7 @@ async def _main_disaggregated(args) -> None:
                 raise TandemError(f"--{kind}-group wants STORE_SOCKET=WORKER_SOCKET, got {group!r}")
             wait_for_store(store_sock, timeout=args.store_timeout)
             store = StoreClient.connect(store_sock, name=PROCESS, map_memory=False)
-            channel = grpc.aio.insecure_channel(unix_target(worker_sock), options=GRPC_OPTIONS)
+            channel = worker_channel(worker_sock)
             channels.append(channel)
             await _wait_until_serving(channel, TRANSFER_SERVICE, f"{kind}-{index}",
                                       args.transfer_ready_timeout)

@@ -20,10 +20,25 @@ from engine.errors import InvalidRequestError, TandemError
 MAX_MESSAGE_BYTES = 64 << 20  # token lists of long prompts exceed the 4 MiB default
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+# The router's channels to the workers, which the supervisor restarts: by
+# default a channel's reconnect backoff grows to 120 s while the worker is
+# down, and every call fails at once (UNAVAILABLE) until the next attempt, so
+# a worker that took minutes to come back was refused for up to two minutes
+# more after it served again. Connecting to a unix socket costs nothing.
+WORKER_RECONNECT_MS = 1000
+WORKER_CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.initial_reconnect_backoff_ms", 100),
+                                         ("grpc.min_reconnect_backoff_ms", 100),
+                                         ("grpc.max_reconnect_backoff_ms", WORKER_RECONNECT_MS)]
 
 
 def unix_target(path: str) -> str:
     return f"unix:{path}"
+
+
+def worker_channel(path: str) -> grpc.aio.Channel:
+    """A channel to the worker serving on the unix socket `path`, which tries
+    to reconnect at least every WORKER_RECONNECT_MS while the worker is down."""
+    return grpc.aio.insecure_channel(unix_target(path), options=WORKER_CHANNEL_OPTIONS)
 
 
 def share_cpu_with_the_other_worker() -> None:

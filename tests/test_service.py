@@ -304,6 +304,54 @@ def test_a_worker_that_cannot_stop_in_time_says_so(tmp_path, monkeypatch):
         assert proc.terminate() == 0
 
 
+def test_a_worker_back_after_a_slow_restart_is_reached_at_once(tmp_path):
+    """The router's channel to a worker that was down for a while (a restart
+    that loads and warms up for minutes) reconnects within a second of the
+    worker serving again: with gRPC's default backoff (growing to 120 s) every
+    call failed UNAVAILABLE for up to two minutes after the supervisor said
+    "serving again" (3-4 s already after 12 s down)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from tandem.serving import WORKER_RECONNECT_MS, unix_target, worker_channel
+
+    path = str(tmp_path / "worker.sock")
+
+    async def worker():
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        server.add_insecure_port(unix_target(path))
+        await server.start()
+        return server
+
+    async def reached(stub) -> bool:
+        try:
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def scenario() -> float:
+        server = await worker()
+        channel = worker_channel(path)
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert await reached(stub)
+        await server.stop(None)
+        down = time.monotonic()
+        while time.monotonic() - down < 12:  # requests keep failing meanwhile
+            assert not await reached(stub)
+            await asyncio.sleep(0.2)
+        server = await worker()
+        back = time.monotonic()
+        while not await reached(stub):
+            await asyncio.sleep(0.05)
+        waited = time.monotonic() - back
+        await channel.close()
+        await server.stop(None)
+        return waited
+
+    assert asyncio.run(scenario()) < WORKER_RECONNECT_MS / 1000 * 1.2 + 0.3
+
+
 def test_abort_by_id(service):
     call = service.stub.Generate(pb.GenerateRequest(request_id="to-abort", chat=_chat("Hello"),
                                                     max_new_tokens=300, ignore_eos=True))
@@ -468,6 +516,7 @@ def test_killed_decode_worker_is_unavailable_then_restarted_with_cache(service):
     with pytest.raises(grpc.RpcError) as err:
         list(call)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the decode worker is unavailable" in err.value.details()
     assert time.time() - started < 5
     deadline = time.time() + 60
     while True:  # the supervisor restarts decode; the store kept the cache
