@@ -216,6 +216,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                      with_logprobs)
         finish, boundary = self._finish_of_first(req, first.token_id, text, stop_ids)
         final = None  # tokens whose KV is final in the pages, as decode reports it
+        failure = None  # why decode gave the request up on its own, if it did
         await self._before_decode(req, plan, handle, held, context)
         last = time.perf_counter()
         if finish is None and not handle.aborted:
@@ -227,6 +228,9 @@ class Router(pb_grpc.GenerationServiceServicer):
                     if event.HasField("finished"):  # decode has let go of it
                         handle.busy_in = None
                         finish = _FINISH[event.finished.reason]
+                        if finish == pb.FINISH_REASON_ABORT and not handle.aborted:
+                            # nobody asked: the worker gave up (a failed step)
+                            failure = event.finished.detail or "no reason given"
                         boundary = event.finished.boundary_tokens
                         final = event.finished.final_tokens
                         break
@@ -243,8 +247,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                             break
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
-                        await self._stop_worker(handle)
-                        handle.busy_in = None
+                        if await self._stop_worker(handle):
+                            handle.busy_in = None  # else _give_back waits for it
                         finish = pb.FINISH_REASON_STOP
                         break
             except asyncio.CancelledError:
@@ -254,8 +258,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                 if e.code() != grpc.StatusCode.CANCELLED or not handle.aborted:
                     raise
         if handle.aborted and finish is None:
-            await self._stop_worker(handle)
-            handle.busy_in = None
+            if await self._stop_worker(handle):
+                handle.busy_in = None  # else _give_back waits for it
             finish = pb.FINISH_REASON_ABORT
         tail = text.finish()
         if tail:
@@ -263,6 +267,9 @@ class Router(pb_grpc.GenerationServiceServicer):
         await self._cache_output(req, plan, held, output, boundary, handle.decode_store, final)
         self.metrics.request_finished(_FINISH_NAME[finish], len(req.prompt), len(output), plan.cached,
                                       time.perf_counter() - started)
+        if failure is not None:  # an error status, not a successful finish
+            raise TandemError(f"the decode worker stopped the request after {len(output)} "
+                              f"tokens: {failure}")
         usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(output),
                          cached_tokens=plan.cached)
         yield pb.GenerateResponse(request_id=req.request_id,
