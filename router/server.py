@@ -227,10 +227,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                 async for event in call:
                     if event.HasField("finished"):  # decode has let go of it
                         handle.busy_in = None
-                        finish = _FINISH[event.finished.reason]
-                        if finish == pb.FINISH_REASON_ABORT and not handle.aborted:
-                            # nobody asked: the worker gave up (a failed step)
-                            failure = event.finished.detail or "no reason given"
+                        finish, failure = decode_finish(event.finished, handle.aborted)
                         boundary = event.finished.boundary_tokens
                         final = event.finished.final_tokens
                         break
@@ -543,6 +540,16 @@ def _chunk(request_id: str, token: wpb.GeneratedToken, text: str, tokenizer,
         chunk.logprobs.append(pb.Logprobs(logprob=token.logprob, top=top,
                                           text=tokenizer.decode([token.token_id])))
     return pb.GenerateResponse(request_id=request_id, chunk=chunk)
+
+
+def decode_finish(finished: wpb.DecodeFinished, asked_to_abort: bool) -> tuple[int, str | None]:
+    """The public finish reason of decode's last event, and why decode gave the
+    request up on its own (None when it did not): an ABORT nobody asked for is
+    a failed step, which the client must see as an error, not a finish."""
+    finish = _FINISH[finished.reason]
+    if finish == pb.FINISH_REASON_ABORT and not asked_to_abort:
+        return finish, finished.detail or "no reason given"
+    return finish, None
 
 
 # who failed a request, by Running.busy_in when its call to a worker failed

@@ -116,3 +116,22 @@ def test_pages_go_back_only_once_the_worker_has_stopped_the_request(monkeypatch,
     assert right_after == ([] if held_until_stopped else [("release", [3, 4], [7])])
     assert store.calls == [("release", [3, 4], [7])]
     assert worker.aborts == (2 if held_until_stopped else 1) and not parts.stopping
+
+
+def test_an_abort_nobody_asked_for_is_a_failure():
+    """decode's finish ABORT after a failed step (the router did not ask) must
+    reach the client as an error status with the worker's reason; one the
+    client asked for is a plain finish."""
+    from router.server import decode_finish
+    from tandem.internal.v1 import workers_pb2 as wpb
+    from tandem.v1 import generation_pb2 as pb
+
+    failed = wpb.DecodeFinished(reason=wpb.DECODE_FINISH_ABORT, detail="decode step failed: boom")
+    assert decode_finish(failed, asked_to_abort=False) == (pb.FINISH_REASON_ABORT,
+                                                           "decode step failed: boom")
+    assert decode_finish(failed, asked_to_abort=True) == (pb.FINISH_REASON_ABORT, None)
+    silent = wpb.DecodeFinished(reason=wpb.DECODE_FINISH_ABORT)
+    assert decode_finish(silent, asked_to_abort=False)[1] == "no reason given"
+    for reason, public in ((wpb.DECODE_FINISH_STOP, pb.FINISH_REASON_STOP),
+                           (wpb.DECODE_FINISH_LENGTH, pb.FINISH_REASON_LENGTH)):
+        assert decode_finish(wpb.DecodeFinished(reason=reason), False) == (public, None)
