@@ -334,8 +334,10 @@ class Router(pb_grpc.GenerationServiceServicer):
                                         total_pages - len(match.pages) - sinks, slots,
                                         sinks + self.open_pages)
         except StoreCapacityError as e:
-            raise StoreCapacityError(e.code, f"no KV capacity for a {len(prompt)}-token prompt plus "
-                                             f"{req.params.max_new_tokens} new tokens now: {e}") from None
+            raise StoreCapacityError(
+                e.code, f"no KV capacity now for a {len(prompt)}-token prompt plus "
+                        f"{req.params.max_new_tokens} new tokens: retry when running requests "
+                        f"finish, or ask for fewer new tokens (the store: {e.details})") from None
         plan = Plan(cached=match.num_tokens,
                     pages=[*match.pages, *grant.staging[:sinks], *grant.pages],
                     open_pages=list(grant.staging[sinks:]))

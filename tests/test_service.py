@@ -474,7 +474,9 @@ def test_no_capacity_is_resource_exhausted_and_clears(service):
     with pytest.raises(grpc.RpcError) as err:
         _generate(service.stub, text="Hello there", max_new_tokens=64, cache_salt="starved")
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "capacity" in err.value.details()
+    details = err.value.details()
+    assert "capacity" in details and "retry when running requests finish" in details
+    assert details.count("RESOURCE_EXHAUSTED") == 1, details  # said once, not per layer
     hog.cancel()
     deadline = time.time() + 10
     while True:
