@@ -258,7 +258,7 @@ class CapacityPlan:
                      "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens",
-                     f"lower --prefill-chunk-tokens (now {self.prefill_chunk_tokens}) or "
+                     f"lower --prefill-chunk (now {self.prefill_chunk_tokens}) or "
                      "--max-context-tokens"),
             PlanLine("decode activations", decode,
                      f"estimate: {self.live_slots} x {1 + self.draft_slots_per_sequence} rows",
@@ -273,8 +273,8 @@ class CapacityPlan:
             PlanLine("cuda contexts", self.cuda_processes * CUDA_CONTEXT_BYTES,
                      f"{self.cuda_processes} processes x {format_bytes(CUDA_CONTEXT_BYTES)} "
                      "(measured)",
-                     "every GPU process holds a CUDA context: lower a line above (--prefill-chunk-"
-                     "tokens, --snapshot-slots, --max-context-tokens) or raise --gpu-memory-budget"),
+                     "every GPU process holds a CUDA context: lower a line above (--prefill-chunk, "
+                     "--snapshot-slots, --max-context-tokens) or raise --gpu-memory-budget"),
         )
 
     def _weights_detail(self) -> str:

@@ -76,6 +76,23 @@ def test_the_first_line_past_the_budget_is_named_with_what_to_lower():
         plan.check()
 
 
+def test_what_to_lower_names_flags_of_tandem_serve():
+    """The over-budget advice reaches users through `tandem serve` (the store
+    refuses to start) and `tandem plan`: it names serve's flags, not the
+    internal store's (--prefill-chunk-tokens)."""
+    import argparse
+    import re
+
+    from tandem.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    known = {s for action in commands.choices["serve"]._actions for s in action.option_strings}
+    plan = _plan(_qwen27b(), weight_bytes=14 * 10**9)
+    named = {flag for line in plan.lines for flag in re.findall(r"--[a-z][a-z-]*", line.lower)}
+    assert "--prefill-chunk" in named
+    assert named <= known, named - known
+
+
 def test_plan_validates_on_creation():
     config = _qwen27b()
     with pytest.raises(ValueError, match="page_size"):
