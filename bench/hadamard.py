@@ -67,7 +67,8 @@ def compare(rows_list: list[int], device) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.hadamard",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[4, 24, 96, 49152])
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -26,7 +26,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="an optional system message")
     p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cpu or cuda (default: cuda when present)")
     p.add_argument("--weights", default="auto", help="auto (default: a low-bit GGUF/GPTQ file stays packed on CUDA, dequantized on "
                         "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
                         "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
@@ -59,7 +60,7 @@ def _run_generate(args) -> int:
                             min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, max_new_tokens=args.max_new_tokens)
     speculative = _speculative_config(args)  # bad flags fail before the model loads
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _compute_device(args.device)
     engine = OfflineEngine(load_model(args.model, device=device, weights=args.weights),
                            EngineConfig(speculative=speculative))
     if args.raw:
@@ -78,6 +79,16 @@ def _run_generate(args) -> int:
               f"({t['accepted']} of {t['drafted']} drafts accepted in {t['steps']} steps)",
               file=sys.stderr)
     return 0
+
+
+def _compute_device(asked: str | None) -> str:
+    """--device, or cuda when present; cuda asked for where there is none is a
+    one-line error, not a traceback from deep in the loader."""
+    import torch
+
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise TandemError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    return asked or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _add_train_mtp(sub) -> None:
@@ -136,7 +147,8 @@ def _add_train_mtp(sub) -> None:
                    help="answer the prompts missing from --corpus, save it and stop (no "
                         "training): generation and training can then run on different "
                         "machines or in separate calls")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cpu or cuda (default: cuda when present)")
     p.set_defaults(run=_run_train_mtp)
 
 
@@ -185,7 +197,7 @@ def _run_train_mtp(args) -> int:
                           gen_processes=args.gen_processes, head_layers=args.head_layers)
     except ValueError as e:
         raise TandemError(str(e)) from e
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = _compute_device(args.device)
     # dense weights (the head starts as a copy of the last layer, and trains on
     # them); a head from an earlier train-mtp is ignored (and replaced)
     loaded = load_model(args.model, device=device, progress=False, weights="bf16",

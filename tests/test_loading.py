@@ -90,6 +90,16 @@ def test_cli_reports_bad_model_in_one_line(tmp_path):
     assert "missing.gguf" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("command", [["generate", "hi"], ["train-mtp"]])
+def test_cli_asked_for_cuda_without_one_says_so_in_one_line(command, capsys):
+    from tandem.cli import main
+
+    assert main([command[0], "--device", "cuda", *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "--device cpu" in err
+
+
 def test_qwen35_27b_shape_matches_the_mission():
     cfg = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
     assert len(cfg.attention_layers) == 16 and len(cfg.linear_layers) == 48
