@@ -81,6 +81,10 @@ class RouterMetrics:
                                      registry=r)
         self._running = Gauge("tandem_requests_running", "Requests admitted and not finished",
                               registry=r)
+        self._awaiting_stop = Gauge(
+            "tandem_requests_awaiting_worker_stop",
+            "Ended requests whose pages stay held until a worker confirms it stopped them",
+            registry=r)
         self._worker_requests = Counter("tandem_worker_requests",
                                         "Requests routed to each worker (disaggregated topology)",
                                         ["worker"], registry=r)
@@ -146,6 +150,11 @@ class RouterMetrics:
         self._transfer_pages.inc(pages)
         self._transfer_bytes.inc(num_bytes)
         self._transfer_wait.observe(wait_s)
+
+    def awaiting_worker_stop(self, change: int) -> None:
+        """+1 when an ended request's pages stay held for a worker that has not
+        confirmed the stop (it may still write them), -1 when they go back."""
+        self._awaiting_stop.inc(change)
 
     def set_kv_usage(self, used: int, total: int) -> None:
         self._kv_pages_used.set(used)

@@ -439,12 +439,16 @@ class Router(pb_grpc.GenerationServiceServicer):
         await self._release(held, handle.decode_store or self.store)
 
     async def _release_once_stopped(self, held: Held, handle: Running) -> None:
-        while True:
-            await asyncio.sleep(STOP_RETRY_S)
-            if await self._stop_worker(handle):
-                log(PROCESS, f"{handle.busy_in} stopped {handle.request_id}: its pages go back")
-                await self._release_all(held, handle)
-                return
+        self.metrics.awaiting_worker_stop(+1)
+        try:
+            while True:
+                await asyncio.sleep(STOP_RETRY_S)
+                if await self._stop_worker(handle):
+                    log(PROCESS, f"{handle.busy_in} stopped {handle.request_id}: its pages go back")
+                    await self._release_all(held, handle)
+                    return
+        finally:
+            self.metrics.awaiting_worker_stop(-1)
 
     async def _release(self, held: Held, store: StoreClient) -> None:
         """Everything `held` names goes back to `store`. The lists are emptied

@@ -85,7 +85,13 @@ class _StoppingRouterParts(_RouterParts):
     _release_once_stopped = Router._release_once_stopped
 
     def __init__(self) -> None:
+        from router.metrics import RouterMetrics
+
         self.stopping = set()
+        self.metrics = RouterMetrics(gpu=False)
+
+    def awaiting(self) -> float:
+        return self.metrics.registry.get_sample_value("tandem_requests_awaiting_worker_stop")
 
 
 @pytest.mark.parametrize("failure, held_until_stopped", [
@@ -103,17 +109,20 @@ def test_pages_go_back_only_once_the_worker_has_stopped_the_request(monkeypatch,
     parts = _StoppingRouterParts()
     handle = Running("r1", busy_in="prefill", prefill_stub=worker, decode_store=store)
 
-    async def give_back() -> list:
+    async def give_back() -> tuple[list, float]:
         await parts._give_back(Held(pages=[3, 4], slots=[7]), handle)
         right_after = list(store.calls)
+        await asyncio.sleep(0)  # the background task starts
+        awaiting = parts.awaiting()
         for _ in range(100):
             if store.calls:
                 break
             await asyncio.sleep(0.01)
-        return right_after
+        return right_after, awaiting
 
-    right_after = asyncio.run(give_back())
+    right_after, awaiting = asyncio.run(give_back())
     assert right_after == ([] if held_until_stopped else [("release", [3, 4], [7])])
+    assert awaiting == (1 if held_until_stopped else 0) and parts.awaiting() == 0
     assert store.calls == [("release", [3, 4], [7])]
     assert worker.aborts == (2 if held_until_stopped else 1) and not parts.stopping
 
