@@ -244,8 +244,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                             break
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
-                        if await self._stop_worker(handle):
-                            handle.busy_in = None  # else _give_back waits for it
+                        await self._stop_worker(handle)  # unconfirmed: _give_back waits
                         finish = pb.FINISH_REASON_STOP
                         break
             except asyncio.CancelledError:
@@ -255,8 +254,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                 if e.code() != grpc.StatusCode.CANCELLED or not handle.aborted:
                     raise
         if handle.aborted and finish is None:
-            if await self._stop_worker(handle):
-                handle.busy_in = None  # else _give_back waits for it
+            await self._stop_worker(handle)  # unconfirmed: _give_back waits
             finish = pb.FINISH_REASON_ABORT
         tail = text.finish()
         if tail:
@@ -441,10 +439,11 @@ class Router(pb_grpc.GenerationServiceServicer):
     async def _release_once_stopped(self, held: Held, handle: Running) -> None:
         self.metrics.awaiting_worker_stop(+1)
         try:
+            worker = handle.busy_in
             while True:
                 await asyncio.sleep(STOP_RETRY_S)
                 if await self._stop_worker(handle):
-                    log(PROCESS, f"{handle.busy_in} stopped {handle.request_id}: its pages go back")
+                    log(PROCESS, f"{worker} stopped {handle.request_id}: its pages go back")
                     await self._release_all(held, handle)
                     return
         finally:
@@ -500,7 +499,8 @@ class Router(pb_grpc.GenerationServiceServicer):
 
     async def _stop_worker(self, handle: Running) -> bool:
         """Whether every worker busy with the request has stopped it (or is
-        dead: a dead worker writes nothing any more)."""
+        dead: a dead worker writes nothing any more); then the request is in
+        no worker (`busy_in` None), else it stays where it was."""
         prefill = handle.prefill_stub or self.prefill
         decode = handle.decode_stub or self.decode
         stubs = {"prefill": [prefill], "decode": [decode],
@@ -515,6 +515,8 @@ class Router(pb_grpc.GenerationServiceServicer):
                     stopped = False
                     log(PROCESS, f"could not stop {handle.busy_in} for {handle.request_id} "
                                  f"({e.code().name}): its pages stay held until it does")
+        if stopped:
+            handle.busy_in = None
         return stopped
 
     @staticmethod

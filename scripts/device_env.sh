@@ -50,3 +50,19 @@ park_parts() {  # the GGUF and corpus parts carried so far (.device/), kept in /
   cp .device/gguf.part.* /tmp/gguf/ 2>/dev/null; cp .device/corpus.part* /tmp/corpus/ 2>/dev/null
   ls /tmp/gguf /tmp/corpus
 }
+
+train_from_head() {  # train_from_head LIMIT BUDGET LR [ARGS...]: train-mtp on the corpus at
+  # /tmp/mtp_corpus.pt from INIT (default: the shipped head) into /tmp/new_head.safetensors,
+  # brought back with the log's non-step lines; ARGS go to train-mtp (e.g. --head-layers 2)
+  local limit=$1 budget=$2 lr=$3; shift 3
+  [ -f /tmp/mtp_corpus.pt ] || cat /tmp/corpus/corpus.part* > /tmp/mtp_corpus.pt
+  ls -la /tmp/mtp_corpus.pt
+  assemble_gguf
+  cp "${INIT:-engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors}" /tmp/start_head.safetensors
+  STEP_TAIL=12 step train "$limit" python3 -m tandem.cli train-mtp --device cuda \
+    --max-batch 256 --samples-per-prompt 2 --new-tokens 160 --varied 100000 --max-prompts 100 \
+    --corpus /tmp/mtp_corpus.pt --time-budget "$budget" --dev-every 400 \
+    --init-head /tmp/start_head.safetensors --lr "$lr" --out /tmp/new_head.safetensors "$@"
+  grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
+  cp /tmp/new_head.safetensors "$OUT/"
+}

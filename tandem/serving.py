@@ -202,6 +202,8 @@ def add_refusing_undecodable(add_servicer, servicer, server: grpc.aio.Server) ->
     """`add_servicer(servicer, server)` (a generated add_*Servicer_to_server),
     with every request that does not decode answered INVALID_ARGUMENT: the
     public API's promise for bad input. Unary-unary and unary-stream methods."""
+    registered: list[str] = []
+
     class Registering:
         def add_generic_rpc_handlers(self, handlers) -> None:
             pass  # the registered handlers below say the same
@@ -211,8 +213,12 @@ def add_refusing_undecodable(add_servicer, servicer, server: grpc.aio.Server) ->
             server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service,
                                                                                   wrapped),))
             server.add_registered_method_handlers(service, wrapped)
+            registered.append(service)
 
     add_servicer(servicer, Registering())
+    if not registered:  # generated code of a grpcio that registers otherwise
+        raise RuntimeError(f"{add_servicer.__name__} registered no method handlers to wrap: "
+                           "regenerate the stubs with this grpcio (scripts/gen_protos.sh)")
 
 
 def _lenient_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -55,13 +55,5 @@ case "$call" in
     bash scripts/sessions/device_next39.sh gen
     split -b 15m -d /tmp/mtp_corpus.pt "$OUT/corpus.part" ;;
   train)
-    assemble_gguf
-    HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
-    cp "${INIT:-$HEAD}" /tmp/start_head.safetensors
-    STEP_TAIL=12 step train "${TRAIN_LIMIT:-580}" python3 -m tandem.cli train-mtp --device cuda \
-      --max-batch 256 --samples-per-prompt 2 --new-tokens 160 --varied 100000 --max-prompts 100 \
-      --corpus /tmp/mtp_corpus.pt --time-budget "${BUDGET:-420}" --dev-every 400 \
-      --init-head /tmp/start_head.safetensors --lr "${LR:-3e-4}" --out /tmp/new_head.safetensors
-    grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
-    cp /tmp/new_head.safetensors "$OUT/" ;;
+    train_from_head "${TRAIN_LIMIT:-580}" "${BUDGET:-420}" "${LR:-3e-4}" ;;
 esac

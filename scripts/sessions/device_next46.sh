@@ -45,16 +45,6 @@ case "$call" in
     done ;;
   park) ;;
   train)
-    [ -f /tmp/mtp_corpus.pt ] || cat /tmp/corpus/corpus.part* > /tmp/mtp_corpus.pt
-    ls -la /tmp/mtp_corpus.pt   # 59,308,889 bytes
-    assemble_gguf
-    HEAD=engine/heads/smollm2-135m-instruct.q4_1.mtp.safetensors
-    cp "${INIT:-$HEAD}" /tmp/start_head.safetensors
-    STEP_TAIL=12 step train "${TRAIN_LIMIT:-570}" python3 -m tandem.cli train-mtp --device cuda \
-      --max-batch 256 --samples-per-prompt 2 --new-tokens 160 --varied 100000 --max-prompts 100 \
-      --corpus /tmp/mtp_corpus.pt --time-budget "${BUDGET:-340}" --dev-every 400 \
-      --init-head /tmp/start_head.safetensors --head-layers "${HEAD_LAYERS:-2}" \
-      --lr "${LR:-1e-4}" --out /tmp/new_head.safetensors
-    grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
-    cp /tmp/new_head.safetensors "$OUT/" ;;
+    train_from_head "${TRAIN_LIMIT:-570}" "${BUDGET:-340}" "${LR:-1e-4}" \
+      --head-layers "${HEAD_LAYERS:-2}" ;;
 esac
