@@ -251,20 +251,33 @@ def _draft_steps(loaded, graphs: bool):
     return outs
 
 
+def _with_head_layers(monkeypatch, layers: int) -> None:
+    """tiny-qwen3.5 with an MTP head of `layers` decoder layers (a head grown
+    by train-mtp --head-layers): each layer has its own KV pool to replay."""
+    from engine import config as config_module
+    shape = dict(config_module._TINY_SHAPES["tiny-qwen3.5"], mtp_num_hidden_layers=layers)
+    monkeypatch.setitem(config_module._TINY_SHAPES, "tiny-qwen3.5", shape)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_draft_graph_replay_matches_eager():
+@pytest.mark.parametrize("head_layers", [1, 2])
+def test_draft_graph_replay_matches_eager(monkeypatch, head_layers):
     """The MTP head's forwards replayed from graphs against the eager head:
     each step also reads the MTP KV the earlier ones wrote."""
+    _with_head_layers(monkeypatch, head_layers)
     loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.float32, seed=3)
-    assert loaded.config.mtp_num_layers
+    assert loaded.config.mtp_num_layers == head_layers
     eager, replayed = (_draft_steps(loaded, graphs) for graphs in (False, True))
     for got, ref in zip(replayed, eager):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
 
 
-def test_cpu_draft_forward_is_the_eager_head():
+@pytest.mark.parametrize("head_layers", [1, 2])
+def test_cpu_draft_forward_is_the_eager_head(monkeypatch, head_layers):
+    _with_head_layers(monkeypatch, head_layers)
     loaded = load_model("tiny-qwen3.5", dtype=torch.float32, seed=3)
     config = loaded.config
+    assert config.mtp_num_layers == head_layers
     cache = PagedKVCache(config, CacheShape(10, 16, 2, mtp_layers=config.mtp_num_layers), "cpu",
                          make_format("bf16", dtype=torch.float32))
     forward = DraftForward(loaded.model, cache, max_context=160)

@@ -32,6 +32,8 @@ park_parts
 case "$call" in
   gemv)
     STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
+    STEP_TAIL=6 step tests_draft_graphs 150 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_cuda_graphs.py -k draft
     STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
     STEP_TAIL=12 step ahead 120 python3 -m bench.gemv_cuda --only "gdn out" --read-ahead \
       --json "$OUT/ahead.json"
