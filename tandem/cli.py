@@ -143,6 +143,10 @@ def _add_train_mtp(sub) -> None:
                    help="decoder layers of the head (Qwen3.5's mtp_num_hidden_layers; default: "
                         "as many as --init-head's file has, else 1); more than --init-head's "
                         "file grows it by layers that start as identities")
+    p.add_argument("--init-lr-scale", type=float, default=1.0, metavar="F",
+                   help="learning rate of the parameters --init-head's file holds, as a "
+                        "fraction of --lr (default 1; 0 freezes them, so a head grown with "
+                        "--head-layers trains its new layers alone)")
     p.add_argument("--corpus-only", action="store_true",
                    help="answer the prompts missing from --corpus, save it and stop (no "
                         "training): generation and training can then run on different "
@@ -163,16 +167,20 @@ def _check_train_mtp_flags(args) -> None:
     if args.init_head and not Path(args.init_head).is_file():
         raise TandemError(f"--init-head {args.init_head}: no such file (give an earlier "
                           "train-mtp output)")
-    if args.init_head and args.head_layers is not None:
+    if args.init_head and (args.head_layers is not None or args.init_lr_scale == 0):
         from safetensors import safe_open
 
         from engine.speculative.heads import head_layer_count
 
         with safe_open(args.init_head, framework="pt") as f:
             held = head_layer_count(f.keys())
-        if args.head_layers < held:
+        if args.head_layers is not None and args.head_layers < held:
             raise TandemError(f"--head-layers {args.head_layers}: --init-head {args.init_head} "
                               f"holds {held} layers, and a head cannot shrink")
+        if args.init_lr_scale == 0 and (args.head_layers or held) <= held:
+            raise TandemError(f"--init-lr-scale 0 freezes the {held} layers of --init-head "
+                              f"{args.init_head}, which leaves nothing to train: grow it with "
+                              f"--head-layers {held + 1}")
 
 
 def _run_train_mtp(args) -> int:
@@ -194,7 +202,8 @@ def _run_train_mtp(args) -> int:
                           batch_samples=args.batch_samples, soft_targets=args.soft_targets,
                           target_temperature=args.target_temperature,
                           dev_every_steps=args.dev_every, init_head_path=args.init_head,
-                          gen_processes=args.gen_processes, head_layers=args.head_layers)
+                          gen_processes=args.gen_processes, head_layers=args.head_layers,
+                          init_lr_scale=args.init_lr_scale)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = _compute_device(args.device)

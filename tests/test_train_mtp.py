@@ -611,3 +611,27 @@ def test_train_mtp_refuses_to_shrink_an_init_head(tiny, tmp_path, capsys):
     save_head(path, tiny.config, head_state(init_head(tiny.model, 2)))
     assert main(["train-mtp", "--init-head", str(path), "--head-layers", "1"]) == 2
     assert "holds 2 layers" in capsys.readouterr().err
+
+
+def test_a_grown_head_with_its_file_frozen_trains_only_its_new_layer(tiny, corpus, tmp_path,
+                                                                     capsys):
+    """--init-lr-scale 0: what the file held (norms, fc, its layer) keeps its
+    bits, the new layer moves; a file head with nothing grown is refused."""
+    from engine.speculative.heads import head_state, save_head
+    from tandem.cli import main
+
+    path = tmp_path / "one.mtp.safetensors"
+    save_head(path, tiny.config, head_state(init_head(tiny.model, 1)))
+    before = head_from_file(tiny.model, str(path), 2).state_dict()
+    cfg = TrainConfig(samples_per_prompt=2, new_tokens=12, max_prompts=20, max_steps=6, lr=3e-3,
+                      corpus_path=None, batch_samples=2, init_head_path=str(path), head_layers=2,
+                      init_lr_scale=0.0)
+    trained, _ = train_head(tiny, cfg, corpus=corpus)
+    after = trained.state_dict()
+    moved = {name for name, t in after.items() if not torch.equal(t.cpu(), before[name])}
+    assert moved and all(name.startswith("layers.1.") for name in moved), moved
+    assert {"layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"} <= moved
+    with pytest.raises(ValueError, match="init-lr-scale"):
+        TrainConfig(init_lr_scale=0.5)  # no --init-head to scale
+    assert main(["train-mtp", "--init-head", str(path), "--init-lr-scale", "0"]) == 2
+    assert "leaves nothing to train" in capsys.readouterr().err

@@ -106,6 +106,11 @@ class TrainConfig:
     # with its two output projections zeroed, an identity on the residual
     # stream, so training starts from exactly the file's head
     head_layers: int | None = None
+    # the learning rate of the parameters the init_head file holds, as a
+    # fraction of lr; 0 freezes them, so a grown head trains its new layers
+    # alone and starts from (and can only add to) a head at its plateau:
+    # continuing head D lost dev chat at lr 3e-4 (12-04 21:27, 2.021 -> 1.922)
+    init_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.gen_processes < 1:
@@ -118,6 +123,12 @@ class TrainConfig:
         if self.head_layers is not None and not 1 <= self.head_layers <= MAX_HEAD_LAYERS:
             raise ValueError(f"train-mtp: --head-layers must be in 1..{MAX_HEAD_LAYERS}, got "
                              f"{self.head_layers}")
+        if not 0.0 <= self.init_lr_scale <= 1.0:
+            raise ValueError(f"train-mtp: --init-lr-scale must be in [0, 1], got "
+                             f"{self.init_lr_scale}")
+        if self.init_lr_scale != 1.0 and not self.init_head_path:
+            raise ValueError("train-mtp: --init-lr-scale scales the parameters of --init-head's "
+                             "file: give --init-head FILE, or drop --init-lr-scale")
         if not 0.0 < self.target_temperature <= 4.0:
             raise ValueError(f"train-mtp: the target temperature must be in (0, 4], got "
                              f"{self.target_temperature}")
@@ -660,8 +671,9 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
     training, held_out = examples[:-held], examples[-held:]
     head = (head_from_file(model, cfg.init_head_path, cfg.head_layers) if cfg.init_head_path
             else init_head(model, cfg.head_layers or 1)).to(device)
-    params = [p for p in head.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    groups = _param_groups(head, _file_layers(cfg, model), cfg.init_lr_scale)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     full_head = model.output_embedding.detach().float()
     began = time.monotonic()
     dev = DevChoice(dev_examples(loaded, cfg.dev_new_tokens), full_head, cfg.depth,
@@ -697,8 +709,9 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
             if elapsed >= budget or step == cfg.max_steps:
                 budget = 0.0  # ends the outer loop too
                 break
-            for g in opt.param_groups:  # cosine decay over the time budget
-                g["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))
+            decay = 0.5 * (1 + math.cos(math.pi * min(elapsed / budget, 1.0)))  # cosine
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * g["scale"] * decay
             example = pack_examples(training[first:first + cfg.batch_samples])
             loss = _unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets,
                                   cfg.target_temperature)
@@ -779,6 +792,37 @@ class DevChoice:
         _log(f"dev: the head of step {self.best_step} is kept (of {len(self.history)} measured)")
         return {"chosen_step": self.best_step, "loop_length": self.history[self.best_step],
                 "history": self.history}
+
+
+def _file_layers(cfg: TrainConfig, model: CausalLM) -> int:
+    """How many of the head's layers came from cfg.init_head_path (0: none)."""
+    if not cfg.init_head_path:
+        return 0
+    from engine.speculative.heads import head_layer_count, read_head
+
+    return head_layer_count(read_head(Path(cfg.init_head_path), model.config, torch.float32))
+
+
+def _param_groups(head: MTPHead, file_layers: int, file_scale: float) -> list[dict]:
+    """AdamW groups, each with its fraction of the learning rate ("scale"):
+    what a head file supplied (its norms, fc and first `file_layers` layers)
+    at file_scale, a grown head's new layers at 1. A frozen group (scale 0)
+    is left out and takes no gradients."""
+    new_layers = tuple(f"layers.{i}." for i in range(file_layers, len(head.layers)))
+    grown, kept = [], []
+    for name, param in head.named_parameters():
+        is_new = not file_layers or name.startswith(new_layers)
+        (grown if is_new else kept).append(param)
+    groups = [{"params": grown, "scale": 1.0}] if grown else []
+    if kept and file_scale > 0:
+        groups.append({"params": kept, "scale": file_scale})
+    elif kept:
+        for param in kept:
+            param.requires_grad_(False)
+    if not groups:
+        raise ValueError("train-mtp: nothing to train: --init-lr-scale 0 freezes the whole file "
+                         "head; grow it with --head-layers or give a scale above 0")
+    return groups
 
 
 def _unrolled_loss(model, head, lm_head, example: Example, depth: int,

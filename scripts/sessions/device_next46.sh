@@ -20,9 +20,10 @@
 #   TANDEM_GATED_PROLOGUE=1 and TANDEM_NORM_PROLOGUE=1 (~22 s a run: ~400 s).
 # train: from head D (INIT) grown to HEAD_LAYERS decoder layers (default 2:
 #   D's layer, then one that starts as an identity, so step 0 is D exactly;
-#   HEAD_LAYERS=1 continues D as it is) at LR (default 1e-4: at 3e-4 the
-#   21:27 run fell from D's dev 2.021 to 1.922 by step 400 and peaked at
-#   2.018) on the 149,470-sample corpus (~190 s of reading and features
+#   HEAD_LAYERS=1 continues D as it is) at LR (default 3e-4) with D's own
+#   parameters frozen (INIT_LR_SCALE 0: at 3e-4 the 21:27 run moving D fell
+#   from its dev 2.021 to 1.922 by step 400 and peaked at 2.018; frozen, the
+#   new layer can only add) on the 149,470-sample corpus (~190 s of reading and features
 #   before step 0). The 2-layer head file is ~15 MiB, under what a call
 #   returns. Then `device_next39.sh bench` benchmarks /tmp/new_head.
 set -uo pipefail
@@ -47,6 +48,6 @@ case "$call" in
     done ;;
   park) ;;
   train)
-    train_from_head "${TRAIN_LIMIT:-570}" "${BUDGET:-340}" "${LR:-1e-4}" \
-      --head-layers "${HEAD_LAYERS:-2}" ;;
+    train_from_head "${TRAIN_LIMIT:-570}" "${BUDGET:-340}" "${LR:-3e-4}" \
+      --head-layers "${HEAD_LAYERS:-2}" --init-lr-scale "${INIT_LR_SCALE:-0}" ;;
 esac
