@@ -4,10 +4,11 @@
 # 30 s idle; /tmp survives while it stays warm). Carry (64 MiB a call with
 # the tracked tree's ~16 MB; .whl stays on the machine once carried):
 #   bash scripts/sessions/device_next46.sh gemv   (carry .whl .device/gguf.part.aa)
-#   bash scripts/sessions/device_next46.sh park   (carry .device/gguf.part.ab .device/corpus.part00)
-#   bash scripts/sessions/device_next46.sh park   (carry .device/gguf.part.ac .device/corpus.part01)
-#   bash scripts/sessions/device_next46.sh train  (carry .device/corpus.part02 .device/corpus.part03)
+#   bash scripts/sessions/device_next46.sh park   (carry .device/gguf.part.ac .device/corpus.xz)
+#   bash scripts/sessions/device_next46.sh train  (carry .device/gguf.part.ab)
 #   bash scripts/sessions/device_next39.sh bench
+# (.device/corpus.xz: `cat .device/corpus.part0* | xz -9e -T2 > .device/corpus.xz`;
+# gguf.part.ab with it is 50 KB over a call's 64 MiB, gguf.part.ac fits)
 # gemv: the CUDA GEMV's GPU tests (new: a GEMV that reads the next weight
 #   ahead gives the same bits, eager, in a graph and through the model),
 #   the prologue probe (the norm weight's cp.async now .ca: GATED ran 74.9 us
@@ -35,7 +36,7 @@ case "$call" in
     STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
     STEP_TAIL=6 step tests_draft_graphs 150 python3 -m pytest -q -x -p no:cacheprovider \
       tests/test_cuda_graphs.py -k draft
-    STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
+    [ -z "${NO_PROLOGUES:-}" ] && STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
     STEP_TAIL=12 step ahead 120 python3 -m bench.gemv_cuda --only "gdn out" --read-ahead \
       --json "$OUT/ahead.json"
     for round in $(seq "${ROUNDS:-2}"); do
@@ -43,9 +44,11 @@ case "$call" in
       for mb in 8 16 32; do
         TANDEM_GEMV_L2_PREFETCH_MB=$mb step_27b "step_ahead${mb}_$round"
       done
+      [ -n "${NO_PROLOGUES:-}" ] && continue
       TANDEM_GATED_PROLOGUE=1 step_27b "step_gated_$round"
       TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
-    done ;;
+    done
+    [ -n "${NO_PROLOGUES:-}" ] && step_27b step_default_last ;;
   park) ;;
   train)
     train_from_head "${TRAIN_LIMIT:-570}" "${BUDGET:-340}" "${LR:-3e-4}" \
