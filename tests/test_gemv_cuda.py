@@ -756,3 +756,12 @@ def test_the_model_with_read_ahead_decodes_the_same_logits(monkeypatch):
     ahead = step()
     read_ahead_chain(model.decode_projections(), 0)
     assert torch.equal(step(), ahead)
+
+
+@pytest.mark.parametrize("local_bytes, ok", [(0, True), (8, True), (16, True), (24, False),
+                                             (100, False), (244, False)])
+def test_a_small_stack_frame_launches_and_a_spill_does_not(local_bytes, ok):
+    """8 bytes: the stack frame ptxas gives 2 rows at 64 threads (K = 1056),
+    no spill, refused on the H200 on 12-05; 100 and 244: down's 8-row build
+    without and with flush, real spills."""
+    assert gemv_cuda.launchable(local_bytes) is ok

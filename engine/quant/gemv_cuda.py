@@ -352,6 +352,11 @@ class SpillingPlan(ValueError):
 LOCAL_BYTES_ALLOWED = 16
 
 
+def launchable(local_bytes: int) -> bool:
+    """Whether a build with this much local memory a thread may launch."""
+    return local_bytes <= LOCAL_BYTES_ALLOWED
+
+
 def _check(result: int, what: str) -> None:
     if result != 0:
         raise RuntimeError(f"{what} failed with CUDA driver error {result}")
@@ -435,10 +440,10 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                          device, plan.threads)
 
     compiled = build(plan)
-    if compiled.local_bytes > LOCAL_BYTES_ALLOWED and not given and plan != plan_for(k):
+    if not launchable(compiled.local_bytes) and not given and plan != plan_for(k):
         plan = plan_for(k)   # a plans file's choice that spills with these flags
         compiled = build(plan)
-    if compiled.local_bytes > LOCAL_BYTES_ALLOWED:
+    if not launchable(compiled.local_bytes):
         raise SpillingPlan(f"the CUDA GEMV's build for plan {plan.spec()} (K = {k}) spills "
                            f"{compiled.local_bytes} bytes a thread to local memory, which "
                            f"would raise the process's local-memory reservation for good: "
