@@ -345,8 +345,9 @@ class SpillingPlan(ValueError):
 
 # A build's local memory a thread that is still launched. ptxas gives some
 # builds a small stack frame without spilling (2 rows at 64 threads, K =
-# 1056, symmetric: an 8-byte frame, 0 spill stores, nvcc 13 for sm_90; it ran
-# correctly on the H200 until 12-05 refused it): 16 bytes reserve at most
+# 1056, symmetric: an 8-byte frame, 0 spill stores, nvcc 13 for sm_90; it
+# passed its GPU tests before the guard, whose first GPU run on 12-05 refused
+# it): 16 bytes reserve at most
 # 16 x 2,048 threads x 132 SMs = 4.1 MiB, where 100 bytes (a real spill)
 # reserve 26 MiB and slow the loop.
 LOCAL_BYTES_ALLOWED = 16

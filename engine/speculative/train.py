@@ -798,9 +798,9 @@ def _file_layers(cfg: TrainConfig, model: CausalLM) -> int:
     """How many of the head's layers came from cfg.init_head_path (0: none)."""
     if not cfg.init_head_path:
         return 0
-    from engine.speculative.heads import head_layer_count, read_head
+    from engine.speculative.heads import head_shape
 
-    return head_layer_count(read_head(Path(cfg.init_head_path), model.config, torch.float32))
+    return head_shape(Path(cfg.init_head_path), model.config).layers  # the header only
 
 
 def _param_groups(head: MTPHead, file_layers: int, file_scale: float) -> list[dict]:

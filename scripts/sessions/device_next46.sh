@@ -27,6 +27,9 @@
 #   new layer can only add) on the 149,470-sample corpus (~190 s of reading and features
 #   before step 0). The 2-layer head file is ~15 MiB, under what a call
 #   returns. Then `device_next39.sh bench` benchmarks /tmp/new_head.
+# Ran 12-05 03:20-03:37 (BENCHMARKS.md) with less device time than planned:
+# park_parts and the draft-graph tests, park, train, bench, then the int4 step
+# A/B of the read-ahead as commands typed into the calls (no prologue runs).
 set -uo pipefail
 call=${1:?gemv, park or train}
 source scripts/device_env.sh
@@ -36,7 +39,7 @@ case "$call" in
     STEP_TAIL=12 step tests_gemv 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_gemv_cuda.py
     STEP_TAIL=6 step tests_draft_graphs 150 python3 -m pytest -q -x -p no:cacheprovider \
       tests/test_cuda_graphs.py -k draft
-    [ -z "${NO_PROLOGUES:-}" ] && STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
+    STEP_TAIL=14 step probe 90 python3 scripts/sessions/prologue_probe.py
     STEP_TAIL=12 step ahead 120 python3 -m bench.gemv_cuda --only "gdn out" --read-ahead \
       --json "$OUT/ahead.json"
     for round in $(seq "${ROUNDS:-2}"); do
@@ -44,11 +47,9 @@ case "$call" in
       for mb in 8 16 32; do
         TANDEM_GEMV_L2_PREFETCH_MB=$mb step_27b "step_ahead${mb}_$round"
       done
-      [ -n "${NO_PROLOGUES:-}" ] && continue
       TANDEM_GATED_PROLOGUE=1 step_27b "step_gated_$round"
       TANDEM_NORM_PROLOGUE=1 step_27b "step_norm_$round"
-    done
-    [ -n "${NO_PROLOGUES:-}" ] && step_27b step_default_last ;;
+    done ;;
   park) ;;
   train)
     train_from_head "${TRAIN_LIMIT:-570}" "${BUDGET:-340}" "${LR:-3e-4}" \
