@@ -401,12 +401,16 @@ def gated_norm_then_project(norm: GatedRMSNorm, x: torch.Tensor, gate: torch.Ten
     return linear(norm(x, gate).reshape(x.shape[0], -1))
 
 
-def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm) -> torch.Tensor:
+def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm,
+               streams: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x through `layers` then `final_norm`, each residual add fused into the
-    norm after it."""
+    norm after it. `streams`: layer indices whose residual stream (after that
+    layer) to keep, filled in place; the add it costs is paid only there."""
     pending = None
-    for layer in layers:
+    for i, layer in enumerate(layers):
         x, pending = layer.forward_deferred(x, pending, batch, cache, rotary, cos_sin)
+        if streams is not None and i in streams:
+            streams[i] = x + pending
     return final_norm.add_forward(x, pending)[1]
 
 
@@ -526,15 +530,17 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, all_logits: bool = False,
-                return_hidden: bool = False):
+                return_hidden: bool = False,
+                streams: dict[int, torch.Tensor | None] | None = None):
         """Runs the batch, updating its pages and state slots. Returns logits for
         the last token of each sequence [B, V] (or of every token [T, V] with
         all_logits), and with return_hidden also the final hidden states after
-        the norm of every token [T, H] (what the MTP head consumes)."""
+        the norm of every token [T, H] (what the MTP head consumes). `streams`
+        (run_layers) receives the residual streams of the layers it names."""
         x = self.embed(batch)
         cos_sin = self.rotary.cos_sin(batch.positions, x.dtype)
         hidden = run_layers(self.model.layers, x, batch, cache, self.rotary, cos_sin,
-                            self.model.norm)
+                            self.model.norm, streams)
         picked = hidden if all_logits else hidden.index_select(0, batch.last_token_indices())
         logits = self.head_linear(picked, self.output_embedding)
         return (logits, hidden) if return_hidden else logits

@@ -635,3 +635,95 @@ def test_a_grown_head_with_its_file_frozen_trains_only_its_new_layer(tiny, corpu
         TrainConfig(init_lr_scale=0.5)  # no --init-head to scale
     assert main(["train-mtp", "--init-head", str(path), "--init-lr-scale", "0"]) == 2
     assert "leaves nothing to train" in capsys.readouterr().err
+
+
+# ------------------------------------------------ streams and the feature probe
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-qwen3.5"])
+def test_a_kept_stream_is_what_the_layers_up_to_it_compute(model_name, corpus):
+    """CausalLM.forward(streams=...) keeps the residual stream after the named
+    layers without changing the forward: the stream after layer i, normed, is
+    the final hidden of the model cut after layer i."""
+    import copy
+
+    from engine.speculative.train import prefill_every_token
+
+    model = load_model(model_name, device="cpu", progress=False).model
+    samples = [t[:30] for t in corpus.samples[:3]]
+    last = model.config.num_layers - 1
+    streams = {0: None, last: None}
+    logits, hidden, bounds = prefill_every_token(model, samples, streams)
+    plain_logits, plain_hidden, plain_bounds = prefill_every_token(model, samples)
+    assert bounds == plain_bounds and sorted(streams) == [0, last]
+    assert torch.equal(logits, plain_logits) and torch.equal(hidden, plain_hidden)
+    for i in (0, last):
+        cut = copy.deepcopy(model)
+        cut.model.layers = cut.model.layers[:i + 1]
+        _, cut_hidden, _ = prefill_every_token(cut, samples)
+        assert streams[i].shape == hidden.shape
+        torch.testing.assert_close(model.model.norm(streams[i]), cut_hidden,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_examples_keep_the_streams_they_are_asked_for(tiny, corpus):
+    plain = make_examples(tiny.model, corpus)
+    kept = make_examples(tiny.model, corpus, stream_layers=(1, 0))
+    h = tiny.model.config.hidden_size
+    for a, b in zip(plain, kept):
+        assert a.streams is None and b.streams.shape == (len(b.tokens), 2, h)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.hidden, b.hidden)
+    # in the order asked: slot 0 holds layer 1's stream, which the final norm reads
+    first = kept[0]
+    torch.testing.assert_close(tiny.model.model.norm(first.streams[:, 0]), first.hidden,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_feature_probe_starts_as_the_head_and_trains_only_its_fusion(tiny, corpus):
+    """bench.mtp_features: a zero fusion drafts exactly as the head does; the
+    control's slots hold h; training moves fuse and lowers its loss, and the
+    frozen head keeps every bit."""
+    from bench import mtp_features as probe
+
+    model = tiny.model
+    examples = make_examples(model, corpus, stream_layers=(0, 1))
+    head = init_head(model)
+    head.requires_grad_(False)
+    lm_head = model.output_embedding.detach().float()
+    zero = probe.Fusion(model.config.hidden_size, 2)
+    greedy = [e for e in examples if e.greedy]
+    assert evaluate(model, head, lm_head, probe.with_probe_input(zero, "features", greedy), 3) \
+        == evaluate(model, head, lm_head, greedy, 3)
+    h, slots = probe.probe_inputs("control", examples[0])
+    assert torch.equal(slots[:, 1], h) and torch.equal(slots[:, 0], h)
+    h, slots = probe.probe_inputs("features", examples[0])
+    assert torch.equal(slots, examples[0].streams.float())
+
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    batch = examples[:4]
+    vocab_head = lm_head[torch.unique(torch.cat([e.tokens for e in examples]))]
+    with torch.no_grad():
+        start = float(probe.depth1_loss(model, head, zero, "features", batch, vocab_head))
+    fusion, steps = probe.train_fusion(model, head, "features", examples, budget_s=4.0, lr=1e-2,
+                                       batch_samples=4, seed=0)
+    assert steps > 0 and fusion.fuse.weight.abs().sum() > 0
+    assert all(torch.equal(v, before[k]) for k, v in head.state_dict().items())
+    with torch.no_grad():
+        after = float(probe.depth1_loss(model, head, fusion, "features", batch, vocab_head))
+    assert after < start
+
+
+def test_the_probe_slices_whole_prompts_apart(corpus):
+    from bench.mtp_features import corpus_slice
+
+    training, held = corpus_slice(corpus, samples=20, per_prompt=2, held_fraction=0.25, seed=3)
+    assert len(training.samples) + len(held.samples) == 20 and len(held.samples) >= 2
+
+    def prompts(c):
+        return {tuple(s[:n]) for s, n in zip(c.samples, c.prompt_lengths)}
+    assert not prompts(training) & prompts(held)
+    assert all(c.greedy[0::2] == [True] * (len(c.samples) // 2) for c in (training, held))
+    with pytest.raises(SystemExit, match="whole groups"):
+        corpus_slice(Corpus(corpus.samples[:3], corpus.prompt_lengths[:3], corpus.greedy[:3]),
+                     samples=2, per_prompt=2, held_fraction=0.5, seed=0)

@@ -436,6 +436,19 @@ def base_features(model: CausalLM, samples: list[list[int]]
     hidden stays in the model's dtype, bf16 on a GPU: the 149,470-sample
     corpus of 12-04 is 28.4 M tokens, 33 GB so against 65 in fp32; the loss
     widens each step's rows (`widened`)."""
+    logits, hidden, bounds = prefill_every_token(model, samples)
+    # copies, not views: nothing here says the forward's output is not a workspace
+    return [(hidden[lo:hi].clone(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
+
+
+@torch.no_grad()
+def prefill_every_token(model: CausalLM, samples: list[list[int]],
+                        streams: dict[int, torch.Tensor | None] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """One prefill forward of the samples, each from position 0 in a bf16
+    cache of its own: (logits [T, V], normed final hidden [T, H], each
+    sample's row range), the rows packed in sample order; `streams` as
+    CausalLM.forward takes it."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
@@ -450,10 +463,8 @@ def base_features(model: CausalLM, samples: list[list[int]]
     cache = PagedKVCache(model.config, CacheShape(first, page, len(samples)), device,
                          make_format("bf16", dtype=model.output_embedding.dtype))
     batch = ForwardBatch.build(seqs, page, device)
-    logits, hidden = model(batch, cache, all_logits=True, return_hidden=True)
-    bounds = list(zip(batch.offsets, batch.offsets[1:]))
-    # copies, not views: nothing here says the forward's output is not a workspace
-    return [(hidden[lo:hi].clone(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
+    logits, hidden = model(batch, cache, all_logits=True, return_hidden=True, streams=streams)
+    return logits, hidden, list(zip(batch.offsets, batch.offsets[1:]))
 
 
 def widened(hidden: torch.Tensor) -> torch.Tensor:
@@ -565,6 +576,9 @@ class Example:
     hidden: torch.Tensor  # [T, H], the base's normed final hidden
     labels: torch.Tensor  # [T], the base's greedy choice; IGNORE inside the prompt
     greedy: bool          # the answer is the base's greedy text
+    # [T, S, H]: the base's residual streams after the layers make_examples
+    # was asked for (its stream_layers), in the model's dtype; None: none asked
+    streams: torch.Tensor | None = None
     # packed samples (pack_examples): each row's sample, and its position in
     # that sample; None for one sample
     samples: torch.Tensor | None = None
@@ -610,23 +624,31 @@ def pairs_at_depth(example: Example, r: int) -> Pairs:
     return Pairs(n, labels, example.positions[:n] + (r - 1), causal & (own[:, None] == own[None]))
 
 
-def make_examples(model: CausalLM, corpus: Corpus) -> list[Example]:
+def make_examples(model: CausalLM, corpus: Corpus,
+                  stream_layers: tuple[int, ...] = ()) -> list[Example]:
     """Drafts are only ever made after the prompt (the first answer token comes
     from prefill): labels of prompt positions are ignored, in the loss and in
     the accuracy (a fixed chat template is trivial to predict and would
-    inflate both)."""
+    inflate both). `stream_layers`: also keep the residual streams after
+    those layers (Example.streams), from the same forward."""
     device = model.output_embedding.device
     examples = []
     for group in _token_bounded_groups(corpus.samples, _FEATURE_TOKENS):
-        features = base_features(model, [corpus.samples[i] for i in group])
-        for i, (hidden, labels) in zip(group, features):
+        streams = dict.fromkeys(stream_layers) if stream_layers else None
+        logits, hidden, bounds = prefill_every_token(
+            model, [corpus.samples[i] for i in group], streams)
+        stacked = torch.stack([streams[j] for j in stream_layers], 1) if streams else None
+        for i, (lo, hi) in zip(group, bounds):
+            labels = logits[lo:hi].argmax(dim=-1)
             labels[:corpus.prompt_lengths[i]] = IGNORE
-            examples.append(Example(torch.tensor(corpus.samples[i], device=device), hidden,
-                                    labels, corpus.greedy[i]))
+            # copies, not views: nothing here says the forward's output is not a workspace
+            examples.append(Example(
+                torch.tensor(corpus.samples[i], device=device), hidden[lo:hi].clone(), labels,
+                corpus.greedy[i], None if stacked is None else stacked[lo:hi].clone()))
     return examples
 
 
-# tokens per base_features forward: its logits over a 49K vocabulary in bf16
+# tokens per prefill_every_token forward: its logits over a 49K vocabulary in bf16
 # take ~1.6 GB at this size
 _FEATURE_TOKENS = 16384
 
