@@ -445,10 +445,10 @@ def base_features(model: CausalLM, samples: list[list[int]]
 def prefill_every_token(model: CausalLM, samples: list[list[int]],
                         streams: dict[int, torch.Tensor | None] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-    """One prefill forward of the samples, each from position 0 in a bf16
-    cache of its own: (logits [T, V], normed final hidden [T, H], each
-    sample's row range), the rows packed in sample order; `streams` as
-    CausalLM.forward takes it."""
+    """One prefill forward of the samples, each from position 0 in pages and
+    a state slot of its own (unquantized KV in the model's dtype): (logits
+    [T, V], normed final hidden [T, H], each sample's row range), the rows
+    packed in sample order; `streams` as CausalLM.forward takes it."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
