@@ -35,7 +35,6 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.loader import load_model
@@ -78,19 +77,11 @@ def probe_inputs(variant: str, e: train.Example) -> tuple[torch.Tensor, torch.Te
 
 def depth1_loss(model, head, fusion: Fusion, variant: str, batch: list[train.Example],
                 lm_head: torch.Tensor) -> torch.Tensor:
-    """The depth-1 soft-target loss of packed samples over lm_head's rows, the
-    head's input made by `fusion` (train._unrolled_loss's first depth)."""
-    packed = train.pack_examples(batch)
+    """train-mtp's soft-target loss at depth 1 over lm_head's rows, on packed
+    samples, the head's input made by `fusion`."""
     inputs = torch.cat([fusion(*probe_inputs(variant, e)) for e in batch])
-    pairs = train.pairs_at_depth(packed, 1)
-    labelled = pairs.labels != train.IGNORE
-    out = train.head_forward(model, head, inputs[:pairs.n], packed.tokens[1:1 + pairs.n],
-                             pairs.positions, pairs.mask)
-    logits = F.linear(out, lm_head)
-    with torch.no_grad():
-        target = F.softmax(F.linear(train.widened(packed.hidden[1:1 + pairs.n]), lm_head), -1)
-    per_pair = -(target * F.log_softmax(logits, dim=-1)).sum(-1)
-    return per_pair[labelled].mean()
+    return train.unrolled_loss(model, head, lm_head, train.pack_examples(batch), 1,
+                               soft_targets=True, first_input=inputs)
 
 
 def train_fusion(model, head, variant: str, training: list[train.Example], budget_s: float,

@@ -12,10 +12,10 @@ from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED
                                         extract_question,
                                         question_requests, training_prompts, varied_prompts)
 from engine.speculative.train import (IGNORE, Corpus, DevChoice, Example, TrainConfig,
-                                      _token_bounded_groups, _unrolled_loss, base_features,
-                                      dev_examples, evaluate, generate_corpus, head_forward,
-                                      head_from_file, init_head, make_examples, pack_examples,
-                                      pairs_at_depth, train_head)
+                                      _token_bounded_groups, base_features, dev_examples,
+                                      evaluate, generate_corpus, head_forward, head_from_file,
+                                      init_head, make_examples, pack_examples, pairs_at_depth,
+                                      train_head, unrolled_loss)
 
 
 def test_benchmark_prompts_are_held_out_of_training():
@@ -156,8 +156,8 @@ def test_features_of_a_batch_equal_each_sample_alone(model_name, corpus):
     model = load_model(model_name, device="cpu", progress=False).model
     samples = [t[:40] for t in corpus.samples[:5]]
     together = base_features(model, samples)
-    for tokens, (hidden, greedy) in zip(samples, together):
-        [(alone_hidden, alone_greedy)] = base_features(model, [tokens])
+    for tokens, (hidden, greedy, _) in zip(samples, together):
+        [(alone_hidden, alone_greedy, _)] = base_features(model, [tokens])
         assert hidden.shape == (len(tokens), model.config.hidden_size)
         torch.testing.assert_close(hidden, alone_hidden, rtol=1e-4, atol=1e-4)
         assert greedy.tolist() == alone_greedy.tolist()
@@ -204,7 +204,7 @@ def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus, ba
 
     def loss(head):  # on the greedy labels, whatever the training targets
         with torch.no_grad():
-            return sum(float(_unrolled_loss(model, head, lm_head, e, 3)) for e in examples)
+            return sum(float(unrolled_loss(model, head, lm_head, e, 3)) for e in examples)
 
     before = loss(before_head)
     head, stats = train_head(tiny, TrainConfig(samples_per_prompt=2, new_tokens=12,
@@ -327,8 +327,8 @@ def test_soft_targets_are_the_bases_distribution(tiny, corpus):
     entropy = float(-(target * target.log()).sum(-1).mean())
     head = init_head(model)
     with torch.no_grad():
-        soft = float(_unrolled_loss(model, head, lm_head, e, 1, soft_targets=True))
-        hard = float(_unrolled_loss(model, head, lm_head, e, 1))
+        soft = float(unrolled_loss(model, head, lm_head, e, 1, soft_targets=True))
+        hard = float(unrolled_loss(model, head, lm_head, e, 1))
     assert soft >= entropy - 1e-4 and abs(soft - hard) > 1e-3
 
 
@@ -341,10 +341,10 @@ def test_cold_soft_targets_become_the_greedy_loss(tiny, corpus):
     lm_head = model.output_embedding.detach().float()
     head = init_head(model)
     with torch.no_grad():
-        hard = float(_unrolled_loss(model, head, lm_head, e, 2))
-        cold = float(_unrolled_loss(model, head, lm_head, e, 2, True, temperature=1e-4))
-        plain = float(_unrolled_loss(model, head, lm_head, e, 2, True))
-        warm = float(_unrolled_loss(model, head, lm_head, e, 2, True, temperature=1.0))
+        hard = float(unrolled_loss(model, head, lm_head, e, 2))
+        cold = float(unrolled_loss(model, head, lm_head, e, 2, True, temperature=1e-4))
+        plain = float(unrolled_loss(model, head, lm_head, e, 2, True))
+        warm = float(unrolled_loss(model, head, lm_head, e, 2, True, temperature=1.0))
     assert abs(cold - hard) < 1e-4 * max(1.0, hard)
     assert plain == warm and abs(plain - hard) > 1e-3
     with pytest.raises(ValueError, match="target temperature"):
@@ -564,8 +564,8 @@ def test_bf16_features_give_the_loss_of_their_fp32_widening(tiny, corpus):
     head = init_head(model)
     with torch.no_grad():
         for soft in (False, True):
-            assert float(_unrolled_loss(model, head, lm_head, narrow, 3, soft)) == \
-                float(_unrolled_loss(model, head, lm_head, wide, 3, soft))
+            assert float(unrolled_loss(model, head, lm_head, narrow, 3, soft)) == \
+                float(unrolled_loss(model, head, lm_head, wide, 3, soft))
         assert evaluate(model, head, lm_head, [narrow], 3) == \
             evaluate(model, head, lm_head, [wide], 3)
 
@@ -647,23 +647,23 @@ def test_a_kept_stream_is_what_the_layers_up_to_it_compute(model_name, corpus):
     the final hidden of the model cut after layer i."""
     import copy
 
-    from engine.speculative.train import prefill_every_token
-
     model = load_model(model_name, device="cpu", progress=False).model
     samples = [t[:30] for t in corpus.samples[:3]]
     last = model.config.num_layers - 1
-    streams = {0: None, last: None}
-    logits, hidden, bounds = prefill_every_token(model, samples, streams)
-    plain_logits, plain_hidden, plain_bounds = prefill_every_token(model, samples)
-    assert bounds == plain_bounds and sorted(streams) == [0, last]
-    assert torch.equal(logits, plain_logits) and torch.equal(hidden, plain_hidden)
+    kept = base_features(model, samples, stream_layers=(last, 0))
+    plain = base_features(model, samples)
+    cuts = {}
     for i in (0, last):
-        cut = copy.deepcopy(model)
-        cut.model.layers = cut.model.layers[:i + 1]
-        _, cut_hidden, _ = prefill_every_token(cut, samples)
-        assert streams[i].shape == hidden.shape
-        torch.testing.assert_close(model.model.norm(streams[i]), cut_hidden,
-                                   rtol=1e-5, atol=1e-5)
+        cuts[i] = copy.deepcopy(model)
+        cuts[i].model.layers = cuts[i].model.layers[:i + 1]
+    for tokens, with_streams, without in zip(samples, kept, plain):
+        assert torch.equal(with_streams.hidden, without.hidden)
+        assert torch.equal(with_streams.greedy, without.greedy) and without.streams is None
+        assert with_streams.streams.shape == (len(tokens), 2, model.config.hidden_size)
+        for slot, i in enumerate((last, 0)):   # the slots keep the order asked for
+            [cut] = base_features(cuts[i], [tokens])
+            torch.testing.assert_close(model.model.norm(with_streams.streams[:, slot]),
+                                       cut.hidden, rtol=1e-5, atol=1e-5)
 
 
 def test_examples_keep_the_streams_they_are_asked_for(tiny, corpus):

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -427,28 +428,23 @@ def _context_for(new_tokens: int) -> int:
     return -(-(new_tokens + 128) // 256) * 256
 
 
-@torch.no_grad()
-def base_features(model: CausalLM, samples: list[list[int]]
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per sample: (normed final hidden [T, H], the base's greedy choice at
-    each position [T]), from one prefill forward of all of them (a forward a
-    sample cost the H200 ~250 s of a 600 s call for 8,235 samples). The
-    hidden stays in the model's dtype, bf16 on a GPU: the 149,470-sample
-    corpus of 12-04 is 28.4 M tokens, 33 GB so against 65 in fp32; the loss
-    widens each step's rows (`widened`)."""
-    logits, hidden, bounds = prefill_every_token(model, samples)
-    # copies, not views: nothing here says the forward's output is not a workspace
-    return [(hidden[lo:hi].clone(), logits[lo:hi].argmax(dim=-1)) for lo, hi in bounds]
+class SampleFeatures(NamedTuple):
+    hidden: torch.Tensor  # [T, H], the normed final hidden, in the model's dtype
+    greedy: torch.Tensor  # [T], the base's greedy choice at each position
+    # [T, S, H]: the residual streams after the layers asked for, or None
+    streams: torch.Tensor | None
 
 
 @torch.no_grad()
-def prefill_every_token(model: CausalLM, samples: list[list[int]],
-                        streams: dict[int, torch.Tensor | None] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-    """One prefill forward of the samples, each from position 0 in pages and
-    a state slot of its own (unquantized KV in the model's dtype): (logits
-    [T, V], normed final hidden [T, H], each sample's row range), the rows
-    packed in sample order; `streams` as CausalLM.forward takes it."""
+def base_features(model: CausalLM, samples: list[list[int]],
+                  stream_layers: tuple[int, ...] = ()) -> list[SampleFeatures]:
+    """Per sample: its normed final hidden, the base's greedy choices and,
+    with `stream_layers`, the residual streams after those layers (in that
+    order; CausalLM.forward's `streams`), from one prefill forward of all of
+    them (a forward a sample cost the H200 ~250 s of a 600 s call for 8,235
+    samples). Everything stays in the model's dtype, bf16 on a GPU: the
+    149,470-sample corpus of 12-04 is 28.4 M tokens, 33 GB so against 65 in
+    fp32; the loss widens each step's rows (`widened`)."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
@@ -463,8 +459,13 @@ def prefill_every_token(model: CausalLM, samples: list[list[int]],
     cache = PagedKVCache(model.config, CacheShape(first, page, len(samples)), device,
                          make_format("bf16", dtype=model.output_embedding.dtype))
     batch = ForwardBatch.build(seqs, page, device)
+    streams = dict.fromkeys(stream_layers) if stream_layers else None
     logits, hidden = model(batch, cache, all_logits=True, return_hidden=True, streams=streams)
-    return logits, hidden, list(zip(batch.offsets, batch.offsets[1:]))
+    stacked = torch.stack([streams[j] for j in stream_layers], 1) if streams else None
+    # copies, not views: nothing here says the forward's output is not a workspace
+    return [SampleFeatures(hidden[lo:hi].clone(), logits[lo:hi].argmax(dim=-1),
+                           None if stacked is None else stacked[lo:hi].clone())
+            for lo, hi in zip(batch.offsets, batch.offsets[1:])]
 
 
 def widened(hidden: torch.Tensor) -> torch.Tensor:
@@ -634,21 +635,15 @@ def make_examples(model: CausalLM, corpus: Corpus,
     device = model.output_embedding.device
     examples = []
     for group in _token_bounded_groups(corpus.samples, _FEATURE_TOKENS):
-        streams = dict.fromkeys(stream_layers) if stream_layers else None
-        logits, hidden, bounds = prefill_every_token(
-            model, [corpus.samples[i] for i in group], streams)
-        stacked = torch.stack([streams[j] for j in stream_layers], 1) if streams else None
-        for i, (lo, hi) in zip(group, bounds):
-            labels = logits[lo:hi].argmax(dim=-1)
+        features = base_features(model, [corpus.samples[i] for i in group], stream_layers)
+        for i, (hidden, labels, streams) in zip(group, features):
             labels[:corpus.prompt_lengths[i]] = IGNORE
-            # copies, not views: nothing here says the forward's output is not a workspace
-            examples.append(Example(
-                torch.tensor(corpus.samples[i], device=device), hidden[lo:hi].clone(), labels,
-                corpus.greedy[i], None if stacked is None else stacked[lo:hi].clone()))
+            examples.append(Example(torch.tensor(corpus.samples[i], device=device), hidden,
+                                    labels, corpus.greedy[i], streams))
     return examples
 
 
-# tokens per prefill_every_token forward: its logits over a 49K vocabulary in bf16
+# tokens per base_features forward: its logits over a 49K vocabulary in bf16
 # take ~1.6 GB at this size
 _FEATURE_TOKENS = 16384
 
@@ -735,7 +730,7 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * g["scale"] * decay
             example = pack_examples(training[first:first + cfg.batch_samples])
-            loss = _unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets,
+            loss = unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets,
                                   cfg.target_temperature)
             opt.zero_grad()
             loss.backward()
@@ -847,15 +842,17 @@ def _param_groups(head: MTPHead, file_layers: int, file_scale: float) -> list[di
     return groups
 
 
-def _unrolled_loss(model, head, lm_head, example: Example, depth: int,
-                   soft_targets: bool = False, temperature: float = 1.0):
+def unrolled_loss(model, head, lm_head, example: Example, depth: int,
+                  soft_targets: bool = False, temperature: float = 1.0,
+                  first_input: torch.Tensor | None = None):
     """Depth r pairs (pairs_at_depth), weighted 1, 1/2, 1/4, ...: cross-entropy
     against the base's greedy choice, or with soft_targets against its whole
     distribution over lm_head's rows at `temperature` (the base's logits are
     its normed final hidden times the same rows, so no teacher output is
-    stored)."""
+    stored). `first_input` [T, H] replaces the hidden the first depth reads
+    (bench.mtp_features' fused features); the targets stay the base's."""
     total, weight_sum = 0.0, 0.0
-    h = widened(example.hidden[:-1])
+    h = widened(example.hidden[:-1]) if first_input is None else first_input[:-1]
     for r in range(1, depth + 1):
         pairs = pairs_at_depth(example, r)
         labelled = pairs.labels != IGNORE
