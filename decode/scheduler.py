@@ -82,6 +82,29 @@ class TokenOut:
     accepted: int = 0  # of those, kept and emitted
 
 
+@dataclass
+class StepProgress:
+    """What the step in progress has done so far: the tokens it produced and
+    the sequences that left the batch (finished, or dropped for want of pages).
+
+    A step takes a leaving sequence out of `running` at once, so while the
+    step runs such a sequence is in no list but this one. The scheduler keeps
+    it (`DecodeScheduler.progress`) so that when a step raises part way, the
+    step loop can still end every sequence the step held (decode/server.py
+    StepLoop._end_failed_step); returned in a local list, they were lost with
+    the exception, and their streams waited for ever."""
+
+    tokens: list[TokenOut] = field(default_factory=list)
+    left: list[DecodeSequence] = field(default_factory=list)
+
+    def completed(self) -> list[DecodeSequence]:
+        """Sequences that finished by a stop rule or their length in this step:
+        every token of theirs is sampled, its KV written and its speculative
+        state committed (a sequence leaves the batch only after that), so a
+        later failure in the step takes nothing from them."""
+        return [s for s in self.left if s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)]
+
+
 class DecodeScheduler:
     def __init__(self, model: CausalLM, cache: PagedKVCache, pages: PageSource,
                  max_batch: int = 32, max_context: int | None = None,
@@ -95,6 +118,8 @@ class DecodeScheduler:
         self.max_context = max_context or model.config.max_position_embeddings
         self.running: list[DecodeSequence] = []
         self.waiting: list[DecodeSequence] = []
+        # the latest step's tokens and leaving sequences, also when it raised
+        self.progress = StepProgress()
         # decode steps replay CUDA graphs on a GPU (None: on for CUDA caches)
         self.forward = DecodeForward(model, cache, self.max_context, enabled=cuda_graphs)
         speculative = speculative or SpeculativeConfig()
@@ -125,17 +150,20 @@ class DecodeScheduler:
     # --- one step -------------------------------------------------------
     def step(self) -> tuple[list[TokenOut], list[DecodeSequence]]:
         """Runs one decode step. Returns the tokens produced and the sequences
-        that finished (their pages and slots are the caller's to release)."""
+        that finished (their pages and slots are the caller's to release).
+        If it raises, `progress` holds what it had done: the sequences it
+        took out of the batch are there, in no other list."""
+        self.progress = StepProgress()
+        outs, finished = self.progress.tokens, self.progress.left
         self._admit()
-        finished = self._ensure_pages()
+        self._ensure_pages(finished)
         if not self.running:
-            return [], finished
+            return outs, finished
         if self.spec is not None:
-            return self._speculative_step(finished)
+            return self._speculative_step(outs, finished)
         logits = self.forward(self._batch())
         self._capture_boundaries()
         result = sample(logits, [s.sampling for s in self.running])
-        outs = []
         for row, seq in enumerate(list(self.running)):
             token = result.token_ids[row]
             seq.output.append(token)
@@ -150,12 +178,11 @@ class DecodeScheduler:
                 finished.append(seq)
         return outs, finished
 
-    def _speculative_step(self, finished: list[DecodeSequence]
+    def _speculative_step(self, outs: list[TokenOut], finished: list[DecodeSequence]
                           ) -> tuple[list[TokenOut], list[DecodeSequence]]:
         """Verify each sequence's drafts in one forward; emit the kept tokens
         (a stop rule may cut a step short); draft for the next step. Sequences
         without speculation (no spare slots on a hybrid model) run one token."""
-        outs = []
         verified = self.spec.verify(self.running)
         for seq, v in zip(list(self.running), verified):
             kept = 0
@@ -198,20 +225,21 @@ class DecodeScheduler:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_batch:
-            seq = self.waiting.pop(0)
+            seq = self.waiting[0]
             if self.spec is not None and seq.spec is None and self._can_speculate(seq):
                 seq.spec = self.spec.start(seq, seq.spare_slots)
-            self.running.append(seq)
+            # moved only once started: if start raises, it is still waiting
+            self.running.append(self.waiting.pop(0))
 
     def _can_speculate(self, seq: DecodeSequence) -> bool:
         return len(seq.spare_slots) >= self.spec.config.spare_slots(self.model.config)
 
-    def _ensure_pages(self) -> list[DecodeSequence]:
+    def _ensure_pages(self, dropped: list[DecodeSequence]) -> None:
         """Every running sequence gets a page for the token this step writes;
-        one that cannot is finished with ABORT (its pages go back to the caller)."""
+        one that cannot is finished with ABORT (its pages go back to the
+        caller) and added to `dropped` at once, the step's list of leavers."""
         from engine.errors import TandemError
 
-        dropped = []
         for seq in list(self.running):
             needed = -(-seq.length // self.page_size) - len(seq.pages)
             if needed <= 0:
@@ -222,7 +250,6 @@ class DecodeScheduler:
                 seq.finish_reason, seq.finish_detail = FinishReason.ABORT, f"out of KV pages: {e}"
                 self.running.remove(seq)
                 dropped.append(seq)
-        return dropped
 
     def _batch(self) -> ForwardBatch:
         inputs = [SequenceInput((s.output[-1],), s.length - 1,

@@ -13,6 +13,7 @@ import asyncio
 import queue
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,10 @@ class StepLoop:
         self.commands: queue.Queue = queue.Queue()
         self.subscribers: dict[str, _Subscriber] = {}
         self.stopping = threading.Event()
+        # set, under the lock, once the loop has ended: a request submitted
+        # later is answered at once instead of waiting for a loop that is gone
+        self.ended = False
+        self._ending = threading.Lock()
         self.thread = threading.Thread(target=self._run, name="decode-steps", daemon=True)
         # one stream for the warm-up and the steps: the caching allocator
         # reuses a block only on the stream it was allocated on
@@ -74,7 +79,11 @@ class StepLoop:
         self.thread.join(timeout=5)
 
     def submit(self, seq: DecodeSequence, subscriber: _Subscriber) -> None:
-        self.commands.put(("add", (seq, subscriber)))
+        with self._ending:
+            if not self.ended:
+                self.commands.put(("add", (seq, subscriber)))
+                return
+        _deliver(subscriber, _ended_event("the decode step loop is not running"))
 
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", (request_id, None)))
@@ -110,27 +119,92 @@ class StepLoop:
     @torch.inference_mode()
     def _run(self) -> None:
         with self.stream.active():
-            self._loop()
+            try:
+                self._loop()
+            finally:  # stopped, or killed by what no handler catches: no stream may wait on
+                self._close()
 
     def _loop(self) -> None:
         while not self.stopping.is_set():
-            self._drain_commands(block=not self.scheduler.has_work)
-            if not self.scheduler.has_work:
-                continue
             try:
-                outs, finished = self.scheduler.step()
-            except Exception as e:  # a bug must not wedge every stream: fail them all loudly
-                log(PROCESS, f"step failed: {e!r}")
-                for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-                    self.scheduler.abort(seq.request_id)
-                    seq.finish_detail = f"decode step failed: {e}"
-                    self._publish_finished(seq)
-                continue
-            self._report_compiles(len(outs))
-            self._publish_tokens(outs)
-            for seq in finished:
-                self._publish_finished(seq)
-                self.reserve.check(f"the end of {seq.request_id}")
+                self._turn()
+            except Exception as e:  # noqa: BLE001 - a bug outside a step (a command, publishing)
+                # must neither kill the thread (every stream would wait for ever)
+                # nor pass quietly: every request the loop holds ends with it
+                log(PROCESS, f"the step loop failed: {e!r}\n{traceback.format_exc().rstrip()}")
+                self._end_every_stream(f"the decode step loop failed: {e!r}")
+
+    def _turn(self) -> None:
+        """Commands, then one step and what it produced."""
+        self._drain_commands(block=not self.scheduler.has_work)
+        if not self.scheduler.has_work:
+            return
+        try:
+            outs, finished = self.scheduler.step()
+        except Exception as e:  # noqa: BLE001 - a bug must not wedge every stream
+            log(PROCESS, f"step failed: {e!r}\n{traceback.format_exc().rstrip()}")
+            self._end_failed_step(e)
+            return
+        self._report_compiles(len(outs))
+        self._publish_tokens(outs)
+        for seq in finished:
+            self._publish_finished(seq)
+            self.reserve.check(f"the end of {seq.request_id}")
+
+    def _end_failed_step(self, error: Exception) -> None:
+        """A step raised: end every sequence it held, also those it had
+        already taken out of the batch (scheduler.progress).
+
+        DECISION: a sequence that finished by a stop rule or its length
+        earlier in the failed step is complete (StepProgress.completed): it
+        gets its last tokens and its real finish, as if the step had not
+        failed; the router caches and reports it like any other. A sequence
+        the step dropped for want of pages keeps that ABORT and its reason.
+        Every other one (still running, or waiting) ends with ABORT and the
+        step's error: its tokens of this step are not sent, and the router,
+        which never asked for that abort, fails the request with the detail."""
+        progress = self.scheduler.progress
+        complete = progress.completed()
+        ids = {seq.request_id for seq in complete}
+        self._publish_tokens([out for out in progress.tokens if out.request_id in ids])
+        for seq in complete:
+            self._publish_finished(seq)
+        self._end_every_stream(f"decode step failed: {error!r}")
+
+    def _end_every_stream(self, detail: str) -> None:
+        """Ends every request the loop still streams to with ABORT and
+        `detail`: the latest step's leavers not yet told (a dropped one keeps
+        its own reason), the running and the waiting; then any subscriber
+        left without a sequence gets a bare end, so no Decode call waits."""
+        left = [s for s in self.scheduler.progress.left if s.request_id in self.subscribers]
+        for seq in [*left, *self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.abort(seq.request_id)  # a no-op for one that left
+            if not (seq.finish_reason is FinishReason.ABORT and seq.finish_detail):
+                seq.finish_detail = detail
+            seq.finish_reason = FinishReason.ABORT
+            self._publish_finished(seq)
+        for request_id in list(self.subscribers):
+            self._send(request_id, _ended_event(detail), last=True)
+
+    def _close(self) -> None:
+        """The loop is over: refuse what comes later, and end every request
+        still queued or running with an error, so that no stream hangs."""
+        with self._ending:
+            self.ended = True
+        try:
+            while True:
+                command, arg = self.commands.get_nowait()
+                if command == "add":
+                    seq, subscriber = arg
+                    self.subscribers[seq.request_id] = subscriber
+                # an abort left unanswered reads as "still running" (None):
+                # the router keeps the request's pages, which is always safe
+        except queue.Empty:
+            pass
+        try:
+            self._end_every_stream("the decode step loop stopped")
+        except Exception as e:  # noqa: BLE001 - the last words of the loop
+            log(PROCESS, f"could not end every stream: {e!r}")
 
     def _report_compiles(self, batch: int) -> None:
         """Logs a step that waited for Triton compiles (see engine/compiles.py)."""
@@ -145,26 +219,39 @@ class StepLoop:
             return
         while True:
             if command == "add":
-                seq, subscriber = arg
-                self.subscribers[seq.request_id] = subscriber
-                self.scheduler.add(seq)
+                self._join(*arg)
             elif command == "abort":
                 request_id, ack = arg
                 seq = self.scheduler.abort(request_id)
-                if seq is not None:
-                    self._publish_finished(seq)
-                if ack is not None:  # between steps: nothing of it runs now
-                    ack[1].append(seq is not None)
-                    ack[0].set()
+                try:
+                    if seq is not None:
+                        self._publish_finished(seq)
+                finally:  # answered even so: between steps nothing of it runs now
+                    if ack is not None:
+                        ack[1].append(seq is not None)
+                        ack[0].set()
             try:
                 command, arg = self.commands.get_nowait()
             except queue.Empty:
                 return
 
+    def _join(self, seq: DecodeSequence, subscriber: _Subscriber) -> None:
+        """A new request joins the batch; one the scheduler cannot take ends
+        at once with the reason, the others run on."""
+        self.subscribers[seq.request_id] = subscriber
+        try:
+            self.scheduler.add(seq)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the loop's
+            log(PROCESS, f"{seq.request_id} could not join the batch: {e!r}\n"
+                         f"{traceback.format_exc().rstrip()}")
+            seq.finish_reason = FinishReason.ABORT
+            seq.finish_detail = f"could not join the decode batch: {e!r}"
+            self._publish_finished(seq)
+
     def _send(self, request_id: str, event, last: bool = False) -> None:
         sub = self.subscribers.pop(request_id, None) if last else self.subscribers.get(request_id)
         if sub is not None:
-            sub.loop.call_soon_threadsafe(sub.events.put_nowait, event)
+            _deliver(sub, event)
 
     def _publish_tokens(self, outs: list[TokenOut]) -> None:
         """One event per request per step: a speculative step emits several
@@ -184,10 +271,31 @@ class StepLoop:
         except Exception as e:  # nothing of its KV goes to the prefix cache then
             log(PROCESS, f"could not settle {seq.request_id}'s KV: {e!r}")
             final = 0
-        finished = pb.DecodeFinished(reason=_FINISH_PB[seq.finish_reason], detail=seq.finish_detail,
-                                     pages=seq.pages, boundary_tokens=seq.boundary_tokens,
-                                     final_tokens=final)
-        self._send(seq.request_id, pb.DecodeEvent(finished=finished), last=True)
+        try:
+            finished = pb.DecodeFinished(reason=_FINISH_PB[seq.finish_reason],
+                                         detail=seq.finish_detail, pages=seq.pages,
+                                         boundary_tokens=seq.boundary_tokens, final_tokens=final)
+            event = pb.DecodeEvent(finished=finished)
+        except Exception as e:  # noqa: BLE001 - its stream must end all the same
+            log(PROCESS, f"could not describe the end of {seq.request_id}: {e!r}")
+            event = _ended_event(f"{seq.finish_detail or 'ended'}; its end could not be "
+                                 f"described: {e!r}")
+        self._send(seq.request_id, event, last=True)
+
+
+def _ended_event(detail: str) -> pb.DecodeEvent:
+    """An ABORT end with nothing for the prefix cache (no final tokens), for a
+    request whose sequence is gone or could not be described."""
+    return pb.DecodeEvent(finished=pb.DecodeFinished(reason=pb.DECODE_FINISH_ABORT, detail=detail))
+
+
+def _deliver(subscriber: _Subscriber, event) -> None:
+    """Hands `event` to the subscriber's stream on its own event loop; a loop
+    already closed (its server stopped) has nobody listening."""
+    try:
+        subscriber.loop.call_soon_threadsafe(subscriber.events.put_nowait, event)
+    except RuntimeError:
+        pass
 
 
 def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids, cache) -> DecodeSequence:
@@ -196,6 +304,7 @@ def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids, cache) -> DecodeSequenc
     prompt = token_ids_from_pb(r.prompt_le32, "prompt_le32").tolist()
     if not prompt:
         raise InvalidRequestError("a decode request needs its prompt")
+    check_pool_ids(r, cache)
     open_pages = cache.open_pages_for(list(r.open_pages), list(r.pages), list(r.open_held),
                                       committed=len(prompt))
     return DecodeSequence(
@@ -203,6 +312,34 @@ def sequence_from_pb(r: pb.DecodeRequest, eos_token_ids, cache) -> DecodeSequenc
         params=sampling_from_pb(r.sampling), pages=list(r.pages), state_slot=r.state_slot,
         eos_token_ids=eos_token_ids, boundary_slot=r.boundary_slot,
         spare_slots=list(r.spare_slots), open_pages=open_pages)
+
+
+def check_pool_ids(r: pb.DecodeRequest, cache) -> None:
+    """Every page and GDN state slot id of the request names one of the
+    store's: the step's kernels index the pools with them unchecked (on a GPU
+    a bad id reads or writes another allocation's memory; a negative slot is
+    the last one, another request's). Open page ids are checked with the open
+    pages (cache.open_pages_for)."""
+    num_ids = cache.shape.num_pages + cache.shape.staging_pages  # sinks sit there by staging id
+    bad = next((p for p in r.pages if p >= num_ids), None)  # uint32: never negative
+    if bad is not None:
+        raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
+                                  f"[0, {num_ids})")
+    num_slots = cache.recurrent[0].shape[0] if cache.recurrent else 0
+    hybrid = cache.config.is_hybrid
+    for slot, name, optional in ((r.state_slot, "state_slot", not hybrid),
+                                 (r.boundary_slot, "boundary_slot", True),
+                                 *((s, "spare slot", False) for s in r.spare_slots)):
+        if optional and slot == -1:
+            continue
+        if not 0 <= slot < num_slots:
+            none = " or -1 (none)" if optional else ""
+            raise InvalidRequestError(f"{name} {slot} is outside the store's {num_slots} GDN "
+                                      f"state slots [0, {num_slots}){none}")
+    slots = [s for s in (r.state_slot, r.boundary_slot, *r.spare_slots) if s >= 0]
+    if len(set(slots)) != len(slots):  # one would overwrite another's state each step
+        raise InvalidRequestError(f"a state slot is named twice among state_slot, boundary_slot "
+                                  f"and spare_slots: {slots}")
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):

@@ -30,6 +30,11 @@ Shape of the tree::
 * For hybrid models only a node that holds a snapshot is restorable: the
   recurrent state cannot be rebuilt from KV pages. A match therefore stops at
   the deepest node on the path that has a snapshot.
+* Every walk over the tree (match, insert, lock, eviction, stats, the
+  invariant check) is a loop, never a recursion: one agent conversation adds
+  a node per turn below the last, so a tree is thousands of levels deep after
+  a long session, past Python's recursion limit (evict_staging of such a
+  subtree raised RecursionError on every Allocate that needed a sink page).
 * LRU uses a logical clock (one tick per match or insert), not wall time, so
   eviction order is deterministic. Ties break by node creation order.
 
@@ -398,11 +403,15 @@ class RadixCache(PrefixCache):
         return freed
 
     def _remove_subtree(self, node: CacheNode) -> int:
-        """Remove an unlocked node and everything below it; staging pages freed."""
-        staged = sum(map(self._pages.is_staging, node.pages))
-        for child in list(node.children.values()):
-            staged += self._remove_subtree(child)
-        self._remove_leaf(node)
+        """Remove an unlocked node and everything below it; staging pages freed.
+
+        Iterative, deepest nodes first: one agent conversation adds a node per
+        turn below its sink page's node, so a subtree may be thousands of
+        levels deep, past Python's recursion limit."""
+        staged = 0
+        for n in reversed(_subtree_preorder(node)):  # every child before its parent
+            staged += sum(map(self._pages.is_staging, n.pages))
+            self._remove_leaf(n)
         return staged
 
     def evict_snapshots(self, num_slots: int) -> int:
@@ -629,6 +638,17 @@ def _check_namespace(namespace: str) -> None:
 def _check_count(n: int, what: str) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"cannot evict {n!r} {what}: need an int >= 0")
+
+
+def _subtree_preorder(node: CacheNode) -> list[CacheNode]:
+    """`node` and every node below it, each parent before its children; with
+    an explicit stack, since a tree is as deep as a conversation is long."""
+    order, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        order.append(n)
+        stack.extend(n.children.values())
+    return order
 
 
 def _self_and_ancestors(node: CacheNode) -> Iterator[CacheNode]:

@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -82,8 +83,20 @@ class ServerOptions:
     embeddings: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_format not in FORMATS:
+            raise ValueError(f"--kv-format must be one of {', '.join(sorted(FORMATS))}, "
+                             f"got {self.kv_format!r}")
         if self.page_size is None:
             object.__setattr__(self, "page_size", default_page_size(self.kv_format))
+        for flag, value, least in (("--page-size", self.page_size, 1),
+                                   ("--max-context-tokens", self.max_context_tokens, 1),
+                                   ("--live-slots", self.live_slots, 1),
+                                   ("--snapshot-slots", self.snapshot_slots, 0),
+                                   ("--prefill-chunk-tokens", self.prefill_chunk_tokens, 1)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{flag} must be an integer >= {least}, got {value!r}")
+        if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
+            raise ValueError(f"--gpu-memory-budget must be positive, got {self.gpu_memory_budget}")
         if self.embeddings not in EMBEDDING_PLACES:
             raise ValueError(f"--embeddings must be one of {', '.join(EMBEDDING_PLACES)}, "
                              f"got {self.embeddings!r}")
@@ -139,6 +152,7 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         activation_bytes=dtype.itemsize, cuda_graphs=on_gpu,
         cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, paged_attention_kernel=on_gpu,
         weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
+        draft_tokens=spec.num_draft_tokens if spec.enabled else 0,
         mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host)
 
 
@@ -372,11 +386,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
 
 async def _answer(context, handle):
-    """Run one request; a ControlError becomes its status code with the message."""
+    """Run one request; a ControlError becomes its status code with the message.
+
+    Anything else is a bug in the store, not in the request: it is logged with
+    its traceback and answered INTERNAL with what went wrong (left to grpc it
+    is UNKNOWN with no message). The store keeps serving with the state the
+    handler left; the control checks a request in full before changing
+    anything, so a failure inside the change is the only way to leave it half
+    done (the session's close gives back what it holds)."""
     try:
         return handle()
     except ControlError as e:
         await context.abort(_STATUS.get(type(e), grpc.StatusCode.INVALID_ARGUMENT), str(e))
+    except Exception as e:  # noqa: BLE001 - reported, never swallowed
+        _log(f"internal error answering a request: {e!r}\n{traceback.format_exc().rstrip()}")
+        await context.abort(grpc.StatusCode.INTERNAL,
+                            f"the KV store failed on this request: {type(e).__name__}: {e} "
+                            "(a bug; the store logged the traceback and keeps serving)")
 
 
 # ------------------------------------------------------------------ serving

@@ -49,9 +49,78 @@ class PrefillJob:
             if count % page_size or not self.start < count <= n:
                 raise InvalidRequestError(f"snapshot at {count} tokens is not a page boundary "
                                           f"in ({self.start}, {n}]")
+        self._check_snapshot_points()
         bad = first_outside_vocabulary(self.tokens, vocab_size)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    def _check_snapshot_points(self) -> None:
+        """One slot per point and one point per slot. Two slots for one token
+        count merged into one (the other slot, which the router then caches as
+        a snapshot, never got the state); one slot for two counts keeps only
+        the later state under the earlier count's name; a snapshot into the
+        live slot or the restored one is overwritten as the prefill goes on."""
+        counts = [count for count, _slot in self.snapshots]
+        twice = _first_repeated(counts)
+        if twice is not None:
+            raise InvalidRequestError(f"two snapshots at {twice} tokens: one slot per snapshot "
+                                      "point")
+        slots = [slot for _count, slot in self.snapshots]
+        twice = _first_repeated(slots)
+        if twice is not None:
+            raise InvalidRequestError(f"state slot {twice} is the slot of two snapshot points")
+        for slot, role in ((self.state_slot, "live state slot"),
+                           (self.restore_slot, "restore slot")):
+            if slot >= 0 and slot in slots:
+                raise InvalidRequestError(f"snapshot slot {slot} is the job's {role}: a "
+                                          "snapshot needs a slot of its own")
+
+    def check_ids(self, cache: PagedKVCache) -> None:
+        """Every page and state slot id names one of `cache`'s: the kernels
+        index the pools with them unchecked (on a GPU a bad id reads or writes
+        another allocation's memory; a negative slot is the last one, another
+        request's). The worker checks them as a request arrives."""
+        num_ids = page_ids_of(cache)
+        bad = next((p for p in self.pages if not 0 <= p < num_ids), None)
+        if bad is not None:
+            raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
+                                      f"[0, {num_ids})")
+        num_slots = state_slots_of(cache)
+        _check_slot(self.state_slot, "state_slot", num_slots, optional=not cache.config.is_hybrid)
+        _check_slot(self.restore_slot, "restore_slot", num_slots, optional=True)
+        for _count, slot in self.snapshots:
+            _check_slot(slot, "snapshot slot", num_slots, optional=False)
+
+
+def page_ids_of(cache: PagedKVCache) -> int:
+    """How many page ids a page table may name: the pool's pages, then its
+    staging pages (rk4p's sinks sit in page tables by their staging ids)."""
+    return cache.shape.num_pages + cache.shape.staging_pages
+
+
+def state_slots_of(cache: PagedKVCache) -> int:
+    """GDN state slots `cache` holds (none for a model without GDN layers)."""
+    return cache.recurrent[0].shape[0] if cache.recurrent else 0
+
+
+def _check_slot(slot: int, name: str, num_slots: int, optional: bool) -> None:
+    """`slot` must name one of the num_slots slots, or be -1 (none) where
+    `optional`; a dense model has none, so only -1 passes there."""
+    if optional and slot == -1:
+        return
+    if not 0 <= slot < num_slots:
+        allowed = " or -1 (none)" if optional else ""
+        raise InvalidRequestError(f"{name} {slot} is outside the store's {num_slots} GDN state "
+                                  f"slots [0, {num_slots}){allowed}")
+
+
+def _first_repeated(values):
+    seen = set()
+    for value in values:
+        if value in seen:
+            return value
+        seen.add(value)
+    return None
 
 
 @torch.inference_mode()
@@ -67,11 +136,12 @@ def run_prefill(model: CausalLM, cache: PagedKVCache, job: PrefillJob, chunk_siz
     format that quantizes whole pages) is left as the decode must resume it:
     every whole prompt page is final in job.pages, the newest still staged."""
     job.check(cache.page_size, model.config.vocab_size)
+    job.check_ids(cache)
     if cache.kv_format.uses_staging and open_pages is None:
         raise InvalidRequestError(f"KV format {cache.kv_format.name} needs the job's open pages")
     if job.restore_slot >= 0:
         cache.copy_state(job.restore_slot, job.state_slot)
-    snapshot_slot = dict(job.snapshots)
+    snapshot_slot = dict(job.snapshots)  # no count twice: job.check
     mtp = cache.has_mtp_kv and model.mtp is not None
     logits = hidden = None
     n = len(job.tokens)

@@ -96,6 +96,9 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         arrived = time.perf_counter()
         try:
             job = job_from_pb(request)
+            # here, not only in the runner: a bad id is refused at once, not
+            # after waiting behind another prefill
+            job.check_ids(self.store.cache)
             spec = self._transfer_spec(request)
         except InvalidRequestError as e:
             await abort_with(context, e)

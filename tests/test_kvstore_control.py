@@ -187,3 +187,43 @@ def _conserved_staging(c: StoreControl) -> None:
     assert s.free_pages + s.free_staging + s.held_pages + s.cached_pages == \
         s.total_pages + s.total_staging
     c.cache.check_invariants()
+
+
+DEEP = 3000  # turns of one conversation: three times Python's default recursion limit
+
+
+def deep_conversation(c: StoreControl, session_id: str) -> list[int]:
+    """One agent conversation of DEEP turns of a page each, cached under the
+    store's one staging sink page: the prefix cache holds a chain of DEEP
+    nodes. Built as the last turn's insert, then a match per earlier turn
+    (each splits the node where the turn ended), so it costs O(DEEP), not
+    the O(DEEP**2) of replaying the turns; the tree is the same. Returns the
+    conversation's tokens."""
+    tokens = [t % 1000 for t in range(DEEP * PAGE + 1)]
+    got = c.allocate(session_id, DEEP - 1, 0, 1)
+    c.insert(session_id, "", tokens[:-1], [*got.staging, *got.pages], None, lock=False)
+    for turn in range(DEEP - 1, 0, -1):
+        c.match(session_id, "", tokens[:turn * PAGE + 1], lock=False)
+    assert c.cache.stats().nodes == DEEP
+    return tokens
+
+
+def test_a_conversation_thousands_of_turns_deep_gives_its_sink_page_back():
+    """rk4p: every prefix starts with a staging (sink) page. A new request
+    that needs one while the only one is cached evicts the conversation
+    holding it, a chain DEEP nodes deep: that raised RecursionError on every
+    such Allocate, and the store never handed out a sink page again."""
+    c = StoreControl(DEEP + 4, 0, PAGE, False, vocab_size=1000, namespace_prefix="m|rk4p",
+                     staging_pages=1)
+    tokens = deep_conversation(c, c.open_session("router").id)
+    other = c.open_session("router-2")
+    m = c.match(other.id, "", tokens, lock=True)
+    assert m.num_tokens == DEEP * PAGE
+    with pytest.raises(ResourceExhausted, match=r"1 staging pages \(0 free\)"):
+        c.allocate(other.id, 1, 0, 1)  # locked: its sink stays
+    c.unlock(other.id, [m.node_id])
+    got = c.allocate(other.id, 1, 0, 1)
+    assert got.staging == (DEEP + 4,) and got.pages == (0,)
+    s = c.stats()
+    assert s.cached_pages == 0 and s.free_pages == DEEP + 3 and s.free_staging == 0
+    _conserved_staging(c)

@@ -46,3 +46,83 @@ def test_bad_jobs_are_rejected_with_a_reason():
     for job, message in cases:
         with pytest.raises(InvalidRequestError, match=message):
             run_prefill(loaded.model, cache, job, 8)
+
+
+def test_snapshot_points_are_one_slot_each():
+    """Two slots for one token count merged into one (the router then cached
+    the other slot, which never got the state, as a snapshot)."""
+    loaded = load_model("tiny-qwen3.5", seed=6)
+    cache = _cache(loaded)
+    tokens = tuple(range(1, 20))
+    cases = [
+        (((8, 1), (8, 2)), "two snapshots at 8 tokens"),
+        (((8, 1), (16, 1)), "state slot 1 is the slot of two snapshot points"),
+        (((8, 0),), "snapshot slot 0 is the job's live state slot"),
+    ]
+    for snapshots, message in cases:
+        job = PrefillJob("x", tokens, 0, tuple(range(5)), 0, snapshots=snapshots, params=GREEDY)
+        with pytest.raises(InvalidRequestError, match=message):
+            run_prefill(loaded.model, cache, job, 8)
+    job = PrefillJob("x", tokens, 8, tuple(range(5)), 0, restore_slot=3, snapshots=((16, 3),))
+    with pytest.raises(InvalidRequestError, match="snapshot slot 3 is the job's restore slot"):
+        run_prefill(loaded.model, cache, job, 8)
+
+
+def test_ids_outside_the_pools_are_rejected_naming_the_id_and_the_pool():
+    """The kernels index the pools unchecked: on a GPU a bad id writes another
+    allocation's memory, and a slot of -1 is the last slot, another request's."""
+    loaded = load_model("tiny-qwen3.5", seed=6)
+    cache = _cache(loaded)  # 40 pages, 8 slots
+    tokens = tuple(range(1, 10))
+    cases = [
+        (dict(pages=(0, 1, 40)), r"page id 40 is outside the store's 40 page ids \[0, 40\)"),
+        (dict(state_slot=8), r"state_slot 8 is outside the store's 8 GDN state slots \[0, 8\)$"),
+        (dict(state_slot=-1), "state_slot -1 is outside"),  # a hybrid request needs its slot
+        (dict(restore_slot=-2, start=4), r"restore_slot -2 .* \[0, 8\) or -1 \(none\)"),
+        (dict(snapshots=((8, 9),)), "snapshot slot 9 is outside the store's 8"),
+    ]
+    for fields, message in cases:
+        job = PrefillJob(**{**dict(request_id="x", tokens=tokens, start=0, pages=(0, 1, 2),
+                                   state_slot=0), **fields})
+        with pytest.raises(InvalidRequestError, match=message):
+            run_prefill(loaded.model, cache, job, 8)
+    # a dense model keeps no state slots: -1 only
+    dense = load_model("tiny-llama")
+    with pytest.raises(InvalidRequestError, match=r"state_slot 0 is outside the store's 0 GDN"):
+        run_prefill(dense.model, _cache(dense), PrefillJob("x", tokens, 0, (0, 1, 2), 0), 8)
+
+
+def test_the_worker_refuses_a_bad_id_as_invalid_argument():
+    """At the RPC edge, before the job waits for the worker's thread."""
+    import asyncio
+    import types
+
+    import grpc
+
+    from prefill.server import PrefillService
+    from tandem.internal.v1 import workers_pb2 as wpb
+    from tandem.wire import pack_token_ids
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            raise Aborted(code, details)
+
+    loaded = load_model("tiny-qwen3.5", seed=6)
+    service = PrefillService(types.SimpleNamespace(cache=_cache(loaded)), chunk=8)
+    try:
+        for fields, message in ((dict(pages=[0, 1, 1000], state_slot=0), "page id 1000"),
+                                (dict(pages=[0, 1, 2], state_slot=12), "state_slot 12")):
+            request = wpb.PrefillRequest(request_id="bad", tokens_le32=pack_token_ids(range(1, 10)),
+                                         start=0, restore_slot=-1, **fields,
+                                         sampling=wpb.Sampling(top_p=1.0, repetition_penalty=1.0))
+            with pytest.raises(Aborted) as err:
+                asyncio.run(service.Prefill(request, Context()))
+            code, details = err.value.args
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in details and "the store's" in details
+            assert not service.work  # never accepted
+    finally:
+        service.gpu.shutdown()

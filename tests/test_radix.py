@@ -647,3 +647,60 @@ def test_staging_sink_pages_come_free_with_their_whole_subtree():
     assert cache.evict_staging(1) == 1 and pages.staging.num_free == 2
     assert cache.stats().cached_pages == 0 and pages.num_free == 16
     cache.check_invariants()
+
+
+# ------------------------------------------------------------ deep trees
+
+DEEP = 3000  # nodes in one chain: three times Python's default recursion limit
+
+
+def _deep_conversation(cache, pages, snapshots=None):
+    """One agent conversation of DEEP turns, a page each, under a staging
+    sink page: a chain of DEEP nodes. Built from the last turn back (each
+    insert splits the node above it), so it costs O(DEEP) steps, not the
+    O(DEEP**2) of replaying the turns; the tree is the same."""
+    tokens = np.arange(DEEP * PS + 1, dtype=np.uint32)
+    chain = pages.staging.allocate(1) + pages.allocate(DEEP - 1)
+    for turn in range(DEEP, 0, -1):
+        slot = snapshots.allocate(1)[0] if snapshots is not None else None
+        if turn == DEEP or snapshots is not None:
+            cache.insert(NS, tokens[:turn * PS], chain[:turn], slot)
+        else:  # a dense tree splits where a match ends
+            cache.match(NS, tokens[:turn * PS + 1])
+    assert cache.stats().nodes == DEEP
+    return tokens, chain
+
+
+@pytest.mark.parametrize("is_hybrid", [False, True])
+def test_a_tree_thousands_of_levels_deep_works_without_recursion(is_hybrid):
+    """An agent loop's conversation adds one node per turn below the last:
+    every walk over the tree must be a loop. evict_staging of such a chain
+    raised RecursionError, which left an rk4p store unable to hand out a
+    sink page again (it kept picking the same subtree)."""
+    pages = PageAllocator(DEEP + 8, staging_pages=1)
+    slots = SlotAllocator(DEEP + 1) if is_hybrid else None
+    cache = RadixCache(PS, pages, slots, hybrid=is_hybrid)
+    tokens, chain = _deep_conversation(cache, pages, slots)
+    cache.check_invariants()
+    m = cache.match(NS, tokens)
+    assert m.num_tokens == DEEP * PS and m.pages == chain
+    cache.lock(m.node)
+    assert cache.stats().locked_pages == DEEP and cache.evict_staging(1) == 0
+    cache.unlock(m.node)
+    # the next turn extends the conversation at the bottom
+    more = np.arange(DEEP * PS, (DEEP + 1) * PS, dtype=np.uint32)
+    ins = cache.insert(NS, np.concatenate([tokens[:-1], more]), [*chain, *pages.allocate(1)])
+    assert ins.new_pages == 1 and ins.node.depth == (DEEP + 1) * PS
+    if is_hybrid:
+        assert cache.evict_snapshots(1) == 1
+    assert cache.evict(1) == 1  # the chain's one leaf: the newest turn
+    cache.check_invariants()
+    assert cache.evict_staging(1) == 1  # the whole conversation goes with its sink
+    assert cache.stats().nodes == 0 and cache.stats().cached_pages == 0
+    assert pages.num_free == DEEP + 8 and pages.staging.num_free == 1
+    assert slots is None or slots.num_free == DEEP + 1
+    cache.check_invariants()
+    _deep_conversation(cache, pages, slots)
+    assert cache.reset() == DEEP - 1  # real pages; the sink comes free with them
+    assert pages.num_free == DEEP + 8 and pages.staging.num_free == 1
+    cache.check_invariants()
