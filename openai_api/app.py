@@ -26,6 +26,10 @@ from tandem.v1 import generation_pb2 as pb
 
 MAX_BODY_BYTES = 64 << 20  # a long agent conversation, resent whole each turn
 _NO_KEY_PATHS = ("/health",)
+# set on a request once its streamed response sent its status line (a typed
+# key where aiohttp has them, 3.12+; a plain one warns there)
+_STREAM_STARTED = (web.RequestKey("tandem_stream_started", bool) if hasattr(web, "RequestKey")
+                   else "tandem_stream_started")
 
 
 class Gateway:
@@ -75,6 +79,10 @@ class Gateway:
         except (ConnectionError, TimeoutError):
             raise  # the client went away: nobody to answer
         except Exception as e:  # a bug of ours: the client still gets JSON
+            if request.get(_STREAM_STARTED):
+                # a status line went out already; a second one would land in
+                # the open body: let aiohttp close the connection instead
+                raise
             print(f"openai_api: error on {request.method} {request.path}: {e!r}", file=sys.stderr,
                   flush=True)
             error = ApiError(500, f"internal error: {type(e).__name__}", "server_error")
@@ -87,7 +95,7 @@ class Gateway:
             if scheme.lower() != "bearer" or not key:
                 raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
                                code="invalid_api_key")
-            if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            if not _key_matches(key.strip(), self.api_key):
                 raise ApiError(401, "incorrect API key", code="invalid_api_key")
         return await handler(request)
 
@@ -145,16 +153,24 @@ class Gateway:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
+        request[_STREAM_STARTED] = True
         answer = Answer(job)
-        for payload in answer.opening():
-            await _send(response, payload)
         try:
+            for payload in answer.opening():
+                await _send(response, payload)
             while event is not grpc.aio.EOF:
                 for payload in answer.add(event):
                     await _send(response, payload)
                 event = await call.read()
         except grpc.aio.AioRpcError as e:
             await _send(response, from_grpc(e).body())
+        except (ConnectionError, TimeoutError):
+            raise  # the client went away: nobody to answer
+        except Exception as e:  # a bug of ours, with the status line gone: an error event
+            print(f"openai_api: error in the stream of {request.method} {request.path}: {e!r}",
+                  file=sys.stderr, flush=True)
+            await _send(response, ApiError(500, f"internal error: {type(e).__name__}",
+                                           "server_error").body())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -265,6 +281,15 @@ def short_model_name(model: str) -> str:
     directory's or a shape's name as is."""
     name = model.rstrip("/").rsplit("/", 1)[-1]
     return name[:-len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _key_matches(sent: str, expected: str) -> bool:
+    """Whether the key a client sent is the API key, in constant time. aiohttp
+    keeps header bytes that are no UTF-8 as surrogate escapes: they go back to
+    those bytes (a plain encode() raised: a 500 instead of a 401), as Python
+    keeps such bytes of the environment, where the key may come from."""
+    return hmac.compare_digest(sent.encode("utf-8", "surrogateescape"),
+                               expected.encode("utf-8", "surrogateescape"))
 
 
 async def _json(request) -> dict:

@@ -35,6 +35,14 @@ from openai_api.tools import OPEN as TOOL_OPEN
 from tandem.v1 import generation_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
+# the router's limits on stop strings (router/requests.py, whose matching of
+# them runs after every token), checked here too so the 400 names `stop`
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+# the range a protobuf float (float32) holds without flushing to 0 or
+# overflowing to inf: its smallest normal value and its largest
+_FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+_FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = (1 << 31) - 1  # top_k's protobuf field
 _TOKEN_ID_LIMIT = 1 << 32  # TokenIds' protobuf field: uint32
 # half of a UTF-16 surrogate pair: JSON may escape one alone ("\ud800") and
@@ -249,13 +257,15 @@ def _generate_request(b: _Body, id_prefix: str) -> pb.GenerateRequest:
     """The fields chat and completions share: sampling, length, stops."""
     sampling = pb.SamplingParameters()
     for name, value in (("temperature", b.number("temperature", 0.0, 2.0)),
-                        ("top_p", b.number("top_p", 0.0, 1.0, low_open=True)),
+                        ("top_p", _tiny_top_p(b.number("top_p", 0.0, 1.0, low_open=True))),
                         ("presence_penalty", b.number("presence_penalty", -2.0, 2.0)),
                         ("frequency_penalty", b.number("frequency_penalty", -2.0, 2.0)),
                         # vLLM's extra sampling parameters, for clients that send them
                         ("top_k", b.integer("top_k", -1, _INT32_MAX)),
                         ("min_p", b.number("min_p", 0.0, 1.0)),
-                        ("repetition_penalty", b.number("repetition_penalty", 0.0, None, low_open=True))):
+                        # > 0, as far as the protobuf float can carry it
+                        ("repetition_penalty", b.number("repetition_penalty",
+                                                        _FLOAT32_MIN_NORMAL, _FLOAT32_MAX))):
         if value is not None:
             setattr(sampling, name, max(0, value) if name == "top_k" else value)
     seed = b.integer("seed", -(1 << 63), (1 << 64) - 1)
@@ -272,12 +282,27 @@ def _generate_request(b: _Body, id_prefix: str) -> pb.GenerateRequest:
     return request
 
 
+def _tiny_top_p(value: float | None) -> float | None:
+    """top_p as the protobuf float carries it: below float32's range (1e-60)
+    it would arrive as 0, which the router refuses quoting 0.0. Any top_p
+    below the likeliest token's probability keeps that token alone, so the
+    smallest normal float32 means the same."""
+    return None if value is None else max(value, _FLOAT32_MIN_NORMAL)
+
+
 def _stop(b: _Body) -> list[str]:
     stop = b.get("stop", [])
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise invalid("stop", "'stop' must be a non-empty string or a list of them")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
+                              "allowed")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise invalid("stop", f"'stop' has {total} characters in all; at most {MAX_STOP_CHARS} "
+                              "are allowed")
     return stop
 
 
@@ -388,8 +413,12 @@ def _tools(b: _Body) -> list[pb.Tool]:
         description = function.get("description") or ""
         if not isinstance(description, str):
             raise invalid(f"{where}.function.description", "description must be a string")
+        # not ASCII-escaped: a lone surrogate (a key's too) then fails here, where
+        # _names_bad_text names it, instead of reaching the router as "\\ud800"
+        parameters_json = ("" if parameters is None
+                           else json.dumps(parameters, ensure_ascii=False))
         out.append(pb.Tool(name=function["name"], description=description,
-                           parameters_json=json.dumps(parameters) if parameters is not None else ""))
+                           parameters_json=parameters_json))
     return out
 
 

@@ -7,10 +7,12 @@ The format is Qwen's (also what tandem's fallback tools prompt asks for):
     </tool_call>
 
 one block per call, possibly after some text. A block whose JSON does not
-parse, lacks a name, or names a function the request did not offer makes the
-whole output plain text content (never an error): the client sees what the
-model wrote. A last block cut off before `</tool_call>` (EOS right after the
-JSON) still counts when its JSON is complete.
+parse (or nests too deeply to read, or holds a lone surrogate escape, which
+no response can carry), lacks a name (or has one that is no string), or names
+a function the request did not offer makes the whole output plain text
+content (never an error): the client sees what the model wrote. A last
+block cut off before `</tool_call>` (EOS right after the JSON) still counts
+when its JSON is complete.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import uuid
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
+# half of a UTF-16 surrogate pair, which a JSON escape ("\ud800") may hold alone
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def new_call_id() -> str:
@@ -43,16 +47,29 @@ def parse_tool_calls(text: str, tool_names: frozenset[str]) -> tuple[str, list[d
 def _one_call(body: str, tool_names: frozenset[str]) -> dict | None:
     try:
         value = json.loads(body.strip())
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a 4,300-digit integer, nested too deep
         return None
-    if not isinstance(value, dict) or value.get("name") not in tool_names:
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    if not isinstance(name, str) or name not in tool_names:  # a list is not even hashable
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the JSON as a string
-        return {"name": value["name"], "arguments": arguments}
+        return _carried({"name": name, "arguments": arguments})
     if not isinstance(arguments, dict):
         return None
-    return {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}
+    try:
+        text = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
+    return _carried({"name": name, "arguments": text})
+
+
+def _carried(call: dict) -> dict | None:
+    """The call, unless its arguments hold a lone surrogate (decoded from a
+    "\\ud800" escape): no UTF-8 response can carry that, so it is malformed."""
+    return None if _SURROGATE.search(call["arguments"]) else call
 
 
 class ToolCallStream:

@@ -34,7 +34,7 @@ import grpc
 
 from engine.chunking import snapshot_points
 from kvstore.client import StoreCapacityError, StoreClient, StoreUnavailable
-from router.server import Held, Plan, Router, Running
+from router.server import Held, Plan, Router, Running, first_token_of
 from tandem.internal.v1 import workers_pb2 as wpb
 
 
@@ -136,13 +136,13 @@ class DisaggRouter(Router):
         handle.prefill_held = Held()
         prefill_plan = await self._reserve_prefill(req, prefill, handle.prefill_held)
         points = [t for t, _ in prefill_plan.snapshots]
-        decode, plan, snapshot = await self._reserve_decode(req, order, held, points)
+        decode, plan, snapshot = await self._reserve_decode(req, order, handle, held, points)
         if decode is not order[0]:  # order[0] was full: count the one that took it
             for w, step in ((order[0], -1), (decode, 1)):
                 w.in_flight += step
                 w.assigned += step
             counted[1] = decode
-        handle.decode_stub, handle.decode_store = decode.stub, decode.store
+        handle.decode_stub = decode.stub
         route = handle.route = Route(prefill, decode, prefill_plan, plan.cached, next(self._ids))
         route.counted = counted
         if snapshot is not None:
@@ -154,10 +154,12 @@ class DisaggRouter(Router):
         transfer = self._transfer_pb(route, plan, len(prompt))
         handle.busy_in = "transfer"
         if self.method == "dist":
-            await self._register(req, route, transfer, context)
+            await self._register(handle.worker_id, route, transfer, context)
         self.metrics.ttft_phase("reserve", time.perf_counter() - reserving)
         with self._phase("prefill"):
-            reply = await self._prefill_on(prefill, req, prefill_plan, sampling, transfer, context)
+            reply = await self._prefill_on(prefill, req, handle.worker_id, prefill_plan, sampling,
+                                           transfer, context)
+        first = first_token_of(reply, prefill.name)
         route.prefill_done = time.perf_counter()
         route.transferred_pages, route.transferred_bytes = (reply.transferred_pages,
                                                             reply.transferred_bytes)
@@ -166,12 +168,13 @@ class DisaggRouter(Router):
             handle.busy_in = None
         # usage.cached_tokens: the prompt tokens the prefill did not compute
         plan.cached = prefill_plan.cached
-        return plan, reply.first
+        return plan, first
 
     @staticmethod
-    async def _prefill_on(prefill: Worker, req, plan: Plan, sampling, transfer, context):
+    async def _prefill_on(prefill: Worker, req, worker_id: str, plan: Plan, sampling, transfer,
+                          context):
         return await prefill.stub.Prefill(wpb.PrefillRequest(
-            request_id=req.request_id, tokens_le32=req.packed_prompt, start=plan.cached,
+            request_id=worker_id, tokens_le32=req.packed_prompt, start=plan.cached,
             pages=plan.pages, state_slot=plan.state_slot, restore_slot=plan.restore_slot,
             snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
             sampling=sampling, transfer=transfer), timeout=context.time_remaining())
@@ -210,11 +213,16 @@ class DisaggRouter(Router):
             plan.snapshots = list(zip(points, grant.slots[1:]))
         return plan
 
-    async def _reserve_decode(self, req, order: list[Worker], held: Held, points: list[int]):
+    async def _reserve_decode(self, req, order: list[Worker], handle: Running, held: Held,
+                              points: list[int]):
         """The first decode worker (in preference order) whose store has room:
         pages from its cached prefix through the whole output, its slots."""
         last_error = None
         for worker in order:
+            # before its first store call: whatever `held` takes from here on
+            # (also if the request is cancelled or fails meanwhile) goes back
+            # to this worker's store, never to another decode store
+            handle.decode_store = worker.store
             try:
                 return await self._reserve_decode_on(req, worker, held, points)
             except StoreCapacityError as e:
@@ -252,9 +260,10 @@ class DisaggRouter(Router):
                               snapshot_slot=snap[1] if snap else -1,
                               dest_snapshot_slot=snap[2] if snap else -1)
 
-    async def _register(self, req, route: Route, transfer: wpb.KVTransfer, context) -> None:
+    async def _register(self, worker_id: str, route: Route, transfer: wpb.KVTransfer,
+                        context) -> None:
         call = route.receive_call = route.decode.stub.Receive(wpb.ReceiveRequest(
-            request_id=req.request_id, transfer_id=transfer.transfer_id,
+            request_id=worker_id, transfer_id=transfer.transfer_id,
             prefill_worker=route.prefill.index, dest_pages=transfer.dest_pages,
             dest_state_slot=transfer.dest_state_slot,
             dest_snapshot_slot=transfer.dest_snapshot_slot), timeout=context.time_remaining())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 
@@ -16,6 +17,16 @@ from engine.vocabulary import first_outside_vocabulary
 from tandem.wire import pack_token_ids, unpack_token_ids
 
 DEFAULT_MAX_NEW_TOKENS = 256
+# Stop strings are matched on the router's event loop after every token, at a
+# cost that grows with their number and length: 200,000 of them held every
+# stream for seconds a token. These limits are far past what clients send
+# (OpenAI takes 4) and keep a token's matching under a millisecond on average
+# even for stop strings built to be slow (0.6 ms, 2-core CPU, 2026-12-05).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all stop strings together
+# half of a UTF-16 surrogate pair: a JSON escape ("\ud800") may hold one
+# alone, which json.loads keeps but no tokenizer (nor UTF-8) can encode
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty")
 
@@ -63,7 +74,17 @@ def chat_prompt(chat_pb, tokenizer) -> list[int]:
         raise
     except Exception as e:  # a template's raise_exception: the conversation is malformed
         raise InvalidRequestError(f"the chat template rejected the conversation: {e}") from e
-    return tokenizer.encode(text + chat_pb.assistant_prefix, add_special_tokens=False)
+    return _encode_rendered(tokenizer, text + chat_pb.assistant_prefix)
+
+
+def _encode_rendered(tokenizer, text: str) -> list[int]:
+    """Token ids of a rendered conversation. The tools' JSON is checked for
+    lone surrogates before rendering; this catches any a template still makes,
+    which the tokenizer refuses with a bare TypeError (a 500 for the client)."""
+    if _SURROGATE.search(text):
+        raise InvalidRequestError("the rendered conversation holds a lone UTF-16 surrogate "
+                                  "(an unpaired \\ud800-\\udfff): send valid Unicode text")
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _message(i: int, m) -> dict:
@@ -79,8 +100,10 @@ def _message(i: int, m) -> dict:
                                       "only assistant messages make tool calls")
         message["tool_calls"] = [
             {"id": c.id, "type": "function",
-             "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
-            for c in m.tool_calls]
+             "function": {"name": c.name,
+                          "arguments": _arguments(f"chat message {i} tool call {j} ({c.name})",
+                                                  c.arguments)}}
+            for j, c in enumerate(m.tool_calls)]
     if m.role == "tool":
         message["tool_call_id"] = m.tool_call_id
         if m.name:
@@ -88,10 +111,10 @@ def _message(i: int, m) -> dict:
     return message
 
 
-def _arguments(text: str):
+def _arguments(where: str, text: str):
     try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError:
+        value = _json_value(f"{where}: arguments", text) if text else {}
+    except _NotJson:
         return text  # rendered as the model wrote it
     return value if isinstance(value, dict) else text
 
@@ -103,11 +126,51 @@ def _tool(i: int, t) -> dict:
     if t.description:
         function["description"] = t.description
     if t.parameters_json:
+        where = f"tool {i} ({t.name}): parameters_json"
         try:
-            function["parameters"] = json.loads(t.parameters_json)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"tool {i} ({t.name}): parameters_json is not JSON: {e}") from e
+            function["parameters"] = _json_value(where, t.parameters_json)
+        except _NotJson as e:
+            raise InvalidRequestError(f"{where} is not JSON: {e}") from None
     return {"type": "function", "function": function}
+
+
+class _NotJson(ValueError):
+    """Text that does not parse as JSON (the caller decides if that is an error)."""
+
+
+def _json_value(where: str, text: str):
+    """The JSON value of `text`, which the chat template renders. JSON the
+    router cannot render is an InvalidRequestError naming `where`: nesting
+    past the decoder's stack, and lone surrogate escapes (valid JSON, but no
+    text a tokenizer can encode)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4,300 digits
+        raise _NotJson(str(e)) from None
+    except RecursionError:
+        raise InvalidRequestError(f"{where} nests arrays or objects too deeply to read: "
+                                  "flatten it") from None
+    if _holds_lone_surrogate(value):
+        raise InvalidRequestError(f"{where} holds a lone UTF-16 surrogate (an unpaired "
+                                  "\\ud800-\\udfff escape): send valid Unicode text")
+    return value
+
+
+def _holds_lone_surrogate(value) -> bool:
+    """Whether a parsed JSON value has a lone surrogate in any string or key
+    (iterative: the value may nest as deep as the decoder allowed)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 def sampling_from_pb(pb, prompt_len: int, max_context: int) -> SamplingParams:
@@ -123,11 +186,23 @@ def sampling_from_pb(pb, prompt_len: int, max_context: int) -> SamplingParams:
         **given,
         seed=s.seed if s.HasField("seed") else int.from_bytes(os.urandom(7), "little"),
         max_new_tokens=max(1, min(wanted, room)),
-        stop=tuple(pb.stop),
+        stop=_stop_strings(pb.stop),
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
     )
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """The request's stop strings, within the limits that bound their matching."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} "
+                                  "are allowed")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise InvalidRequestError(f"stop strings have {total} characters in all; at most "
+                                  f"{MAX_STOP_CHARS} are allowed")
+    return tuple(stop)
 
 
 def request_from_pb(pb, tokenizer, max_context: int, vocab_size: int) -> GenerationRequest:

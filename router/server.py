@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import sys
 import time
 from collections.abc import Iterator
@@ -28,7 +29,8 @@ from grpc_reflection.v1alpha import reflection
 from engine.chunking import snapshot_points
 from engine.errors import InvalidRequestError, TandemError
 from engine.loader import load_tokenizer
-from kvstore.client import StoreCapacityError, StoreClient, StoreError, wait_for_store
+from kvstore.client import (StoreCapacityError, StoreClient, StoreError, StoreUnavailable,
+                           wait_for_store)
 from kvstore.control import Allocation
 from router.metrics import RouterMetrics
 from router.requests import GenerationRequest, chat_prompt, request_from_pb
@@ -65,6 +67,14 @@ class RouterConfig:
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be >= 0")
 
+    def check_page_size(self, page_size: int) -> None:
+        """Snapshots sit on page boundaries: an interval that is not whole pages
+        would fail every hybrid request (engine.chunking.snapshot_points), so the
+        router refuses it when it learns the store's page size, at start-up."""
+        if self.snapshot_every % page_size:
+            raise ValueError(f"snapshot_every {self.snapshot_every} is not a multiple of the "
+                             f"store's page size {page_size}: use 0 or a multiple of {page_size}")
+
 
 @dataclass
 class Held:
@@ -83,6 +93,11 @@ class Running:
     """A live request, as Abort sees it."""
 
     request_id: str
+    # the id the workers know the request by: the client's id made unique per
+    # admission, so a give-back still stopping an ended request's work (its
+    # Abort retried in the background) never stops a new request that reuses
+    # the client's id
+    worker_id: str = ""
     aborted: bool = False
     decode_call: object = None
     # the worker that may still be writing this request's KV ("prefill",
@@ -97,6 +112,13 @@ class Running:
     prefill_store: object = None
     route: object = None  # router.disagg.Route
     counted: list = field(default_factory=list)  # workers whose in-flight count it raised
+    # what tandem_requests metrics report when it ends, however it ends
+    finish: str | None = None  # the finish reason's name, once it finished (not failed)
+    generated: int = 0  # tokens sent to the client
+    cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.worker_id or self.request_id
 
 
 @dataclass
@@ -134,7 +156,9 @@ class Router(pb_grpc.GenerationServiceServicer):
         self.sink_pages = info.sink_pages_per_sequence
         self.open_pages = info.open_pages_per_sequence
         self.max_context = min(info.config.max_position_embeddings, info.num_pages * info.page_size)
+        config.check_page_size(self.page_size)
         self.running: dict[str, Running] = {}
+        self._admissions = itertools.count(1)  # makes Running.worker_id unique
         # the tokenizer releases the GIL: a long text tokenizes on these while
         # the event loop streams every other request's tokens (on the loop, 24
         # MB of text held every stream for 25 s); its own pool, so that the
@@ -155,19 +179,33 @@ class Router(pb_grpc.GenerationServiceServicer):
         if req.request_id in self.running:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id {req.request_id!r} is already running; use a new id")
-        handle = self.running[req.request_id] = Running(req.request_id)
+        handle = self.running[req.request_id] = Running(
+            req.request_id, worker_id=f"{req.request_id}#{next(self._admissions)}")
         self.metrics.request_started()
         held = Held()
+        ending = "error"  # how it ended, unless it finished
         try:
             async for response in self._generate(req, handle, held, context, started):
                 yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            ending = "cancelled"  # the client went away
+            raise
         except (StoreError, TandemError) as e:
             await context.abort(status_of(e), str(e))
         except grpc.aio.AioRpcError as e:
             await context.abort(*_worker_failure(e, handle.busy_in))
         finally:
+            self._count_finished(req, handle, ending, started)
             self.running.pop(req.request_id, None)
             await self._give_back(held, handle)
+
+    def _count_finished(self, req: GenerationRequest, handle: Running, ending: str,
+                        started: float) -> None:
+        """request_finished, exactly once per admitted request: its finish
+        reason when it finished (also if the client left while the last
+        message went out), else how it ended ("error", "cancelled")."""
+        self.metrics.request_finished(handle.finish or ending, len(req.prompt), handle.generated,
+                                      handle.cached_tokens, time.perf_counter() - started)
 
     async def Abort(self, request, context):
         handle = self.running.get(request.request_id)
@@ -208,8 +246,10 @@ class Router(pb_grpc.GenerationServiceServicer):
         stop_ids = _stop_ids(req, self.tokenizer)
         sampling = sampling_to_pb(req.params, stop_ids)
         plan, first = await self._admit(req, handle, held, sampling, context)
+        handle.cached_tokens = plan.cached
         text = TextStream(self.tokenizer, req.params.stop, stop_ids)
         output = [first.token_id]
+        handle.generated = 1
         self.metrics.first_token(time.perf_counter() - started)
         with_logprobs = req.params.logprobs is not None
         yield _chunk(req.request_id, first, text.push(first.token_id), self.tokenizer,
@@ -222,7 +262,8 @@ class Router(pb_grpc.GenerationServiceServicer):
         if finish is None and not handle.aborted:
             handle.busy_in = "decode"
             call = handle.decode_call = (handle.decode_stub or self.decode).Decode(
-                self._decode_request(req, plan, first.token_id, sampling), timeout=context.time_remaining())
+                self._decode_request(req, handle.worker_id, plan, first.token_id, sampling),
+                timeout=context.time_remaining())
             try:
                 async for event in call:
                     if event.HasField("finished"):  # decode has let go of it
@@ -238,6 +279,7 @@ class Router(pb_grpc.GenerationServiceServicer):
                         self.metrics.token(now - last)
                         last = now
                         output.append(token.token_id)
+                        handle.generated = len(output)
                         yield _chunk(req.request_id, token, text.push(token.token_id), self.tokenizer,
                                      with_logprobs)
                         if text.stopped:  # a speculative step's later tokens are past the stop
@@ -248,8 +290,10 @@ class Router(pb_grpc.GenerationServiceServicer):
                         finish = pb.FINISH_REASON_STOP
                         break
             except asyncio.CancelledError:
-                if not handle.aborted:
-                    raise  # the client went away
+                # the call's own cancel (Abort) reads as CancelledError too;
+                # this task's cancellation (the client went away) goes on
+                if not handle.aborted or _being_cancelled():
+                    raise
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.CANCELLED or not handle.aborted:
                     raise
@@ -260,11 +304,10 @@ class Router(pb_grpc.GenerationServiceServicer):
         if tail:
             yield pb.GenerateResponse(request_id=req.request_id, chunk=pb.Chunk(text=tail))
         await self._cache_output(req, plan, held, output, boundary, handle.decode_store, final)
-        self.metrics.request_finished(_FINISH_NAME[finish], len(req.prompt), len(output), plan.cached,
-                                      time.perf_counter() - started)
         if failure is not None:  # an error status, not a successful finish
             raise TandemError(f"the decode worker stopped the request after {len(output)} "
                               f"tokens: {failure}")
+        handle.finish = _FINISH_NAME[finish]
         usage = pb.Usage(prompt_tokens=len(req.prompt), completion_tokens=len(output),
                          cached_tokens=plan.cached)
         yield pb.GenerateResponse(request_id=req.request_id,
@@ -278,7 +321,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         self.metrics.cache_query(len(req.prompt), plan.cached)
         handle.busy_in = "prefill"
         with self._phase("prefill"):
-            first = await self._run_prefill(req, plan, sampling, context)
+            first = await self._run_prefill(req, handle, plan, sampling, context)
         handle.busy_in = None
         return plan, first
 
@@ -347,15 +390,15 @@ class Router(pb_grpc.GenerationServiceServicer):
             plan.snapshots = list(zip(points, grant.slots[spare_end:]))
         return plan
 
-    async def _run_prefill(self, req: GenerationRequest, plan: Plan, sampling: wpb.Sampling,
-                           context) -> wpb.GeneratedToken:
+    async def _run_prefill(self, req: GenerationRequest, handle: Running, plan: Plan,
+                           sampling: wpb.Sampling, context) -> wpb.GeneratedToken:
         reply = await self.prefill.Prefill(wpb.PrefillRequest(
-            request_id=req.request_id, tokens_le32=req.packed_prompt, start=plan.cached,
+            request_id=handle.worker_id, tokens_le32=req.packed_prompt, start=plan.cached,
             pages=plan.pages, state_slot=plan.state_slot, restore_slot=plan.restore_slot,
             snapshots=[wpb.SnapshotPoint(tokens=t, slot=s) for t, s in plan.snapshots],
             sampling=sampling, open_pages=plan.open_pages), timeout=context.time_remaining())
         plan.open_held = list(reply.open_held)
-        return reply.first
+        return first_token_of(reply, "the prefill worker")
 
     async def _cache_prompt(self, req: GenerationRequest, plan: Plan, held: Held,
                             store: StoreClient | None = None) -> None:
@@ -508,7 +551,7 @@ class Router(pb_grpc.GenerationServiceServicer):
         stopped = True
         for stub in stubs:  # the writer first: prefill pushes into the decode store
             try:
-                await stub.Abort(wpb.AbortWork(request_id=handle.request_id),
+                await stub.Abort(wpb.AbortWork(request_id=handle.worker_id),
                                  timeout=STOP_TIMEOUT_S)
             except grpc.aio.AioRpcError as e:
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -520,9 +563,9 @@ class Router(pb_grpc.GenerationServiceServicer):
         return stopped
 
     @staticmethod
-    def _decode_request(req: GenerationRequest, plan: Plan, first: int,
+    def _decode_request(req: GenerationRequest, worker_id: str, plan: Plan, first: int,
                         sampling: wpb.Sampling) -> wpb.DecodeRequest:
-        return wpb.DecodeRequest(request_id=req.request_id, prompt_le32=req.packed_prompt,
+        return wpb.DecodeRequest(request_id=worker_id, prompt_le32=req.packed_prompt,
                                  first_token=first, sampling=sampling, pages=plan.pages,
                                  state_slot=plan.state_slot, boundary_slot=plan.boundary_slot,
                                  spare_slots=plan.spare_slots, open_pages=plan.open_pages,
@@ -532,6 +575,24 @@ class Router(pb_grpc.GenerationServiceServicer):
 def _describe(spec) -> str:
     """ModelInfo.speculative: "none", or the drafter and k, e.g. "mtp:3"."""
     return f"{spec.method}:{spec.num_draft_tokens}" if spec.enabled else "none"
+
+
+def first_token_of(reply: wpb.PrefillResponse, worker: str) -> wpb.GeneratedToken:
+    """A prefill's first token. A reply without one is a prefill the worker
+    stopped (it answers an empty reply to a cancelled call): read as is, it
+    would stream token 0 to the client."""
+    if not reply.HasField("first"):
+        raise StoreUnavailable("UNAVAILABLE", f"{worker} stopped the request's prefill before "
+                                              "its first token: retry")
+    return reply.first
+
+
+def _being_cancelled() -> bool:
+    """Whether this task has been asked to stop (Python 3.11+ can tell; 3.10
+    cannot, and then only Running.aborted decides, as before)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling and cancelling())
 
 
 def _stop_ids(req: GenerationRequest, tokenizer) -> tuple[int, ...]:
@@ -601,9 +662,13 @@ async def _main(args) -> None:
     decode_channel = worker_channel(args.decode)
     metrics = RouterMetrics()
     metrics_server = metrics.serve(args.metrics_port, args.host) if args.metrics_port else None
-    router = Router(store, wpb_grpc.PrefillServiceStub(prefill_channel),
-                    wpb_grpc.DecodeServiceStub(decode_channel), tokenizer, metrics,
-                    RouterConfig(snapshot_every=args.snapshot_every, model_name=args.model_name))
+    try:
+        router = Router(store, wpb_grpc.PrefillServiceStub(prefill_channel),
+                        wpb_grpc.DecodeServiceStub(decode_channel), tokenizer, metrics,
+                        RouterConfig(snapshot_every=args.snapshot_every,
+                                     model_name=args.model_name))
+    except ValueError as e:  # a configuration the store's layout cannot serve
+        raise TandemError(str(e)) from e
 
     register = _public_api(router)
 

@@ -55,6 +55,9 @@ def test_max_new_tokens_is_capped_by_the_context(tokenizer):
     ({"text": "x", "sampling": pb.SamplingParameters(temperature=-1)}, "temperature"),
     ({"text": "x", "max_new_tokens": 0}, "max_new_tokens"),
     ({"text": "x", "logprobs": 50}, "logprobs"),
+    # stop strings are matched on the router's event loop: their cost is bounded
+    ({"text": "x", "stop": ["s"] * 65}, "stop has 65 strings; at most 64"),
+    ({"text": "x", "stop": ["s" * 4000, "t" * 97]}, "4097 characters in all; at most 4096"),
 ])
 def test_bad_requests_say_what_to_fix(tokenizer, kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -105,6 +108,19 @@ def test_chat_with_tools_renders_through_the_template(tokenizer):
     (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], tools=[pb.Tool()]), "no name"),
     (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], add_generation_prompt=False,
              assistant_prefix="<tool_call>"), "add_generation_prompt"),
+    # JSON whose lone surrogate escape no tokenizer encodes (the fast tokenizer
+    # raised a bare TypeError), or nested past the decoder's stack
+    (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
+             tools=[pb.Tool(name="f", parameters_json='{"description": "\\ud800"}')]),
+     r"tool 0 \(f\): parameters_json holds a lone UTF-16 surrogate"),
+    (pb.Chat(messages=[
+        pb.ChatMessage(role="user", content="x"),
+        pb.ChatMessage(role="assistant", tool_calls=[
+            pb.ToolCall(id="a", name="f", arguments='{"city": "\\udfff"}')])]),
+     r"chat message 1 tool call 0 \(f\): arguments holds a lone UTF-16 surrogate"),
+    (pb.Chat(messages=[pb.ChatMessage(role="user", content="x")],
+             tools=[pb.Tool(name="f", parameters_json="[" * 5000 + "]" * 5000)]),
+     "parameters_json nests arrays or objects too deeply"),
 ])
 def test_bad_tool_chats_say_what_to_fix(tokenizer, chat, message):
     with pytest.raises(InvalidRequestError, match=message):
