@@ -120,13 +120,13 @@ def _load_gguf(path: Path, device, dtype, progress, packed: bool = False,
 def _load_hf_dir(path: Path, device, dtype, progress, packed: bool = False,
                  trained_head: bool = True) -> LoadedModel:
     from engine.tokenizer import Tokenizer
-    from engine.weights.hf import read_hf_config, read_safetensors
+    from engine.weights.hf import hf_model_config, read_hf_config, read_safetensors
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: not a model directory (no config.json)")
     _log(f"loading {path}")
     hf_config = read_hf_config(path)
-    config = ModelConfig.from_hf(hf_config)
+    config = hf_model_config(hf_config, path)
     tensors = read_safetensors(path, dtype, progress, hf_config, keep_quantized=packed)
     if trained_head:
         config = _with_trained_head(config, tensors, path, dtype)
@@ -295,7 +295,7 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
     spec = spec or EMBEDDED
     check_weights(spec, weights)
 
-    def counted(config: ModelConfig, recipe: str, label: str) -> PlanInputs:
+    def counted(config: ModelConfig, recipe, label: str) -> PlanInputs:
         total, table = weight_bytes_by_prefix(config, dtype, recipe, ("", "model.embed_tokens."))
         return PlanInputs(config, total, label, table)
 
@@ -309,15 +309,36 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
         from engine.weights.gguf import embedded_model_path
         path = embedded_model_path()
     if path.is_dir():
-        from engine.weights.hf import read_hf_config
+        from engine.weights.hf import hf_model_config, read_hf_config
         hf = read_hf_config(path)
-        config = ModelConfig.from_hf(hf)
-        recipe = "gptq-int4" if packed and hf.get("quantization_config") else "bf16"
-        return _planned_with_head(counted(config, recipe, label), path, dtype)
+        config = hf_model_config(hf, path)
+        formats = _checkpoint_formats(path, hf, packed)
+        return _planned_with_head(counted(config, formats, label), path, dtype)
     from engine.weights.gguf import gguf_plan_inputs
     hf, nbytes, embedding = gguf_plan_inputs(path, packed, dtype)
     return _planned_with_head(PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding),
                               path, dtype)
+
+
+def _checkpoint_formats(path: Path, hf: dict, packed: bool):
+    """How the plan counts a Hugging Face checkpoint's matrices: "bf16" (dense
+    in the compute dtype), or for a GPTQ/AWQ checkpoint loaded packed, each
+    matrix's own layout as loading makes it (its group, which may be -1 or
+    32, and its scales' dtype; from the safetensors headers). A GPTQ/AWQ
+    checkpoint is checked as loading checks it either way, so the plan
+    refuses what loading refuses, with the same message."""
+    quant = hf.get("quantization_config")
+    if not quant:  # as read_safetensors tells a quantized checkpoint
+        return "bf16"
+    from engine.quant.recipes import QuantFormat
+    from engine.weights.hf import quantized_matrices
+
+    matrices = quantized_matrices(path, quant)
+    if not packed:
+        return "bf16"
+    formats = {name: QuantFormat("GPTQ/AWQ int4", 4, 0, 15, m.group, m.group, True,
+                                 m.scale_dtype.itemsize) for name, m in matrices.items()}
+    return lambda name, module, layers: formats.get(name)
 
 
 def _planned_with_head(inputs: PlanInputs, source: Path, dtype: torch.dtype) -> PlanInputs:
@@ -344,8 +365,8 @@ def peek_config(spec: str | None) -> ModelConfig | None:
         return ModelConfig.from_hf(shape_hf_config(spec))
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        from engine.weights.hf import read_hf_config
-        return ModelConfig.from_hf(read_hf_config(path))
+        from engine.weights.hf import hf_model_config, read_hf_config
+        return hf_model_config(read_hf_config(path), path)
     return None
 
 

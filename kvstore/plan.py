@@ -65,7 +65,10 @@ class CapacityPlan:
     prefix cache together. live_slots + snapshot_slots: the one GDN slot pool
     (hybrid models; ignored for dense ones). draft_slots_per_sequence: spare
     GDN slots each running sequence holds for speculative verify (one per
-    draft position; 0 without speculation). mtp_kv_layers: MTP layers whose
+    draft position; 0 without speculation). draft_tokens: k, the draft tokens
+    a verify step checks per sequence whenever speculation is on, dense models
+    included (they hold no spare slots but still verify k + 1 rows a step).
+    mtp_kv_layers: MTP layers whose
     KV gets a page pool (the MTP drafter), indexed by the same page tables. gpu_memory_budget: bytes, None for
     no limit. weight_bytes: the weights as stored (see weight_bytes_of).
     activation_bytes: bytes per activation element in workers (2 for bf16).
@@ -87,7 +90,8 @@ class CapacityPlan:
 
     Decode activations (the decode worker, beside the prefill worker's reserve):
       rows x (per-token widths above) x activation_bytes + rows x vocab x 4
-      where rows = live_slots x (1 + draft_slots_per_sequence) (a verify step).
+      where rows = live_slots x (1 + k) (a verify step; k = draft_tokens, or
+      draft_slots_per_sequence where only that is given).
     CUDA contexts: cuda_processes x CUDA_CONTEXT_BYTES (measured).
     CUDA graphs (cuda_graphs=True): one private pool per captured batch size
       (1, 2, 4, ... up to live_slots), each sized like the decode activations
@@ -108,6 +112,7 @@ class CapacityPlan:
     prefill_chunk_tokens: int = 2048
     activation_bytes: int = 2
     draft_slots_per_sequence: int = 0
+    draft_tokens: int = 0
     mtp_kv_layers: int = 0
     cuda_graphs: bool = False
     cuda_processes: int = 0
@@ -132,6 +137,12 @@ class CapacityPlan:
     @property
     def num_draft_slots(self) -> int:
         return self.live_slots * self.draft_slots_per_sequence if self.config.is_hybrid else 0
+
+    @property
+    def verify_rows_per_sequence(self) -> int:
+        """Rows a decode step runs per sequence: its token and, speculating,
+        the k drafts it verifies (a hybrid model's k spare slots say k too)."""
+        return 1 + max(self.draft_tokens, self.draft_slots_per_sequence)
 
     @property
     def num_state_slots(self) -> int:
@@ -179,8 +190,8 @@ class CapacityPlan:
 
     def table(self, mark: str | None = None) -> str:
         """The plan as a small text table; `mark` flags one line."""
-        spec = (f", {self.draft_slots_per_sequence} draft tokens"
-                if self.draft_slots_per_sequence else "")
+        drafts = self.verify_rows_per_sequence - 1
+        spec = f", {drafts} draft tokens" if drafts else ""
         head = (f"capacity plan (all processes): {self.config.model_type}, "
                 f"{self.config.num_layers} layers "
                 f"({len(self.config.attention_layers)} full attention, "
@@ -261,7 +272,7 @@ class CapacityPlan:
                      f"lower --prefill-chunk (now {self.prefill_chunk_tokens}) or "
                      "--max-context-tokens"),
             PlanLine("decode activations", decode,
-                     f"estimate: {self.live_slots} x {1 + self.draft_slots_per_sequence} rows",
+                     f"estimate: {self.live_slots} x {self.verify_rows_per_sequence} rows",
                      f"lower --live-slots (now {self.live_slots})"),
             PlanLine("cuda graphs", self._graph_bytes(),
                      "estimate: a pool per captured batch size" if self.cuda_graphs else "none",
@@ -302,7 +313,7 @@ class CapacityPlan:
         return GDN_PREFILL_FP32_TENSORS * cfg.linear_num_v_heads * head * 4
 
     def _decode_activations(self, batch: int) -> int:
-        rows = max(batch, 1) * (1 + self.draft_slots_per_sequence)
+        rows = max(batch, 1) * self.verify_rows_per_sequence
         return (rows * self._per_token_width() * self.activation_bytes
                 + rows * self.config.vocab_size * 4)
 
@@ -355,8 +366,8 @@ class CapacityPlan:
         for name in ("page_size", "max_context_tokens", "prefill_chunk_tokens",
                      "activation_bytes"):
             positive(name)
-        for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "mtp_kv_layers",
-                     "host_weight_bytes"):
+        for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "draft_tokens",
+                     "mtp_kv_layers", "host_weight_bytes"):
             positive(name, 0)
         positive("live_slots", 1 if self.config.is_hybrid else 0)
         if self.host_weight_bytes > self.weight_bytes:
@@ -383,9 +394,10 @@ def weight_bytes_of(config: ModelConfig, dtype: torch.dtype, weights: str = "bf1
     return weight_bytes_by_prefix(config, dtype, weights, (prefix,))[0]
 
 
-def weight_bytes_by_prefix(config: ModelConfig, dtype: torch.dtype, weights: str,
+def weight_bytes_by_prefix(config: ModelConfig, dtype: torch.dtype, weights,
                            prefixes: tuple[str, ...]) -> list[int]:
-    """weight_bytes_of for several prefixes over one meta model."""
+    """weight_bytes_of for several prefixes over one meta model; `weights` is a
+    recipe name or a recipes.Chooser (a checkpoint's own formats)."""
     from engine.model import CausalLM
     from engine.quant.recipes import recipe_weight_bytes
 
@@ -400,6 +412,12 @@ _UNITS = {"": 1, "b": 1,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
+# The largest size parse_bytes accepts: far past any machine, and a float
+# such as 1e400 (inf) or 1e30 stays an error rather than an OverflowError or
+# a number no allocator or NVML figure can be compared with sensibly.
+MAX_BYTES = 1 << 60  # 1 EiB
+
+
 def parse_bytes(text: str | int) -> int:
     """'24GiB' -> 25769803776. KB/MB/GB/TB are powers of 1000; KiB/MiB/GiB/TiB
     and the bare K/M/G/T are powers of 1024 (as `free -g` and docker's -m read)."""
@@ -410,7 +428,11 @@ def parse_bytes(text: str | int) -> int:
     if m is None or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: write e.g. 24GiB, 512MiB, 20GB "
                          "or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = float(m.group(1)) * _UNITS[unit]
+    if not size <= MAX_BYTES:  # also inf (and nan, which no regex match gives)
+        raise ValueError(f"{text!r} is too large for a size (at most 1 EiB): write e.g. "
+                         "24GiB")
+    return int(size)
 
 
 def format_bytes(n: int) -> str:

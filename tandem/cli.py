@@ -590,7 +590,8 @@ def _add_plan(sub) -> None:
                         "the CPU), native (stay packed on any device), bf16 (dequantize); for a "
                         "dummy shape a recipe: int4, q4_k_m, q4_k_s, q8_0, gptq-int4 (default bf16)")
     p.add_argument("--kv-format", default="int8", help="int8 (default), rk4p, rk4 or bf16")
-    p.add_argument("--context", type=int, default=65536,
+    # --max-context-tokens as well: serve's name, and the one the over-budget advice gives
+    p.add_argument("--context", "--max-context-tokens", dest="context", type=int, default=65536,
                    help="tokens the KV page pool holds (tandem serve --max-context-tokens)")
     _add_speculative_flags(p)
     p.add_argument("--page-size", type=int, default=None,

@@ -3,6 +3,8 @@ loader (config and every dequantized tensor), tiny synthetic files for the
 other architectures and for the error paths, and bad files."""
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 
 import gguf
@@ -222,8 +224,10 @@ def write_tiny_gguf(path: Path, family: str, *, layers: int = 2, mtp: int = 0, t
                     edit=None, types=None) -> dict[str, torch.Tensor]:
     """Write a tiny model of `family` and return its HF tensors. `edit(dict)`
     may change the GGUF-named tensors before they are written; `types(name)`
-    may name a ggml type (e.g. "Q8_0") a tensor is quantized to by the gguf
-    package (None: F32)."""
+    may name a ggml type (e.g. "Q8_0") a tensor is quantized to (None: F32):
+    by the gguf package, K-quants by tests/kquant_pack.py, and a type neither
+    can write (Q2_K, IQ4_NL, ...) as random blocks of its size (for files
+    tandem must refuse); a tensor that is not a matrix of whole blocks stays F32."""
     arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen35": "qwen35"}[family]
     hf = _hf_tensors(family, layers, mtp, tied)
     out = dict(_to_gguf(family, n, w, layers) for n, w in hf.items())
@@ -263,16 +267,35 @@ def write_tiny_gguf(path: Path, family: str, *, layers: int = 2, mtp: int = 0, t
     for name, tensor in out.items():
         data = tensor.numpy().astype(np.float32)
         kind = types(name) if types else None
-        if kind is None:
+        if kind is None or data.ndim != 2 \
+                or data.shape[-1] % gguf.GGML_QUANT_SIZES[_ggml_type(kind)][0]:
             w.add_tensor(name, data)
         else:
-            qtype = getattr(gguf.GGMLQuantizationType, kind)
-            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(name, _ggml_blocks(data, kind), raw_dtype=_ggml_type(kind))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return hf
+
+
+def _ggml_type(kind: str):
+    return getattr(gguf.GGMLQuantizationType, kind)
+
+
+def _ggml_blocks(data: np.ndarray, kind: str) -> np.ndarray:
+    """data [rows, cols] as the raw blocks of ggml type `kind`."""
+    from tests.kquant_pack import PACKERS
+
+    if kind in PACKERS:
+        return PACKERS[kind](data)
+    try:
+        return gguf.quants.quantize(data, _ggml_type(kind))
+    except NotImplementedError:  # a type only llama.cpp writes: random blocks of its size
+        block, nbytes = gguf.GGML_QUANT_SIZES[_ggml_type(kind)]
+        rows = data.reshape(-1, data.shape[-1]).shape[0]
+        return np.random.default_rng(0).integers(0, 256, (rows, data.shape[-1] // block * nbytes),
+                                                 dtype=np.uint8)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen35"])
@@ -378,3 +401,87 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
         "original_max_position_embeddings": 8192}
     assert model.config.rope_scaling["rope_type"] == "llama3"
     assert "rope_freqs.weight" not in model.tensors
+
+
+# ---------------------------------------------------------------------------
+# `tandem plan` reads the same files: it refuses what loading refuses and
+# counts the bytes loading makes
+# ---------------------------------------------------------------------------
+@pytest.fixture
+def wide(monkeypatch):
+    """Rows of 256 and more (K-quant superblocks; V heads of 128 as the 27B's)."""
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "H", 256)
+    monkeypatch.setattr(module, "INTER", 512)
+    monkeypatch.setitem(LIN, "dk", 32)
+    monkeypatch.setitem(LIN, "dv", 128)
+
+
+def _plan_cli(path: Path, capsys) -> tuple[int, str]:
+    from tandem.cli import main
+
+    code = main(["plan", "--model", str(path), "--weights", "native", "--device", "cpu",
+                 "--gpu-memory-budget", "24GiB"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["Q2_K", "IQ4_NL"])
+def test_plan_refuses_a_quant_type_loading_refuses(tmp_path, wide, capsys, kind):
+    """An undecodable type fell into the plan's dense branch: it planned (exit
+    0) a file every load refuses."""
+    from engine.weights.gguf import gguf_plan_inputs
+
+    path = tmp_path / f"{kind}.gguf"
+    write_tiny_gguf(path, "llama", types=lambda n: kind if n == "blk.0.ffn_up.weight" else None)
+    with pytest.raises(ModelLoadError, match=rf"blk\.0\.ffn_up\.weight.*{kind}") as loading:
+        read_gguf(path, progress=False, keep_quantized=True)
+    for packed in (True, False):
+        with pytest.raises(ModelLoadError) as planning:
+            gguf_plan_inputs(path, packed, torch.float32)
+        assert str(planning.value) == str(loading.value)
+    code, err = _plan_cli(path, capsys)
+    assert code == 2 and str(loading.value) in err
+
+
+@pytest.mark.parametrize("method, key", [
+    ("add_ssm_time_step_rank", "qwen35.ssm.time_step_rank"),
+    ("add_full_attention_interval", "qwen35.full_attention_interval")])
+def test_qwen35_counts_of_zero_are_named(tmp_path, monkeypatch, capsys, method, key):
+    """Both divide: 0 was a ZeroDivisionError traceback."""
+    from engine.weights.gguf import gguf_plan_inputs
+
+    write = getattr(gguf.GGUFWriter, method)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, n: write(self, 0))
+    path = tmp_path / "zero.gguf"
+    write_tiny_gguf(path, "qwen35", layers=4)
+    for read in (lambda: read_gguf(path, progress=False),
+                 lambda: gguf_plan_inputs(path, True, torch.float32)):
+        with pytest.raises(ModelLoadError, match=rf"zero\.gguf.*{re.escape(key)}.*>= 1.*0"):
+            read()
+    code, err = _plan_cli(path, capsys)
+    assert code == 2 and key in err and "Traceback" not in err
+
+
+def _unique_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_qwen35_k_quant_plan_equals_the_loaded_bytes(tmp_path, wide, kind):
+    """Un-tiling the V heads of ssm_out moves blocks of 128 columns, so its
+    256-superblocks are narrowed to 128 (twice the d/dmin); the plan counted
+    256 (~22 MiB short on the 27B). Planned as the CUDA store loads (bf16
+    compute, packed, read on the CPU)."""
+    from engine.loader import load_model, plan_inputs
+
+    path = tmp_path / f"q35-{kind}.gguf"
+    write_tiny_gguf(path, "qwen35", layers=4, mtp=1, types=lambda n: kind)
+    loaded = load_model(str(path), "cpu", dtype=torch.bfloat16, progress=False, weights="native")
+    out_proj = loaded.model.model.layers[0].linear_attn.out_proj
+    assert out_proj.qd.shape[1] == LIN["nv"] * LIN["dv"] // 128  # narrowed superblocks
+    assert plan_inputs(str(path), "native", "cuda").weight_bytes == _unique_bytes(loaded.model)

@@ -234,3 +234,85 @@ def test_gpu_prefill_workspace_is_planned_for_quantized_pages_only():
     chunk = plan().prefill_chunk_tokens
     partials = chunk * config.num_heads * PREFILL_KEY_SPLITS * (config.head_dim + 1) * 4
     assert cpu_rk4 - (gpu_bf16 - partials) == 2 * 262_144 * kv_width * 2
+
+
+def test_every_flag_the_advice_names_parses_in_plan_and_serve():
+    """The advice is printed by `tandem plan` and by `tandem serve` (its store
+    refuses to start): each flag it names must parse in both. `tandem plan`
+    rejected --max-context-tokens (its flag was --context)."""
+    import re
+
+    from tandem.cli import build_parser
+
+    values = {"--max-context-tokens": "4096", "--kv-format": "rk4", "--live-slots": "2",
+              "--snapshot-slots": "2", "--prefill-chunk": "256", "--draft-tokens": "2",
+              "--speculative": "ngram", "--weights": "q4_k_m", "--gpu-memory-budget": "24GiB"}
+    plans = [_plan(_qwen27b(), 14 * GiB, kv_format=KVFormatSpec("rk4p"), page_size=32),
+             _plan(_dense_config(), 1, kv_format=KVFormatSpec("int8"))]
+    named = {flag for plan in plans for line in plan.lines
+             for flag in re.findall(r"--[a-z][a-z-]*", line.lower)}
+    assert "--max-context-tokens" in named
+    for flag in sorted(named):
+        assert flag in values, f"no sample value for {flag}: add one"
+        for command in (["plan", "--gpu-memory-budget", "24GiB"], ["serve"]):
+            args = build_parser().parse_args([*command, flag, values[flag]])
+            dest = "context" if (command[0], flag) == ("plan", "--max-context-tokens") \
+                else flag[2:].replace("-", "_")
+            assert str(getattr(args, dest)) == values[flag], (command[0], flag)
+
+
+def test_dense_speculation_plans_the_verify_rows():
+    """A verify step runs k + 1 rows a sequence (decode/warmup.py, the
+    scheduler) for dense models too, which hold no spare GDN slots: the
+    rows came from draft_slots_per_sequence, 0 for a dense model."""
+    config = _dense_config()
+    plain = _plan(config, 1, budget="64GiB", live_slots=4, kv_format=KVFormatSpec("int8"))
+    spec = _plan(config, 1, budget="64GiB", live_slots=4, kv_format=KVFormatSpec("int8"),
+                 draft_tokens=3)
+    per_row = plain.line("decode activations").bytes // 4
+    assert spec.line("decode activations").bytes == 4 * 4 * per_row
+    assert "4 x 4 rows" in spec.line("decode activations").detail
+    assert spec.line("gdn draft slots").bytes == 0  # no recurrent state to keep
+    assert "3 draft tokens" in spec.table()
+    # a hybrid plan's spare slots and verify rows agree, whichever is given
+    hybrid = dict(budget="200GiB", live_slots=4)
+    assert _plan(_qwen27b(), 1, draft_tokens=3, draft_slots_per_sequence=3, **hybrid).lines == \
+        _plan(_qwen27b(), 1, draft_slots_per_sequence=3, **hybrid).lines
+    with pytest.raises(ValueError, match="draft_tokens"):
+        _plan(config, 1, draft_tokens=-1)
+
+
+def test_tandem_plan_counts_the_verify_rows_of_a_dense_model(capsys):
+    from tandem.cli import main
+
+    assert main(["plan", "--model", "tiny-llama", "--speculative", "ngram", "--draft-tokens",
+                 "3", "--live-slots", "2", "--device", "cpu", "--gpu-memory-budget", "1GiB"]) == 0
+    assert "2 x 4 rows" in capsys.readouterr().out
+
+
+def test_a_budget_too_large_to_mean_anything_is_refused(capsys):
+    """float('1e400') is inf: int() raised OverflowError (a traceback)."""
+    from tandem.cli import main
+
+    for text in ("1e400", "1e30", "1e400GiB", "99999999999TiB"):
+        with pytest.raises(ValueError, match="too large"):
+            parse_bytes(text)
+    assert parse_bytes("1024TiB") == 1 << 50
+    assert main(["plan", "--gpu-memory-budget", "1e400"]) == 2
+    assert "too large" in capsys.readouterr().err
+
+
+def test_store_options_are_checked_when_made():
+    """ServerOptions says it is validated on creation: a bad format or size is
+    a ValueError naming the flag, not a failure deep in start-up."""
+    from kvstore.server import ServerOptions
+
+    for bad, flag in (({"kv_format": "nope"}, "--kv-format"),
+                      ({"max_context_tokens": -5}, "--max-context-tokens"),
+                      ({"live_slots": 0}, "--live-slots"),
+                      ({"snapshot_slots": -1}, "--snapshot-slots"),
+                      ({"page_size": 0}, "--page-size"),
+                      ({"gpu_memory_budget": -7}, "--gpu-memory-budget")):
+        with pytest.raises(ValueError, match=flag):
+            ServerOptions(socket="s", **bad)
+    assert ServerOptions(socket="s").kv_format == "int8"

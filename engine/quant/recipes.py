@@ -44,6 +44,9 @@ class QuantFormat:
     group: int
     superblock: int
     asymmetric: bool
+    # bytes of each d (and dmin): fp16 for GGUF and most GPTQ/AWQ files; a
+    # checkpoint whose scales are fp32 (or bf16, widened) keeps 4
+    scale_bytes: int = 2
 
     def fits(self, k: int) -> bool:
         return k % self.group == 0
@@ -55,8 +58,8 @@ class QuantFormat:
     def nbytes(self, n: int, k: int) -> int:
         codes = n * k * self.bits // 8
         groups, supers = n * (k // self.group), n * (k // self.superblock_for(k))
-        per_group, per_super = (2, 4) if self.asymmetric else (1, 2)
-        return codes + groups * per_group + supers * per_super
+        per_group, scales = (2, 2) if self.asymmetric else (1, 1)
+        return codes + groups * per_group + supers * scales * self.scale_bytes
 
     def meta(self, n: int, k: int) -> QuantTensor:
         """A QuantTensor of this format on the meta device (shapes only)."""
@@ -64,7 +67,8 @@ class QuantFormat:
         with torch.device("meta"):
             qweight = torch.empty(n, k // 2, dtype=torch.uint8) if self.bits == 4 else \
                 torch.empty(n, k, dtype=torch.int8)
-            d = torch.empty(n, k // s, dtype=torch.float16)
+            d = torch.empty(n, k // s,
+                            dtype=torch.float16 if self.scale_bytes == 2 else torch.float32)
             sc = torch.empty(n, k // self.group, dtype=torch.int8)
             if self.asymmetric:
                 return QuantTensor(qweight, d, sc, torch.empty_like(d), torch.empty_like(sc))
@@ -155,11 +159,15 @@ def _matrices(model: nn.Module):
             yield part, name, module, (rows, group.in_features)
 
 
-def part_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat | None]:
+def part_formats(model: nn.Module, recipe: "str | Chooser") -> dict[str, QuantFormat | None]:
     """Checkpoint matrix name -> the recipe's format (None: dense; so is a
-    matrix whose row length no group of its format divides)."""
-    check_recipe(recipe)
-    choose = RECIPES[recipe]
+    matrix whose row length no group of its format divides). `recipe` may
+    be a Chooser of its own (a checkpoint's per-matrix formats, for the plan)."""
+    if callable(recipe):
+        choose = recipe
+    else:
+        check_recipe(recipe)
+        choose = RECIPES[recipe]
     layers = getattr(getattr(model, "config", None), "num_layers", 0)
     out = {}
     for name, _, module, (_, k) in _matrices(model):
@@ -210,7 +218,7 @@ def plan_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat]:
     return plan_layout(model, recipe).formats
 
 
-def recipe_weight_bytes(model: nn.Module, recipe: str, dense_dtype: torch.dtype,
+def recipe_weight_bytes(model: nn.Module, recipe: "str | Chooser", dense_dtype: torch.dtype,
                         prefix: str = "") -> int:
     """Bytes of `model`'s weights (a meta model is fine) under `recipe`; only
     the parameters whose names start with `prefix`, if given. Counted per

@@ -25,6 +25,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -120,11 +121,24 @@ def _checked(f, path: Path, config: ModelConfig) -> None:
             "(head, model)); delete it or retrain with `tandem train-mtp`")
 
 
+@contextmanager
+def _readable(path: Path):
+    """Opens a head file; one that safetensors cannot read (empty, cut short
+    by a killed run, corrupt) is a ModelLoadError saying what to do, not a
+    safetensors traceback. The model loads without it once it is deleted."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise ModelLoadError(f"{path}: unreadable MTP head; delete it or retrain it with "
+                             "tandem train-mtp") from e
+
+
 def read_head(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The head's tensors in `dtype`, after checking it was made for this base model."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
+    with _readable(path) as f:
         _checked(f, path, config)
         return {name: f.get_tensor(name).to(dtype) for name in f.keys()}
 
@@ -132,9 +146,7 @@ def read_head(path: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, 
 def head_shape(path: Path, config: ModelConfig) -> HeadShape:
     """A head file's layers and parameter count without reading its tensors
     (`tandem plan` loads no weights), after the same check as read_head."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
+    with _readable(path) as f:
         _checked(f, path, config)
         names = list(f.keys())
         parameters = sum(math.prod(f.get_slice(name).get_shape()) for name in names)

@@ -104,11 +104,10 @@ def gguf_plan_inputs(path: str | Path, keep_quantized: bool, dtype: torch.dtype
     total = embedding = 0
     for spec in plan:
         kind = meta.tensors[spec.gguf_name].tensor_type.name
-        elements = math.prod(spec.file_shape)
-        if keep_quantized and ggml.is_quantized(kind) and len(spec.file_shape) == 2:
-            nbytes = ggml.packed_nbytes(kind, *spec.file_shape)
+        if _stays_packed(spec, kind, keep_quantized):
+            nbytes = _packed_nbytes(spec, kind, meta.path)
         else:
-            nbytes = elements * dtype.itemsize
+            nbytes = math.prod(spec.file_shape) * dtype.itemsize
         total += nbytes
         if spec.gguf_name == "token_embd.weight":
             embedding += nbytes
@@ -214,6 +213,14 @@ class _Metadata:
             raise ModelLoadError(f"{self.path}: metadata key {self.arch}.{key} is missing")
         return value
 
+    def arch_count(self, key: str, default: Any = None, required: bool = False) -> int:
+        """A count the config divides by: an integer >= 1."""
+        value = self.arch_value(key, default, required)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{self.path}: metadata key {self.arch}.{key} must be an "
+                                 f"integer >= 1, got {value!r}")
+        return value
+
     def per_model(self, key: str, default: Any = None, required: bool = False) -> Any:
         """A hyperparameter some files store per layer: one value for all layers."""
         value = self.arch_value(key, default, required)
@@ -284,8 +291,10 @@ class _Metadata:
         layers = config["num_hidden_layers"] - mtp_layers  # block_count counts MTP blocks
         if mtp_layers and f"blk.{layers}.nextn.eh_proj.weight" not in self.tensors:
             mtp_layers = 0  # announced but not shipped: run without it
-        interval = self.arch_value("full_attention_interval", 4)
-        value_heads = self.arch_value("ssm.time_step_rank", required=True)
+        # both divide (layer i is full attention when (i + 1) % interval == 0;
+        # the value head size is inner_size // value_heads): 0 is no model
+        interval = self.arch_count("full_attention_interval", 4)
+        value_heads = self.arch_count("ssm.time_step_rank", required=True)
         rope_dim = self.arch_value("rope.dimension_count", config["head_dim"])
         rope = {"rope_type": "default",
                 "rope_theta": float(self.arch_value("rope.freq_base", 10000000.0)),
@@ -356,6 +365,10 @@ class _TensorSpec:
     hf_name: str
     file_shape: tuple[int, ...]  # as stored, in HF dim order (ggml dims reversed)
     fix: Fix | None = None       # turns the stored tensor into the HF one
+    # the fix reorders columns (not rows): on packed codes that can narrow the
+    # superblocks (QuantTensor.permute_columns), which changes the packed size
+    # the plan counts; a row reordering never does
+    moves_columns: bool = False
 
 
 def _tensor_plan(cfg: ModelConfig, meta: _Metadata) -> list[_TensorSpec]:
@@ -442,7 +455,7 @@ def _linear_attention_plan(cfg: ModelConfig, blk: str, hf: str) -> list[_TensorS
         _TensorSpec(f"{blk}.ssm_alpha.weight", f"{hf}.in_proj_a.weight", (nv, h),
                     lambda w: heads(w, 0, 1)),
         _TensorSpec(f"{blk}.ssm_out.weight", f"{hf}.out_proj.weight", (h, nv * dv),
-                    lambda w: heads(w, 1, dv)),
+                    lambda w: heads(w, 1, dv), moves_columns=True),
         _TensorSpec(f"{blk}.ssm_conv1d.weight", f"{hf}.conv1d.weight",
                     (conv, cfg.linear_conv_kernel), lambda w: qkv_fix(w).unsqueeze(1)),
         _TensorSpec(f"{blk}.ssm_a", f"{hf}.A_log", (nv,), lambda a: heads(torch.log(-a), 0, 1)),
@@ -516,6 +529,11 @@ def _check_plan(plan: list[_TensorSpec], meta: _Metadata) -> None:
             raise ModelLoadError(
                 f"{meta.path}: tensor {spec.gguf_name!r} ({spec.hf_name}) has shape {found}, "
                 f"but the metadata implies {spec.file_shape}")
+        # here rather than when decoding, so that `tandem plan` (which decodes
+        # nothing) refuses the files loading refuses, with the same message
+        kind = tensor.tensor_type.name
+        if kind not in ggml.SUPPORTED:
+            raise _undecodable(meta.path, spec.gguf_name, kind)
     used = {s.gguf_name for s in plan} | _NON_WEIGHT_TENSORS
     unused = sorted(set(meta.tensors) - used)
     if unused:
@@ -538,8 +556,41 @@ def _decode(tensor, shape: tuple[int, ...], path: Path, name: str
         rows = math.prod(shape[:-1])
         return ggml.decode_blocks(tensor.data, kind, rows, shape[-1])
     except ggml.UnsupportedGGMLType as e:
-        raise ModelLoadError(f"{path}: tensor {name!r} uses quantization {kind}, which tandem "
-                             f"cannot decode; supported: {ggml.SUPPORTED}") from e
+        raise _undecodable(path, name, kind) from e
+
+
+def _undecodable(path: Path, name: str, kind: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: tensor {name!r} uses quantization {kind}, which tandem "
+                          f"cannot decode; supported: {ggml.SUPPORTED}")
+
+
+def _stays_packed(spec: _TensorSpec, kind: str, keep_quantized: bool) -> bool:
+    """Whether loading keeps this tensor packed (a block-quantized matrix
+    weight, asked to stay quantized); else it is dequantized to the dtype."""
+    return (keep_quantized and ggml.is_quantized(kind) and len(spec.file_shape) == 2
+            and spec.hf_name.endswith(".weight"))
+
+
+def _packed_nbytes(spec: _TensorSpec, kind: str, path: Path) -> int:
+    """Bytes of the packed tensor loading makes, from its type and shape. A
+    column reordering may narrow the superblocks (Qwen3.5's ssm_out: V heads
+    of 128 columns split its 256-superblocks, doubling d and dmin); every row
+    is narrowed alike, so one decoded row of zeros, fixed as loading fixes the
+    whole tensor, gives the bytes of a row."""
+    rows, cols = spec.file_shape
+    if not spec.moves_columns:
+        return ggml.packed_nbytes(kind, rows, cols)
+    size, nbytes = ggml.BLOCKS[kind]
+    zero_row = ggml.decode_blocks(np.zeros(cols // size * nbytes, np.uint8), kind, 1, cols)
+    return _fixed_packed(zero_row, spec, path).nbytes * rows
+
+
+def _fixed_packed(qt: QuantTensor, spec: _TensorSpec, path: Path) -> QuantTensor:
+    try:
+        return _fix_packed(qt, spec.fix)
+    except ValueError as e:  # a reordering that splits the file's groups
+        raise ModelLoadError(f"{path}: tensor {spec.gguf_name!r} ({spec.hf_name}) cannot be "
+                             f"reordered as packed codes ({e}); load it with --weights bf16") from e
 
 
 def _load_tensors(plan: list[_TensorSpec], meta: _Metadata, dtype: torch.dtype,
@@ -551,9 +602,10 @@ def _load_tensors(plan: list[_TensorSpec], meta: _Metadata, dtype: torch.dtype,
                      disable=not progress, leave=False):
         value = _decode(meta.tensors[spec.gguf_name], spec.file_shape, meta.path, spec.gguf_name)
         if isinstance(value, QuantTensor):
-            if keep_quantized and len(spec.file_shape) == 2 and spec.hf_name.endswith(".weight"):
+            kind = meta.tensors[spec.gguf_name].tensor_type.name
+            if _stays_packed(spec, kind, keep_quantized):
                 if spec.fix is not None:
-                    value = _fix_packed(value, spec.fix)
+                    value = _fixed_packed(value, spec, meta.path)
                 tensors.update(value.state(spec.hf_name.removesuffix(".weight")))
                 continue
             value = value.dequantize().reshape(spec.file_shape)
