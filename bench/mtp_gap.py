@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 from engine.loader import load_model
 from engine.speculative import train
@@ -72,82 +71,15 @@ def _answers(loaded, texts, new_tokens, spec=None):
     return prompts, answers, per_prompt, drafts_log
 
 
-def _layer_attend(layer, x, cos_sin, rotary, keys, values, mask, extra_k=(), extra_v=()):
-    """DecoderLayer on rows x [n, H] whose attention reads a shared bank
-    keys/values [T, kvh, D] under mask [n, T] plus per-row extra keys/values
-    (each [n, kvh, D], the row's own chain); returns (out, own k, own v)."""
-    attn = layer.self_attn
-    n = x.shape[0]
-    q, gate, k, v = attn.project(layer.input_layernorm(x))
-    q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
-    group = attn.num_heads // attn.num_kv_heads
-    ks = [t.repeat_interleave(group, dim=1) for t in (*extra_k, k)]
-    vs = [t.repeat_interleave(group, dim=1) for t in (*extra_v, v)]
-    bank_k, bank_v = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scale = attn.head_dim ** -0.5
-    s_bank = torch.einsum("nhd,thd->nht", q, bank_k) * scale
-    s_bank = s_bank.masked_fill(~mask[:, None, :], float("-inf"))
-    s_own = torch.stack([(q * kk).sum(-1) * scale for kk in ks], -1)  # [n, h, E]
-    p = torch.softmax(torch.cat((s_bank, s_own), -1), -1)
-    t = bank_k.shape[0]
-    out = torch.einsum("nht,thd->nhd", p[..., :t], bank_v)
-    out = out + sum(p[..., t + j, None] * vv for j, vv in enumerate(vs))
-    out = out.reshape(n, -1)
-    x = x + attn.o_proj(out)
-    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
-
-
 @torch.no_grad()
 def chains(model, head, e: train.Example, depth: int, engine_kv: bool):
     """preds [depth, n0]: the depth-r draft of the chain starting at pair i
     (pair (h_i, token i+1) drafts token i+2; depth r is fed the true token
-    i+r, as evaluate does: only full-prefix-correct chains matter)."""
-    lm = model.output_embedding.float()
-    T = len(e.tokens)
-    n0 = T - depth
-    if not engine_kv:
-        preds, h = [], train.widened(e.hidden[:-1])
-        for r in range(1, depth + 1):
-            n = T - r
-            h = h[:n]
-            out = train.head_forward(model, head, h, e.tokens[r:r + n],
-                                     torch.arange(r - 1, r - 1 + n))
-            preds.append(F.linear(out, lm).argmax(-1)[:n0])
-            h = out
-        return torch.stack(preds)
-    # depth 1: every pair, causal over depth-1 keys (the engine's catch-up pairs);
-    # each layer's depth-1 keys and values are the bank that deeper drafts read
-    n = T - 1
-    pos = torch.arange(n)
-    embedded = model.model.embed_tokens(e.tokens[1:]).float()
-    x = head.fc(torch.cat((head.pre_fc_norm_embedding(embedded),
-                           head.pre_fc_norm_hidden(train.widened(e.hidden[:n]))), -1))
-    cs = model.rotary.cos_sin(pos, x.dtype)
-    banks = []
-    for layer in head.layers:
-        _, _, k1, v1 = layer.self_attn.project(layer.input_layernorm(x))
-        k1 = model.rotary.apply(k1, *cs)
-        banks.append((k1, v1))
-        # the row's own key comes in as its "extra" key: the bank is strictly earlier
-        x, _, _ = _layer_attend(layer, x, cs, model.rotary, k1, v1, pos[None, :] < pos[:, None])
-    out = head.norm(x)
-    preds = [F.linear(out, lm).argmax(-1)[:n0]]
-    h = out[:n0]
-    extra = [([], []) for _ in head.layers]  # per layer: the chain's own earlier keys, values
-    for r in range(2, depth + 1):
-        start = torch.arange(n0)
-        p = start + r - 1
-        x = head.fc(torch.cat((head.pre_fc_norm_embedding(
-            model.model.embed_tokens(e.tokens[r:r + n0]).float()), head.pre_fc_norm_hidden(h)), -1))
-        cs = model.rotary.cos_sin(p, x.dtype)
-        mask = pos[None, :] <= start[:, None]  # depth-1 keys up to the chain's start
-        for layer, (bank_k, bank_v), (ek, ev) in zip(head.layers, banks, extra):
-            x, k, v = _layer_attend(layer, x, cs, model.rotary, bank_k, bank_v, mask, ek, ev)
-            ek.append(k)
-            ev.append(v)
-        h = head.norm(x)
-        preds.append(F.linear(h, lm).argmax(-1))
-    return torch.stack(preds)
+    i+r, as evaluate does: only full-prefix-correct chains matter); with
+    engine_kv the head attends as the engine's drafts do (train.EngineKV)."""
+    n0 = len(e.tokens) - depth
+    drafts = train.chain_drafts(model, head, model.output_embedding.float(), e, depth, engine_kv)
+    return torch.stack([d[:n0] for d in drafts])
 
 
 def chain_labels(e: train.Example, depth: int) -> torch.Tensor:

@@ -277,9 +277,12 @@ def test_decode_scheduler_speculates_with_exact_greedy_parity(qwen35):
 def test_a_two_layer_trained_head_is_planned_loaded_and_drafts_exactly(embedded, tmp_path):
     """A train-mtp head of two layers beside a GGUF file: the plan (no weights
     read) and the loaded model both count two MTP layers and the same bytes;
-    speculation keeps greedy parity, and every first draft is the dense
-    head's prediction over the verified text (both layers' MTP KV filled
-    right by the catch-up pairs)."""
+    speculation keeps greedy parity, and every draft, at every depth, is
+    what train.EngineKV's unroll predicts over the verified text and the
+    chain's drafts (both layers' MTP KV filled right by the catch-up pairs,
+    deeper drafts reading the chain's own entries). The dense unroll that
+    train-mtp trained with before misses some deeper drafts, so the check
+    can tell the two apart."""
     from engine.loader import plan_inputs
     from engine.speculative import train
     from engine.speculative.heads import head_path_for, head_state, save_head
@@ -309,26 +312,39 @@ def test_a_two_layer_trained_head_is_planned_loaded_and_drafts_exactly(embedded,
     reference, _ = _run(loaded, prompts, params)
     got, engine = _run(loaded, prompts, params, SpeculativeConfig("mtp", 3))
     assert got == reference
-    first_drafts = []
+    drafting = []
     inner = engine.spec.draft
 
     def draft(seqs):
         inner(seqs)
-        first_drafts.extend((list(s.prompt) + list(s.output), s.spec.drafts[0])
-                            for s in seqs if s.spec is not None and s.spec.drafts)
+        drafting.extend((list(s.prompt) + list(s.output), list(s.spec.drafts))
+                        for s in seqs if s.spec is not None and s.spec.drafts)
     engine.spec.draft = draft
     for prompt in prompts:
         engine.generate_ids(prompt, params)
     totals = engine.spec_totals
-    assert len(first_drafts) >= 10 and 0 < totals["accepted"] < totals["drafted"]
+    assert len(drafting) >= 10 and 0 < totals["accepted"] < totals["drafted"]
+    assert any(len(drafts) == 3 for _, drafts in drafting)
     lm = loaded.model.output_embedding.float()
+    dense_misses = 0
     with torch.no_grad():
-        for text, drafted in first_drafts:
-            tokens = torch.tensor(text)
-            features = train.base_features(loaded.model, [text])[0][0]
-            out = train.head_forward(loaded.model, loaded.model.mtp, features[:-1].float(),
-                                     tokens[1:], torch.arange(len(text) - 1))
-            logits = torch.nn.functional.linear(out[-1], lm)
-            # the engine's features come from incremental verify steps: equal to
-            # fp32 rounding, so a near-tie may pick either token
-            assert logits[drafted] >= logits.max() - 1e-3
+        for text, drafts in drafting:
+            # the chain starts at the pair (hidden of the token before the
+            # last, the last token); depth r is fed the engine's draft r - 1
+            tokens = torch.tensor(text + drafts[:-1])
+            start = len(text) - 2
+            hidden = train.base_features(loaded.model, [tokens.tolist()])[0][0][:-1].float()
+            for kv in (train.EngineKV(2), None):
+                h = hidden
+                for r, drafted in enumerate(drafts, 1):
+                    n = len(tokens) - r
+                    h = train.head_forward(loaded.model, loaded.model.mtp, h[:n],
+                                           tokens[r:r + n], torch.arange(r - 1, r - 1 + n), kv=kv)
+                    logits = torch.nn.functional.linear(h[start], lm)
+                    # the engine's features come from incremental verify steps:
+                    # equal to fp32 rounding, so a near-tie may pick either token
+                    if kv is not None:
+                        assert logits[drafted] >= logits.max() - 1e-3, (r, text[-4:])
+                    else:
+                        dense_misses += bool(logits[drafted] < logits.max() - 1e-3)
+    assert dense_misses > 0

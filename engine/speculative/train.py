@@ -475,34 +475,92 @@ def widened(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def dense_layer(layer: DecoderLayer, x: torch.Tensor, cos_sin, rotary,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, context: tuple | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A full-attention DecoderLayer over one sequence without a cache
-    (training); mask [T, T] bool replaces the causal mask (packed samples)."""
+    (training); mask [T, T] bool replaces the causal mask (packed samples).
+    context (keys, values, visible): keys and values [C, kv_heads, D] written
+    before, which row i reads where visible[i] [T, C] holds; with it each
+    row reads its own key besides them and no other row's (EngineKV).
+    Returns the layer's output and its rotated keys and its values."""
     attn = layer.self_attn
     t = x.shape[0]
     q, gate, k, v = attn.project(layer.input_layernorm(x))
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    keys, values = k, v
+    if context is not None:
+        earlier_k, earlier_v, visible = context
+        keys, values = torch.cat((earlier_k, k)), torch.cat((earlier_v, v))
+        mask = torch.cat((visible, torch.eye(t, dtype=torch.bool, device=x.device)), 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1),
+                                         values.transpose(0, 1),
                                          attn_mask=mask, is_causal=mask is None,
                                          scale=attn.head_dim ** -0.5, enable_gqa=True)
     out = out.transpose(0, 1).reshape(t, -1)
     if gate is not None:
         out = out * torch.sigmoid(gate.reshape(t, -1))
     x = x + attn.o_proj(out)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+
+
+class EngineKV:
+    """The head's own KV as the engine holds it while drafting, for an
+    unroll that is to see what the engine sees (bench.mtp_gap's
+    sim-engine-kv; the engine's drafts equal it). The depth-1 pass over every
+    pair is the catch-up the engine runs on verified tokens: its keys and
+    values are the bank. The depth-r draft of the chain started at pair i
+    then reads the bank up to pair i (of its own sample) and its own chain's
+    depth-2..r entries, where the dense unroll lets it read the depth-r
+    entries of the chains started before it, which the engine never holds.
+
+    One instance serves one unroll, depths in order (head_forward's `kv`)."""
+
+    def __init__(self, layers: int) -> None:
+        self.banks: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layers
+        self.chains: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+
+    def context(self, layer: int, mask: torch.Tensor | None, n: int) -> tuple | None:
+        """What layer's n rows read besides their own key: None at depth 1
+        (dense_layer's causal mask, the bank being written); mask [n, n] is
+        the depth's own causal mask (packed samples), None: one sample."""
+        bank = self.banks[layer]
+        if bank is None:
+            return None
+        width = bank[0].shape[0]
+        if mask is None:
+            visible = torch.ones(n, width, dtype=torch.bool, device=bank[0].device).tril()
+        else:
+            visible = F.pad(mask, (0, width - n))  # pair i's sample and pairs up to i
+        own = torch.eye(n, dtype=torch.bool, device=visible.device)
+        keys = [bank[0], *(k[:n] for k, _ in self.chains[layer])]
+        values = [bank[1], *(v[:n] for _, v in self.chains[layer])]
+        return torch.cat(keys), torch.cat(values), torch.cat([visible] + [own] * len(
+            self.chains[layer]), 1)
+
+    def keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.banks[layer] is None:
+            self.banks[layer] = (k, v)
+        else:
+            self.chains[layer].append((k, v))
 
 
 def head_forward(model: CausalLM, head: MTPHead, hidden: torch.Tensor, next_tokens: torch.Tensor,
-                 positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+                 positions: torch.Tensor, mask: torch.Tensor | None = None,
+                 kv: EngineKV | None = None) -> torch.Tensor:
     """The head's normed output for pairs (hidden[i], next_tokens[i]) at
-    positions; mask: which pairs each pair attends to (None: causal)."""
+    positions; mask: which pairs each pair attends to (None: causal); kv:
+    attend as the engine's drafts do instead (EngineKV)."""
     emb = model.model.embed_tokens(next_tokens).float()
     x = head.fc(torch.cat((head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden)), -1))
     cos_sin = model.rotary.cos_sin(positions, x.dtype)
-    for layer in head.layers:
-        x = dense_layer(layer, x, cos_sin, model.rotary, mask)
+    for i, layer in enumerate(head.layers):
+        context = kv.context(i, mask, x.shape[0]) if kv is not None else None
+        x, k, v = dense_layer(layer, x, cos_sin, model.rotary, mask if context is None else None,
+                              context)
+        if kv is not None:
+            kv.keep(i, k, v)
     return head.norm(x)
 
 
@@ -844,15 +902,17 @@ def _param_groups(head: MTPHead, file_layers: int, file_scale: float) -> list[di
 
 def unrolled_loss(model, head, lm_head, example: Example, depth: int,
                   soft_targets: bool = False, temperature: float = 1.0,
-                  first_input: torch.Tensor | None = None):
+                  first_input: torch.Tensor | None = None, engine_kv: bool = False):
     """Depth r pairs (pairs_at_depth), weighted 1, 1/2, 1/4, ...: cross-entropy
     against the base's greedy choice, or with soft_targets against its whole
     distribution over lm_head's rows at `temperature` (the base's logits are
     its normed final hidden times the same rows, so no teacher output is
     stored). `first_input` [T, H] replaces the hidden the first depth reads
-    (bench.mtp_features' fused features); the targets stay the base's."""
+    (bench.mtp_features' fused features); the targets stay the base's.
+    engine_kv: deeper drafts attend as the engine's do (EngineKV)."""
     total, weight_sum = 0.0, 0.0
     h = widened(example.hidden[:-1]) if first_input is None else first_input[:-1]
+    kv = EngineKV(len(head.layers)) if engine_kv else None
     for r in range(1, depth + 1):
         pairs = pairs_at_depth(example, r)
         labelled = pairs.labels != IGNORE
@@ -860,7 +920,7 @@ def unrolled_loss(model, head, lm_head, example: Example, depth: int,
             break
         h = h[:pairs.n]
         out = head_forward(model, head, h, example.tokens[r:r + pairs.n], pairs.positions,
-                           pairs.mask)
+                           pairs.mask, kv)
         logits = F.linear(out, lm_head)
         if soft_targets:
             target = F.softmax(F.linear(widened(example.hidden[r:r + pairs.n]), lm_head)
@@ -900,7 +960,28 @@ def speculation_steps(correct: torch.Tensor, prompt_len: int, answer_len: int,
 
 
 @torch.no_grad()
-def evaluate(model, head, lm_head, examples: list[Example], depth: int) -> dict:
+def chain_drafts(model, head, lm_head, e: Example, depth: int,
+                 engine_kv: bool = False) -> list[torch.Tensor]:
+    """The head's greedy drafts by depth: entry r - 1 [T - r] holds, for the
+    chain started at pair i (hidden i, token i + 1), its depth-r draft, the
+    depths fed the example's own tokens (in greedy text a correct draft is
+    the token the next depth is fed, so only whole-prefix-correct chains
+    matter). engine_kv: attend as the engine's drafts do (EngineKV)."""
+    h = widened(e.hidden[:-1])
+    kv = EngineKV(len(head.layers)) if engine_kv else None
+    drafts = []
+    for r in range(1, depth + 1):
+        n = len(e.tokens) - r
+        h = h[:n]
+        positions = torch.arange(r - 1, r - 1 + n, device=h.device)
+        h = head_forward(model, head, h, e.tokens[r:r + n], positions, kv=kv)
+        drafts.append(F.linear(h, lm_head).argmax(-1))
+    return drafts
+
+
+@torch.no_grad()
+def evaluate(model, head, lm_head, examples: list[Example], depth: int,
+             engine_kv: bool = False) -> dict:
     """On greedy answers: the fraction of depth-r drafts equal to the base's
     greedy choice; the mean accepted length a verify step starting at a
     random answer position would see (1 + the expected run of correct drafts:
@@ -908,28 +989,24 @@ def evaluate(model, head, lm_head, examples: list[Example], depth: int) -> dict:
     `loop_length`, tokens per verify step of the real loop (speculation_steps),
     which jumps over accepted runs and so counts the easy stretches less: on
     the shipped head's held-out answers 1.88 against an expected_length of
-    2.01, and the engine measures what the loop says (bench.mtp_gap)."""
+    2.01, and the engine measures what the loop says (bench.mtp_gap).
+    engine_kv: the drafts attend as the engine's do (EngineKV), so that the
+    figures are the engine's own; else as the dense unroll trains."""
     hits, counts = [0] * depth, [0] * depth
     run_sum, starts, steps, accepted = 0.0, 0, 0, 0
     for e in examples:
-        h = widened(e.hidden[:-1])
         n0 = len(e.tokens) - depth  # start positions whose whole chain is labelled
-        chain = torch.ones(max(n0, 0), dtype=torch.bool, device=h.device)
+        chain = torch.ones(max(n0, 0), dtype=torch.bool, device=e.tokens.device)
         answer = e.labels[1:1 + max(n0, 0)] != IGNORE
         by_depth = []
-        for r in range(1, depth + 1):
-            n = len(e.tokens) - r
-            h = h[:n]
-            positions = torch.arange(r - 1, r - 1 + n, device=h.device)
-            out = head_forward(model, head, h, e.tokens[r:r + n], positions)
-            labels = e.labels[r:r + n]
-            correct = (F.linear(out, lm_head).argmax(-1) == labels) & (labels != IGNORE)
+        for r, drafts in enumerate(chain_drafts(model, head, lm_head, e, depth, engine_kv), 1):
+            labels = e.labels[r:r + len(drafts)]
+            correct = (drafts == labels) & (labels != IGNORE)
             hits[r - 1] += int(correct.sum())
             counts[r - 1] += int((labels != IGNORE).sum())
             chain &= correct[:len(chain)]
             run_sum += float((chain & answer).sum())
             by_depth.append(correct[:max(n0, 0)])
-            h = out
         starts += int(answer.sum())
         prompt_len = int((e.labels == IGNORE).sum())
         s, a = speculation_steps(torch.stack(by_depth).cpu(), prompt_len,
