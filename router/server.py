@@ -272,9 +272,9 @@ class Router(pb_grpc.GenerationServiceServicer):
                         boundary = event.finished.boundary_tokens
                         final = event.finished.final_tokens
                         break
-                    if event.tokens.drafted:
-                        self.metrics.spec_decode(event.tokens.drafted, event.tokens.accepted)
+                    emitted = 0
                     for token in event.tokens.tokens:
+                        emitted += 1
                         now = time.perf_counter()
                         self.metrics.token(now - last)
                         last = now
@@ -284,6 +284,9 @@ class Router(pb_grpc.GenerationServiceServicer):
                                      with_logprobs)
                         if text.stopped:  # a speculative step's later tokens are past the stop
                             break
+                    if event.tokens.drafted:
+                        self.metrics.spec_decode(event.tokens.drafted,
+                                                 _accepted_emitted(event.tokens, emitted))
                     if text.stopped:  # a stop string: the router ends what decode cannot see
                         call.cancel()
                         await self._stop_worker(handle)  # unconfirmed: _give_back waits
@@ -575,6 +578,17 @@ class Router(pb_grpc.GenerationServiceServicer):
 def _describe(spec) -> str:
     """ModelInfo.speculative: "none", or the drafter and k, e.g. "mtp:3"."""
     return f"{spec.method}:{spec.num_draft_tokens}" if spec.enabled else "none"
+
+
+def _accepted_emitted(step: wpb.DecodeTokens, emitted: int) -> int:
+    """The step's accepted drafts among the `emitted` tokens the client got.
+    Counted as the decode worker counts a step that a stop rule cuts short
+    (SpeculativeDecoder.commit): the last token kept stands for the target's
+    own, so accepted + verify steps stays the tokens emitted, and the mean
+    accepted length stays tokens per target forward."""
+    if emitted == len(step.tokens):
+        return step.accepted
+    return min(step.accepted, emitted - 1)
 
 
 def first_token_of(reply: wpb.PrefillResponse, worker: str) -> wpb.GeneratedToken:

@@ -349,6 +349,37 @@ def test_every_way_a_request_ends_is_counted_once():
     assert store.stats().held_pages == 0
 
 
+class _SpeculatingWorker(ScriptedWorker):
+    """Every decode event is a verify step of k=3 that kept its three tokens:
+    two accepted drafts and the target's own token."""
+
+    async def Decode(self, request, context):
+        async for event in super().Decode(request, context):
+            if event.HasField("tokens"):
+                event.tokens.drafted, event.tokens.accepted = 3, len(event.tokens.tokens) - 1
+            yield event
+
+
+def test_drafts_past_a_stop_string_are_not_counted_accepted():
+    """A stop string inside a speculative step: the tokens after it are never
+    emitted, so its drafts are not accepted ones. The step is counted as the
+    decode worker counts a step a stop rule cuts short (the last token it
+    keeps is the step's own), so that accepted + steps is still the tokens
+    emitted; all three were counted before."""
+    async def run():
+        async with RouterStack(worker=_SpeculatingWorker("Hello there", per_event=3)) as stack:
+            events = await _read_all(stack.stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5] * 8), max_new_tokens=20, stop=["l"])))
+            await stack.settled()
+            return events, stack
+
+    events, stack = asyncio.run(run())
+    assert _finish(events) == [pb.FINISH_REASON_STOP]
+    assert bytes(_ids(events)) == b"Hel"  # prefill's H, then e and l of the step "ell"
+    assert stack.metric("tandem_spec_drafted_tokens_total") == 3
+    assert stack.metric("tandem_spec_accepted_tokens_total") == 1
+
+
 # --- 6. a reused request id, and a prefill that answers without a token --------
 class _PrefillKeyedById(ScriptedWorker):
     """Work keyed by request id as prefill/server.py keys it: Abort(id) stops

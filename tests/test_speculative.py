@@ -90,6 +90,23 @@ def test_gdn_state_selection_keeps_greedy_parity(qwen35, params):
     assert engine.mean_accepted_length > 1.5
 
 
+def test_gdn_slots_come_back_whole_when_sequences_follow_each_other(qwen35):
+    """One slot of batch room, four prompts one after another, drafts accepted
+    to different depths: each sequence hands back exactly the GDN slots it
+    took, although accepting drafts moves its live state into a spare slot.
+    The engine gave back the old live slot twice and lost the new one, so the
+    next sequence shared a slot with itself and left greedy parity."""
+    reference, _ = _run(qwen35, TINY_PROMPTS, GREEDY)
+    engine = OfflineEngine(qwen35, EngineConfig(max_batch=1, max_context=512,
+                                                speculative=SpeculativeConfig("ngram", 3)))
+    every_slot = sorted(engine.slots.free)
+    for i, (prompt, expected) in enumerate(zip(TINY_PROMPTS, reference)):
+        _oracle_drafter(engine, [expected], seed=i)  # each call's sequence is index 0
+        assert engine.generate_ids(prompt, GREEDY) == expected
+        assert sorted(engine.slots.free) == every_slot
+    assert 0 < engine.spec_totals["accepted"] < engine.spec_totals["drafted"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graph_replayed_verify_keeps_greedy_parity_on_cuda():
     """On the GPU verify batches of k+1 tokens replay CUDA graphs through the

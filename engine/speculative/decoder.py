@@ -185,8 +185,16 @@ class SpeculativeDecoder:
             chosen = v.position_slots[kept - 1]
             spare = spec.spare_slots.index(chosen)
             spec.spare_slots[spare], seq.state_slot = seq.state_slot, chosen
+            # the sequence's own list too: whoever gives its slots back reads
+            # it (the offline engine gave back the old live slot twice and
+            # lost the new one, so a later sequence shared a slot with another)
+            seq.spare_slots = list(spec.spare_slots)
         spec.steps += 1
         spec.drafted += v.num_drafts
+        # a step cut short by a stop rule may keep only drafts; its last kept
+        # token still counts as the step's own, so that accepted + steps is
+        # the tokens emitted and the mean accepted length is tokens per
+        # target forward (the router counts stop strings the same way)
         spec.accepted += min(v.num_accepted, kept - 1)
         spec.drafts, spec.draft_probs = [], None
         if spec.ngram is not None:
