@@ -147,6 +147,12 @@ def _add_train_mtp(sub) -> None:
                    help="learning rate of the parameters --init-head's file holds, as a "
                         "fraction of --lr (default 1; 0 freezes them, so a head grown with "
                         "--head-layers trains its new layers alone)")
+    p.add_argument("--engine-kv", action=argparse.BooleanOptionalAction, default=False,
+                   help="train deeper drafts to attend as the engine's do (the depth-1 keys "
+                        "of verified tokens and the chain's own drafts; train.EngineKV) "
+                        "instead of the dense unroll's depth-r keys of other chains, which "
+                        "the engine never holds (default: dense, what the shipped head "
+                        "trained with). The dev and held-out figures are the engine's either way")
     p.add_argument("--corpus-only", action="store_true",
                    help="answer the prompts missing from --corpus, save it and stop (no "
                         "training): generation and training can then run on different "
@@ -203,7 +209,7 @@ def _run_train_mtp(args) -> int:
                           target_temperature=args.target_temperature,
                           dev_every_steps=args.dev_every, init_head_path=args.init_head,
                           gen_processes=args.gen_processes, head_layers=args.head_layers,
-                          init_lr_scale=args.init_lr_scale)
+                          init_lr_scale=args.init_lr_scale, engine_kv=args.engine_kv)
     except ValueError as e:
         raise TandemError(str(e)) from e
     device = _compute_device(args.device)

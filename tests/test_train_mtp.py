@@ -11,7 +11,7 @@ from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED
                                         VARIED_LANGUAGES, chat_requests, code_tasks,
                                         extract_question,
                                         question_requests, training_prompts, varied_prompts)
-from engine.speculative.train import (IGNORE, Corpus, DevChoice, Example, TrainConfig,
+from engine.speculative.train import (IGNORE, Corpus, DevChoice, EngineKV, Example, TrainConfig,
                                       _token_bounded_groups, base_features, dev_examples,
                                       evaluate, generate_corpus, head_forward, head_from_file,
                                       init_head, make_examples, pack_examples, pairs_at_depth,
@@ -194,9 +194,54 @@ def test_packed_samples_see_only_themselves(tiny, corpus):
             start += len(e.tokens)
 
 
-@pytest.mark.parametrize("batch_samples, soft_targets", [(1, False), (4, True)])
+def test_the_engine_kv_unroll_keeps_packed_samples_and_chains_apart(tiny, corpus):
+    """EngineKV on packed samples gives each sample's rows, at every depth,
+    what the sample's own unroll gives (the bank is read only within a
+    sample); and a deeper row changes only with its own chain's entries: the
+    depth-r output of chain i does not move when another chain's earlier
+    depths are disturbed, where the dense unroll's does."""
+    model = tiny.model
+    a, b, c = make_examples(model, corpus)[:3]
+    packed = pack_examples([a, b, c])
+    torch.manual_seed(0)
+    head = init_head(model, layers=2)
+    with torch.no_grad():
+        for p in head.parameters():  # away from init's identities, so every term matters
+            p.add_(torch.randn_like(p) * 0.02)
+
+    def unroll(e, engine_kv, poke=None):
+        kv = EngineKV(len(head.layers)) if engine_kv else None
+        h, outs = e.hidden[:-1].float(), []
+        for r in (1, 2, 3):
+            pairs = pairs_at_depth(e, r)
+            h = h[:pairs.n]
+            if poke is not None and r == 2:  # disturb every chain's depth-2 input but one
+                h = h + poke[:pairs.n]
+            h = head_forward(model, head, h, e.tokens[r:r + pairs.n], pairs.positions,
+                             pairs.mask, kv)
+            outs.append(h)
+        return outs
+
+    with torch.no_grad():
+        together = unroll(packed, True)
+        start = 0
+        for e in (a, b, c):
+            for t, o in zip(together, unroll(e, True)):
+                torch.testing.assert_close(t[start:start + len(o)], o, rtol=1e-4, atol=1e-4)
+            start += len(e.tokens)
+
+        kept = 5  # chain 5's depth-2 input stays; every other chain's moves
+        poke = torch.randn_like(a.hidden[:-1].float()) * 3
+        poke[kept] = 0
+        for engine_kv, moves in ((True, False), (False, True)):
+            calm, stirred = unroll(a, engine_kv)[2][kept], unroll(a, engine_kv, poke)[2][kept]
+            assert (not torch.allclose(calm, stirred, atol=1e-5)) == moves
+
+
+@pytest.mark.parametrize("batch_samples, soft_targets, engine_kv",
+                         [(1, False, False), (4, True, False), (4, True, True)])
 def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus, batch_samples,
-                                                                soft_targets):
+                                                                soft_targets, engine_kv):
     model = tiny.model
     examples = make_examples(model, corpus)
     lm_head = model.output_embedding.detach().float()
@@ -204,13 +249,15 @@ def test_training_lowers_the_loss_and_the_measure_is_consistent(tiny, corpus, ba
 
     def loss(head):  # on the greedy labels, whatever the training targets
         with torch.no_grad():
-            return sum(float(unrolled_loss(model, head, lm_head, e, 3)) for e in examples)
+            return sum(float(unrolled_loss(model, head, lm_head, e, 3, engine_kv=engine_kv))
+                       for e in examples)
 
     before = loss(before_head)
     head, stats = train_head(tiny, TrainConfig(samples_per_prompt=2, new_tokens=12,
                                                max_prompts=20, max_steps=60, lr=3e-3,
                                                corpus_path=None, batch_samples=batch_samples,
-                                               soft_targets=soft_targets), corpus=corpus)
+                                               soft_targets=soft_targets,
+                                               engine_kv=engine_kv), corpus=corpus)
     after = loss(head)
     assert stats["steps"] == 60 and after < 0.9 * before
     # expected length = 1 + sum over depths of P(all drafts so far right) <= 1 + sum accuracies
@@ -234,7 +281,7 @@ def test_the_dev_measure_keeps_the_best_head_seen(tiny, corpus):
     assert [len(dev["chat"]), len(dev["code"])] == [len(DEV_CHAT), len(DEV_CODE)]
     lm_head = tiny.model.output_embedding.detach().float()
     for kind, examples in dev.items():
-        again = evaluate(tiny.model, head, lm_head, examples, 3)["loop_length"]
+        again = evaluate(tiny.model, head, lm_head, examples, 3, engine_kv=True)["loop_length"]
         assert again == pytest.approx(history[best][kind], abs=1e-9)
 
 

@@ -112,6 +112,11 @@ class TrainConfig:
     # alone and starts from (and can only add to) a head at its plateau:
     # continuing head D lost dev chat at lr 3e-4 (12-04 21:27, 2.021 -> 1.922)
     init_lr_scale: float = 1.0
+    # the unroll's attention: as the engine drafts (EngineKV: a depth-r draft
+    # reads the depth-1 keys of verified tokens and its own chain's), or the
+    # dense unroll every head up to 12-05 trained with (depth-r keys of the
+    # chains before it, which the engine never holds)
+    engine_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.gen_processes < 1:
@@ -789,7 +794,7 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
                 g["lr"] = cfg.lr * g["scale"] * decay
             example = pack_examples(training[first:first + cfg.batch_samples])
             loss = unrolled_loss(model, head, lm_head, example, cfg.depth, cfg.soft_targets,
-                                  cfg.target_temperature)
+                                  cfg.target_temperature, engine_kv=cfg.engine_kv)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -803,7 +808,8 @@ def train_head(loaded: LoadedModel, cfg: TrainConfig, corpus: Corpus | None = No
     extra = {}
     if dev is not None:
         extra["dev"] = dev.choose(model, head, step)
-    stats = evaluate(model, head, full_head, [e for e in held_out if e.greedy], cfg.depth)
+    stats = evaluate(model, head, full_head, [e for e in held_out if e.greedy], cfg.depth,
+                     engine_kv=True)
     _log(f"held-out greedy answers: draft accuracy by depth "
          f"{[round(a, 3) for a in stats['accuracy']]}, expected mean accepted length at "
          f"k={cfg.depth} {stats['expected_length']:.2f}, in the speculative loop "
@@ -834,7 +840,10 @@ class DevChoice:
     best head seen. The goal (>= 2.0 tokens a verify step) holds for chat and
     code alike, so the worse of the two decides which head is best. Choosing
     on the dev set makes its figure a little optimistic; the benchmark's
-    prompts (HELD_OUT_*) stay the unbiased measure."""
+    prompts (HELD_OUT_*) stay the unbiased measure. Measured as the engine
+    drafts (EngineKV), so that the figure is the engine's: before 12-05 it
+    was the dense unroll's (bench.mtp_gap's sim-dense), up to ~0.015 higher
+    for heads trained dense."""
     examples: dict[str, list[Example]]
     lm_head: torch.Tensor
     depth: int
@@ -847,7 +856,8 @@ class DevChoice:
         return min(self.history[step].values())
 
     def measure(self, model, head, step: int) -> None:
-        lengths = {kind: evaluate(model, head, self.lm_head, examples, self.depth)["loop_length"]
+        lengths = {kind: evaluate(model, head, self.lm_head, examples, self.depth,
+                                  engine_kv=True)["loop_length"]
                    for kind, examples in self.examples.items()}
         self.history[step] = lengths
         if self.best_step < 0 or self.score(step) > self.score(self.best_step):
