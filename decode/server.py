@@ -325,9 +325,10 @@ def check_pool_ids(r: pb.DecodeRequest, cache) -> None:
     if bad is not None:
         raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
                                   f"[0, {num_ids})")
-    num_slots = cache.recurrent[0].shape[0] if cache.recurrent else 0
-    hybrid = cache.config.is_hybrid
-    for slot, name, optional in ((r.state_slot, "state_slot", not hybrid),
+    if not cache.config.is_hybrid:  # no GDN state: the slot fields are never read
+        return
+    num_slots = cache.recurrent[0].shape[0]
+    for slot, name, optional in ((r.state_slot, "state_slot", False),
                                  (r.boundary_slot, "boundary_slot", True),
                                  *((s, "spare slot", False) for s in r.spare_slots)):
         if optional and slot == -1:

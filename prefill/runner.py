@@ -59,7 +59,9 @@ class PrefillJob:
         count merged into one (the other slot, which the router then caches as
         a snapshot, never got the state); one slot for two counts keeps only
         the later state under the earlier count's name; a snapshot into the
-        live slot or the restored one is overwritten as the prefill goes on."""
+        live slot is overwritten as the prefill goes on. (The restored slot
+        may take a snapshot: it is read once, before the first chunk, and the
+        warm-up's jobs do so.)"""
         counts = [count for count, _slot in self.snapshots]
         twice = _first_repeated(counts)
         if twice is not None:
@@ -69,11 +71,9 @@ class PrefillJob:
         twice = _first_repeated(slots)
         if twice is not None:
             raise InvalidRequestError(f"state slot {twice} is the slot of two snapshot points")
-        for slot, role in ((self.state_slot, "live state slot"),
-                           (self.restore_slot, "restore slot")):
-            if slot >= 0 and slot in slots:
-                raise InvalidRequestError(f"snapshot slot {slot} is the job's {role}: a "
-                                          "snapshot needs a slot of its own")
+        if self.state_slot >= 0 and self.state_slot in slots:
+            raise InvalidRequestError(f"snapshot slot {self.state_slot} is the job's live state "
+                                      "slot: a snapshot needs a slot of its own")
 
     def check_ids(self, cache: PagedKVCache) -> None:
         """Every page and state slot id names one of `cache`'s: the kernels
@@ -85,8 +85,10 @@ class PrefillJob:
         if bad is not None:
             raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
                                       f"[0, {num_ids})")
+        if not cache.config.is_hybrid:  # no GDN state: the slot fields are never read
+            return
         num_slots = state_slots_of(cache)
-        _check_slot(self.state_slot, "state_slot", num_slots, optional=not cache.config.is_hybrid)
+        _check_slot(self.state_slot, "state_slot", num_slots, optional=False)
         _check_slot(self.restore_slot, "restore_slot", num_slots, optional=True)
         for _count, slot in self.snapshots:
             _check_slot(slot, "snapshot slot", num_slots, optional=False)
