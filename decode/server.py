@@ -320,23 +320,13 @@ def check_pool_ids(r: pb.DecodeRequest, cache) -> None:
     a bad id reads or writes another allocation's memory; a negative slot is
     the last one, another request's). Open page ids are checked with the open
     pages (cache.open_pages_for)."""
-    num_ids = cache.shape.num_pages + cache.shape.staging_pages  # sinks sit there by staging id
-    bad = next((p for p in r.pages if p >= num_ids), None)  # uint32: never negative
-    if bad is not None:
-        raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
-                                  f"[0, {num_ids})")
+    cache.check_page_ids(r.pages)
     if not cache.config.is_hybrid:  # no GDN state: the slot fields are never read
         return
-    num_slots = cache.recurrent[0].shape[0]
-    for slot, name, optional in ((r.state_slot, "state_slot", False),
-                                 (r.boundary_slot, "boundary_slot", True),
-                                 *((s, "spare slot", False) for s in r.spare_slots)):
-        if optional and slot == -1:
-            continue
-        if not 0 <= slot < num_slots:
-            none = " or -1 (none)" if optional else ""
-            raise InvalidRequestError(f"{name} {slot} is outside the store's {num_slots} GDN "
-                                      f"state slots [0, {num_slots}){none}")
+    cache.check_state_slot(r.state_slot, "state_slot")
+    cache.check_state_slot(r.boundary_slot, "boundary_slot", optional=True)
+    for slot in r.spare_slots:
+        cache.check_state_slot(slot, "spare slot")
     slots = [s for s in (r.state_slot, r.boundary_slot, *r.spare_slots) if s >= 0]
     if len(set(slots)) != len(slots):  # one would overwrite another's state each step
         raise InvalidRequestError(f"a state slot is named twice among state_slot, boundary_slot "

@@ -218,6 +218,33 @@ class PagedKVCache:
                                       f"expected, got {list(held)}")
         return OpenPages.resumed(fmt, staging, num_pages, self.page_size, held, committed)
 
+    def check_page_ids(self, pages: Sequence[int]) -> None:
+        """A request's page table names the pool's pages or its staging pages
+        (rk4p's sinks sit there by staging id): the kernels index the pools
+        with these ids unchecked, and on a GPU a bad one reads or writes
+        another allocation's memory. InvalidRequestError names the first bad id."""
+        from engine.errors import InvalidRequestError
+
+        num_ids = self.shape.num_pages + self.shape.staging_pages
+        bad = next((p for p in pages if not 0 <= p < num_ids), None)
+        if bad is not None:
+            raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
+                                      f"[0, {num_ids})")
+
+    def check_state_slot(self, slot: int, name: str, optional: bool = False) -> None:
+        """`slot` names one of the GDN state slots, or is -1 (none) where
+        `optional`: a negative index would reach the last slot, another
+        request's. Only a hybrid model's requests carry slots to check."""
+        from engine.errors import InvalidRequestError
+
+        if optional and slot == -1:
+            return
+        num_slots = self.recurrent[0].shape[0] if self.recurrent else 0
+        if not 0 <= slot < num_slots:
+            none = " or -1 (none)" if optional else ""
+            raise InvalidRequestError(f"{name} {slot} is outside the store's {num_slots} GDN "
+                                      f"state slots [0, {num_slots}){none}")
+
     def seal(self, staging_ids: list[int], page_ids: list[int]) -> None:
         """Quantize full, committed staging pages into their real pages, in
         every KV layer (the MTP pools included): staging_ids[i] -> page_ids[i]."""

@@ -80,40 +80,13 @@ class PrefillJob:
         index the pools with them unchecked (on a GPU a bad id reads or writes
         another allocation's memory; a negative slot is the last one, another
         request's). The worker checks them as a request arrives."""
-        num_ids = page_ids_of(cache)
-        bad = next((p for p in self.pages if not 0 <= p < num_ids), None)
-        if bad is not None:
-            raise InvalidRequestError(f"page id {bad} is outside the store's {num_ids} page ids "
-                                      f"[0, {num_ids})")
+        cache.check_page_ids(self.pages)
         if not cache.config.is_hybrid:  # no GDN state: the slot fields are never read
             return
-        num_slots = state_slots_of(cache)
-        _check_slot(self.state_slot, "state_slot", num_slots, optional=False)
-        _check_slot(self.restore_slot, "restore_slot", num_slots, optional=True)
+        cache.check_state_slot(self.state_slot, "state_slot")
+        cache.check_state_slot(self.restore_slot, "restore_slot", optional=True)
         for _count, slot in self.snapshots:
-            _check_slot(slot, "snapshot slot", num_slots, optional=False)
-
-
-def page_ids_of(cache: PagedKVCache) -> int:
-    """How many page ids a page table may name: the pool's pages, then its
-    staging pages (rk4p's sinks sit in page tables by their staging ids)."""
-    return cache.shape.num_pages + cache.shape.staging_pages
-
-
-def state_slots_of(cache: PagedKVCache) -> int:
-    """GDN state slots `cache` holds (none for a model without GDN layers)."""
-    return cache.recurrent[0].shape[0] if cache.recurrent else 0
-
-
-def _check_slot(slot: int, name: str, num_slots: int, optional: bool) -> None:
-    """`slot` must name one of the num_slots slots, or be -1 (none) where
-    `optional`; a dense model has none, so only -1 passes there."""
-    if optional and slot == -1:
-        return
-    if not 0 <= slot < num_slots:
-        allowed = " or -1 (none)" if optional else ""
-        raise InvalidRequestError(f"{name} {slot} is outside the store's {num_slots} GDN state "
-                                  f"slots [0, {num_slots}){allowed}")
+            cache.check_state_slot(slot, "snapshot slot")
 
 
 def _first_repeated(values):
