@@ -132,3 +132,33 @@ def test_a_head_whose_tensor_data_is_cut_short_says_what_to_do(tiny_hf_dir, tmp_
     head.write_bytes(head.read_bytes()[:-1000])
     with pytest.raises(ModelLoadError, match=r"unreadable MTP head; delete it or retrain it"):
         load_model(str(d), progress=False)
+
+
+def test_an_index_names_the_weight_files_and_a_second_copy_is_refused(tiny_hf_dir, tmp_path):
+    """A directory may hold another copy of the weights beside the checkpoint
+    (Mistral's consolidated.safetensors): with model.safetensors.index.json
+    only the files it names are read; without one, a tensor found in two
+    files is an error naming both, not a load that file order decides."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = _copy(tiny_hf_dir, tmp_path)
+    weights = load_file(str(d / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    save_file({**weights, name: torch.zeros_like(weights[name])},
+              str(d / "consolidated.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"in both consolidated\.safetensors and "
+                                             r"model\.safetensors"):
+        load_model(str(d), progress=False)
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model.safetensors" for k in weights}}))
+    original = load_model(str(_copy(tiny_hf_dir, tmp_path / "original")), progress=False)
+    indexed = load_model(str(d), progress=False)
+    for key, value in original.model.state_dict().items():
+        assert torch.equal(indexed.model.state_dict()[key], value), key
+    assert plan_inputs(str(d), "auto", "cpu").weight_bytes == \
+        plan_inputs(str(tmp_path / "original" / "model"), "auto", "cpu").weight_bytes
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors: download them"):
+        load_model(str(d), progress=False)

@@ -98,11 +98,47 @@ def canonical_name(name: str) -> str | None:
 TRAINED_HEAD_FILE = "mtp.safetensors"
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
 def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its index names when it has one
+    (a directory may also hold other copies of the weights, such as
+    Mistral's consolidated.safetensors, which would double host memory and
+    let file order decide which copy wins), else every *.safetensors but a
+    trained MTP head."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        return _indexed_files(path, index)
     files = sorted(f for f in path.glob("*.safetensors") if f.name != TRAINED_HEAD_FILE)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files in the model directory")
     return files
+
+
+def _indexed_files(path: Path, index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"{index}: not a safetensors index ({e!r}); download it again or "
+                             "remove it") from e
+    files = [path / name for name in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing or not files:
+        raise ModelLoadError(f"{index} names weight files that are not there: "
+                             f"{', '.join(missing) or '(none listed)'}: download them")
+    return files
+
+
+def _checked_once(name: str, file: Path, seen: dict[str, Path]) -> None:
+    """A tensor may come from one file only: two copies would leave the load
+    to whichever file sorts last."""
+    first = seen.setdefault(name, file)
+    if first != file:
+        raise ModelLoadError(f"{file.parent}: tensor {name} is in both {first.name} and "
+                             f"{file.name}: keep one copy of the weights (or add "
+                             f"{SAFETENSORS_INDEX} naming the files to read)")
 
 
 def read_safetensors(path: Path, dtype: torch.dtype, progress: bool = True,
@@ -118,6 +154,7 @@ def read_safetensors(path: Path, dtype: torch.dtype, progress: bool = True,
         from engine.weights.gptq import quant_scheme
         quant_scheme(quant, str(path))
     tensors: dict[str, torch.Tensor] = {}
+    seen: dict[str, Path] = {}
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -125,6 +162,7 @@ def read_safetensors(path: Path, dtype: torch.dtype, progress: bool = True,
                                 disable=not progress, leave=False):
                     name = canonical_name(key)
                     if name is not None:
+                        _checked_once(name, file, seen)
                         t = f.get_tensor(key)
                         keep = not t.is_floating_point() or (quant and _is_quant_scale(name))
                         tensors[name] = t if keep else t.to(dtype)
@@ -170,12 +208,14 @@ def quantized_matrices(path: Path, quant: dict) -> dict:
     quant_scheme(quant, str(path))  # as read_safetensors: before any file
     header: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     where: dict[str, tuple[Path, str]] = {}
+    seen: dict[str, Path] = {}
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     name = canonical_name(key)
                     if name is not None:
+                        _checked_once(name, file, seen)
                         entry = f.get_slice(key)
                         header[name] = (tuple(entry.get_shape()), _dtype(entry.get_dtype()))
                         where[name] = (file, key)
