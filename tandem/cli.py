@@ -396,9 +396,17 @@ def _mps_share_env(args, flag: str) -> tuple[tuple[str, str], ...]:
 
 
 def _check_serve_flags(args) -> None:
+    if not 1 <= args.grpc_port < 65536:
+        raise TandemError(f"--grpc-port {args.grpc_port} must be in 1..65535")
     if not 0 <= args.http_port < 65536 or args.http_port == args.grpc_port:
         raise TandemError(f"--http-port {args.http_port} must be in 1..65535 (0 = no HTTP API) "
                           "and differ from --grpc-port")
+    if not 0 <= args.metrics_port < 65536 or (
+            args.metrics_port and args.metrics_port in (args.grpc_port, args.http_port)):
+        # caught here, not as a bind error in one of five processes after the
+        # weights have loaded
+        raise TandemError(f"--metrics-port {args.metrics_port} must be in 1..65535 (0 = no "
+                          "metrics endpoint) and differ from --grpc-port and --http-port")
     for flag in ("prefill_sm_percent", "decode_sm_percent"):
         share = getattr(args, flag, None)
         if share is not None and not 1 <= share <= 100:

@@ -416,6 +416,23 @@ def test_each_worker_gets_only_its_own_mps_share():
         serve_specs(args, "/tmp/t")
 
 
+def test_ports_that_clash_are_refused_before_anything_starts():
+    """Two endpoints on one port failed as a bind error in one of the five
+    processes, after the weights had loaded."""
+    from engine.errors import TandemError
+
+    for flags, message in ((["--metrics-port", "50051"], "--metrics-port 50051"),
+                           (["--metrics-port", "8000"], "--metrics-port 8000"),
+                           (["--metrics-port", "70000"], "--metrics-port 70000"),
+                           (["--grpc-port", "0"], "--grpc-port 0"),
+                           (["--http-port", "50051"], "--http-port 50051")):
+        args = build_parser().parse_args(["serve", "--device", "cpu", *flags])
+        with pytest.raises(TandemError, match=message):
+            serve_specs(args, "/tmp/t")
+    for flags in (["--metrics-port", "0"], ["--metrics-port", "0", "--http-port", "0"]):
+        serve_specs(build_parser().parse_args(["serve", "--device", "cpu", *flags]), "/tmp/t")
+
+
 def test_serve_specs_passes_the_flags_through():
     args = build_parser().parse_args([
         "serve", "--model", "tiny-qwen3.5", "--host", "0.0.0.0", "--grpc-port", "6000",
