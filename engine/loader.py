@@ -330,14 +330,12 @@ def _checkpoint_formats(path: Path, hf: dict, packed: bool):
     quant = hf.get("quantization_config")
     if not quant:  # as read_safetensors tells a quantized checkpoint
         return "bf16"
-    from engine.quant.recipes import QuantFormat
     from engine.weights.hf import quantized_matrices
 
     matrices = quantized_matrices(path, quant)
     if not packed:
         return "bf16"
-    formats = {name: QuantFormat("GPTQ/AWQ int4", 4, 0, 15, m.group, m.group, True,
-                                 m.scale_dtype.itemsize) for name, m in matrices.items()}
+    formats = {name: m.quant_format for name, m in matrices.items()}
     return lambda name, module, layers: formats.get(name)
 
 

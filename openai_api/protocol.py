@@ -25,29 +25,22 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass
 
 from openai_api.errors import ApiError, invalid
 from openai_api.tools import OPEN as TOOL_OPEN
+from tandem.text_limits import LONE_SURROGATE, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.v1 import generation_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
-# the router's limits on stop strings (router/requests.py, whose matching of
-# them runs after every token), checked here too so the 400 names `stop`
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 4096
 # the range a protobuf float (float32) holds without flushing to 0 or
 # overflowing to inf: its smallest normal value and its largest
 _FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = (1 << 31) - 1  # top_k's protobuf field
 _TOKEN_ID_LIMIT = 1 << 32  # TokenIds' protobuf field: uint32
-# half of a UTF-16 surrogate pair: JSON may escape one alone ("\ud800") and
-# json.loads keeps it, but protobuf strings are UTF-8, which cannot hold it
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -154,10 +147,10 @@ def _surrogate_at(body) -> str | None:
     while pending:
         where, value = pending.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if LONE_SURROGATE.search(value):
                 return where
         elif isinstance(value, dict):
-            if any(_SURROGATE.search(key) for key in value):
+            if any(LONE_SURROGATE.search(key) for key in value):
                 return where
             pending.extend((key if where is None else f"{where}.{key}", item)
                            for key, item in reversed(value.items()))

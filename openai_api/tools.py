@@ -20,10 +20,10 @@ import json
 import re
 import uuid
 
+from tandem.text_limits import LONE_SURROGATE
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.S)
-# half of a UTF-16 surrogate pair, which a JSON escape ("\ud800") may hold alone
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def new_call_id() -> str:
@@ -69,7 +69,7 @@ def _one_call(body: str, tool_names: frozenset[str]) -> dict | None:
 def _carried(call: dict) -> dict | None:
     """The call, unless its arguments hold a lone surrogate (decoded from a
     "\\ud800" escape): no UTF-8 response can carry that, so it is malformed."""
-    return None if _SURROGATE.search(call["arguments"]) else call
+    return None if LONE_SURROGATE.search(call["arguments"]) else call
 
 
 class ToolCallStream:

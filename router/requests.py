@@ -7,26 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import uuid
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.vocabulary import first_outside_vocabulary
+from tandem.text_limits import LONE_SURROGATE, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from tandem.wire import pack_token_ids, unpack_token_ids
 
 DEFAULT_MAX_NEW_TOKENS = 256
-# Stop strings are matched on the router's event loop after every token, at a
-# cost that grows with their number and length: 200,000 of them held every
-# stream for seconds a token. These limits are far past what clients send
-# (OpenAI takes 4) and keep a token's matching under a millisecond on average
-# even for stop strings built to be slow (0.6 ms, 2-core CPU, 2026-12-05).
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 4096  # all stop strings together
-# half of a UTF-16 surrogate pair: a JSON escape ("\ud800") may hold one
-# alone, which json.loads keeps but no tokenizer (nor UTF-8) can encode
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                     "presence_penalty", "frequency_penalty")
 
@@ -81,7 +71,7 @@ def _encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of a rendered conversation. The tools' JSON is checked for
     lone surrogates before rendering; this catches any a template still makes,
     which the tokenizer refuses with a bare TypeError (a 500 for the client)."""
-    if _SURROGATE.search(text):
+    if LONE_SURROGATE.search(text):
         raise InvalidRequestError("the rendered conversation holds a lone UTF-16 surrogate "
                                   "(an unpaired \\ud800-\\udfff): send valid Unicode text")
     return tokenizer.encode(text, add_special_tokens=False)
@@ -163,7 +153,7 @@ def _holds_lone_surrogate(value) -> bool:
     while pending:
         item = pending.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item):
+            if LONE_SURROGATE.search(item):
                 return True
         elif isinstance(item, dict):
             pending.extend(item.keys())

@@ -27,7 +27,7 @@ from kvstore.control import FailedPrecondition, InvalidArgument, ResourceExhaust
 from kvstore.memory import KVFormatSpec
 from router.disagg import DisaggRouter, Worker
 from router.metrics import RouterMetrics
-from router.requests import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from tandem.text_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from router.server import Router, RouterConfig
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc

@@ -86,10 +86,13 @@ class MatrixLayout(NamedTuple):
     scale_dtype: torch.dtype  # of d and dmin
 
     @property
-    def nbytes(self) -> int:
-        groups = self.rows * (self.cols // self.group)
-        # codes, int8 sc and m per group, d and dmin per group
-        return self.rows * self.cols // 2 + 2 * groups + 2 * groups * self.scale_dtype.itemsize
+    def quant_format(self):
+        """The recipe format that counts and lays out this matrix (the plan's
+        bytes come from it, so there is one formula for both)."""
+        from engine.quant.recipes import QuantFormat
+
+        return QuantFormat("GPTQ/AWQ int4", 4, 0, 15, self.group, self.group, True,
+                           self.scale_dtype.itemsize)
 
 
 def loaded_scale_dtype(dtype: torch.dtype) -> torch.dtype:
