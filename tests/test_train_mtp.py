@@ -7,7 +7,8 @@ import torch
 
 from bench.speculative import CHAT, CODE
 from engine.loader import load_model
-from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, VARIED_CODE_TASKS,
+from engine.speculative.prompts import (DEV_CHAT, DEV_CODE, NATURAL_CHAT, TEST_CHAT, TEST_CODE,
+                                        VARIED_CODE_TASKS,
                                         VARIED_LANGUAGES, chat_requests, code_tasks,
                                         extract_question,
                                         question_requests, training_prompts, varied_prompts)
@@ -27,6 +28,13 @@ def test_benchmark_prompts_are_held_out_of_training():
 def test_dev_prompts_are_held_out_too():
     dev = set(DEV_CHAT + DEV_CODE)
     assert len(dev) == 36 and not dev & set(CHAT + CODE) and not dev & set(training_prompts())
+
+
+def test_the_third_held_out_set_is_held_out_of_training_dev_and_the_first_six():
+    test = set(TEST_CHAT + TEST_CODE)
+    assert len(test) == 48 and not test & {*CHAT, *CODE, *DEV_CHAT, *DEV_CODE}
+    every = set(training_prompts()) | set(varied_prompts(100_000)) | set(chat_requests())
+    assert not test & every
 
 
 # Words of the dev set's, both benchmark sets' and DEV_CODE's chat subjects:

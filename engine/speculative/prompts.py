@@ -28,6 +28,64 @@ HELD_OUT_CODE = (
     "Write a C function that copies a string into a fixed-size buffer safely.",
     "Write a Python function that groups words by their first letter.")
 
+# A third held-out set, written on 12-05 before any head was measured on it,
+# because six prompts a side read one answer as ~0.06 of the mean: the
+# benchmark's figure of record is the mean over HELD_OUT_* and TEST_* together
+# (36 chat, 24 code; docs/MTP_HEAD.md, "How acceptance is measured"). Each is
+# absent from the training prompts and shares at most 0.44 of its content words
+# with any of them (the benchmark's and dev sets' own figure: at most 0.60);
+# tests/test_train_mtp.py checks the first.
+TEST_CHAT = (
+    "How does a hot air balloon rise?",
+    "What are some ways to save money on groceries?",
+    "How do stage magicians make a coin disappear?",
+    "What should I think about before changing careers at forty?",
+    "Describe a quiet evening in a small fishing village.",
+    "How does a vending machine know which coin was inserted?",
+    "How do I keep my houseplants healthy?",
+    "Write a note inviting my neighbours to a garden party.",
+    "Why do some old houses creak at night?",
+    "How does a ship's anchor hold it in place?",
+    "What are the benefits of learning to play a musical instrument?",
+    "What makes a museum visit enjoyable for children?",
+    "How does a paper mill turn wood into paper?",
+    "What should I bring to a friend's housewarming party?",
+    "Describe a bakery in the hour before it opens.",
+    "What are some fun things to do on a rainy day?",
+    "How do fireflies glow?",
+    "How does a florist keep cut flowers fresh?",
+    "Give me tips for running my first 5K race.",
+    "How does a camera capture a photograph?",
+    "How do glow-in-the-dark stickers work?",
+    "Write a short poem about a kettle that sings in the morning.",
+    "How can I stay focused when working in a noisy place?",
+    "What happens inside a volcano before it erupts?",
+    "How does a lock and key work?",
+    "What are the main differences between cats and dogs as pets?",
+    "How do hermit crabs choose a new shell?",
+    "How can I keep my kitchen organised?",
+    "Why do we yawn?",
+    "Explain how a library lends e-books.")
+TEST_CODE = (
+    "Write a Python function that checks whether a string is a valid email address.",
+    "Write a JavaScript function that formats a number with commas as thousands separators.",
+    "Write a Python function that checks whether all values in a dictionary are unique.",
+    "Write a Python class for a parking lot that tracks its free spaces.",
+    "Write a C function that swaps two integers using pointers.",
+    "Write a Python function that reads a CSV file and returns the sum of one column.",
+    "Write a JavaScript function that shuffles an array randomly.",
+    "Write a Python function that turns a list of (name, score) pairs into a ranked leaderboard.",
+    "Write a Python class for a thermostat that keeps a target temperature.",
+    "Write a C function that counts the lines in a file.",
+    "Write a Python function that pads every line of a text to the same width.",
+    "Write a JavaScript function that converts a number of seconds into a mm:ss string.",
+    "Write a Python function that finds all files with a given extension in a folder.",
+    "Write a Python function that shortens a string to a maximum length and adds an ellipsis.",
+    "Write a Python class for a simple timer with start and stop methods.",
+    "Write a JavaScript function that checks whether two objects have the same keys.",
+    "Write a C function that converts a string of digits to an integer.",
+    "Write a Python function that returns the initials of a full name.")
+
 # A second held-out set in the benchmark's style (natural questions and
 # requests, other subjects): recipes are compared on these, so that the
 # benchmark's own prompts stay a test (`python -m bench.mtp_gap --prompts dev`).
