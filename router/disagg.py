@@ -36,6 +36,7 @@ from engine.chunking import snapshot_points
 from kvstore.client import StoreCapacityError, StoreClient, StoreUnavailable
 from router.server import Held, Plan, Router, Running, first_token_of
 from tandem.internal.v1 import workers_pb2 as wpb
+from tandem.serving import WorkerUnavailable
 
 
 @dataclass
@@ -269,8 +270,7 @@ class DisaggRouter(Router):
             dest_snapshot_slot=transfer.dest_snapshot_slot), timeout=context.time_remaining())
         event = await call.read()
         if event is grpc.aio.EOF or not event.HasField("registered"):
-            raise StoreUnavailable("UNAVAILABLE", f"{route.decode.name} did not register the "
-                                                  "transfer")
+            raise WorkerUnavailable(f"{route.decode.name} did not register the transfer")
 
     # --- after the first token ------------------------------------------------
     async def _before_decode(self, req, plan, handle: Running, held: Held, context) -> None:
@@ -293,13 +293,13 @@ class DisaggRouter(Router):
         try:
             event = await asyncio.wait_for(route.receive_call.read(), timeout)
         except asyncio.TimeoutError:
-            raise StoreUnavailable("UNAVAILABLE", f"the KV transfer to {route.decode.name} did not "
-                                                  f"finish within {timeout:.0f} s") from None
+            raise WorkerUnavailable(f"the KV transfer to {route.decode.name} did not finish "
+                                    f"within {timeout:.0f} s") from None
         except grpc.aio.AioRpcError as e:
-            raise StoreUnavailable("UNAVAILABLE", f"the KV transfer from {route.prefill.name} to "
-                                                  f"{route.decode.name} failed: {e.details()}") from None
+            raise WorkerUnavailable(f"the KV transfer from {route.prefill.name} to "
+                                    f"{route.decode.name} failed: {e.details()}") from None
         if event is grpc.aio.EOF or not event.HasField("done"):
-            raise StoreUnavailable("UNAVAILABLE", f"{route.decode.name} ended the transfer early")
+            raise WorkerUnavailable(f"{route.decode.name} ended the transfer early")
         route.transferred_bytes = max(route.transferred_bytes, event.done.bytes)
 
     async def _cache_decode_prompt(self, req, plan: Plan, held: Held, route: Route) -> None:

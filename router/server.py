@@ -29,16 +29,15 @@ from grpc_reflection.v1alpha import reflection
 from engine.chunking import snapshot_points
 from engine.errors import InvalidRequestError, TandemError
 from engine.loader import load_tokenizer
-from kvstore.client import (StoreCapacityError, StoreClient, StoreError, StoreUnavailable,
-                           wait_for_store)
+from kvstore.client import StoreCapacityError, StoreClient, StoreError, wait_for_store
 from kvstore.control import Allocation
 from router.metrics import RouterMetrics
 from router.requests import GenerationRequest, chat_prompt, request_from_pb
 from router.text import TextStream
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
-from tandem.serving import (add_refusing_undecodable, log, run_server, serve, status_of,
-                            worker_channel)
+from tandem.serving import (WorkerUnavailable, add_refusing_undecodable, log, run_server, serve,
+                            status_of, worker_channel)
 from tandem.wire import pack_token_ids, packed_prefix, sampling_to_pb
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
@@ -596,8 +595,8 @@ def first_token_of(reply: wpb.PrefillResponse, worker: str) -> wpb.GeneratedToke
     stopped (it answers an empty reply to a cancelled call): read as is, it
     would stream token 0 to the client."""
     if not reply.HasField("first"):
-        raise StoreUnavailable("UNAVAILABLE", f"{worker} stopped the request's prefill before "
-                                              "its first token: retry")
+        raise WorkerUnavailable(f"{worker} stopped the request's prefill before its first "
+                                "token: retry")
     return reply.first
 
 

@@ -144,6 +144,12 @@ def log(process: str, message: str) -> None:
     print(f"{process}: {message}", file=sys.stderr, flush=True)
 
 
+class WorkerUnavailable(TandemError):
+    """A worker stopped serving a request part-way (a prefill ended before its
+    first token, a KV transfer that never finished): UNAVAILABLE, and a retry
+    may succeed. The store's own outages are kvstore's StoreUnavailable."""
+
+
 def status_of(error: Exception) -> grpc.StatusCode:
     """The gRPC status for an error we raised on purpose."""
     from kvstore.client import StoreCapacityError, StoreUnavailable
@@ -152,7 +158,7 @@ def status_of(error: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(error, StoreCapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(error, StoreUnavailable):
+    if isinstance(error, (StoreUnavailable, WorkerUnavailable)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
