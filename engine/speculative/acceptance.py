@@ -15,7 +15,16 @@ Randomness and penalties under speculation (decided):
     residual or bonus draw), so a seeded request is reproducible for a given
     drafter and k and independent of its batch-mates. It is not the same
     token sequence as the seeded non-speculative run (which consumes the
-    generator differently); its distribution is the same.
+    generator differently); its distribution is the same. Nor is a seeded
+    MTP request's text the same through `tandem serve` as through the
+    offline engine (`tandem generate`): the offline engine drafts right after
+    the prefill from the last prompt position's hidden state, while the
+    decode worker never holds that state (it stayed in the prefill worker),
+    so its first step after a prefill runs without drafts and the later
+    draws fall differently. Greedy requests are token-identical on both
+    paths, and sampled ones follow the same distribution
+    (tests/test_speculative.py). The first step's drafts are what the service
+    gives up: about one step in an answer's ~45 at 96 tokens.
   * Penalties are exact: the target distribution at verified position j is
     computed with drafts 1..j counted as if already generated, which is what
     plain decoding would have seen had it produced them.
