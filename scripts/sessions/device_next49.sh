@@ -4,7 +4,7 @@
 # on 12-05) on the H200. Chained calls on one warm machine (it goes back after
 # 30 s idle; /tmp survives while it stays warm):
 #   bash scripts/sessions/device_next49.sh checks  (carry .whl .device/gguf.part.aa)
-#   bash scripts/sessions/device_next49.sh park    (carry .device/gguf.part.ab)
+#   bash scripts/sessions/device_next49.sh park    (carry .device/gguf.part.ab; the service checks)
 #   bash scripts/sessions/device_next49.sh bench   (carry .device/gguf.part.ac)
 # checks: the workers' page/slot id checks and the router's fixes through the
 #   real service on CUDA (tests/test_service.py, test_service_hybrid.py with
@@ -19,11 +19,11 @@ source scripts/device_env.sh
 park_parts
 case "$call" in
   checks)
-    STEP_TAIL=6 step pytest_cuda 300 python3 -m pytest -q -p no:cacheprovider -x \
-      tests/test_loading_gptq.py tests/test_speculative.py -k "cuda or plan_counts"
-    STEP_TAIL=6 step service_cuda 260 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+    STEP_TAIL=6 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_loading_gptq.py tests/test_speculative.py -k "cuda or plan_counts" ;;
+  park)
+    STEP_TAIL=6 step service_cuda 240 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
       -p no:cacheprovider tests/test_service.py tests/test_service_hybrid.py ;;
-  park) ;;
   bench)
     assemble_gguf
     STEP_TAIL=8 step spec_record 300 python3 -m bench.speculative --device cuda \
