@@ -8,7 +8,8 @@ chunks of the decode steps' width, so the worker loads no prefill-only
 kernels (fla-core's) it would never run again. Batch size 1, the one-user
 case this engine is for: each other batch size captures its graph on first
 use (the worker logs a step that waited for a compile). With speculation on,
-the drafter and the verify graph at batch 1 warm up the same way.
+the drafter and the verify graph at batch 1 warm up the same way, at the
+full draft width (`warm_up_tokens`).
 The caller runs it on the GPU only (off it nothing compiles or captures).
 Every page and slot goes back to the store, whatever happens."""
 from __future__ import annotations
@@ -38,6 +39,22 @@ class WarmedUp:
     drafted: int  # drafts its speculative steps verified (0: plain decoding)
 
 
+def warm_up_tokens(spec) -> int:
+    """The warm-up request's output length. With speculation, long enough that
+    a verify step checks all k drafts: the first step after the prefill runs
+    without drafts (the decode worker never holds the prefill's last hidden
+    state), and drafts are capped by the tokens left, so with 4 tokens a k=3
+    drafter drafted one deep and verified it, and a real request's first
+    full-width step compiled four Triton kernels while serving (two
+    `_gemv_dot_kernel` builds and their split-K sums, 1.1 s on the H200,
+    12-05; which of the deeper drafts or the wider verify needed them was
+    not isolated)."""
+    if not spec.enabled:
+        return WARM_UP_TOKENS
+    # the prefill's token, the plain step's, then k drafts and the target's own
+    return max(WARM_UP_TOKENS, spec.num_draft_tokens + 3)
+
+
 def warm_up(store: StoreClient, scheduler: DecodeScheduler,
             after_prefill: Callable[[], None] = lambda: None) -> WarmedUp:
     """Runs the warm-up request on pages and slots taken from the store and
@@ -48,12 +65,13 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler,
     info, cache = store.info, store.cache
     page = info.page_size
     spec = info.speculative
+    tokens = warm_up_tokens(spec)
     # the prompt, the output, and the drafts a verify step writes past it
     draft = spec.num_draft_tokens + 1 if spec.enabled else 0
     hybrid = info.config.is_hybrid
     slots = 2 + info.spare_slots_per_sequence if hybrid else 0
     started = time.perf_counter()
-    with store.scratch_sequence(page + WARM_UP_TOKENS + draft, slots,
+    with store.scratch_sequence(page + tokens + draft, slots,
                                 wait_s=CAPACITY_WAIT_S) as scratch:
         pages = scratch.pages
         state, boundary = scratch.slots[:2] if hybrid else (-1, -1)
@@ -67,7 +85,7 @@ def warm_up(store: StoreClient, scheduler: DecodeScheduler,
             after_prefill()
             seq = DecodeSequence(
                 request_id=WARM_UP_ID, prompt=prompt, output=[first.token_ids[0]],
-                params=SamplingParams(max_new_tokens=WARM_UP_TOKENS), pages=list(pages),
+                params=SamplingParams(max_new_tokens=tokens), pages=list(pages),
                 state_slot=state, eos_token_ids=(), boundary_slot=boundary,
                 spare_slots=list(scratch.slots[2:]), open_pages=open_pages)
             scheduler.add(seq)

@@ -45,6 +45,8 @@ def test_the_warm_up_decodes_a_request_and_gives_everything_back(store):
     assert done.seconds > 0 and done.tokens >= warmup.WARM_UP_TOKENS
     assert not scheduler.has_work
     assert (done.drafted > 0) == spec.enabled  # the drafter and verify ran when laid out
+    if spec.enabled:  # and one verify step checked all k drafts (its GEMV widths compiled)
+        assert done.drafted >= spec.num_draft_tokens and done.tokens >= spec.num_draft_tokens + 3
     _conserved(after)
     assert _held(after) == _held(before)
 
