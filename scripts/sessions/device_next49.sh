@@ -19,10 +19,10 @@ source scripts/device_env.sh
 park_parts
 case "$call" in
   checks)
-    STEP_TAIL=6 step pytest_cuda 200 python3 -m pytest -q -p no:cacheprovider \
+    STEP_TAIL=6 step pytest_cuda 150 python3 -m pytest -q -p no:cacheprovider \
       tests/test_loading_gptq.py tests/test_speculative.py -k "cuda or plan_counts" ;;
   park)
-    STEP_TAIL=6 step service_cuda 240 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+    [ "${SERVICE:-1}" = 1 ] && STEP_TAIL=6 step service_cuda "${SERVICE_LIMIT:-240}" env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
       -p no:cacheprovider tests/test_service.py tests/test_service_hybrid.py ;;
   bench)
     assemble_gguf
