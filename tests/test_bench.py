@@ -196,13 +196,18 @@ def test_the_speculative_bench_gives_each_prompts_accepted_length():
     """bench.speculative --per-prompt: one length a prompt, from the engine's
     own counters, and the side's mean (weighted by verify steps) lies
     between the prompts' extremes."""
-    from bench.speculative import CHAT, CODE, tokens_per_second
+    from bench.speculative import CHAT, CODE, PROMPT_SETS, tokens_per_second
 
-    rows = tokens_per_second(None, "cpu", ["mtp"], [3], 12, per_prompt=True)
+    rows = tokens_per_second(None, "cpu", ["mtp"], [3], 12, per_prompt=True, prompt_set="six")
     assert [r["prompts"] for r in rows] == ["chat", "code"]
     for r in rows:
-        assert len(r["per_prompt"]) == len(CHAT if r["prompts"] == "chat" else CODE)
+        assert len(r["per_prompt"]) == r["prompt_count"] == len(CHAT if r["prompts"] == "chat"
+                                                                 else CODE)
         assert all(1.0 <= a <= 4.0 for a in r["per_prompt"])
         assert min(r["per_prompt"]) - 1e-3 <= r["mean_accepted_length"] <= \
             max(r["per_prompt"]) + 1e-3
         assert len(set(r["per_prompt"])) > 1   # the prompts differ
+    # the set of record (the default) holds the six a side first, then the 30 / 18 added
+    chat, code = PROMPT_SETS["record"]
+    assert (len(chat), len(code)) == (36, 24) and chat[:6] == CHAT and code[:6] == CODE
+    assert len(set(chat)) == 36 and len(set(code)) == 24
