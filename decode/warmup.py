@@ -40,15 +40,12 @@ class WarmedUp:
 
 
 def warm_up_tokens(spec) -> int:
-    """The warm-up request's output length. With speculation, long enough that
-    a verify step checks all k drafts: the first step after the prefill runs
-    without drafts (the decode worker never holds the prefill's last hidden
-    state), and drafts are capped by the tokens left, so with 4 tokens a k=3
-    drafter drafted one deep and verified it, and a real request's first
-    full-width step compiled four Triton kernels while serving (two
-    `_gemv_dot_kernel` builds and their split-K sums, 1.1 s on the H200,
-    12-05; which of the deeper drafts or the wider verify needed them was
-    not isolated)."""
+    """The warm-up request's output length. With speculation, long enough for
+    one step to draft k deep and verify all k: the first step after the
+    prefill has no drafts (the decode worker never holds the prefill's last
+    hidden state) and drafts are capped by the tokens left, so 4 tokens
+    warmed a k=3 drafter one deep, and a real request's first full step
+    compiled kernels while serving (1.1 s on the H200, BENCHMARKS.md 12-05)."""
     if not spec.enabled:
         return WARM_UP_TOKENS
     # the prefill's token, the plain step's, then k drafts and the target's own

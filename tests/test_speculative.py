@@ -169,7 +169,6 @@ def test_mtp_head_greedy_parity_embedded(embedded):
     assert engine.spec_totals["accepted"] > 0
 
 
-
 def _two_sample_chi2(a: dict, b: dict) -> tuple[float, int]:
     """Pearson's two-sample statistic over the cells either sample hit, and its dof."""
     cells = set(a) | set(b)
@@ -208,6 +207,7 @@ def test_sampling_with_the_trained_head_keeps_the_plain_distribution(embedded):
     assert dof <= 15 and stat < 37.7, (stat, dof, plain, speculative)
     totals = engine.spec_totals
     assert totals["drafted"] >= n and totals["accepted"] > 0.2 * totals["drafted"], totals
+
 
 def test_seeded_speculative_sampling_is_reproducible(qwen35):
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_new_tokens=16)
