@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[256])
     p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
     p.add_argument("--kv-format", default="int8")
+    p.add_argument("--weights", default="auto",
+                   help="weight format (tandem serve's --weights; e.g. int4 for the dummy 27B)")
     p.add_argument("--cached-tokens", type=int, default=0,
                    help="tokens already in the cache before each timed prompt")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per length (after one warm-up)")
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.loader import load_model
 
-    loaded = load_model(args.model, device=args.device, progress=False)
+    loaded = load_model(args.model, device=args.device, progress=False, weights=args.weights)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else matmul_flops(loaded.device,
                                                                          loaded.dtype)
     cached = args.cached_tokens
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, {"env": environment(), "model": loaded.source, "args": vars(args),
                            "peak_tflops": peak / 1e12, "results": results, "profile": profile})
     print(f"peak {peak / 1e12:.1f} TFLOP/s ({'given' if args.peak_tflops else 'measured matmul'},"
-          f" {loaded.dtype}); {args.kv_format} KV")
+          f" {loaded.dtype}); {args.kv_format} KV; weights {args.weights}")
     print_table(f"prefill ({loaded.source}, {args.device})",
                 ["cached", "tokens", "chunk", "seconds", "tok/s", "TFLOP/s", "MFU %"], rows)
     return 0

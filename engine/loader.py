@@ -68,6 +68,17 @@ def keeps_quantized(weights: str, device: torch.device) -> bool:
     return weights == NATIVE or (weights == AUTO and device.type == "cuda")
 
 
+def packs_weights(spec: str | None, weights: str, device: torch.device) -> bool:
+    """Whether the model's matrices will be held packed (low-bit): a dummy
+    shape under a quantizing recipe, a file's own low-bit tensors kept as
+    they are. (A file with no low-bit tensors says yes here too.)"""
+    from engine.quant.recipes import DENSE
+
+    if spec in shape_names():
+        return weights not in (AUTO, DENSE)
+    return keeps_quantized(weights, device)
+
+
 def load_model(spec: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, seed: int = 0,
                weights: str = AUTO, trained_head: bool = True) -> LoadedModel:

@@ -84,6 +84,8 @@ class CapacityPlan:
       + prefill_chunk_tokens x q_heads x PREFILL_KEY_SPLITS x (head_dim + 1) x 4
                                                  a short chunk's split-key partials (GPU)
       + live_slots x vocab x 4                                    fp32 logits of a decode batch
+      + weight_workspace_bytes        packed weights on a GPU: the slice of a weight a prefill
+                                      chunk dequantizes for cuBLAS (engine/quant/workspace.py)
     where context = min(max_context_tokens, max_position_embeddings).
     Allocator slack: 256 MiB + 10% of the activation reserve (and of the
     decode activations).
@@ -122,6 +124,7 @@ class CapacityPlan:
     paged_attention_kernel: bool = False
     weight_format: str = "as stored"
     host_weight_bytes: int = 0
+    weight_workspace_bytes: int = 0
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -346,7 +349,7 @@ class CapacityPlan:
                                              + self._gdn_prefill_bytes_per_token())
         dense_kv = self._dequantized_kv_bytes(context, kv_width)
         logits = max(self.live_slots, 1) * cfg.vocab_size * 4
-        return chunk + dense_kv + self._split_partial_bytes() + logits
+        return chunk + dense_kv + self._split_partial_bytes() + logits + self.weight_workspace_bytes
 
     def _split_partial_bytes(self) -> int:
         """The fp32 partial outputs and log-sum-exps of a prefill chunk whose
@@ -367,7 +370,7 @@ class CapacityPlan:
                      "activation_bytes"):
             positive(name)
         for name in ("snapshot_slots", "weight_bytes", "draft_slots_per_sequence", "draft_tokens",
-                     "mtp_kv_layers", "host_weight_bytes"):
+                     "mtp_kv_layers", "host_weight_bytes", "weight_workspace_bytes"):
             positive(name, 0)
         positive("live_slots", 1 if self.config.is_hybrid else 0)
         if self.host_weight_bytes > self.weight_bytes:

@@ -153,7 +153,20 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, paged_attention_kernel=on_gpu,
         weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
         draft_tokens=spec.num_draft_tokens if spec.enabled else 0,
-        mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host)
+        mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host,
+        weight_workspace_bytes=_weight_workspace(options, config, dtype) if on_gpu else 0)
+
+
+def _weight_workspace(options: ServerOptions, config: ModelConfig, dtype: torch.dtype) -> int:
+    """The prefill's dequantization workspace, where weights stay packed."""
+    from engine.loader import packs_weights
+    from engine.quant.workspace import planned_workspace_bytes
+
+    if not packs_weights(options.model, options.weights, torch.device(options.device)):
+        return 0
+    widest = max(config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim,
+                 config.linear_num_v_heads * config.linear_v_head_dim if config.is_hybrid else 0)
+    return planned_workspace_bytes(widest, dtype.itemsize)
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:

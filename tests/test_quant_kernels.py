@@ -17,7 +17,10 @@ from engine.quant.gemv import check_gemv_layout, gemv_x8_reference  # noqa: E402
 from engine.quant.gemv_configs import (CANDIDATES, DOT_CANDIDATES, MAX_SPLIT_K,  # noqa: E402
                                        STREAM_CANDIDATES, TUNED, TUNED_FILE_ENV, GemvConfig,
                                        pick_config)
-from engine.quant.kernels import gemm, gemv, reference_matmul, triton_matmul  # noqa: E402
+from engine.quant import kernels as quant_kernels  # noqa: E402
+from engine.quant import workspace  # noqa: E402
+from engine.quant.kernels import (dequantize_rows, gemm, gemv, reference_matmul,  # noqa: E402
+                                  triton_matmul, workspace_matmul)
 from engine.quant.linear import QuantEmbedding, QuantLinear  # noqa: E402
 from engine.quant.tensor import QuantTensor  # noqa: E402
 
@@ -396,6 +399,66 @@ def test_dispatch_picks_gemv_up_to_8_rows_and_gemm_above():
         assert y.shape == (*x.shape[:-1], 32)
         torch.testing.assert_close(y, _expected(x, qt), rtol=1e-4, atol=1e-4)
 
+
+
+def _within_one_ulp(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to one unit in the last place of got's dtype: the GPU may
+    contract d*sc*q - dmin*m into an FMA, and the interpreter rounds fp32 to
+    bf16 toward zero (numpy has no bf16)."""
+    ulp = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp * want.abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_dequantize_rows_writes_exactly_the_rows_asked_for(fmt, dtype):
+    qt = random_quant(70, 2048, *fmt, seed=6)
+    out = torch.full((44, 2048), float("nan"), device=DEVICE, dtype=dtype)
+    dequantize_rows(qt, 25, out[2:42])  # rows 25..64 into the middle of the buffer
+    assert torch.isnan(out[:2]).all() and torch.isnan(out[42:]).all()
+    assert not torch.isnan(out[2:42]).any()
+    _within_one_ulp(out[2:42], qt.dequantize(torch.float32)[25:65].to(dtype))
+
+
+def test_dequantize_rows_refuses_rows_outside_the_weight():
+    qt = random_quant(40, 256, 4, 32, 256, True, seed=7)
+    with pytest.raises(ValueError, match="not inside"):
+        dequantize_rows(qt, 30, torch.empty(16, 256, device=DEVICE))
+    with pytest.raises(ValueError, match="not inside"):
+        dequantize_rows(qt, 0, torch.empty(16, 128, device=DEVICE))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_workspace_matmul_fills_every_column_slice(fmt, dtype):
+    """70 output features through a workspace of 32 rows: three slices, the
+    last one partial; every column is written and equals the reference."""
+    qt = random_quant(70, 512, *fmt, seed=8)
+    x = torch.randn(20, 512, device=DEVICE).to(dtype)
+    out = torch.full((20, 70), float("nan"), device=DEVICE, dtype=dtype)
+    y = workspace_matmul(x, qt, budget_bytes=32 * 512 * x.element_size(), out=out)
+    assert y is out and not torch.isnan(y).any()
+    expected = _expected(x, qt)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    else:  # bf16 weights and output: 1% of the output's scale
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
+def test_dispatch_runs_the_workspace_from_its_row_threshold(monkeypatch):
+    qt = random_quant(48, 256, 4, 32, 256, True, seed=9)
+    x = torch.randn(18, 256, device=DEVICE)
+    monkeypatch.setenv(workspace.MIN_ROWS_ENV, "16")
+    monkeypatch.setattr(quant_kernels, "gemm", lambda *a, **k: pytest.fail("took the fused gemm"))
+    torch.testing.assert_close(triton_matmul(x, qt), _expected(x, qt), rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(workspace.WORKSPACE_ENV, "0")  # off: the fused gemm
+    with pytest.raises(pytest.fail.Exception, match="fused gemm"):
+        triton_matmul(x, qt)
+    monkeypatch.setenv(workspace.WORKSPACE_ENV, "3")
+    with pytest.raises(ValueError, match=workspace.WORKSPACE_ENV):
+        triton_matmul(x, qt)
 
 def test_quant_linear_weight_goes_through_f_linear():
     qt = random_quant(48, 256, 4, 32, 256, True, seed=4).to("cpu")

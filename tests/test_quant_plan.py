@@ -105,3 +105,25 @@ def test_the_embedded_models_trained_head_is_planned_as_serve_loads_it(capsys):
                                               + 2 * 576)
     _, gguf_alone, _ = gguf_plan_inputs(embedded_model_path(), False, torch.float32)
     assert with_head.weight_bytes - gguf_alone == head_parameters * 4  # fp32 on the CPU
+
+
+def test_the_plan_counts_the_prefill_weight_workspace_only_for_packed_weights(monkeypatch):
+    """A packed model on a GPU holds one dequantized weight slice for cuBLAS
+    (engine/quant/workspace.py); dense weights, or the workspace switched
+    off, hold none."""
+    from kvstore.server import ServerOptions, plan_for
+    from engine.loader import plan_inputs
+    from engine.quant.workspace import WORKSPACE_ENV
+
+    def reserve(weights: str) -> int:
+        options = ServerOptions(socket="unused", model="qwen3.5-27b", weights=weights,
+                                device="cuda", gpu_memory_budget=None)
+        inputs = plan_inputs("qwen3.5-27b", weights, "cuda")
+        plan = plan_for(options, inputs.config, torch.bfloat16, inputs.weight_bytes, inputs.label)
+        return plan.line("activation reserve").bytes
+
+    packed, dense = reserve("int4"), reserve("bf16")
+    # the widest K is the MLP's 17,408: 16 MiB holds 480 such bf16 rows (whole tiles of 32)
+    assert packed - dense == 480 * 17408 * 2
+    monkeypatch.setenv(WORKSPACE_ENV, "0")
+    assert reserve("int4") == dense

@@ -1,14 +1,21 @@
 """W4A16 / W8A16 matmul over QuantTensor's packed layout: y = x @ w.T + bias.
 
-Two Triton kernels and the PyTorch reference they are tested against:
+Three paths, each with the PyTorch reference it is tested against:
 
   * `gemv` (engine/quant/gemv.py): decode batches of up to GEMV_MAX_ROWS
     rows (the MTP verify width included), built for memory bandwidth; its
     docstring says how.
-  * `gemm`: prefill. Each K tile of the weight is dequantized into the
-    activation dtype and fed to tl.dot. 4-bit tiles are used as two halves
-    (even and odd k, the low and high nibbles) against x's even and odd
-    columns, so nothing is interleaved in registers.
+  * `workspace_matmul`: prefill chunks of at least `dense_gemm_min_rows()`
+    rows. A slice of the weight's rows at a time is dequantized into a small
+    bf16 workspace (`dequantize_rows`, one Triton launch) and multiplied by
+    cuBLAS into its columns of the output. A prefill chunk is compute-bound:
+    cuBLAS's tensor-core GEMM is what it needs, and the dequantization
+    reads each packed weight once per chunk. The slice is sized to stay in
+    L2 between the two launches, so the bf16 copy costs L2 traffic, not HBM.
+  * `gemm`: rows between the two. Each K tile of the weight is dequantized
+    into the activation dtype and fed to tl.dot. 4-bit tiles are used as two
+    halves (even and odd k, the low and high nibbles) against x's even and
+    odd columns, so nothing is interleaved in registers.
 
 Both accumulate in fp32. `reference_matmul` (dequantize, then matmul) is what
 the CPU runs and what the tests compare against.
@@ -23,6 +30,8 @@ import triton
 import triton.language as tl
 
 from engine.quant.tensor import QuantTensor
+from engine.quant.workspace import (DEQUANT_BLOCK_N, dense_gemm_min_rows, slice_rows,
+                                    workspace_bytes)
 
 from engine.quant.gemv import GEMV_MAX_ROWS, gemv  # noqa: F401  (the decode path)
 
@@ -129,6 +138,37 @@ def _gemm_kernel(x_ptr, qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _dequantize_rows_kernel(qw_ptr, d_ptr, sc_ptr, dmin_ptr, m_ptr, out_ptr,
+                            first_row, rows, K, stride_o,
+                            BITS: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+                            ASYM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r, :] = the weight's row first_row + r, dequantized (r < rows)."""
+    NG: tl.constexpr = BLOCK_K // G
+    local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = first_row + local
+    n_ok = local < rows
+    k0 = tl.program_id(1) * BLOCK_K
+    g_ids = k0 // G + tl.arange(0, NG)
+    g_mask = n_ok[:, None] & (g_ids < K // G)[None, :]
+    scale, minimum = _group_scales(d_ptr, sc_ptr, dmin_ptr, m_ptr, offs_n, g_ids, g_mask,
+                                   K, G, S, ASYM, True)
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = n_ok[:, None] & (k < K)[None, :]
+    if BITS == 4:
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(qw_ptr + offs_n[:, None] * (K // 2) + j[None, :],
+                         mask=n_ok[:, None] & (j < K // 2)[None, :], other=0)
+        codes = tl.interleave(packed & 0xF, packed >> 4)  # byte j holds k = 2j, 2j + 1
+    else:
+        codes = tl.load(qw_ptr + offs_n[:, None] * K + k[None, :], mask=k_ok, other=0)
+    q = tl.reshape(codes.to(tl.float32), [BLOCK_N, NG, G])
+    # QuantTensor's order: (d * sc) * q - dmin * m, in fp32
+    w = tl.reshape(q * scale[:, :, None] - minimum[:, :, None], [BLOCK_N, BLOCK_K])
+    tl.store(out_ptr + local[:, None] * stride_o + k[None, :],
+             w.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=k_ok)
+
+
 # ----------------------------------------------------------------- launchers
 
 
@@ -145,6 +185,47 @@ def _block_k(qt: QuantTensor, want: int) -> int:
 def _interpreting() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# K-elements one dequantization program writes (with DEQUANT_BLOCK_N rows: 64 KiB of bf16)
+DEQUANT_BLOCK_K = 1024
+
+
+def dequantize_rows(qt: QuantTensor, first_row: int, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, K] = rows first_row .. first_row + rows of the dense weight,
+    in out's dtype (QuantTensor.dequantize's values: fp32 math, then rounded)."""
+    rows, k_dim = out.shape
+    if k_dim != qt.in_features or not 0 <= first_row <= qt.out_features - rows:
+        raise ValueError(f"rows {first_row}..{first_row + rows} x {k_dim} are not inside the "
+                         f"{qt.out_features} x {qt.in_features} weight")
+    if out.stride(1) != 1:
+        raise ValueError("dequantize_rows writes rows of contiguous columns")
+    block_k = max(DEQUANT_BLOCK_K, qt.superblock)
+    grid = (triton.cdiv(rows, DEQUANT_BLOCK_N), triton.cdiv(k_dim, block_k))
+    _dequantize_rows_kernel[grid](
+        *_parts(qt), out, first_row, rows, k_dim, out.stride(0),
+        BITS=qt.bits, G=qt.group, S=qt.superblock, ASYM=qt.asymmetric,
+        BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=block_k)
+    return out
+
+
+def workspace_matmul(x: torch.Tensor, qt: QuantTensor, budget_bytes: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype: the weight a slice of rows at a time,
+    dequantized into a workspace of at most `budget_bytes` (default
+    workspace_bytes()), times x by the dense matmul into its output columns."""
+    m_rows, k_dim = x.shape
+    n_dim = qt.out_features
+    if out is None:
+        out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
+    step = slice_rows(n_dim, k_dim, budget_bytes or workspace_bytes(), x.element_size())
+    workspace = torch.empty(step, k_dim, dtype=x.dtype, device=x.device)
+    for first in range(0, n_dim, step):
+        rows = min(step, n_dim - first)
+        w = dequantize_rows(qt, first, workspace[:rows])
+        # a column slice of a row-major output is a strided matrix cuBLAS writes in place
+        torch.mm(x, w.t(), out=out[:, first:first + rows])
+    return out
 
 
 def gemm(x: torch.Tensor, qt: QuantTensor, block_m: int = 64, block_n: int = 64,
@@ -177,6 +258,10 @@ def triton_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = 
         y = x2.new_empty(0, qt.out_features)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
         y = gemv(x2, qt, bias=bias, l2_prefetch=l2_prefetch)
+    elif x2.shape[0] >= dense_gemm_min_rows() and workspace_bytes():
+        y = workspace_matmul(x2, qt)
+        if bias is not None:
+            y = y + bias
     else:
         y = gemm(x2, qt)
         if bias is not None:

@@ -1,0 +1,44 @@
+"""How a quantized prefill matmul is split: from how many rows it
+dequantizes the weight into a bf16 workspace for cuBLAS, and how large that
+workspace is (engine/quant/kernels.py `workspace_matmul` runs it; the
+capacity plan counts the workspace). No triton here: the plan imports it.
+
+Owns the two switches and the slice arithmetic; must not know the kernels."""
+from __future__ import annotations
+
+from engine.switches import one_of
+
+WORKSPACE_ENV = "TANDEM_QUANT_GEMM_WORKSPACE_MB"
+MIN_ROWS_ENV = "TANDEM_QUANT_GEMM_DENSE_MIN_ROWS"
+# Rows one dequantization program writes (kernels.py); a slice holds whole tiles of them.
+DEQUANT_BLOCK_N = 32
+
+
+def workspace_bytes() -> int:
+    """The bf16 workspace one dequantized weight slice may fill
+    (TANDEM_QUANT_GEMM_WORKSPACE_MB; 0: prefill chunks run the fused `gemm`).
+    The default leaves room in the H100's and H200's 50 MB L2 for the
+    chunk's activations beside it."""
+    return (one_of(WORKSPACE_ENV, 16, (0, 4, 8, 16, 32, 64, 128, 256)) or 0) << 20
+
+
+def dense_gemm_min_rows() -> int:
+    """Rows from which a quantized matmul dequantizes into the workspace and
+    runs cuBLAS (TANDEM_QUANT_GEMM_DENSE_MIN_ROWS); fewer run the fused `gemm`."""
+    return one_of(MIN_ROWS_ENV, 64, (9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+
+
+def slice_rows(out_features: int, in_features: int, budget_bytes: int, element_bytes: int) -> int:
+    """Weight rows per workspace slice: as many as `budget_bytes` holds, in
+    whole dequantization tiles, at least one tile, at most the whole weight."""
+    rows = budget_bytes // (in_features * element_bytes) // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N
+    return min(max(rows, DEQUANT_BLOCK_N), out_features)
+
+
+def planned_workspace_bytes(largest_in_features: int, element_bytes: int) -> int:
+    """What one prefill worker holds for the workspace: a slice of the
+    widest-K weight (at least one tile, so a tiny budget can round up)."""
+    if not workspace_bytes():
+        return 0
+    rows = slice_rows(1 << 30, largest_in_features, workspace_bytes(), element_bytes)
+    return rows * largest_in_features * element_bytes

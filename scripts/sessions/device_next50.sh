@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# 12-05 evening: issue 7's int4 prefill (never measured against llama.cpp's
+# 2,460 tok/s at 4K) with the new dequantize-into-a-workspace + cuBLAS path
+# beside the fused Triton gemm, and why the service's greedy parity fails on
+# CUDA. Chained calls on one warm machine (it goes back after 30 s idle):
+#   bash scripts/sessions/device_next50.sh prefill  (carry .whl .device/gguf.part.aa)
+#   bash scripts/sessions/device_next50.sh probe    (carry .device/gguf.part.ab)
+#   bash scripts/sessions/device_next50.sh service  (carry .device/gguf.part.ac)
+set -uo pipefail
+call=${1:?prefill, probe or service}
+source scripts/device_env.sh
+park_parts
+int4_prefill() {  # int4_prefill NAME TOKENS...: the 27B dummy's prefill, int4 weights, rk4 KV
+  local name=$1; shift
+  STEP_TAIL=5 step "$name" 240 python3 -m bench.prefill --model qwen3.5-27b --device cuda \
+    --weights int4 --kv-format rk4 --tokens "$@" --chunk 4096 --repeats 1
+}
+case "$call" in
+  prefill)
+    STEP_TAIL=4 step quant_tests 200 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_quant_kernels.py -k "dequantize_rows or workspace or gemm or dispatch"
+    STEP_TAIL=40 step quant_gemm 200 python3 -m bench.quant_gemm --rows 128 512 2048 4096 \
+      --workspace-mb 8 16 32 128 --json "$OUT/quant_gemm.json"
+    int4_prefill prefill_int4 4096 32768
+    TANDEM_QUANT_GEMM_WORKSPACE_MB=0 int4_prefill prefill_int4_fused 4096 ;;
+  probe)
+    STEP_TAIL=5 step prefill_bf16 150 python3 -m bench.prefill --model qwen3.5-27b --device cuda \
+      --kv-format rk4 --tokens 4096 --chunk 4096 --repeats 1
+    TANDEM_QUANT_GEMM_DENSE_MIN_ROWS=4096 int4_prefill prefill_int4_chunk512_fused 4096 --chunk 512
+    int4_prefill prefill_int4_chunk512 4096 --chunk 512
+    step_27b int4_step
+    STEP_TAIL=12 step probe_tiny 200 python3 scripts/sessions/parity_probe.py tiny-qwen3.5 \
+      TANDEM_FLA=0 TANDEM_FUSED_GDN=0 TANDEM_FUSED_NORMS=0 TANDEM_DENSE_GEMV=0 TANDEM_PDL=0 ;;
+  service)
+    assemble_gguf
+    STEP_TAIL=12 step probe_embedded 200 python3 scripts/sessions/parity_probe.py embedded \
+      TANDEM_FUSED_NORMS=0 TANDEM_DENSE_GEMV=0 TANDEM_PDL=0
+    STEP_TAIL=12 step service_cuda 240 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+      -p no:cacheprovider tests/test_service.py tests/test_service_hybrid.py -x -k "greedy or concurrent or agent" ;;
+esac
