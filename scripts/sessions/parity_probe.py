@@ -10,7 +10,11 @@ switch of the GPU path turned off in turn (a subprocess each). A bug shows
 as one path (or one switch) far from the others; rounding as all of them
 at about the same distance.
 
-    python scripts/sessions/parity_probe.py MODEL [SWITCH=VALUE ...]
+    [PROBE_KV=bf16] python scripts/sessions/parity_probe.py MODEL [SWITCH=VALUE ...]
+
+PROBE_KV: the KV format of every path, the service's included (default rk4,
+the tests' format; on the CPU, bf16 compute against fp32 moves rk4's logits
+by 5-7 units on the embedded model, bf16 KV's by 0.6, 12-05).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 
 PAGE = 16
 NEW = 20
+KV = os.environ.get("PROBE_KV", "rk4")
 
 
 def prompt_of(loaded) -> list[int]:
@@ -36,8 +41,9 @@ def forced_logits(loaded, tokens: list[int], chunks: list[int]) -> torch.Tensor:
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
 
+    options = {"dtype": loaded.dtype} if KV == "bf16" else {}
     cache = PagedKVCache(loaded.config, CacheShape(-(-len(tokens) // PAGE), PAGE, 1),
-                         loaded.device, make_format("rk4"))
+                         loaded.device, make_format(KV, **options))
     table = tuple(range(cache.shape.num_pages))
     slot = 0 if loaded.config.is_hybrid else -1
     out, start = [], 0
@@ -57,7 +63,7 @@ def one_run(model: str, device: str) -> dict:
 
     loaded = load_model(None if model == "embedded" else model, device=device, progress=False)
     prompt = prompt_of(loaded)
-    engine = OfflineEngine(loaded, EngineConfig(max_batch=1, kv_format="rk4"))
+    engine = OfflineEngine(loaded, EngineConfig(max_batch=1, kv_format=KV))
     ids = engine.generate_ids(prompt, SamplingParams(temperature=0.0, max_new_tokens=NEW,
                                                      ignore_eos=True))
     return {"ids": ids, "prompt": prompt}
@@ -97,7 +103,7 @@ def main() -> None:
     tokens = ref["prompt"] + ref["ids"]
     ref = run_child(model, "cpu", tokens, {})
     base = torch.tensor(ref["whole"])
-    print(f"{model}: CPU fp32 ids {ref['ids']}")
+    print(f"{model}, {KV} KV: CPU fp32 ids {ref['ids']}")
     print(f"  CPU top1 - top2 per position: "
           f"{[round(x, 3) for x in (base.topk(2, -1).values[:, 0] - base.topk(2, -1).values[:, 1]).tolist()]}")
     print(f"  CPU split vs whole: {(torch.tensor(ref['split']) - base).abs().max().item():.4f}")
@@ -129,7 +135,8 @@ def service_probe(model: str, ref: dict, base: torch.Tensor) -> None:
     from tests.test_service import Service, _generate
     from engine.loader import load_model
 
-    svc = Service(tempfile.mkdtemp(), model=None if model == "embedded" else model)
+    svc = Service(tempfile.mkdtemp(), model=None if model == "embedded" else model,
+                  extra=("--kv-format", KV))
     try:
         ids, _, _ = _generate(svc.stub, token_ids=pb.TokenIds(ids=ref["prompt"]),
                               sampling=pb.SamplingParameters(temperature=0.0),
