@@ -29,6 +29,19 @@ from tandem.wire import pack_token_ids
 
 PAGE = 16
 DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")  # set to cuda on the GPU machine
+# The oracle for served greedy tokens is the offline engine on the CPU in fp32.
+# On the CPU the service runs the same fp32 arithmetic: its tokens must be equal.
+# On a GPU it computes in bf16 (engine/loader.default_dtype): each token must be
+# the fp32 argmax or within GPU_GREEDY_GAP of it, teacher forced (a wrong page or
+# state misses by whole units). rk4's 4-bit codes turn bf16 rounding into logit
+# moves of 5-7 units on the embedded model: on the CPU (12-05, 8 prompts) its
+# bf16 greedy tokens lie up to 1.25 under the fp32 argmax with rk4 KV and up to
+# 0.19 with bf16 KV (transformers' own bf16 logits move 0.53 against its fp32).
+# No bound that still catches a bug covers rk4 under bf16, so on a GPU these
+# services keep bf16 KV; rk4's kernels have their own tests against references.
+ON_GPU = DEVICE != "cpu"
+SERVICE_KV = "bf16" if ON_GPU else "rk4"
+GPU_GREEDY_GAP = 0.5
 
 
 def _free_port() -> int:
@@ -48,7 +61,7 @@ class Service:
         self.port, self.metrics_port = _free_port(), _free_port()
         self.http_port = _free_port() if http else 0
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", "--device", DEVICE, "--kv-format", "rk4",
+            [sys.executable, "-m", "tandem.cli", "serve", "--device", DEVICE, "--kv-format", SERVICE_KV,
              "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--http-port", str(self.http_port), *(["--api-key", api_key] if api_key else []),
              "--max-context-tokens", "8192", "--live-slots", "12", "--max-batch", "8",
@@ -114,8 +127,38 @@ def service(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    return OfflineEngine(load_model(progress=False),
-                         EngineConfig(max_batch=1, max_context=8192, kv_format="rk4"))
+    return oracle_engine()
+
+
+def oracle_engine(model: str | None = None) -> OfflineEngine:
+    """The offline engine the services here are held to: CPU, fp32, SERVICE_KV."""
+    return OfflineEngine(load_model(model, progress=False),
+                         EngineConfig(max_batch=1, max_context=8192, kv_format=SERVICE_KV))
+
+
+def assert_greedy(offline: OfflineEngine, prompt: list[int], ids: list[int], max_new_tokens: int,
+                  ignore_eos: bool = False, label: str = "") -> None:
+    """`ids`, served greedily after `prompt`, are the oracle's own (on the CPU),
+    or each within GPU_GREEDY_GAP of its argmax (on a GPU; see SERVICE_KV)."""
+    if not ON_GPU:
+        expected = offline.generate_ids(prompt, SamplingParams(
+            temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
+        assert ids == expected, label
+        return
+    assert_near_greedy(offline, prompt, ids, GPU_GREEDY_GAP, label)
+    if len(ids) < max_new_tokens and not ignore_eos:  # it stopped: at an end token?
+        after = _teacher_forced_logits(offline, prompt, ids, next_too=True)[-1]
+        eos = max(after[t].item() for t in offline.tokenizer.eos_token_ids)
+        assert after.max().item() - eos < GPU_GREEDY_GAP, f"{label}: stopped early"
+
+
+def assert_near_greedy(offline: OfflineEngine, prompt: list[int], ids: list[int], gap: float,
+                       label: str = "") -> None:
+    """Each of `ids` is the oracle's argmax, or under it by less than `gap`,
+    when the oracle is teacher forced along `ids`."""
+    logits = _teacher_forced_logits(offline, prompt, ids)
+    under = logits.max(dim=-1).values - logits[torch.arange(len(ids)), torch.tensor(ids)]
+    assert under.max().item() < gap, f"{label}: under the argmax by {under.tolist()}"
 
 
 def _chat(text):
@@ -140,9 +183,8 @@ def test_greedy_matches_the_offline_engine(service, offline):
     for i, prompt in enumerate(["Name three colours.", "What is 2 + 2? Explain."]):
         ids, text, complete = _generate(service.stub, chat=_chat(prompt), sampling=GREEDY,
                                         max_new_tokens=24, cache_salt=f"greedy-{i}")
-        expected = offline.generate_ids(offline.chat_prompt([{"role": "user", "content": prompt}]),
-                                        SamplingParams(temperature=0.0, max_new_tokens=24))
-        assert ids == expected
+        assert_greedy(offline, offline.chat_prompt([{"role": "user", "content": prompt}]), ids,
+                      24, label=prompt)
         assert text == offline.tokenizer.decode(ids, skip_special_tokens=True)
         assert complete.usage.completion_tokens == len(ids)
 
@@ -152,8 +194,8 @@ def test_concurrent_streams_interleave_correctly(service, offline):
     own prompt. Batched fp32 matmuls round differently from single-row ones,
     and a 4-bit rk4 code can flip on such a difference (~0.1 in a logit), so
     near-ties may flip: every token must be the offline argmax or within 0.3 of
-    it (a wrong stream misses by whole units), checked by teacher forcing the
-    stream through the offline model."""
+    it (on a GPU, GPU_GREEDY_GAP; a wrong stream misses by whole units),
+    checked by teacher forcing the stream through the offline model."""
     prompts = [f"Write one sentence about the number {n}." for n in range(8)]
     results = [None] * 8
 
@@ -175,23 +217,25 @@ def test_concurrent_streams_interleave_correctly(service, offline):
         prompt = offline.chat_prompt([{"role": "user", "content": prompts[i]}])
         assert complete.usage.completion_tokens == len(ids) and complete.usage.prompt_tokens == len(prompt)
         assert "\ufffd" not in text and text == offline.tokenizer.decode(ids, skip_special_tokens=True)
-        logits = _teacher_forced_logits(offline, prompt, ids)
-        chosen = logits[torch.arange(len(ids)), torch.tensor(ids)]
-        assert (logits.max(dim=-1).values - chosen).max() < 0.3, i
+        assert_near_greedy(offline, prompt, ids, GPU_GREEDY_GAP if ON_GPU else 0.3, f"stream {i}")
 
 
-def _teacher_forced_logits(offline, prompt, ids):
-    """Logits that predicted each of `ids`, from one offline forward over prompt + ids."""
+def _teacher_forced_logits(offline, prompt, ids, next_too: bool = False):
+    """Logits that predicted each of `ids` (and, next_too, the token after
+    them), from one offline forward over prompt + ids."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
-    from engine.kv import make_format
+    from engine.llm import kv_format_for
 
+    config = offline.loaded.config
     tokens = list(prompt) + list(ids)
-    cache = PagedKVCache(offline.loaded.config, CacheShape(-(-len(tokens) // PAGE), PAGE, 0), "cpu",
-                         make_format("rk4"))
-    seq = SequenceInput(tuple(tokens), 0, tuple(range(cache.shape.num_pages)), -1)
-    logits = offline.model(ForwardBatch.build([seq], PAGE, "cpu"), cache, all_logits=True)
-    return logits[len(prompt) - 1: len(tokens) - 1]
+    kv_format = kv_format_for(SERVICE_KV, PAGE, offline.loaded.dtype)
+    cache = PagedKVCache(config, CacheShape(-(-len(tokens) // PAGE), PAGE, 1), "cpu", kv_format)
+    seq = SequenceInput(tuple(tokens), 0, tuple(range(cache.shape.num_pages)),
+                        0 if config.is_hybrid else -1)
+    with torch.inference_mode():
+        logits = offline.model(ForwardBatch.build([seq], PAGE, "cpu"), cache, all_logits=True)
+    return logits[len(prompt) - 1: len(tokens) - (0 if next_too else 1)].float()
 
 
 def test_next_turn_reuses_the_previous_turn(service):

@@ -16,12 +16,9 @@ import grpc
 import pytest
 import torch
 
-from engine.llm import EngineConfig, OfflineEngine
-from engine.loader import load_model
-from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
 from tandem.v1 import generation_pb2 as pb
-from tests.test_service import DEVICE, Service, _chat, _generate
+from tests.test_service import Service, _chat, _generate, assert_greedy, oracle_engine
 
 PAGE = 16
 GREEDY = pb.SamplingParameters(temperature=0.0)
@@ -67,8 +64,7 @@ def embedded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    return OfflineEngine(load_model(progress=False),
-                         EngineConfig(max_batch=1, max_context=8192, kv_format="rk4"))
+    return oracle_engine()
 
 
 def test_greedy_tokens_equal_the_offline_engine_like_the_shared_topology(embedded, offline):
@@ -76,9 +72,7 @@ def test_greedy_tokens_equal_the_offline_engine_like_the_shared_topology(embedde
     prompt = "Name three colours and say why each of them is nice, in two sentences."
     ids, text, complete = _generate(embedded.stub, chat=_chat(prompt), sampling=GREEDY,
                                     max_new_tokens=12, cache_salt="greedy")
-    expected = offline.generate_ids(offline.chat_prompt([{"role": "user", "content": prompt}]),
-                                    SamplingParams(temperature=0.0, max_new_tokens=12))
-    assert ids == expected
+    assert_greedy(offline, offline.chat_prompt([{"role": "user", "content": prompt}]), ids, 12)
     assert complete.usage.completion_tokens == 12
     assert embedded.metric("tandem_kv_transfer_pages_total") >= -(-complete.usage.prompt_tokens
                                                                   // PAGE)
@@ -251,16 +245,13 @@ def _holder(svc, workers, tokens, salt):
 def _agent_turns_match_offline(svc, salt: str) -> list[int]:
     """Two greedy turns of a conversation (token ids), each equal to the offline
     engine's full recomputation; returns the first prompt and cached_tokens."""
-    offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE),
-                            EngineConfig(max_batch=1, kv_format="rk4"))
+    offline = oracle_engine("tiny-qwen3.5")
     prompt = [(7 * i + 3) % 250 for i in range(40)]
     cached = []
     for turn in range(2):
         ids, _, complete = _generate(svc.stub, token_ids=pb.TokenIds(ids=prompt), sampling=GREEDY,
                                      max_new_tokens=20, ignore_eos=True, cache_salt=salt)
-        expected = offline.generate_ids(prompt, SamplingParams(temperature=0.0, max_new_tokens=20,
-                                                               ignore_eos=True))
-        assert ids == expected, f"turn {turn}"
+        assert_greedy(offline, prompt, ids, 20, ignore_eos=True, label=f"turn {turn}")
         cached.append(complete.usage.cached_tokens)
         prompt = prompt + ids + [(5 * i + turn) % 250 for i in range(10)]
     assert cached[0] == 0 and cached[1] > 0

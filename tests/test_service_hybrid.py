@@ -4,11 +4,8 @@ boundary let the next agent turn skip the conversation so far, and the
 continued output equals the offline engine's full recomputation."""
 import pytest
 
-from engine.llm import EngineConfig, OfflineEngine
-from engine.loader import load_model
-from engine.sampling import SamplingParams
 from tandem.v1 import generation_pb2 as pb
-from tests.test_service import DEVICE, Service, _generate
+from tests.test_service import Service, _generate, assert_greedy, oracle_engine
 
 PAGE = 16
 
@@ -21,17 +18,14 @@ def service(tmp_path_factory):
 
 
 def test_agent_turns_restore_snapshots_and_match_offline(service):
-    offline = OfflineEngine(load_model("tiny-qwen3.5", device=DEVICE),
-                            EngineConfig(max_batch=1, kv_format="rk4"))
+    offline = oracle_engine("tiny-qwen3.5")
     prompt = [(7 * i + 3) % 250 for i in range(40)]
     cached = []
     for turn in range(3):
         ids, _, complete = _generate(service.stub, token_ids=pb.TokenIds(ids=prompt),
                                      sampling=pb.SamplingParameters(temperature=0.0),
                                      max_new_tokens=20, ignore_eos=True, cache_salt="agent")
-        expected = offline.generate_ids(prompt, SamplingParams(temperature=0.0, max_new_tokens=20,
-                                                               ignore_eos=True))
-        assert ids == expected, f"turn {turn}"
+        assert_greedy(offline, prompt, ids, 20, ignore_eos=True, label=f"turn {turn}")
         cached.append(complete.usage.cached_tokens)
         previous = len(prompt) + len(ids)
         prompt = prompt + ids + [(5 * i + turn) % 250 for i in range(10)]

@@ -37,6 +37,9 @@ case "$call" in
       --kv-format rk4 --tokens 4096 --chunk 4096 --repeats 1
     TANDEM_QUANT_GEMM_DENSE_MIN_ROWS=4096 int4_prefill prefill_int4_chunk512_fused 4096 --chunk 512
     int4_prefill prefill_int4_chunk512 4096 --chunk 512
+    assemble_gguf
+    STEP_TAIL=8 step service_cuda 200 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+      -p no:cacheprovider tests/test_service.py tests/test_service_hybrid.py -k "greedy or concurrent or agent"
     step_27b int4_step ;;
   service)  # rk4 against bf16 KV: which paths drift from CPU fp32, and by how much
     assemble_gguf
