@@ -22,10 +22,12 @@ case "$call" in
   prefill)
     STEP_TAIL=4 step quant_tests 200 python3 -m pytest -q -p no:cacheprovider \
       tests/test_quant_kernels.py -k "dequantize_rows or workspace or gemm or dispatch"
-    STEP_TAIL=40 step quant_gemm 200 python3 -m bench.quant_gemm --rows 64 128 256 512 4096 \
-      --workspace-mb 8 16 32 128 --json "$OUT/quant_gemm.json"
+    STEP_TAIL=40 step quant_gemm 150 python3 -m bench.quant_gemm --rows 64 512 4096 \
+      --workspace-mb 16 64 --json "$OUT/quant_gemm.json"
     int4_prefill prefill_int4 4096 32768
-    TANDEM_QUANT_GEMM_WORKSPACE_MB=0 int4_prefill prefill_int4_fused 4096 ;;
+    TANDEM_QUANT_GEMM_WORKSPACE_MB=0 int4_prefill prefill_int4_fused 4096
+    STEP_TAIL=8 step probe_tiny 90 python3 scripts/sessions/parity_probe.py tiny-qwen3.5 TANDEM_PDL=0
+    PROBE_KV=bf16 STEP_TAIL=8 step probe_tiny_bf16kv 80 python3 scripts/sessions/parity_probe.py tiny-qwen3.5 ;;
   long)
     STEP_TAIL=14 step memory_260k 520 python3 -m bench.memory --model qwen3.5-27b --weights int4 \
       --kv-format rk4 --speculative mtp --draft-tokens 3 --device cuda --max-context-tokens 262144 \
@@ -43,9 +45,6 @@ case "$call" in
     step_27b int4_step ;;
   service)  # rk4 against bf16 KV: which paths drift from CPU fp32, and by how much
     assemble_gguf
-    STEP_TAIL=8 step probe_tiny 120 python3 scripts/sessions/parity_probe.py tiny-qwen3.5 \
-      TANDEM_FUSED_GDN=0 TANDEM_PDL=0
-    PROBE_KV=bf16 STEP_TAIL=8 step probe_tiny_bf16kv 100 python3 scripts/sessions/parity_probe.py tiny-qwen3.5
     STEP_TAIL=8 step probe_embedded 120 python3 scripts/sessions/parity_probe.py embedded \
       TANDEM_FUSED_NORMS=0 TANDEM_PDL=0
     PROBE_KV=bf16 STEP_TAIL=8 step probe_embedded_bf16kv 100 python3 scripts/sessions/parity_probe.py embedded ;;
