@@ -96,6 +96,21 @@ def process_gpu_bytes(device: torch.device | str) -> int | None:
 
 
 MiB = 1 << 20
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def grow_segments_in_place() -> None:
+    """Has PyTorch's allocator grow its segments in place (expandable
+    segments) instead of caching one fixed-size segment per request size,
+    unless the environment already configures the allocator. Call before the
+    process's first CUDA allocation.
+
+    Why: a long prompt's prefill asks for slightly larger buffers every chunk
+    (attention over ever more keys), and the caching allocator keeps each
+    outgrown segment. On the H100 (12-05) a 260,000-token prompt in 512-token
+    chunks left the prefill worker's reserve at 4,118 MiB while it never had
+    more than 477 MiB allocated, and the 24 GiB service peaked at 25.9 GiB."""
+    os.environ.setdefault(ALLOCATOR_ENV, "expandable_segments:True")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Iterator
 import grpc
 
 from engine.compiles import CompileWatch, describe, watch_compiles
-from engine.cuda_context import ReserveWatch
+from engine.cuda_context import ReserveWatch, grow_segments_in_place
 from engine.errors import InvalidRequestError, TandemError
 from engine.profiling import Timeline, profiled
 from engine.streams import WorkerStream, yield_to_decode
@@ -352,6 +352,7 @@ def parser():
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    grow_segments_in_place()  # before the store's memory is mapped: the first CUDA call
     return run_server(PROCESS, lambda: _main(args))
 
 

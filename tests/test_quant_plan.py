@@ -123,7 +123,7 @@ def test_the_plan_counts_the_prefill_weight_workspace_only_for_packed_weights(mo
         return plan.line("activation reserve").bytes
 
     packed, dense = reserve("int4"), reserve("bf16")
-    # the widest K is the MLP's 17,408: 16 MiB holds 480 such bf16 rows (whole tiles of 32)
-    assert packed - dense == 480 * 17408 * 2
+    # the widest K is the MLP's 17,408: 64 MiB holds 1,920 such bf16 rows (whole tiles of 32)
+    assert packed - dense == 1920 * 17408 * 2
     monkeypatch.setenv(WORKSPACE_ENV, "0")
     assert reserve("int4") == dense

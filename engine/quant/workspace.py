@@ -17,15 +17,21 @@ DEQUANT_BLOCK_N = 32
 def workspace_bytes() -> int:
     """The bf16 workspace one dequantized weight slice may fill
     (TANDEM_QUANT_GEMM_WORKSPACE_MB; 0: prefill chunks run the fused `gemm`).
-    The default leaves room in the H100's and H200's 50 MB L2 for the
-    chunk's activations beside it."""
-    return (one_of(WORKSPACE_ENV, 16, (0, 4, 8, 16, 32, 64, 128, 256)) or 0) << 20
+    Larger slices won at every row count on the H100 (12-05, bench.quant_gemm,
+    the 27B's layer matrices): 512 rows 168 TFLOP/s at 16 MB, 315 at 64;
+    4,096 rows 600 and 660; the 27B's 4K prefill 10,141 tok/s at 64 MB,
+    10,608 at 128. 64 MB keeps most of that for a small line in the plan."""
+    return (one_of(WORKSPACE_ENV, 64, (0, 4, 8, 16, 32, 64, 128, 256)) or 0) << 20
 
 
 def dense_gemm_min_rows() -> int:
     """Rows from which a quantized matmul dequantizes into the workspace and
-    runs cuBLAS (TANDEM_QUANT_GEMM_DENSE_MIN_ROWS); fewer run the fused `gemm`."""
-    return one_of(MIN_ROWS_ENV, 64, (9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+    runs cuBLAS (TANDEM_QUANT_GEMM_DENSE_MIN_ROWS); fewer run the fused `gemm`.
+    The default, 9, is every matmul wider than the GEMV's 8 rows: at 64 rows
+    the workspace already ran the 27B's layer matrices 3.3x faster than the
+    fused gemm (61 against 204 ms, H100, 12-05), whose cost hardly depends on
+    the rows below its 64-row tile."""
+    return one_of(MIN_ROWS_ENV, 9, (9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
 
 
 def slice_rows(out_features: int, in_features: int, budget_bytes: int, element_bytes: int) -> int:
