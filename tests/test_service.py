@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from engine.config import shape_names
 from engine.llm import EngineConfig, OfflineEngine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
@@ -131,9 +132,21 @@ def offline():
 
 
 def oracle_engine(model: str | None = None) -> OfflineEngine:
-    """The offline engine the services here are held to: CPU, fp32, SERVICE_KV."""
-    return OfflineEngine(load_model(model, progress=False),
-                         EngineConfig(max_batch=1, max_context=8192, kv_format=SERVICE_KV))
+    """The offline engine the services here are held to: CPU, fp32, SERVICE_KV.
+    A dummy shape's weights are drawn by the generator of the device that
+    holds them (engine/weights/dummy.py), so on a GPU the oracle takes the
+    served model's values (bf16, exact in fp32)."""
+    loaded = load_model(model, progress=False)
+    if ON_GPU and model in shape_names():
+        _take_parameters(loaded.model, load_model(model, device=DEVICE, progress=False).model)
+    return OfflineEngine(loaded, EngineConfig(max_batch=1, max_context=8192, kv_format=SERVICE_KV))
+
+
+def _take_parameters(into: torch.nn.Module, source: torch.nn.Module) -> None:
+    values = dict(source.named_parameters())
+    with torch.no_grad():
+        for name, p in into.named_parameters():
+            p.copy_(values[name])
 
 
 def assert_greedy(offline: OfflineEngine, prompt: list[int], ids: list[int], max_new_tokens: int,
