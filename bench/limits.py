@@ -78,6 +78,16 @@ def decode_step_bytes(model, config, kv_format, batch: int, context: int) -> int
             + batch * 2 * gdn_state_bytes(config))
 
 
+def _packed_matmul_weights(model) -> int:
+    """Weights of the packed (low-bit) matrices, which are buffers, not
+    parameters (engine/quant/linear.py); the token table excluded."""
+    from engine.quant.linear import QuantEmbedding
+
+    return sum(m.quant.out_features * m.quant.in_features for n, m in model.named_modules()
+               if hasattr(m, "qweight") and not isinstance(m, QuantEmbedding)
+               and not n.startswith("mtp."))
+
+
 def prefill_flops(model, config, tokens: int, start: int = 0) -> float:
     """Model FLOPs of prefilling `tokens` new tokens after `start` cached ones:
     2 per weight per token for the matmuls (embedding excluded), causal
@@ -85,6 +95,7 @@ def prefill_flops(model, config, tokens: int, start: int = 0) -> float:
     output per token, as matmuls)."""
     params = sum(p.numel() for n, p in model.named_parameters()
                  if not n.startswith("mtp.") and n != "model.embed_tokens.weight")
+    params += _packed_matmul_weights(model)
     if model.lm_head is None:
         params += model.model.embed_tokens.weight.numel()
     flops = 2.0 * params * tokens

@@ -80,6 +80,22 @@ def test_prefill_bench_after_a_cached_prefix(tmp_path, model, kv_format):
         limits.prefill_flops(loaded.model, loaded.config, 24)
 
 
+
+def test_prefill_flops_count_packed_weights_like_dense_ones(tmp_path):
+    """Packed matrices are buffers, not parameters: an int4 model's prefill
+    does the dense model's matmul FLOPs (its MFU is not a hundredth of them),
+    and bench.prefill --weights runs the packed model."""
+    dense, packed = (load_model("tiny-qwen3.5", weights=w, progress=False) for w in ("auto", "int4"))
+    assert any(hasattr(m, "qweight") for m in packed.model.modules())
+    assert limits.prefill_flops(packed.model, packed.config, 24) == \
+        limits.prefill_flops(dense.model, dense.config, 24)
+    out = tmp_path / "prefill.json"
+    assert prefill.main(["--model", "tiny-qwen3.5", "--weights", "int4", "--tokens", "24",
+                         "--chunk", "16", "--repeats", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert r["tflops"] * 1e12 * r["seconds"] == pytest.approx(
+        limits.prefill_flops(dense.model, dense.config, 24))
+
 def test_wire_bench_times_one_turns_prompt_traffic(tmp_path):
     """bench.wire at a small prompt: every step ran on messages that carry the
     prompt (the bench checks the match and the job before timing), and the
