@@ -5,19 +5,22 @@ Three paths, each with the PyTorch reference it is tested against:
   * `gemv` (engine/quant/gemv.py): decode batches of up to GEMV_MAX_ROWS
     rows (the MTP verify width included), built for memory bandwidth; its
     docstring says how.
-  * `workspace_matmul`: prefill chunks of at least `dense_gemm_min_rows()`
-    rows. A slice of the weight's rows at a time is dequantized into a small
-    bf16 workspace (`dequantize_rows`, one Triton launch) and multiplied by
-    cuBLAS into its columns of the output. A prefill chunk is compute-bound:
-    cuBLAS's tensor-core GEMM is what it needs, and the dequantization
-    reads each packed weight once per chunk. The slice is sized to stay in
-    L2 between the two launches, so the bf16 copy costs L2 traffic, not HBM.
-  * `gemm`: rows between the two. Each K tile of the weight is dequantized
-    into the activation dtype and fed to tl.dot. 4-bit tiles are used as two
-    halves (even and odd k, the low and high nibbles) against x's even and
-    odd columns, so nothing is interleaved in registers.
+  * `workspace_matmul`: prefill chunks (from `dense_gemm_min_rows()` rows,
+    by default everything wider than the GEMV). A slice of the weight's rows
+    at a time is dequantized into a bf16 workspace (`dequantize_rows`, one
+    Triton launch) and cuBLAS writes that slice's columns of the output. A
+    prefill chunk is compute-bound: cuBLAS's tensor-core GEMM is what it
+    needs, and each packed weight is dequantized once per chunk. Slices of
+    64 MB beat L2-sized ones of 16 MB (fewer and larger cuBLAS calls; H100,
+    engine/quant/workspace.py has the figures).
+  * `gemm`: the fused path, when the workspace is switched off or below its
+    row threshold. Each K tile of the weight is dequantized into the
+    activation dtype and fed to tl.dot. 4-bit tiles are used as two halves
+    (even and odd k, the low and high nibbles) against x's even and odd
+    columns, so nothing is interleaved in registers. It ran at 15-25 TFLOP/s
+    on the 27B's shapes, untuned.
 
-Both accumulate in fp32. `reference_matmul` (dequantize, then matmul) is what
+All accumulate in fp32. `reference_matmul` (dequantize, then matmul) is what
 the CPU runs and what the tests compare against.
 
 Importing this module imports triton; under TRITON_INTERPRET=1 the kernels
