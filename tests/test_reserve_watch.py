@@ -68,7 +68,8 @@ def test_the_prefill_worker_grows_segments_unless_the_allocator_is_configured(mo
     seen = []
     monkeypatch.setattr(server, "run_server",
                         lambda process, main: seen.append(os.environ.get(ALLOCATOR_ENV)) or 0)
-    monkeypatch.delenv(ALLOCATOR_ENV, raising=False)
+    monkeypatch.setenv(ALLOCATOR_ENV, "recorded")  # so that the end restores what was there
+    monkeypatch.delenv(ALLOCATOR_ENV)
     assert server.main(["--store", "unused.sock", "--socket", "unused.sock"]) == 0
     monkeypatch.setenv(ALLOCATOR_ENV, "max_split_size_mb:64")
     assert server.main(["--store", "unused.sock", "--socket", "unused.sock"]) == 0
