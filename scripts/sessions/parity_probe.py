@@ -1,5 +1,7 @@
 """Why the service's greedy tokens differ from the offline engine's on CUDA
 (12-05: three tests of tests/test_service*.py): rounding or a bug?
+A dummy shape's CPU reference takes the weights CUDA draws (the first probe,
+12-05 14:51, compared two different models).
 
 For one model (tiny-qwen3.5, or the embedded GGUF when present) and the
 hybrid test's prompt: CPU fp32 is the reference. Printed per CUDA path:
@@ -56,12 +58,24 @@ def forced_logits(loaded, tokens: list[int], chunks: list[int]) -> torch.Tensor:
     return torch.cat(out)
 
 
-def one_run(model: str, device: str) -> dict:
-    from engine.llm import EngineConfig, OfflineEngine
+def load(model: str, device: str):
+    """The model on `device`; on the CPU, a dummy shape takes the values CUDA
+    draws (engine/weights/dummy.py draws with each device's own generator)."""
+    from engine.config import shape_names
     from engine.loader import load_model
-    from engine.sampling import SamplingParams
+    from tests.test_service import _take_parameters
 
     loaded = load_model(None if model == "embedded" else model, device=device, progress=False)
+    if device == "cpu" and model in shape_names() and torch.cuda.is_available():
+        _take_parameters(loaded.model, load_model(model, device="cuda", progress=False).model)
+    return loaded
+
+
+def one_run(model: str, device: str) -> dict:
+    from engine.llm import EngineConfig, OfflineEngine
+    from engine.sampling import SamplingParams
+
+    loaded = load(model, device)
     prompt = prompt_of(loaded)
     engine = OfflineEngine(loaded, EngineConfig(max_batch=1, kv_format=KV))
     ids = engine.generate_ids(prompt, SamplingParams(temperature=0.0, max_new_tokens=NEW,
@@ -70,9 +84,7 @@ def one_run(model: str, device: str) -> dict:
 
 
 def logits_run(model: str, device: str, tokens: list[int], n_prompt: int) -> dict:
-    from engine.loader import load_model
-
-    loaded = load_model(None if model == "embedded" else model, device=device, progress=False)
+    loaded = load(model, device)
     whole = forced_logits(loaded, tokens, [len(tokens)])
     split = forced_logits(loaded, tokens, [32, n_prompt, len(tokens)])  # the service's snapshot page
     return {"whole": whole[n_prompt - 1:].tolist(), "split": split[n_prompt - 1:].tolist()}
@@ -133,7 +145,6 @@ def service_probe(model: str, ref: dict, base: torch.Tensor) -> None:
     os.environ["TANDEM_TEST_DEVICE"] = "cuda"
     from tandem.v1 import generation_pb2 as pb
     from tests.test_service import Service, _generate
-    from engine.loader import load_model
 
     svc = Service(tempfile.mkdtemp(), model=None if model == "embedded" else model,
                   extra=("--kv-format", KV))
@@ -143,7 +154,7 @@ def service_probe(model: str, ref: dict, base: torch.Tensor) -> None:
                               max_new_tokens=NEW, ignore_eos=True, cache_salt="probe")
     finally:
         svc.close()
-    loaded = load_model(None if model == "embedded" else model, device="cpu", progress=False)
+    loaded = load(model, "cpu")
     n = len(ref["prompt"])
     forced = forced_logits(loaded, ref["prompt"] + ids, [n + len(ids)])[n - 1:n - 1 + len(ids)]
     gap = forced.max(-1).values - forced.gather(-1, torch.tensor(ids)[:, None])[:, 0]
