@@ -271,7 +271,9 @@ class CapacityPlan:
                      f"({self.draft_slots_per_sequence} per live sequence)",
                      "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
-                     f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens",
+                     f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens"
+                     + (f", with a {format_bytes(self.weight_workspace_bytes)} slice of "
+                        "dequantized weights" if self.weight_workspace_bytes else ""),
                      f"lower --prefill-chunk (now {self.prefill_chunk_tokens}) or "
                      "--max-context-tokens"),
             PlanLine("decode activations", decode,

@@ -120,7 +120,9 @@ def test_the_plan_counts_the_prefill_weight_workspace_only_for_packed_weights(mo
                                 device="cuda", gpu_memory_budget=None)
         inputs = plan_inputs("qwen3.5-27b", weights, "cuda")
         plan = plan_for(options, inputs.config, torch.bfloat16, inputs.weight_bytes, inputs.label)
-        return plan.line("activation reserve").bytes
+        line = plan.line("activation reserve")
+        assert ("dequantized weights" in line.detail) == (plan.weight_workspace_bytes > 0)
+        return line.bytes
 
     packed, dense = reserve("int4"), reserve("bf16")
     # the widest K is the MLP's 17,408: 64 MiB holds 1,920 such bf16 rows (whole tiles of 32)
