@@ -221,7 +221,7 @@ def workspace_matmul(x: torch.Tensor, qt: QuantTensor, budget_bytes: int | None 
     n_dim = qt.out_features
     if out is None:
         out = torch.empty(m_rows, n_dim, dtype=x.dtype, device=x.device)
-    step = slice_rows(n_dim, k_dim, budget_bytes or workspace_bytes(), x.element_size())
+    step = min(slice_rows(k_dim, budget_bytes or workspace_bytes(), x.element_size()), n_dim)
     workspace = torch.empty(step, k_dim, dtype=x.dtype, device=x.device)
     for first in range(0, n_dim, step):
         rows = min(step, n_dim - first)
@@ -261,8 +261,8 @@ def triton_matmul(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = 
         y = x2.new_empty(0, qt.out_features)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
         y = gemv(x2, qt, bias=bias, l2_prefetch=l2_prefetch)
-    elif x2.shape[0] >= dense_gemm_min_rows() and workspace_bytes():
-        y = workspace_matmul(x2, qt)
+    elif x2.shape[0] >= dense_gemm_min_rows() and (budget := workspace_bytes()):
+        y = workspace_matmul(x2, qt, budget)
         if bias is not None:
             y = y + bias
     else:

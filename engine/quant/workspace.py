@@ -34,17 +34,18 @@ def dense_gemm_min_rows() -> int:
     return one_of(MIN_ROWS_ENV, 9, (9, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
 
 
-def slice_rows(out_features: int, in_features: int, budget_bytes: int, element_bytes: int) -> int:
+def slice_rows(in_features: int, budget_bytes: int, element_bytes: int) -> int:
     """Weight rows per workspace slice: as many as `budget_bytes` holds, in
-    whole dequantization tiles, at least one tile, at most the whole weight."""
+    whole dequantization tiles, at least one tile."""
     rows = budget_bytes // (in_features * element_bytes) // DEQUANT_BLOCK_N * DEQUANT_BLOCK_N
-    return min(max(rows, DEQUANT_BLOCK_N), out_features)
+    return max(rows, DEQUANT_BLOCK_N)
 
 
 def planned_workspace_bytes(largest_in_features: int, element_bytes: int) -> int:
     """What one prefill worker holds for the workspace: a slice of the
     widest-K weight (at least one tile, so a tiny budget can round up)."""
-    if not workspace_bytes():
+    budget = workspace_bytes()
+    if not budget:
         return 0
-    rows = slice_rows(1 << 30, largest_in_features, workspace_bytes(), element_bytes)
-    return rows * largest_in_features * element_bytes
+    return slice_rows(largest_in_features, budget, element_bytes) * largest_in_features \
+        * element_bytes
