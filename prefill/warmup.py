@@ -13,8 +13,11 @@ warm-up runs jobs the same way (warm_up_jobs), each resuming the previous
 one's snapshot. The first job's context reaches 64 key tiles, past which
 short batches always split their keys 64 ways, so the split count long
 contexts use is compiled too; a short chunk over it splits its keys as an
-agent turn does (attention.prefill_key_splits). The decode worker reads the
-same kernels from Triton's disk cache.
+agent turn does (attention.prefill_key_splits). A last job runs one whole
+chunk with its keys dequantized inside the attention kernel
+(attention.paged_prefill_attention), the path chunks take once their keys
+outgrow the dense workspace (past 64K on the 27B). The decode worker reads
+the same kernels from Triton's disk cache.
 On the GPU only (off it nothing compiles). Every page and slot goes back to
 the store, whatever happens."""
 from __future__ import annotations
@@ -23,7 +26,9 @@ import time
 
 import torch
 
-from engine.kv.attention import PREFILL_KEY_SPLITS, PREFILL_MIN_TILES_PER_SPLIT, tiles_for
+from engine.kv.attention import (PREFILL_DOT_BF16_FROM, PREFILL_KEY_SPLITS,
+                                 PREFILL_MIN_TILES_PER_SPLIT, paged_prefill_attention,
+                                 tiles_for)
 from engine.kv.attention_kernels import MAX_SPLITS
 from kvstore.client import StoreClient
 from prefill.runner import PrefillJob, run_prefill
@@ -66,6 +71,20 @@ def warm_up_jobs(length: int, page: int) -> tuple[tuple[int, int], ...]:
             (short, short + 12), (short, short + 5))
 
 
+def paged_chunk_job(length: int, page: int, chunk: int,
+                    pool_tokens: int) -> tuple[int, int] | None:
+    """(start, stop) of the job that runs one whole `chunk` over the first
+    job's context with the keys dequantized in-kernel: from job 3's snapshot,
+    as jobs 4 and 5 (its keys then split as a long context's do). Cut to
+    what a small pool holds beside the first job, less four pages for the
+    decode worker's warm-up, which may run meanwhile; None when
+    that is no chunk at all (a chunk of up to PREFILL_DOT_BF16_FROM tokens
+    never takes the dense workspace)."""
+    short = length + 3 * page
+    new_tokens = min(chunk, pool_tokens - short - 4 * page)
+    return (short, short + new_tokens) if new_tokens > PREFILL_DOT_BF16_FROM else None
+
+
 def warm_up(store: StoreClient, chunk: int) -> float:
     """Runs the warm-up's jobs on pages and slots it takes from the store
     and gives back; returns its seconds (0.0 when the store is too small)."""
@@ -75,14 +94,16 @@ def warm_up(store: StoreClient, chunk: int) -> float:
     info, cache = store.info, store.cache
     page = info.page_size
     jobs = warm_up_jobs(length, page)
-    end = max(stop for _, stop in jobs)
+    paged_job = paged_chunk_job(length, page, chunk, info.num_pages * page)
+    end = max(max(stop for _, stop in jobs), paged_job[1] if paged_job else 0)
     hybrid = info.config.is_hybrid
     started = time.perf_counter()
     with store.scratch_sequence(end, 2 if hybrid else 0) as scratch:
         pages, open_ids = scratch.pages, scratch.open_pages
         state, snapshot = scratch.slots[:2] if hybrid else (-1, -1)
         tokens = tuple((7 * i + 3) % info.config.vocab_size for i in range(end))
-        for start, stop in jobs:
+
+        def run(start: int, stop: int) -> None:
             cut = (stop - 1) // page * page  # where the router snapshots a prompt
             job = PrefillJob(WARM_UP_ID, tokens[:stop], start, pages, state,
                              restore_slot=snapshot if hybrid and start else -1,
@@ -90,4 +111,10 @@ def warm_up(store: StoreClient, chunk: int) -> float:
                              open_pages=open_ids)
             run_prefill(store.model, cache, job, chunk,
                         open_pages=cache.open_pages_for(open_ids, pages))
+
+        for start, stop in jobs:
+            run(start, stop)
+        if paged_job:
+            with paged_prefill_attention():
+                run(*paged_job)
     return time.perf_counter() - started

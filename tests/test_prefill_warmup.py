@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.kv.attention import paged_prefill_asked, paged_prefill_attention
 from kvstore.client import StoreClient
 from prefill import warmup
 from tests.test_kvstore_process import StoreProcess, _conserved
@@ -31,7 +32,8 @@ def test_the_warm_up_runs_every_chunk_kind_and_gives_everything_back(store, monk
     real = warmup.run_prefill
 
     def recording(model, cache, job, chunk, **kwargs):
-        ran.append((job.start, len(job.tokens), job.restore_slot, job.snapshots))
+        ran.append((job.start, len(job.tokens), job.restore_slot, job.snapshots,
+                    paged_prefill_asked()))
         return real(model, cache, job, chunk, **kwargs)
 
     monkeypatch.setattr(warmup, "run_prefill", recording)
@@ -44,9 +46,11 @@ def test_the_warm_up_runs_every_chunk_kind_and_gives_everything_back(store, monk
         after = client.stats()
     _conserved(after)
     assert _held(after) == _held(before)
+    assert [paged for *_, paged in ran] == [False] * 5 + [True]
     (start1, end1, restore1, snaps1), (start2, end2, restore2, snaps2), \
         (start3, end3, restore3, snaps3), (start4, end4, restore4, snaps4), \
-        (start5, end5, restore5, snaps5) = ran
+        (start5, end5, restore5, snaps5), (start6, end6, restore6, snaps6) = \
+        [entry[:4] for entry in ran]
     # job 1: chunks, then a one-token chunk after its snapshot; job 2 resumes
     # from that snapshot: 21 tokens, a snapshot a page in; job 3 resumes from
     # it: 33 tokens (its keys split), a snapshot after 32; jobs 4 and 5
@@ -60,6 +64,27 @@ def test_the_warm_up_runs_every_chunk_kind_and_gives_everything_back(store, monk
     assert (start4, end4, snaps4) == (length + 3 * PAGE, length + 3 * PAGE + 12, ())
     assert (start5, end5, snaps5) == (length + 3 * PAGE, length + 3 * PAGE + 5, ())
     assert restore4 == restore5 == snaps3[0][1]
+    # job 6: a whole chunk from there, its keys dequantized in the kernel (as
+    # past the dense workspace), a snapshot at its last page boundary
+    assert (start6, end6) == (length + 3 * PAGE, length + 3 * PAGE + 64)
+    assert restore6 == snaps3[0][1] and snaps6[0][0] == length + 3 * PAGE + 32
+
+
+@pytest.mark.parametrize("chunk, pool, expected", [
+    (512, 100_000, (2144, 2656)),   # the whole chunk
+    (512, 2400, (2144, 2272)),      # what the pool holds beside the first job, less 4 pages
+    (512, 2288, None),              # 16 new tokens never take the dense workspace
+    (16, 100_000, None),
+])
+def test_the_paged_chunk_job_fits_the_pool(chunk, pool, expected):
+    assert warmup.paged_chunk_job(2048, 32, chunk, pool) == expected
+
+
+def test_paged_prefill_attention_is_asked_inside_its_block_only():
+    assert not paged_prefill_asked()
+    with paged_prefill_attention():
+        assert paged_prefill_asked()
+    assert not paged_prefill_asked()
 
 
 def test_a_failed_warm_up_gives_back_its_pages_and_slots(store, monkeypatch):

@@ -11,6 +11,8 @@ nor how pages are written (formats.py).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from dataclasses import dataclass, field
@@ -467,7 +469,6 @@ DENSE_PREFILL_MAX_TOKENS = 65536
 
 
 def dense_prefill_max_tokens() -> int:
-    import os
     raw = os.environ.get("TANDEM_PREFILL_WORKSPACE_TOKENS", "")
     if not raw:
         return DENSE_PREFILL_MAX_TOKENS
@@ -476,14 +477,36 @@ def dense_prefill_max_tokens() -> int:
     return int(raw)
 
 
+# Set inside paged_prefill_attention(): per thread of one process, never shared.
+_PAGED_PREFILL = contextvars.ContextVar("tandem_paged_prefill", default=False)
+
+
+@contextlib.contextmanager
+def paged_prefill_attention():
+    """Prefill chunks run inside this block dequantize their keys inside the
+    attention kernel, as chunks whose keys outgrow the workspace do. The
+    prefill warm-up compiles that path on a short context: a 260,000-token
+    prompt otherwise met it at its 129th chunk and waited 1.3-2.5 s for two
+    compiles mid-request (BENCHMARKS.md, 2026-12-05 14:56)."""
+    token = _PAGED_PREFILL.set(True)
+    try:
+        yield
+    finally:
+        _PAGED_PREFILL.reset(token)
+
+
+def paged_prefill_asked() -> bool:
+    """Whether this thread is inside paged_prefill_attention()."""
+    return _PAGED_PREFILL.get()
+
+
 def dense_prefill_wanted(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                          meta: AttentionMetadata) -> bool:
     """A prefill chunk in bf16 over quantized pages whose keys fit the
-    workspace, unless TANDEM_PREFILL_ATTENTION=paged asks for the in-kernel
-    dequantization."""
-    import os
+    workspace, unless TANDEM_PREFILL_ATTENTION=paged or paged_prefill_attention()
+    asks for the in-kernel dequantization."""
     if (q.dtype != torch.bfloat16 or isinstance(fmt, Bf16Format)
-            or meta.max_new_tokens <= PREFILL_DOT_BF16_FROM
+            or meta.max_new_tokens <= PREFILL_DOT_BF16_FROM or paged_prefill_asked()
             or os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") == "paged"):
         return False
     page_size = next(iter(buffers.values())).shape[1]
