@@ -68,17 +68,6 @@ def keeps_quantized(weights: str, device: torch.device) -> bool:
     return weights == NATIVE or (weights == AUTO and device.type == "cuda")
 
 
-def packs_weights(spec: str | None, weights: str, device: torch.device) -> bool:
-    """Whether the model's matrices will be held packed (low-bit): a dummy
-    shape under a quantizing recipe, a file's own low-bit tensors kept as
-    they are. (A file with no low-bit tensors says yes here too.)"""
-    from engine.quant.recipes import DENSE
-
-    if spec in shape_names():
-        return weights not in (AUTO, DENSE)
-    return keeps_quantized(weights, device)
-
-
 def load_model(spec: str | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, progress: bool = True, seed: int = 0,
                weights: str = AUTO, trained_head: bool = True) -> LoadedModel:
@@ -294,12 +283,13 @@ class PlanInputs(NamedTuple):
     weight_bytes: int  # every parameter as it will be held
     label: str  # how weight_bytes was counted
     embedding_bytes: int  # the token table among them (it may live in host memory)
+    packed_in_features: int = 0  # the longest row of a matrix held packed (0: none is)
 
 
 def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> PlanInputs:
     """The plan's inputs without reading any weight: shapes and HF directories
     from their config, GGUF files from their metadata and tensor table."""
-    from kvstore.plan import weight_bytes_by_prefix
+    from kvstore.plan import weight_bytes_by_prefix, widest_packed_matrix
 
     device = torch.device(device)
     dtype = default_dtype(device)
@@ -308,7 +298,7 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
 
     def counted(config: ModelConfig, recipe, label: str) -> PlanInputs:
         total, table = weight_bytes_by_prefix(config, dtype, recipe, ("", "model.embed_tokens."))
-        return PlanInputs(config, total, label, table)
+        return PlanInputs(config, total, label, table, widest_packed_matrix(config, recipe))
 
     if spec in shape_names():
         recipe = "bf16" if weights == AUTO else weights
@@ -326,9 +316,9 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
         formats = _checkpoint_formats(path, hf, packed)
         return _planned_with_head(counted(config, formats, label), path, dtype)
     from engine.weights.gguf import gguf_plan_inputs
-    hf, nbytes, embedding = gguf_plan_inputs(path, packed, dtype)
-    return _planned_with_head(PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding),
-                              path, dtype)
+    hf, nbytes, embedding, widest = gguf_plan_inputs(path, packed, dtype)
+    return _planned_with_head(PlanInputs(ModelConfig.from_hf(hf), nbytes, label, embedding,
+                                         widest), path, dtype)
 
 
 def _checkpoint_formats(path: Path, hf: dict, packed: bool):

@@ -403,12 +403,24 @@ def weight_bytes_by_prefix(config: ModelConfig, dtype: torch.dtype, weights,
                            prefixes: tuple[str, ...]) -> list[int]:
     """weight_bytes_of for several prefixes over one meta model; `weights` is a
     recipe name or a recipes.Chooser (a checkpoint's own formats)."""
-    from engine.model import CausalLM
     from engine.quant.recipes import recipe_weight_bytes
 
-    with torch.device("meta"):
-        model = CausalLM(config)
+    model = _meta_model(config)
     return [recipe_weight_bytes(model, weights, dtype, prefix) for prefix in prefixes]
+
+
+def _meta_model(config: ModelConfig):
+    from engine.model import CausalLM
+
+    with torch.device("meta"):
+        return CausalLM(config)
+
+
+def widest_packed_matrix(config: ModelConfig, weights) -> int:
+    """recipes.widest_packed_in_features over a meta model of `config`."""
+    from engine.quant.recipes import widest_packed_in_features
+
+    return widest_packed_in_features(_meta_model(config), weights)
 
 
 _UNITS = {"": 1, "b": 1,

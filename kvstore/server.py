@@ -38,6 +38,7 @@ from engine.errors import InvalidRequestError, TandemError
 from engine.config import ModelConfig, shape_names
 from engine.kv.formats import FORMATS, default_page_size
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
+from engine.quant.workspace import planned_workspace_bytes
 from engine.speculative import SpeculativeConfig
 from kvstore.arena import ArenaHandle, Layout, new_store_id, sweep_orphaned_shm
 from kvstore.control import (Allocation, ControlError, FailedPrecondition, InsertResult,
@@ -137,9 +138,12 @@ def host_embeddings(options: ServerOptions, config: ModelConfig) -> bool:
 
 
 def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, weight_bytes: int,
-             weight_format: str = "as stored", embedding_bytes: int = 0) -> CapacityPlan:
+             weight_format: str = "as stored", embedding_bytes: int = 0,
+             packed_in_features: int = 0) -> CapacityPlan:
     """The plan for `config`; --speculative mtp on a model without an MTP head
-    fails here (InvalidRequestError naming `tandem train-mtp`)."""
+    fails here (InvalidRequestError naming `tandem train-mtp`).
+    packed_in_features: the longest row of a matrix held packed (0: none is),
+    which sizes the prefill's dequantization workspace on a GPU."""
     spec = options.speculative
     spec.check_model(config)
     on_gpu = torch.device(options.device).type == "cuda"
@@ -154,19 +158,8 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
         draft_tokens=spec.num_draft_tokens if spec.enabled else 0,
         mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host,
-        weight_workspace_bytes=_weight_workspace(options, config, dtype) if on_gpu else 0)
-
-
-def _weight_workspace(options: ServerOptions, config: ModelConfig, dtype: torch.dtype) -> int:
-    """The prefill's dequantization workspace, where weights stay packed."""
-    from engine.loader import packs_weights
-    from engine.quant.workspace import planned_workspace_bytes
-
-    if not packs_weights(options.model, options.weights, torch.device(options.device)):
-        return 0
-    widest = max(config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim,
-                 config.linear_num_v_heads * config.linear_v_head_dim if config.is_hybrid else 0)
-    return planned_workspace_bytes(widest, dtype.itemsize)
+        weight_workspace_bytes=planned_workspace_bytes(packed_in_features, dtype.itemsize)
+        if on_gpu and packed_in_features else 0)
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
@@ -184,13 +177,14 @@ def start_store(options: ServerOptions) -> Store:
     device = torch.device(options.device)
     dtype = default_dtype(device)
     # plan before loading (from configs and tensor tables): an over-budget store loads nothing
-    config, weight_bytes, weight_format, embedding_bytes = plan_inputs(options.model,
-                                                                       options.weights, device)
+    inputs = plan_inputs(options.model, options.weights, device)
+    config, weight_format, packed_k = inputs.config, inputs.label, inputs.packed_in_features
     plan = None
     if not (options.speculative.uses_mtp and options.model not in shape_names()):
         # (with --speculative mtp, whether a model file has an MTP head, its own
         # mtp.* tensors or a trained head file beside it, is known once loaded)
-        plan = _checked_plan(options, config, dtype, weight_bytes, weight_format, embedding_bytes)
+        plan = _checked_plan(options, config, dtype, inputs.weight_bytes, weight_format,
+                             inputs.embedding_bytes, packed_k)
     store_id = new_store_id()
     trim_stack_reservation(device)  # before the arenas: the context's share is planned
     for path in sweep_orphaned_shm():  # CPU arenas, and any store's host arena
@@ -208,7 +202,7 @@ def start_store(options: ServerOptions) -> Store:
                      for name, t in loaded.model.state_dict().items()}
             table = sum(b for name, b in sizes.items() if name.startswith(HOST_PREFIXES))
             plan = _checked_plan(options, loaded.config, dtype, sum(sizes.values()),
-                                 weight_format, table)
+                                 weight_format, table, packed_k)
         arenas = create_arenas(loaded.model, loaded.config, plan.cache_shape, plan.kv_format.build(),
                                device, store_id,
                                host_embeddings=host_embeddings(options, loaded.config))
@@ -250,8 +244,9 @@ def _dummy_in_arena(options, config, plan, dtype, device, store_id):
 
 
 def _checked_plan(options, config, dtype, weight_bytes, weight_format="as stored",
-                  embedding_bytes=0) -> CapacityPlan:
-    plan = plan_for(options, config, dtype, weight_bytes, weight_format, embedding_bytes)
+                  embedding_bytes=0, packed_in_features=0) -> CapacityPlan:
+    plan = plan_for(options, config, dtype, weight_bytes, weight_format, embedding_bytes,
+                    packed_in_features)
     plan.check()
     print(plan.table(), flush=True)
     return plan

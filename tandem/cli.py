@@ -645,7 +645,7 @@ def _run_plan(args) -> int:
             speculative=_speculative_config(args), embeddings=args.embeddings)
         inputs = plan_inputs(args.model, args.weights, device)
         plan = plan_for(options, inputs.config, default_dtype(device), inputs.weight_bytes,
-                        inputs.label, inputs.embedding_bytes)
+                        inputs.label, inputs.embedding_bytes, inputs.packed_in_features)
     except ValueError as e:
         raise TandemError(str(e)) from e
     try:

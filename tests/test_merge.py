@@ -125,8 +125,10 @@ def test_mixed_formats_stay_split_with_the_same_outputs(mixed_gguf):
     gguf = read_gguf(mixed_gguf, progress=False, keep_quantized=True)
     _same_model(loaded, _per_matrix(loaded.config, gguf.tensors), [1, 5, 9, 2, 7, 3])
     # the plan (read from the tensor table) counts what the split model holds
-    _, planned, _ = gguf_plan_inputs(mixed_gguf, True, torch.float32)
+    _, planned, _, packed_k = gguf_plan_inputs(mixed_gguf, True, torch.float32)
     assert planned == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    # the longest row among the matrices held packed sizes the prefill's workspace
+    assert packed_k == max(m.in_features for m in model.modules() if isinstance(m, QuantLinear))
 
 
 @pytest.mark.parametrize("source", ["mixed-gguf", "q4_k_m-dummy"])

@@ -460,7 +460,18 @@ def test_dispatch_runs_the_workspace_from_its_row_threshold(monkeypatch):
     with pytest.raises(ValueError, match=workspace.WORKSPACE_ENV):
         triton_matmul(x, qt)
 
-def test_quant_linear_weight_goes_through_f_linear():
+
+@pytest.mark.parametrize("in_features", [256, 5120, 6144, 17408, 100_000])
+def test_the_planned_workspace_holds_every_narrower_weights_slice(in_features):
+    """The plan's workspace bounds what workspace_matmul allocates for any
+    packed weight up to the widest K (a narrower K can take the larger slice:
+    rows round down to whole tiles by K)."""
+    planned = workspace.planned_workspace_bytes(in_features, 2)
+    budget = workspace.workspace_bytes()
+    for k in range(32, in_features + 1, 32):
+        assert workspace.slice_rows(k, budget, 2) * k * 2 <= planned, k
+
+
     qt = random_quant(48, 256, 4, 32, 256, True, seed=4).to("cpu")
     layer = QuantLinear(qt, torch.randn(48), torch.float32)
     x = torch.randn(3, 256)

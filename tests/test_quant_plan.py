@@ -79,9 +79,11 @@ def test_recipe_bytes_follow_the_packed_layout():
 
 
 def test_gguf_plan_reads_only_the_tensor_table():
-    config, packed, _, packed_table = plan_inputs(None, "native", "cuda")
-    _, dense, _, dense_table = plan_inputs(None, "bf16", "cuda")
+    config, packed, _, packed_table, packed_k = plan_inputs(None, "native", "cuda")
+    _, dense, _, dense_table, dense_k = plan_inputs(None, "bf16", "cuda")
     assert config.hidden_size == 576
+    # the longest packed row: the MLP's down projection (K = 1,536); none when dequantized
+    assert (packed_k, dense_k) == (1536, 0)
     # SmolLM2's token table, 49152 x 576: Q8_0 in the file (34 bytes per 32), bf16 dequantized
     assert dense_table == 49152 * 576 * 2 and packed_table < dense_table
     # Q4_1 matrices stay 4-bit + scales; bf16 is 16 bits (both count the shipped
@@ -103,7 +105,7 @@ def test_the_embedded_models_trained_head_is_planned_as_serve_loads_it(capsys):
     assert with_head.config.mtp_num_layers == 1
     head_parameters = 1152 * 576 + 3 * 576 + (576 * (576 + 2 * 192 + 576) + 3 * 576 * 1536
                                               + 2 * 576)
-    _, gguf_alone, _ = gguf_plan_inputs(embedded_model_path(), False, torch.float32)
+    _, gguf_alone, *_ = gguf_plan_inputs(embedded_model_path(), False, torch.float32)
     assert with_head.weight_bytes - gguf_alone == head_parameters * 4  # fp32 on the CPU
 
 
@@ -119,13 +121,37 @@ def test_the_plan_counts_the_prefill_weight_workspace_only_for_packed_weights(mo
         options = ServerOptions(socket="unused", model="qwen3.5-27b", weights=weights,
                                 device="cuda", gpu_memory_budget=None)
         inputs = plan_inputs("qwen3.5-27b", weights, "cuda")
-        plan = plan_for(options, inputs.config, torch.bfloat16, inputs.weight_bytes, inputs.label)
+        plan = plan_for(options, inputs.config, torch.bfloat16, inputs.weight_bytes, inputs.label,
+                        packed_in_features=inputs.packed_in_features)
         line = plan.line("activation reserve")
         assert ("dequantized weights" in line.detail) == (plan.weight_workspace_bytes > 0)
         return line.bytes
 
     packed, dense = reserve("int4"), reserve("bf16")
-    # the widest K is the MLP's 17,408: 64 MiB holds 1,920 such bf16 rows (whole tiles of 32)
-    assert packed - dense == 1920 * 17408 * 2
+    # the budget bounds every weight's slice (a tile of the widest K, 17,408, is far less)
+    assert packed - dense == 64 << 20
     monkeypatch.setenv(WORKSPACE_ENV, "0")
     assert reserve("int4") == dense
+
+
+def test_a_gguf_with_no_low_bit_matrix_plans_no_weight_workspace(tmp_path):
+    """A file whose matrices are all F32 loads dense even when asked to keep
+    its weights packed: the plan holds no dequantization workspace for it
+    (it planned one for any file loaded with --weights native)."""
+    from kvstore.server import ServerOptions, plan_for
+    from tests.test_gguf import write_tiny_gguf
+
+    def workspace(path) -> int:
+        inputs = plan_inputs(str(path), "native", "cuda")
+        options = ServerOptions(socket="unused", model=str(path), weights="native",
+                                device="cuda", gpu_memory_budget=None)
+        return plan_for(options, inputs.config, torch.bfloat16, inputs.weight_bytes,
+                        inputs.label, packed_in_features=inputs.packed_in_features
+                        ).weight_workspace_bytes
+
+    write_tiny_gguf(tmp_path / "f32.gguf", "llama")
+    write_tiny_gguf(tmp_path / "q8.gguf", "llama",
+                    types=lambda n: "Q8_0" if n == "blk.0.ffn_down.weight" else None)
+    assert plan_inputs(str(tmp_path / "f32.gguf"), "native", "cuda").packed_in_features == 0
+    assert workspace(tmp_path / "f32.gguf") == 0
+    assert workspace(tmp_path / "q8.gguf") > 0

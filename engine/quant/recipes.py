@@ -218,6 +218,14 @@ def plan_formats(model: nn.Module, recipe: str) -> dict[str, QuantFormat]:
     return plan_layout(model, recipe).formats
 
 
+def widest_packed_in_features(model: nn.Module, recipe: "str | Chooser") -> int:
+    """The longest row (K) among the matrices `recipe` packs; 0 when it
+    packs none (what a prefill's dequantization workspace is sized by)."""
+    chosen = part_formats(model, recipe)
+    return max((k for name, _, _, (_, k) in _matrices(model) if chosen[name] is not None),
+               default=0)
+
+
 def recipe_weight_bytes(model: nn.Module, recipe: "str | Chooser", dense_dtype: torch.dtype,
                         prefix: str = "") -> int:
     """Bytes of `model`'s weights (a meta model is fine) under `recipe`; only

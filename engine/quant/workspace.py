@@ -42,10 +42,10 @@ def slice_rows(in_features: int, budget_bytes: int, element_bytes: int) -> int:
 
 
 def planned_workspace_bytes(largest_in_features: int, element_bytes: int) -> int:
-    """What one prefill worker holds for the workspace: a slice of the
-    widest-K weight (at least one tile, so a tiny budget can round up)."""
+    """What one prefill worker may hold for the workspace, whichever packed
+    weight runs: a slice never passes the budget unless a single tile of the
+    widest-K weight does (slice_rows takes at least one tile)."""
     budget = workspace_bytes()
     if not budget:
         return 0
-    return slice_rows(largest_in_features, budget, element_bytes) * largest_in_features \
-        * element_bytes
+    return max(budget, DEQUANT_BLOCK_N * largest_in_features * element_bytes)

@@ -91,27 +91,29 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
 
 
 def gguf_plan_inputs(path: str | Path, keep_quantized: bool, dtype: torch.dtype
-                     ) -> tuple[dict[str, Any], int, int]:
+                     ) -> tuple[dict[str, Any], int, int, int]:
     """(HF config, bytes the weights take once loaded, bytes of the token
-    table among them) from the metadata and tensor table alone: nothing is
-    decoded (what `tandem plan` needs)."""
+    table among them, the longest row of a matrix kept packed or 0) from the
+    metadata and tensor table alone: nothing is decoded (what `tandem plan`
+    needs)."""
     path = Path(path)
     reader = open_gguf(path)
     meta = _Metadata(reader, path)
     hf_config = meta.hf_config()
     plan = _tensor_plan(_model_config(hf_config, path), meta)
     _check_plan(plan, meta)
-    total = embedding = 0
+    total = embedding = widest_packed = 0
     for spec in plan:
         kind = meta.tensors[spec.gguf_name].tensor_type.name
         if _stays_packed(spec, kind, keep_quantized):
             nbytes = _packed_nbytes(spec, kind, meta.path)
+            widest_packed = max(widest_packed, spec.file_shape[1])
         else:
             nbytes = math.prod(spec.file_shape) * dtype.itemsize
         total += nbytes
         if spec.gguf_name == "token_embd.weight":
             embedding += nbytes
-    return hf_config, total, embedding
+    return hf_config, total, embedding, widest_packed
 
 
 # ===========================================================================
