@@ -460,7 +460,21 @@ def _devices(args) -> list[str]:
                                                    and d[5:].isdigit())]
     if bad:
         raise TandemError(f"--devices: {bad[0]!r} is not cpu, cuda or cuda:N")
+    if args.kv_transfer == "dist":
+        _check_one_rank_per_gpu(given)
     return given
+
+
+def _check_one_rank_per_gpu(devices: list[str]) -> None:
+    """NCCL refuses two ranks of a group on one GPU ("Duplicate GPU
+    detected"), and only once both have started and a transfer is asked."""
+    named = [d if d != "cuda" else "cuda:0" for d in devices if d != "cpu"]
+    shared = sorted({d for d in named if named.count(d) > 1})
+    if shared:
+        raise TandemError(
+            f"--kv-transfer dist puts {named.count(shared[0])} workers on {shared[0]}, and NCCL "
+            "joins one rank per GPU: give each worker its own GPU with --devices (e.g. "
+            "cuda:0,cuda:1), or copy between the stores on one GPU with --kv-transfer peer")
 
 
 def _disaggregated_specs(args, socket_dir: str) -> list:

@@ -138,8 +138,25 @@ def oracle_engine(model: str | None = None) -> OfflineEngine:
     served model's values (bf16, exact in fp32)."""
     loaded = load_model(model, progress=False)
     if ON_GPU and model in shape_names():
-        _take_parameters(loaded.model, load_model(model, device=DEVICE, progress=False).model)
+        _take_parameters(loaded.model, _served_dummy(model))
     return OfflineEngine(loaded, EngineConfig(max_batch=1, max_context=8192, kv_format=SERVICE_KV))
+
+
+def _served_dummy(shape: str) -> torch.nn.Module:
+    """The dummy weights a GPU store draws (kvstore/server._dummy_in_arena):
+    load_model's on the device, but for the token table the store keeps in
+    host memory (--embeddings auto, an untied model), which draws from the
+    CPU's generator and so leaves every later draw of the device's stream
+    where load_model's is not (the 12-05 17:11 H200 run: served tokens 2-4
+    under the argmax at every position)."""
+    from engine.weights.dummy import randomize
+    from kvstore.memory import can_host_embeddings
+
+    served = load_model(shape, device=DEVICE, progress=False)
+    if can_host_embeddings(served.config):
+        served.model.model.embed_tokens.to("cpu")
+        randomize(served.model, seed=0)
+    return served.model
 
 
 def _take_parameters(into: torch.nn.Module, source: torch.nn.Module) -> None:

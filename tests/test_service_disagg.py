@@ -18,13 +18,18 @@ import torch
 
 from kvstore.client import StoreClient
 from tandem.v1 import generation_pb2 as pb
-from tests.test_service import Service, _chat, _generate, assert_greedy, oracle_engine
+from tests.test_service import (ON_GPU, Service, _chat, _generate, assert_greedy,
+                                oracle_engine)
 
 PAGE = 16
 GREEDY = pb.SamplingParameters(temperature=0.0)
 
 
 def _disaggregated(directory, prefill: int, decode: int, model=None, method="dist", extra=()):
+    if method == "dist" and ON_GPU and torch.cuda.device_count() < prefill + decode:
+        # NCCL joins one rank per GPU (`tandem serve` refuses the rest): on
+        # fewer GPUs than workers the pages move by CUDA IPC peer copies
+        method = "peer"
     return Service(directory, model=model, extra=(
         "--topology", "disaggregated", "--prefill-workers", str(prefill),
         "--decode-workers", str(decode), "--kv-transfer", method, *extra))

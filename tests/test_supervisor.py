@@ -462,3 +462,22 @@ def test_serve_specs_refuses_socket_paths_too_long_for_unix_sockets():
     args = build_parser().parse_args(["serve", "--device", "cpu"])
     with pytest.raises(TandemError, match="TMPDIR"):
         serve_specs(args, "/tmp/" + "d" * 120)
+
+
+def test_dist_transfers_refuse_two_workers_on_one_gpu_before_anything_starts():
+    """On one H200 the disaggregated service started, then its first request
+    failed: NCCL's "Duplicate GPU detected : rank 1 and rank 0 both on CUDA
+    device" (12-05 17:11). Peer copies on one GPU, and one GPU a worker, go."""
+    from engine.errors import TandemError
+
+    def specs(*flags):
+        args = build_parser().parse_args(["serve", "--topology", "disaggregated", *flags])
+        return serve_specs(args, "/tmp/t")
+
+    for flags in (["--device", "cuda"], ["--devices", "cuda:0,cuda"],
+                  ["--prefill-workers", "2", "--devices", "cuda:0,cuda:1,cuda:1"]):
+        with pytest.raises(TandemError, match=r"--kv-transfer peer"):
+            specs(*flags)
+    specs("--device", "cuda", "--kv-transfer", "peer")
+    specs("--devices", "cuda:0,cuda:1")
+    specs("--device", "cpu")  # gloo takes any number of ranks

@@ -7,6 +7,11 @@
 #   bash scripts/sessions/device_next51.sh long     (carry .whl .device/gguf.part.aa)
 #   bash scripts/sessions/device_next51.sh step     (carry .whl .device/gguf.part.ab)
 #   bash scripts/sessions/device_next51.sh service  (carry .whl .device/gguf.part.ac)
+# then, on a fresh machine (17:17: 3 service tests failed; the oracle and
+# the single-GPU transfer fixed):
+#   bash scripts/sessions/device_next51.sh profile  (carry .whl .device/gguf.part.aa)
+#   bash scripts/sessions/device_next51.sh dummies  (carry .whl .device/gguf.part.ab)
+#   bash scripts/sessions/device_next51.sh embedded (carry .whl .device/gguf.part.ac)
 set -uo pipefail
 call=${1:?long, step or service}
 source scripts/device_env.sh
@@ -30,4 +35,18 @@ case "$call" in
       -p no:cacheprovider tests/test_service.py tests/test_service_hybrid.py \
       tests/test_service_disagg.py -k "greedy or concurrent or agent or parity"
     PROBE_KV=bf16 STEP_TAIL=8 step probe_embedded_bf16kv 100 python3 scripts/sessions/parity_probe.py embedded ;;
+  profile)  # where a 512-token chunk's time goes with int4 weights; the warm-up's GPU tests
+    STEP_TAIL=40 step prefill_profile 200 python3 -m bench.prefill --model qwen3.5-27b \
+      --device cuda --weights int4 --kv-format rk4 --tokens 4096 --chunk 512 --repeats 1 --profile
+    STEP_TAIL=4 step warmup_tests 200 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_cuda.py -k "compile or reuse or warm" ;;
+  dummies)
+    STEP_TAIL=12 step service_dummies 400 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+      -p no:cacheprovider tests/test_service_hybrid.py tests/test_service_disagg.py \
+      -k "not embedded and (hybrid or agent or two_by_two or prefix or cancel or full or cache)" ;;
+  embedded)
+    assemble_gguf
+    STEP_TAIL=12 step service_embedded 400 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+      -p no:cacheprovider tests/test_service.py tests/test_service_disagg.py \
+      -k "greedy or concurrent or bit_exact or next_turn_moves" ;;
 esac
