@@ -4,6 +4,7 @@ printed as one line on stderr with exit status 2, never as a traceback."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from engine.errors import TandemError
@@ -417,8 +418,6 @@ def _check_serve_flags(args) -> None:
 
 
 def _socket_paths(socket_dir: str, names) -> dict:
-    import os
-
     sock = {name: os.path.join(socket_dir, f"{name}.sock") for name in names}
     too_long = [p for p in sock.values() if len(os.fsencode(p)) > _UNIX_PATH_MAX]
     if too_long:
@@ -467,14 +466,18 @@ def _devices(args) -> list[str]:
 
 def _check_one_rank_per_gpu(devices: list[str]) -> None:
     """NCCL refuses two ranks of a group on one GPU ("Duplicate GPU
-    detected"), and only once both have started and a transfer is asked."""
+    detected"), and only once both have started and a transfer is asked.
+    (transfer.group.BACKEND_ENV, spelled out: this process never imports torch.)"""
+    if os.environ.get("TANDEM_TRANSFER_BACKEND", "").strip() not in ("", "nccl"):
+        return  # gloo: through host memory, any number of ranks a GPU
     named = [d if d != "cuda" else "cuda:0" for d in devices if d != "cpu"]
     shared = sorted({d for d in named if named.count(d) > 1})
     if shared:
         raise TandemError(
             f"--kv-transfer dist puts {named.count(shared[0])} workers on {shared[0]}, and NCCL "
             "joins one rank per GPU: give each worker its own GPU with --devices (e.g. "
-            "cuda:0,cuda:1), or copy between the stores on one GPU with --kv-transfer peer")
+            "cuda:0,cuda:1), copy between the stores on one GPU with --kv-transfer peer, or "
+            "send through host memory with TANDEM_TRANSFER_BACKEND=gloo")
 
 
 def _disaggregated_specs(args, socket_dir: str) -> list:
@@ -537,8 +540,6 @@ def _free_tcp_port() -> int:
 
 
 def _gateway_specs(args) -> list:
-    import os
-
     from tandem.supervisor import ProcessSpec
 
     specs = []
@@ -564,8 +565,6 @@ def _local_target(host: str, port: int) -> str:
 
 def _default_device() -> str:
     """cuda when NVML sees a GPU we may use, else cpu (without importing torch)."""
-    import os
-
     if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return "cpu"
     try:

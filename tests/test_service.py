@@ -57,7 +57,8 @@ class Service:
     override the defaults here, e.g. --kv-format)."""
 
     def __init__(self, directory, model: str | None = None, http: bool = False,
-                 api_key: str | None = None, extra: tuple[str, ...] = ()):
+                 api_key: str | None = None, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None):
         self.dir = str(directory)
         self.port, self.metrics_port = _free_port(), _free_port()
         self.http_port = _free_port() if http else 0
@@ -67,7 +68,8 @@ class Service:
              "--http-port", str(self.http_port), *(["--api-key", api_key] if api_key else []),
              "--max-context-tokens", "8192", "--live-slots", "12", "--max-batch", "8",
              "--socket-dir", self.dir, *(["--model", model] if model else []), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **env} if env else None)
         self.stderr: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
         line = self.proc.stdout.readline()

@@ -26,13 +26,13 @@ GREEDY = pb.SamplingParameters(temperature=0.0)
 
 
 def _disaggregated(directory, prefill: int, decode: int, model=None, method="dist", extra=()):
-    if method == "dist" and ON_GPU and torch.cuda.device_count() < prefill + decode:
-        # NCCL joins one rank per GPU (`tandem serve` refuses the rest): on
-        # fewer GPUs than workers the pages move by CUDA IPC peer copies
-        method = "peer"
+    # NCCL joins one rank per GPU (`tandem serve` refuses more): on fewer GPUs
+    # than workers the group sends through host memory, by gloo
+    shared_gpu = method == "dist" and ON_GPU and torch.cuda.device_count() < prefill + decode
     return Service(directory, model=model, extra=(
         "--topology", "disaggregated", "--prefill-workers", str(prefill),
-        "--decode-workers", str(decode), "--kv-transfer", method, *extra))
+        "--decode-workers", str(decode), "--kv-transfer", method, *extra),
+        env={"TANDEM_TRANSFER_BACKEND": "gloo"} if shared_gpu else None)
 
 
 def _store(svc: Service, worker: str, map_memory: bool = False) -> StoreClient:

@@ -464,10 +464,11 @@ def test_serve_specs_refuses_socket_paths_too_long_for_unix_sockets():
         serve_specs(args, "/tmp/" + "d" * 120)
 
 
-def test_dist_transfers_refuse_two_workers_on_one_gpu_before_anything_starts():
+def test_dist_transfers_refuse_two_workers_on_one_gpu_before_anything_starts(monkeypatch):
     """On one H200 the disaggregated service started, then its first request
     failed: NCCL's "Duplicate GPU detected : rank 1 and rank 0 both on CUDA
-    device" (12-05 17:11). Peer copies on one GPU, and one GPU a worker, go."""
+    device" (12-05 17:11). Peer copies on one GPU, one GPU a worker, and
+    gloo through host memory go."""
     from engine.errors import TandemError
 
     def specs(*flags):
@@ -481,3 +482,5 @@ def test_dist_transfers_refuse_two_workers_on_one_gpu_before_anything_starts():
     specs("--device", "cuda", "--kv-transfer", "peer")
     specs("--devices", "cuda:0,cuda:1")
     specs("--device", "cpu")  # gloo takes any number of ranks
+    monkeypatch.setenv("TANDEM_TRANSFER_BACKEND", "gloo")  # through host memory
+    specs("--device", "cuda")
