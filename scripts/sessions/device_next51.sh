@@ -41,12 +41,12 @@ case "$call" in
     STEP_TAIL=4 step warmup_tests 200 python3 -m pytest -q -p no:cacheprovider \
       tests/test_cuda.py -k "compile or reuse or warm" ;;
   dummies)
-    STEP_TAIL=12 step service_dummies 400 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+    STEP_TAIL=12 step service_dummies 330 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
       -p no:cacheprovider tests/test_service_hybrid.py tests/test_service_disagg.py \
       -k "not embedded and (hybrid or agent or two_by_two or prefix or cancel or full or cache)" ;;
   embedded)
     assemble_gguf
-    STEP_TAIL=12 step service_embedded 400 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+    STEP_TAIL=12 step service_embedded 300 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
       -p no:cacheprovider tests/test_service.py tests/test_service_disagg.py \
       -k "greedy or concurrent or bit_exact or next_turn_moves" ;;
 esac
