@@ -88,7 +88,17 @@ def _bucket(max_tokens: int) -> int:
 # ---------------------------------------------------------------- conv step
 
 
-@triton.jit
+# A prefill chunk cut at a snapshot runs its part after it on these kernels
+# over row slices of the chunk's per-token tensors (engine/batch.py
+# SnapshotSplit): positions[47:] of an int64 tensor starts 376 bytes in, and
+# Triton compiles a variant per pointer that is or is not 16-byte aligned. A
+# request whose part began at an odd row compiled both kernels anew (H100,
+# 12-05 17:33, tests/test_cuda.py: 0.3-1.7 s each). These pointers feed
+# scalar loads only, so their alignment buys nothing.
+_SCALAR_POINTERS = ("offsets_ptr", "positions_ptr", "in_slots_ptr", "write_slots_ptr")
+
+
+@triton.jit(do_not_specialize_on_alignment=_SCALAR_POINTERS)
 def _conv_step_kernel(mixed_ptr, mixed_stride, windows_ptr, w_stride_slot, w_stride_c,
                       weight_ptr, out_ptr, offsets_ptr, positions_ptr, in_slots_ptr,
                       write_slots_ptr, channels,
@@ -332,7 +342,7 @@ def conv_chunk_reference(mixed, windows, weight, offsets, slots, fresh) -> torch
 # ---------------------------------------------------------- recurrence step
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=(*_SCALAR_POINTERS, "a_ptr", "b_ptr"))
 def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_stride,
                             a_log_ptr, dt_bias_ptr, states_ptr, out_ptr,
                             offsets_ptr, positions_ptr, in_slots_ptr, write_slots_ptr,
