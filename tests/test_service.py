@@ -40,9 +40,17 @@ DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")  # set to cuda on the GPU m
 # 0.19 with bf16 KV (transformers' own bf16 logits move 0.53 against its fp32).
 # No bound that still catches a bug covers rk4 under bf16, so on a GPU these
 # services keep bf16 KV; rk4's kernels have their own tests against references.
+# Dummy weights (tiny-qwen3.5: logits of std ~1, small top-1 margins) move
+# further under bf16: 0.26-1.13 per logit on the CPU (12-05), and on an H100
+# (12-05 17:36) an agent turn's served token lay 1.15 under the fp32 argmax,
+# identically in the shared, gloo and peer topologies. Their gap is
+# GPU_DUMMY_GAP, with a second condition a bug fails and rounding does not:
+# at least GPU_EXACT_SHARE of the tokens are the argmax itself (18 of 20 there).
 ON_GPU = DEVICE != "cpu"
 SERVICE_KV = "bf16" if ON_GPU else "rk4"
 GPU_GREEDY_GAP = 0.5
+GPU_DUMMY_GAP = 1.5
+GPU_EXACT_SHARE = 0.8
 
 
 def _free_port() -> int:
@@ -177,20 +185,30 @@ def assert_greedy(offline: OfflineEngine, prompt: list[int], ids: list[int], max
             temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
         assert ids == expected, label
         return
-    assert_near_greedy(offline, prompt, ids, GPU_GREEDY_GAP, label)
+    gap = gpu_greedy_gap(offline)
+    assert_near_greedy(offline, prompt, ids, gap, label)
     if len(ids) < max_new_tokens and not ignore_eos:  # it stopped: at an end token?
         after = _teacher_forced_logits(offline, prompt, ids, next_too=True)[-1]
         eos = max(after[t].item() for t in offline.tokenizer.eos_token_ids)
-        assert after.max().item() - eos < GPU_GREEDY_GAP, f"{label}: stopped early"
+        assert after.max().item() - eos < gap, f"{label}: stopped early"
+
+
+def gpu_greedy_gap(offline: OfflineEngine) -> float:
+    """How far under the fp32 argmax a bf16 service's token may lie (see above)."""
+    return GPU_DUMMY_GAP if offline.loaded.source.startswith("dummy:") else GPU_GREEDY_GAP
 
 
 def assert_near_greedy(offline: OfflineEngine, prompt: list[int], ids: list[int], gap: float,
                        label: str = "") -> None:
     """Each of `ids` is the oracle's argmax, or under it by less than `gap`,
-    when the oracle is teacher forced along `ids`."""
+    when the oracle is teacher forced along `ids`; past GPU_GREEDY_GAP (dummy
+    weights on a GPU) also GPU_EXACT_SHARE of them the argmax itself."""
     logits = _teacher_forced_logits(offline, prompt, ids)
     under = logits.max(dim=-1).values - logits[torch.arange(len(ids)), torch.tensor(ids)]
     assert under.max().item() < gap, f"{label}: under the argmax by {under.tolist()}"
+    if gap > GPU_GREEDY_GAP:
+        exact = (under == 0).float().mean().item()
+        assert exact >= GPU_EXACT_SHARE, f"{label}: {exact:.0%} argmax, under by {under.tolist()}"
 
 
 def _chat(text):
@@ -249,7 +267,8 @@ def test_concurrent_streams_interleave_correctly(service, offline):
         prompt = offline.chat_prompt([{"role": "user", "content": prompts[i]}])
         assert complete.usage.completion_tokens == len(ids) and complete.usage.prompt_tokens == len(prompt)
         assert "\ufffd" not in text and text == offline.tokenizer.decode(ids, skip_special_tokens=True)
-        assert_near_greedy(offline, prompt, ids, GPU_GREEDY_GAP if ON_GPU else 0.3, f"stream {i}")
+        assert_near_greedy(offline, prompt, ids, gpu_greedy_gap(offline) if ON_GPU else 0.3,
+                           f"stream {i}")
 
 
 def _teacher_forced_logits(offline, prompt, ids, next_too: bool = False):
