@@ -45,12 +45,13 @@ DEVICE = os.environ.get("TANDEM_TEST_DEVICE", "cpu")  # set to cuda on the GPU m
 # (12-05 17:36) an agent turn's served token lay 1.15 under the fp32 argmax,
 # identically in the shared, gloo and peer topologies. Their gap is
 # GPU_DUMMY_GAP, with a second condition a bug fails and rounding does not:
-# at least GPU_EXACT_SHARE of the tokens are the argmax itself (18 of 20 there).
+# at most GPU_WIDE_SHARE of the tokens lie GPU_GREEDY_GAP or more under (2 of
+# 20 there; a wrong page or state misses most tokens by whole units).
 ON_GPU = DEVICE != "cpu"
 SERVICE_KV = "bf16" if ON_GPU else "rk4"
 GPU_GREEDY_GAP = 0.5
 GPU_DUMMY_GAP = 1.5
-GPU_EXACT_SHARE = 0.8
+GPU_WIDE_SHARE = 0.2
 
 
 def _free_port() -> int:
@@ -201,14 +202,16 @@ def gpu_greedy_gap(offline: OfflineEngine) -> float:
 def assert_near_greedy(offline: OfflineEngine, prompt: list[int], ids: list[int], gap: float,
                        label: str = "") -> None:
     """Each of `ids` is the oracle's argmax, or under it by less than `gap`,
-    when the oracle is teacher forced along `ids`; past GPU_GREEDY_GAP (dummy
-    weights on a GPU) also GPU_EXACT_SHARE of them the argmax itself."""
+    when the oracle is teacher forced along `ids`; with a gap past
+    GPU_GREEDY_GAP (dummy weights on a GPU) at most GPU_WIDE_SHARE of them
+    GPU_GREEDY_GAP or more under it."""
     logits = _teacher_forced_logits(offline, prompt, ids)
     under = logits.max(dim=-1).values - logits[torch.arange(len(ids)), torch.tensor(ids)]
     assert under.max().item() < gap, f"{label}: under the argmax by {under.tolist()}"
     if gap > GPU_GREEDY_GAP:
-        exact = (under == 0).float().mean().item()
-        assert exact >= GPU_EXACT_SHARE, f"{label}: {exact:.0%} argmax, under by {under.tolist()}"
+        wide = (under >= GPU_GREEDY_GAP).float().mean().item()
+        assert wide <= GPU_WIDE_SHARE, f"{label}: {wide:.0%} of tokens under the argmax by " \
+            f">= {GPU_GREEDY_GAP}: {under.tolist()}"
 
 
 def _chat(text):
