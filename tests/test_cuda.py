@@ -81,18 +81,22 @@ def test_worker_stream_reuses_the_memory_its_earlier_work_freed():
 
 
 @pytest.mark.parametrize("kv_format", ["int8", "rk4"])
-def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format):
+def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format, monkeypatch):
     """Once prefills have run, prefills of other lengths after other cached
     prefixes reuse their compiled kernels: the sizes that change per request
     are not Triton specializations (engine/compiles.py; on the H200 an agent
     turn that met a new variant waited 1-5 s for it). Each job is cut as the
     router cuts it: a snapshot at the last page boundary before its end, left
     inside the chunk (the GDN part after it on the step kernels or fla). The
-    warm-up's jobs (prefill/warmup.py) come first."""
+    warm-up's jobs (prefill/warmup.py) come first, its chunk of in-kernel
+    dequantizing attention last; a chunk whose keys pass the dense workspace
+    then compiles nothing either (a 260,000-token prompt waited 1.3-2.5 s at
+    its 129th chunk before that job existed)."""
     from engine.chunking import snapshot_points
     from engine.compiles import CompileWatch
+    from engine.kv.attention import paged_prefill_attention
     from prefill.runner import PrefillJob, run_prefill
-    from prefill.warmup import warm_up_jobs
+    from prefill.warmup import paged_chunk_job, warm_up_jobs
 
     loaded = load_model("tiny-qwen3.5", device="cuda", dtype=torch.bfloat16, seed=5)
     cache = PagedKVCache(loaded.config, CacheShape(320, 16, 4), "cuda", make_format(kv_format))
@@ -110,10 +114,15 @@ def test_prefill_compiles_nothing_new_for_new_request_lengths(kv_format):
 
     for start, end in warm_up_jobs(4096, 16):
         prefill(start, end)
+    with paged_prefill_attention():
+        prefill(*paged_chunk_job(4096, 16, 64, 320 * 16))
     assert watch.take(), "the watch saw no compile during the warm-up"
     # then chunks of 49 (GDN parts 47 + 2), 47 (46 + 1), 64 (63 + 1) and 10,
-    # 64 and 23 (21 + 2), 31 (30 + 1)
-    for start, end in [(4353, 4402), (4402, 4449), (4449, 4523), (4523, 4610), (4610, 4641)]:
+    # 64 and 23 (21 + 2), 31 (30 + 1); the last past a 2K-key dense workspace
+    chunks = [(4353, 4402), (4402, 4449), (4449, 4523), (4523, 4610), (4610, 4641), (4641, 4705)]
+    for start, end in chunks:
+        if start == 4641:
+            monkeypatch.setenv("TANDEM_PREFILL_WORKSPACE_TOKENS", "2048")
         prefill(start, end)
         compiled = watch.take()
         assert not compiled, f"{end - start} new tokens after {start} compiled {compiled}"
