@@ -12,6 +12,8 @@
 #   bash scripts/sessions/device_next51.sh profile  (carry .whl .device/gguf.part.aa)
 #   bash scripts/sessions/device_next51.sh dummies  (carry .whl .device/gguf.part.ab)
 #   bash scripts/sessions/device_next51.sh embedded (carry .whl .device/gguf.part.ac)
+#   bash scripts/sessions/device_next51.sh sweep    (carry .whl): the host-bound 512-token
+#     chunks against the workspace size (fewer slices, fewer launches a chunk)
 set -uo pipefail
 call=${1:?long, step or service}
 source scripts/device_env.sh
@@ -49,4 +51,10 @@ case "$call" in
     STEP_TAIL=12 step service_embedded 300 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
       -p no:cacheprovider tests/test_service.py tests/test_service_disagg.py \
       -k "greedy or concurrent or bit_exact or next_turn_moves" ;;
+  sweep)
+    for mb in 64 128 256; do
+      TANDEM_QUANT_GEMM_WORKSPACE_MB=$mb STEP_TAIL=3 step prefill_ws$mb 150 python3 -m bench.prefill \
+        --model qwen3.5-27b --device cuda --weights int4 --kv-format rk4 --tokens 4096 \
+        --chunk 512 --repeats 2
+    done ;;
 esac
