@@ -289,7 +289,7 @@ class PlanInputs(NamedTuple):
 def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> PlanInputs:
     """The plan's inputs without reading any weight: shapes and HF directories
     from their config, GGUF files from their metadata and tensor table."""
-    from kvstore.plan import weight_bytes_by_prefix, widest_packed_matrix
+    from kvstore.plan import weight_counts
 
     device = torch.device(device)
     dtype = default_dtype(device)
@@ -297,8 +297,8 @@ def plan_inputs(spec: str | None, weights: str, device: torch.device | str) -> P
     check_weights(spec, weights)
 
     def counted(config: ModelConfig, recipe, label: str) -> PlanInputs:
-        total, table = weight_bytes_by_prefix(config, dtype, recipe, ("", "model.embed_tokens."))
-        return PlanInputs(config, total, label, table, widest_packed_matrix(config, recipe))
+        (total, table), widest = weight_counts(config, dtype, recipe, ("", "model.embed_tokens."))
+        return PlanInputs(config, total, label, table, widest)
 
     if spec in shape_names():
         recipe = "bf16" if weights == AUTO else weights

@@ -416,11 +416,15 @@ def _meta_model(config: ModelConfig):
         return CausalLM(config)
 
 
-def widest_packed_matrix(config: ModelConfig, weights) -> int:
-    """recipes.widest_packed_in_features over a meta model of `config`."""
-    from engine.quant.recipes import widest_packed_in_features
+def weight_counts(config: ModelConfig, dtype: torch.dtype, weights,
+                  prefixes: tuple[str, ...]) -> tuple[list[int], int]:
+    """weight_bytes_by_prefix, and the longest row among the matrices the
+    recipe packs (recipes.widest_packed_in_features), over one meta model."""
+    from engine.quant.recipes import recipe_weight_bytes, widest_packed_in_features
 
-    return widest_packed_in_features(_meta_model(config), weights)
+    model = _meta_model(config)
+    return ([recipe_weight_bytes(model, weights, dtype, prefix) for prefix in prefixes],
+            widest_packed_in_features(model, weights))
 
 
 _UNITS = {"": 1, "b": 1,

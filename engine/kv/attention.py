@@ -496,18 +496,18 @@ def paged_prefill_attention():
 
 
 def paged_prefill_asked() -> bool:
-    """Whether this thread is inside paged_prefill_attention()."""
-    return _PAGED_PREFILL.get()
+    """Whether prefill chunks must dequantize in-kernel: this thread is inside
+    paged_prefill_attention(), or TANDEM_PREFILL_ATTENTION=paged."""
+    return (_PAGED_PREFILL.get()
+            or os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") == "paged")
 
 
 def dense_prefill_wanted(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                          meta: AttentionMetadata) -> bool:
     """A prefill chunk in bf16 over quantized pages whose keys fit the
-    workspace, unless TANDEM_PREFILL_ATTENTION=paged or paged_prefill_attention()
-    asks for the in-kernel dequantization."""
+    workspace, unless paged_prefill_asked()."""
     if (q.dtype != torch.bfloat16 or isinstance(fmt, Bf16Format)
-            or meta.max_new_tokens <= PREFILL_DOT_BF16_FROM or paged_prefill_asked()
-            or os.environ.get("TANDEM_PREFILL_ATTENTION", "dense") == "paged"):
+            or meta.max_new_tokens <= PREFILL_DOT_BF16_FROM or paged_prefill_asked()):
         return False
     page_size = next(iter(buffers.values())).shape[1]
     return meta.workspace_bases(page_size)[-1] <= dense_prefill_max_tokens()
