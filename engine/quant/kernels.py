@@ -11,8 +11,8 @@ Three paths, each with the PyTorch reference it is tested against:
     Triton launch) and cuBLAS writes that slice's columns of the output. A
     prefill chunk is compute-bound: cuBLAS's tensor-core GEMM is what it
     needs, and each packed weight is dequantized once per chunk. Slices of
-    64 MB beat L2-sized ones of 16 MB (fewer and larger cuBLAS calls; H100,
-    engine/quant/workspace.py has the figures).
+    256 MB beat smaller ones (fewer and larger cuBLAS calls, fewer
+    launches for the host; H100, engine/quant/workspace.py has the figures).
   * `gemm`: the fused path, when the workspace is switched off or below its
     row threshold. Each K tile of the weight is dequantized into the
     activation dtype and fed to tl.dot. 4-bit tiles are used as two halves

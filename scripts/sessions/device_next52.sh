@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# 12-05 evening: the GPU re-run of last session's unverified fixes (the GDN
+# step kernels no longer specialise on pointer alignment; the dummy-model
+# tolerance for bf16 rounding), then the 512-token int4 chunk against the
+# weight workspace. Chained calls on one warm machine:
+#   bash scripts/sessions/device_next52.sh verify   (carry .whl)
+#   bash scripts/sessions/device_next52.sh sweep    (carry .whl)
+# then, with the workspace's default at 256 MB:
+#   bash scripts/sessions/device_next52.sh prologue (carry .whl): the GEMV
+#     prologues re-timed since their norm weights go through L1 (.ca), untimed
+#   bash scripts/sessions/device_next52.sh memory   (carry .whl): the 24 GiB
+#     service past the dense workspace's 64K keys, with the larger slice
+set -uo pipefail
+call=${1:?verify or sweep}
+source scripts/device_env.sh
+case "$call" in
+  verify)
+    STEP_TAIL=6 step warmup_tests 200 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_cuda.py -k "compile or reuse or warm"
+    STEP_TAIL=12 step service_dummies 330 env TANDEM_TEST_DEVICE=cuda python3 -m pytest -q \
+      -p no:cacheprovider tests/test_service_hybrid.py tests/test_service_disagg.py \
+      -k "not embedded and (hybrid or agent or two_by_two or prefix or cancel or full or cache)" ;;
+  sweep)
+    for mb in 64 256; do
+      TANDEM_QUANT_GEMM_WORKSPACE_MB=$mb STEP_TAIL=3 step prefill_ws$mb 150 python3 -m bench.prefill \
+        --model qwen3.5-27b --device cuda --weights int4 --kv-format rk4 --tokens 4096 \
+        --chunk 512 --repeats 2
+    done
+    step_27b int4_step ;;
+  prologue)
+    STEP_TAIL=30 step prologues 200 python3 -m bench.gemv_cuda --rows 4 --norm --silu --gated
+    step_27b step_default
+    for p in GATED NORM SILU; do
+      export TANDEM_${p}_PROLOGUE=1; step_27b step_$p; unset TANDEM_${p}_PROLOGUE
+    done
+    step_27b step_default_again ;;
+  memory)
+    STEP_TAIL=16 step memory_70k 330 python3 -m bench.memory --model qwen3.5-27b --weights int4 \
+      --kv-format rk4 --speculative mtp --draft-tokens 3 --device cuda --max-context-tokens 262144 \
+      --prefill-chunk 512 --gpu-memory-budget 24GiB --prompt-tokens 70000 --new-tokens 16 \
+      --serve-args "--live-slots 1 --snapshot-slots 4 --max-batch 1" --json "$OUT/memory_70k.json"
+    for c in 512 1024; do
+      STEP_TAIL=3 step prefill_chunk$c 150 python3 -m bench.prefill --model qwen3.5-27b \
+        --device cuda --weights int4 --kv-format rk4 --tokens 4096 --chunk $c --repeats 2
+    done ;;
+esac
