@@ -3,12 +3,14 @@ on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
-        [--read-ahead [MB ...]]
+        [--read-ahead [MB ...]] [--stages [N ...]]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: twice the slots (at the
 same and at half the rows), a capped grid and the cross-warp sums of 2, 4, 8
-or 16 tiles reduced at once (flush). The
+or 16 tiles reduced at once (flush); with --stages, the best register
+plan's tiles through a shared-memory ring of bulk copies (q4_gemv.cu
+STAGES). The
 best plan per shape goes to --plans-out, the file TANDEM_GEMV_CUDA_PLANS
 reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 --decode-steps 16`) runs what the sweep chose. --norm also times, on the
@@ -153,8 +155,21 @@ def _plans_to_try(k: int, rows_list: list[int], best=None) -> list:
     return tries
 
 
+def _stages_to_try(k: int, best, stages_list: list[int]) -> list:
+    """The best register plan's tiles through a ring of each stage count, at
+    flush 1 and at the best's flush, and at 4 rows whatever the best's."""
+    from engine.quant.gemv_cuda import plan_for
+
+    tries = []
+    for stages in stages_list:
+        for rows, flush in {(best.rows, 1), (best.rows, best.flush), (4, 1)}:
+            tries.append(plan_for(k, rows=rows, slots=best.slots,
+                                  blocks_per_sm=best.blocks_per_sm, flush=flush, stages=stages))
+    return tries
+
+
 def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth: float,
-                device) -> dict:
+                device, stages_list: list[int] = ()) -> dict:
     copies = _copies(fmt, n, k, device)
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     floor = (copies[0].nbytes + k * 2 + n * 2) / bandwidth
@@ -165,10 +180,17 @@ def sweep_shape(name: str, n: int, k: int, fmt, rows_list: list[int], bandwidth:
     best = min(timed, key=lambda t: t[0])[1]
     for plan in _plans_to_try(k, rows_list, best):
         timed.append((_time_cuda(x, copies, plan), plan))
+    registers = min(timed, key=lambda t: t[0])
+    from engine.quant.gemv_cuda import bulk_copyable
+
+    for plan in _stages_to_try(k, registers[1], stages_list):
+        if bulk_copyable(plan, copies[0]):
+            timed.append((_time_cuda(x, copies, plan), plan))
     seconds, best = min(timed, key=lambda t: t[0])
     del copies
     return {"matrix": name, "N": n, "K": k, "floor_us": floor * 1e6,
             "triton_us": triton_s * 1e6, "cuda_us": seconds * 1e6,
+            "registers_us": registers[0] * 1e6,
             "best": {**best.spec(), "threads": best.threads},
             "all": [{**p.spec(), "us": s * 1e6 if s != float("inf") else None}  # None: spills
                     for s, p in timed]}
@@ -181,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", help="matrix names as bench.quant prints them")
     p.add_argument("--plans-out", help="write the best plan per shape (TANDEM_GEMV_CUDA_PLANS)")
     p.add_argument("--json", help="write every timing")
+    p.add_argument("--stages", type=int, nargs="*",
+                   help="also time each shape's best plan through a shared-memory ring of "
+                        "these stage counts (none given: 2 3 4 6)")
     p.add_argument("--norm", action="store_true",
                    help="also time the norm prologue against a norm launch and the GEMV")
     p.add_argument("--silu", action="store_true",
@@ -203,20 +228,22 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if args.only and name not in args.only:
             continue
-        r = sweep_shape(name, n, k, fmt, args.rows, bandwidth, device)
+        stages = [] if args.stages is None else args.stages or [2, 3, 4, 6]
+        r = sweep_shape(name, n, k, fmt, args.rows, bandwidth, device, stages)
         r["per_step"] = per_step
         results.append(r)
         print(f"{name}: triton {r['triton_us']:.1f} us, cuda {r['cuda_us']:.1f} us "
               f"({r['best']}), floor {r['floor_us']:.1f}", file=sys.stderr, flush=True)
     print_table("one-row Q4_K GEMV: Triton (picked) against the CUDA kernel (best plan), us",
-                ["matrix", "N", "K", "triton", "of floor", "cuda", "of floor", "plan"],
+                ["matrix", "N", "K", "triton", "of floor", "registers", "cuda", "of floor",
+                 "plan"],
                 [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
-                  f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['cuda_us']:.1f}",
-                  f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
-                  "r{rows} s{slots} t{threads} b{blocks_per_sm} f{flush}".format(
+                  f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['registers_us']:.1f}",
+                  f"{r['cuda_us']:.1f}", f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
+                  "r{rows} s{slots} t{threads} b{blocks_per_sm} f{flush} st{stages}".format(
                       **r["best"])]
                  for r in results])
-    for key in ("triton_us", "cuda_us", "floor_us"):
+    for key in ("triton_us", "registers_us", "cuda_us", "floor_us"):
         total = sum(r["per_step"] * r[key] for r in results)
         print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
     norms = []

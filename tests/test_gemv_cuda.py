@@ -101,11 +101,35 @@ def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path,
     assert picked_plan(5120, 6144) == CudaGemvPlan(rows=4, slots=1, threads=192, groups=192,
                                                    flush=8)
     assert picked_plan(5120, 17408) == plan_for(17408, rows=gemv_cuda.DEFAULT_ROWS)
-    written = plan_for(6144, rows=2, slots=2, blocks_per_sm=1, flush=4)
+    written = plan_for(6144, rows=2, slots=2, blocks_per_sm=1, flush=4, stages=3)
     path.write_text(json.dumps({"5120,6144": written.spec()}))   # what --plans-out writes
     monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(tmp_path / "again.json"))
     (tmp_path / "again.json").write_text(path.read_text())
     assert picked_plan(5120, 6144) == written
+
+
+@pytest.mark.parametrize("k, stage", [(5120, 11840), (17408, 40256), (6144, 14208)])
+def test_a_ring_stage_holds_a_tiles_codes_and_scales(k, stage):
+    """The 27B's Q4_K shapes at 4 rows: 4 x K/2 bytes of codes, 4 x K/32 of
+    sc and of m, 4 x K/256 fp16 d and dmin (q4_gemv.cu STAGE_BYTES)."""
+    plan = plan_for(k, stages=4)
+    assert plan.stage_bytes(256, True, False) == stage == 2 * k + 2 * (k // 8 + k // 32)
+    assert plan.ring_bytes(256, True, False) == 4 * stage
+    assert plan.stage_bytes(32, False, True) == 2 * k + k // 8 + k // 8 * 4
+    assert plan_for(k).ring_bytes(256, True, False) == 0
+
+
+def test_bulk_copies_take_only_whole_tiles_of_whole_16_byte_arrays():
+    from engine.quant.gemv_cuda import bulk_copyable
+
+    assert bulk_copyable(plan_for(5120, stages=4), _quant(64, 5120))
+    assert bulk_copyable(plan_for(17408, stages=4), _quant(8, 17408))
+    assert not bulk_copyable(plan_for(5120, stages=4), _quant(66, 5120))   # a partial tile
+    # K = 1056: 4 x 33 bytes of sc a stage is no whole number of 16-byte units
+    assert not bulk_copyable(plan_for(1056, stages=2), _quant(64, 1056, superblock=32))
+    assert not bulk_copyable(plan_for(17408, stages=8), _quant(8, 17408))  # 315 KB
+    with pytest.raises(ValueError, match="stages"):
+        plan_for(5120, stages=9)
 
 
 def test_a_norm_prologue_refuses_what_the_kernel_cannot_do():
@@ -182,6 +206,73 @@ def test_cuda_gemv_matches_the_reference(n, k, rows, kind):
                 d_dtype=torch.float32 if kind == "fp32-scales" else torch.float16, device="cuda")
     x = _activation(k, seed=k)
     _assert_close(_run(qt, x, plan_for(k, rows=rows)), _expected(x, qt))
+
+
+@needs_gpu
+@pytest.mark.parametrize("n, k, superblock", [(64, 5120, 256), (256, 17408, 256),
+                                              (96, 6144, 256), (40, 1024, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["q4_k", "sym", "fp32-scales"])
+def test_tiles_through_the_shared_memory_ring_give_the_register_pipelines_bits(
+        n, k, superblock, rows, stages, kind):
+    """The ring only moves where a tile's words wait: the same group dots
+    and sums in the same order, so the output is bitwise the register
+    pipeline's, and the reference's within bf16."""
+    qt = _quant(n, k, asym=kind != "sym", superblock=superblock, seed=n + k + rows,
+                d_dtype=torch.float32 if kind == "fp32-scales" else torch.float16, device="cuda")
+    x = _activation(k, seed=k + stages)
+    plan = plan_for(k, rows=rows, stages=stages)
+    if not gemv_cuda.bulk_copyable(plan, qt):
+        pytest.skip("not a shape the ring takes")
+    if k == 17408 and rows == 8:
+        pytest.skip("8 rows at 544 threads spill")
+    staged = _run(qt, x, plan)
+    assert torch.equal(staged, _run(qt, x, plan_for(k, rows=rows)))
+    _assert_close(staged, _expected(x, qt))
+
+
+@needs_gpu
+@pytest.mark.parametrize("stages, flush", [(2, 1), (3, 1), (2, 4), (5, 16)])
+def test_a_block_walking_many_tiles_reuses_each_stage_in_turn(stages, flush):
+    """500 tiles over one block an SM: each stage is refilled several
+    times, so a wrong parity or an early refill shows in the output; with
+    PDL and inside a CUDA graph, chained after a GEMV that writes its x."""
+    a = _quant(2048, 1024, seed=stages, device="cuda")
+    b = _quant(2000, 2048, seed=stages + 1, device="cuda")
+    x = _activation(1024, seed=flush)
+    plan = plan_for(2048, rows=4, blocks_per_sm=1, flush=flush, stages=stages)
+    mid = torch.full((1, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1, 2000), float("nan"), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # compile and load outside the capture
+        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
+        gemv_cuda.gemv_cuda(mid, b, out=out, plan=plan, pdl=True)
+    torch.cuda.synchronize()
+    mid.fill_(float("nan"))
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
+        gemv_cuda.gemv_cuda(mid, b, out=out, plan=plan, pdl=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _run(b, mid, plan_for(2048, rows=4, blocks_per_sm=1)))
+    _assert_close(out, _expected(mid, b))
+
+
+@needs_gpu
+def test_a_ring_plan_the_shape_cannot_take_is_refused_given_and_dropped_from_a_file(
+        tmp_path, monkeypatch):
+    qt = _quant(66, 5120, seed=9, device="cuda")   # 66 rows: a partial 4-row tile
+    x = _activation(5120, seed=9)
+    with pytest.raises(ValueError, match="stages=0"):
+        gemv_cuda.gemv_cuda(x, qt, plan=plan_for(5120, stages=4))
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"66,5120": plan_for(5120, stages=4).spec()}))
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
+    assert torch.equal(gemv_cuda.gemv_cuda(x, qt), _run(qt, x, plan_for(5120)))
 
 
 @needs_gpu

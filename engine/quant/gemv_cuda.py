@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,9 +34,14 @@ MAX_THREADS = 1024
 # 4 rows a tile won every one-row Q4_K shape of the 27B on the H200 against
 # 1, 2 and 8 (bench.gemv_cuda, 2026-12-04 16:40, BENCHMARKS.md)
 DEFAULT_ROWS = 4
-# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES (cuda.h)
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (cuda.h)
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# shared memory a block may take without opting in (cuFuncSetAttribute above it)
+_DEFAULT_SHARED_BYTES = 48 * 1024
+MAX_STAGES = 8
 
 
 @dataclass(frozen=True)
@@ -46,13 +51,17 @@ class CudaGemvPlan:
     block; blocks_per_sm: how many blocks of the persistent grid each SM
     gets (0: as many as fit); flush:
     tiles whose cross-warp sums a block reduces together, at one barrier
-    pair (1: every tile; q4_gemv.cu, FLUSH)."""
+    pair (1: every tile; q4_gemv.cu, FLUSH); stages: 0, each thread loads
+    its next tile into registers, or the tiles come through a ring of that
+    many shared-memory stages filled by bulk copies (q4_gemv.cu, STAGES;
+    only where bulk_copyable holds)."""
     rows: int
     slots: int
     threads: int
     groups: int
     blocks_per_sm: int = 0
     flush: int = 1
+    stages: int = 0
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.slots < 1 or self.groups < 1:
@@ -67,12 +76,24 @@ class CudaGemvPlan:
         if self.flush < 1 or self.flush * self.rows > self.threads:
             raise ValueError(f"flush must be >= 1 with flush x rows <= threads "
                              f"(a thread sums each held row): {self}")
+        if not 0 <= self.stages <= MAX_STAGES:
+            raise ValueError(f"stages must be 0 (registers) or 1..{MAX_STAGES}: {self}")
 
     def spec(self) -> dict:
         """The choices a plans file records (plan_for rebuilds the plan from
         them and K: groups and threads follow)."""
         return {"rows": self.rows, "slots": self.slots, "blocks_per_sm": self.blocks_per_sm,
-                "flush": self.flush}
+                "flush": self.flush, "stages": self.stages}
+
+    def stage_bytes(self, superblock: int, asymmetric: bool, d_fp32: bool) -> int:
+        """One ring stage (q4_gemv.cu STAGE_BYTES): a tile's words, sc and d,
+        and m and dmin when asymmetric."""
+        sc = self.rows * self.groups
+        d = self.rows * (self.groups // (superblock // GROUP)) * (4 if d_fp32 else 2)
+        return self.rows * self.groups * 16 + (sc + d) * (2 if asymmetric else 1)
+
+    def ring_bytes(self, superblock: int, asymmetric: bool, d_fp32: bool) -> int:
+        return self.stages * self.stage_bytes(superblock, asymmetric, d_fp32)
 
     def tiles(self, n: int) -> int:
         return -(-n // self.rows)
@@ -84,7 +105,7 @@ class CudaGemvPlan:
 
 
 def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_per_sm: int = 0,
-             flush: int = 1) -> CudaGemvPlan:
+             flush: int = 1, stages: int = 0) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
     slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
@@ -106,7 +127,23 @@ def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_
         raise ValueError(f"no thread count up to {MAX_THREADS} covers K = {k} "
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
-                        blocks_per_sm=blocks_per_sm, flush=flush)
+                        blocks_per_sm=blocks_per_sm, flush=flush, stages=stages)
+
+
+def bulk_copyable(plan: CudaGemvPlan, qt: QuantTensor) -> bool:
+    """Whether `plan`'s ring (stages > 0) can take qt: every tile whole (N a
+    multiple of rows: a bulk copy has no row clamp), each of a stage's
+    arrays whole 16-byte units from 16-byte aligned addresses (what
+    cp.async.bulk moves), and the ring within the 227 KB a block may hold.
+    The 27B's Q4_K shapes all pass at 4 rows."""
+    n, _ = qt.shape
+    superblock_groups = qt.superblock // GROUP
+    d_bytes = plan.rows * (plan.groups // superblock_groups) * qt.d.element_size()
+    arrays = [qt.qweight, qt.sc, qt.d] + ([qt.m, qt.dmin] if qt.asymmetric else [])
+    return (n % plan.rows == 0 and (plan.rows * plan.groups) % 16 == 0 and d_bytes % 16 == 0
+            and all(t.data_ptr() % 16 == 0 for t in arrays)
+            and plan.ring_bytes(qt.superblock, qt.asymmetric, qt.d.dtype == torch.float32)
+            <= 227 * 1024)
 
 
 def runs(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
@@ -301,7 +338,8 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            f"-DFLUSH={plan.flush}", f"-DL2_PREFETCH={int(l2_prefetch)}",
+            f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
+            f"-DL2_PREFETCH={int(l2_prefetch)}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -311,12 +349,15 @@ class _Compiled:
     module: object        # keeps the loaded module alive
     resident_per_sm: int
     local_bytes: int      # a thread's local memory: a spill or a stack frame
+    shared_bytes: int = 0  # dynamic shared memory a launch asks for (the ring)
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(options: tuple[str, ...], device: int, threads: int) -> _Compiled:
+def _compiled(options: tuple[str, ...], device: int, threads: int,
+              shared_bytes: int = 0) -> _Compiled:
     """Compiled and loaded once per (constants, device): a module belongs to
-    its device's context."""
+    its device's context. shared_bytes: the dynamic shared memory each
+    launch asks for (the ring), opted into past 48 KB."""
     from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     major, minor = torch.cuda.get_device_capability(device)
@@ -325,14 +366,18 @@ def _compiled(options: tuple[str, ...], device: int, threads: int) -> _Compiled:
                                       compute_capability=f"{major}{minor}",
                                       nvcc_options=list(options))
         kernel = _cuda_load_module(binary, [name])[name]
+    driver = _get_gpu_runtime_library()
+    if shared_bytes > _DEFAULT_SHARED_BYTES:
+        _check(driver.cuFuncSetAttribute(kernel.func, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         ctypes.c_int(shared_bytes)), "cuFuncSetAttribute")
     resident = ctypes.c_int(0)
-    _check(_get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(resident), kernel.func, threads, ctypes.c_size_t(0)),
+    _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(resident), kernel.func, threads, ctypes.c_size_t(shared_bytes)),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     local = ctypes.c_int(0)
-    _check(_get_gpu_runtime_library().cuFuncGetAttribute(
+    _check(driver.cuFuncGetAttribute(
         ctypes.byref(local), _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.func), "cuFuncGetAttribute")
-    return _Compiled(kernel.func, kernel, resident.value, local.value)
+    return _Compiled(kernel.func, kernel, resident.value, local.value, shared_bytes)
 
 
 class SpillingPlan(ValueError):
@@ -388,7 +433,7 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
         *[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attribute = _Attribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
     attribute.value.value = 1
-    config = _LaunchConfig(grid, 1, 1, threads, 1, 1, 0,
+    config = _LaunchConfig(grid, 1, 1, threads, 1, 1, compiled.shared_bytes,
                            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                            ctypes.pointer(attribute) if pdl else None, 1 if pdl else 0)
     _check(_get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(config), compiled.function,
@@ -434,11 +479,19 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     if l2_prefetch is not None and (not l2_prefetch.ranges or
                                     torch.cuda.get_device_capability(device)[0] < 9):
         l2_prefetch = None  # the bulk prefetch is sm_90's
+    if plan.stages and not bulk_copyable(plan, qt):
+        if given:
+            raise ValueError(f"plan {plan.spec()} takes its tiles through bulk copies, which "
+                             f"need N a multiple of its rows and whole 16-byte arrays a "
+                             f"stage; {qt.describe()} has neither: use stages=0")
+        plan = replace(plan, stages=0)
+    d_fp32 = qt.d.dtype == torch.float32
+
     def build(plan: CudaGemvPlan) -> _Compiled:
-        return _compiled(build_options(plan, qt.superblock, qt.asymmetric,
-                                       qt.d.dtype == torch.float32, pdl, prologue,
-                                       l2_prefetch is not None),
-                         device, plan.threads)
+        return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
+                                       prologue, l2_prefetch is not None),
+                         device, plan.threads,
+                         plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
     compiled = build(plan)
     if not launchable(compiled.local_bytes) and not given and plan != plan_for(k):
@@ -494,14 +547,27 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
         n, k = (int(v) for v in key.split(","))
         plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
                                  blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
-                                 flush=int(spec.get("flush", 1)))  # older files lack it
+                                 flush=int(spec.get("flush", 1)),  # older files lack them
+                                 stages=int(spec.get("stages", 0)))
     return plans
+
+
+STAGES_ENV = "TANDEM_GEMV_CUDA_STAGES"
+
+
+def default_stages() -> int:
+    """Ring stages of the default plan (TANDEM_GEMV_CUDA_STAGES; 0: the
+    register pipeline). A shape the ring cannot take runs 0 whatever this
+    says (bulk_copyable)."""
+    from engine.switches import one_of
+
+    return one_of(STAGES_ENV, 0, tuple(range(MAX_STAGES + 1)))
 
 
 def picked_plan(n: int, k: int) -> CudaGemvPlan:
     """The plan a sweep wrote for (N, K) into the JSON file TANDEM_GEMV_CUDA_PLANS
     names ({"N,K": CudaGemvPlan.spec()}, as bench.gemv_cuda --plans-out writes it),
-    else plan_for(k) at DEFAULT_ROWS."""
+    else plan_for(k) at DEFAULT_ROWS and default_stages()."""
     import os
 
     path = os.environ.get(PLANS_ENV, "")
@@ -509,4 +575,4 @@ def picked_plan(n: int, k: int) -> CudaGemvPlan:
         found = _plans_file(path).get((n, k))
         if found is not None:
             return found
-    return plan_for(k, rows=DEFAULT_ROWS)
+    return plan_for(k, rows=DEFAULT_ROWS, stages=default_stages())

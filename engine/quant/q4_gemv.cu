@@ -28,6 +28,17 @@
 //     L2_REGIONS byte ranges: its codes and scales), so that DRAM streams
 //     that weight through the small kernels between the two GEMVs (norms,
 //     GDN steps, attention), which leave it idle.
+//   * STAGES > 0: the tiles come through a ring of STAGES shared-memory
+//     stages instead, each filled by bulk copies (cp.async.bulk, sm_90's
+//     TMA engine) that one thread issues and an mbarrier counts in. Bytes
+//     in flight then cost no registers: the register pipeline holds one
+//     tile ahead (81 registers, 4 blocks of 160 threads an SM), which on
+//     the H200 left the GEMVs at 71-91% of their floor where the H100's
+//     reach 90-98% (BENCHMARKS.md 2026-12-05 19:22). A tile's rows are
+//     contiguous in every array, so a stage is five copies; each warp
+//     frees its stage (an `empty` mbarrier) as soon as it has read the
+//     stage into registers, and thread 0 refills it with the block's tile
+//     STAGES ahead.
 // (A tile queue, blocks taking their tiles from an atomic counter so that
 // the grid ends together, lost 2-17 us on every 27B shape in two sweeps and
 // was removed: BENCHMARKS.md 2026-12-04 21:16.)
@@ -55,6 +66,8 @@
 // own groups.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
+// STAGES (0: the register pipeline; else N a multiple of ROWS, and each
+// stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
 // L2_PREFETCH, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED.
@@ -361,6 +374,115 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 }
 #endif
 
+#if STAGES
+// A stage: the tile's ROWS rows of words, then of sc, d (and m, dmin), each
+// contiguous in global memory from row index * ROWS on
+constexpr int WORD_BYTES = ROWS * GROUPS * 16;
+constexpr int SC_BYTES = ROWS * GROUPS;
+constexpr int D_BYTES = ROWS * (GROUPS / GPS) * (int)sizeof(scale_t);
+constexpr int SC_AT = WORD_BYTES;
+constexpr int D_AT = SC_AT + SC_BYTES;
+#if ASYM
+constexpr int M_AT = D_AT + D_BYTES;
+constexpr int DMIN_AT = M_AT + SC_BYTES;
+constexpr int STAGE_BYTES = DMIN_AT + D_BYTES;
+#else
+constexpr int STAGE_BYTES = D_AT + D_BYTES;
+#endif
+static_assert(SC_BYTES % 16 == 0 && D_BYTES % 16 == 0,
+              "a bulk copy moves whole 16-byte units: gemv_cuda.bulk_copyable refuses this plan");
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+
+__device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
+                 :: "r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];"
+                 :: "r"(shared_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{ .reg .pred p;\n"
+                     "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "  selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void bulk_copy(unsigned char* dst, const void* src, unsigned bytes,
+                                          unsigned long long* full) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(bytes), "r"(shared_address(full))
+                 : "memory");
+}
+
+// tile `index` into `stage`; `full` completes once its bytes have landed
+__device__ __forceinline__ void fill_stage(unsigned char* stage, unsigned long long* full,
+                                           int index, const uint4* __restrict__ qw,
+                                           const scale_t* __restrict__ d,
+                                           const signed char* __restrict__ sc,
+                                           const scale_t* __restrict__ dmin,
+                                           const signed char* __restrict__ m) {
+    const long long row = (long long)index * ROWS;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(shared_address(full)), "r"((unsigned)STAGE_BYTES) : "memory");
+    bulk_copy(stage, qw + row * GROUPS, WORD_BYTES, full);
+    bulk_copy(stage + SC_AT, sc + row * GROUPS, SC_BYTES, full);
+    bulk_copy(stage + D_AT, d + row * (GROUPS / GPS), D_BYTES, full);
+#if ASYM
+    bulk_copy(stage + M_AT, m + row * GROUPS, SC_BYTES, full);
+    bulk_copy(stage + DMIN_AT, dmin + row * (GROUPS / GPS), D_BYTES, full);
+#endif
+}
+
+// this thread's groups of the stage's rows, as load_tile gives them
+__device__ __forceinline__ void read_stage(Group (&tile)[ROWS][SLOTS],
+                                           const unsigned char* stage) {
+    const uint4* words = reinterpret_cast<const uint4*>(stage);
+    const signed char* sc = reinterpret_cast<const signed char*>(stage + SC_AT);
+    const scale_t* d = reinterpret_cast<const scale_t*>(stage + D_AT);
+#if ASYM
+    const signed char* m = reinterpret_cast<const signed char*>(stage + M_AT);
+    const scale_t* dmin = reinterpret_cast<const scale_t*>(stage + DMIN_AT);
+#endif
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int j = 0; j < SLOTS; ++j) {
+            const int g = threadIdx.x + j * THREADS;
+            Group& e = tile[r][j];
+            if (SLOTS * THREADS == GROUPS || g < GROUPS) {
+                e.words = words[r * GROUPS + g];
+                e.sc = sc[r * GROUPS + g];
+                e.d = d[r * (GROUPS / GPS) + g / GPS];
+#if ASYM
+                e.m = m[r * GROUPS + g];
+                e.dmin = dmin[r * (GROUPS / GPS) + g / GPS];
+#endif
+            } else {
+                e.words = uint4{0u, 0u, 0u, 0u};
+                e.sc = 0;
+                e.d = 0;
+#if ASYM
+                e.m = 0;
+                e.dmin = 0;
+#endif
+            }
+        }
+    }
+}
+#endif
+
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
     const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
@@ -400,9 +522,31 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = (n_rows + ROWS - 1) / ROWS;
     int index = blockIdx.x;
+#if STAGES
+    extern __shared__ __align__(16) unsigned char ring[];
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            barrier_init(&full[s], 1);        // thread 0's arrive, with the stage's bytes
+            barrier_init(&empty[s], WARPS);   // every warp has read the stage
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {   // weights: no kernel writes them, so before the wait
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s)
+            if (index + s * (int)gridDim.x < tiles)
+                fill_stage(ring + s * STAGE_BYTES, &full[s], index + s * gridDim.x,
+                           qw, d, sc, dmin, m);
+    }
+    int taken = 0;            // tiles this block has read from the ring
+#else
     Group next[ROWS][SLOTS];
     if (index < tiles)
         load_tile(next, index, n_rows, qw, d, sc, dmin, m);
+#endif
 #if NORM || GATED
     __shared__ uint4 weight_stash[W_VECS][SLOTS * THREADS];
 #pragma unroll
@@ -501,12 +645,30 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     while (index < tiles) {
         const int following = index + gridDim.x;
         Group tile[ROWS][SLOTS];
+#if STAGES
+        {
+            const int s = taken % STAGES;
+            const unsigned parity = (taken / STAGES) & 1;
+            unsigned char* stage = ring + s * STAGE_BYTES;
+            barrier_wait(&full[s], parity);
+            read_stage(tile, stage);
+            __syncwarp();
+            if (lane == 0) barrier_arrive(&empty[s]);
+            const int refill = index + STAGES * (int)gridDim.x;
+            if (threadIdx.x == 0 && refill < tiles) {
+                barrier_wait(&empty[s], parity);
+                fill_stage(stage, &full[s], refill, qw, d, sc, dmin, m);
+            }
+            ++taken;
+        }
+#else
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
 #pragma unroll
             for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
         if (following < tiles)
             load_tile(next, following, n_rows, qw, d, sc, dmin, m);
+#endif
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {

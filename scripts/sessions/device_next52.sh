@@ -10,6 +10,8 @@
 #     prologues re-timed since their norm weights go through L1 (.ca), untimed
 #   bash scripts/sessions/device_next52.sh memory   (carry .whl): the 24 GiB
 #     service past the dense workspace's 64K keys, with the larger slice
+# then the GEMV's tiles through a shared-memory ring of bulk copies (STAGES):
+#   bash scripts/sessions/device_next52.sh ring     (carry .whl)
 set -uo pipefail
 call=${1:?verify or sweep}
 source scripts/device_env.sh
@@ -34,6 +36,18 @@ case "$call" in
       export TANDEM_${p}_PROLOGUE=1; step_27b step_$p; unset TANDEM_${p}_PROLOGUE
     done
     step_27b step_default_again ;;
+  ring)
+    STEP_TAIL=8 step ring_tests 240 python3 -m pytest -q -p no:cacheprovider -x \
+      tests/test_gemv_cuda.py -k "ring or walking or matches_the_reference or spills or chained or dependent"
+    STEP_TAIL=20 step ring_sweep 200 python3 -m bench.gemv_cuda --rows 4 --stages 2 3 4 6 \
+      --plans-out "$OUT/plans.json" --json "$OUT/ring_sweep.json"
+    step_27b step_default
+    for st in 3 4; do
+      export TANDEM_GEMV_CUDA_STAGES=$st; step_27b step_stages$st; unset TANDEM_GEMV_CUDA_STAGES
+    done
+    export TANDEM_GEMV_CUDA_PLANS=$OUT/plans.json; step_27b step_swept; unset TANDEM_GEMV_CUDA_PLANS
+    step_27b step_default_again
+    export TANDEM_GEMV_CUDA_STAGES=4; step_27b step_stages4_again; unset TANDEM_GEMV_CUDA_STAGES ;;
   memory)
     STEP_TAIL=16 step memory_70k 330 python3 -m bench.memory --model qwen3.5-27b --weights int4 \
       --kv-format rk4 --speculative mtp --draft-tokens 3 --device cuda --max-context-tokens 262144 \
