@@ -12,6 +12,10 @@
 #     service past the dense workspace's 64K keys, with the larger slice
 # then the GEMV's tiles through a shared-memory ring of bulk copies (STAGES):
 #   bash scripts/sessions/device_next52.sh ring     (carry .whl)
+# then the 24 GiB service at the full context with 1,024-token chunks (the
+# plan fits at 23.67 GiB with 4 snapshot slots; 1,024-token chunks ran 1.93x
+# llama.cpp's 4K prefill on an H100 with 256 MB slices):
+#   bash scripts/sessions/device_next52.sh long1024 (carry .whl)
 set -uo pipefail
 call=${1:?verify or sweep}
 source scripts/device_env.sh
@@ -48,6 +52,13 @@ case "$call" in
     export TANDEM_GEMV_CUDA_PLANS=$OUT/plans.json; step_27b step_swept; unset TANDEM_GEMV_CUDA_PLANS
     step_27b step_default_again
     export TANDEM_GEMV_CUDA_STAGES=4; step_27b step_stages4_again; unset TANDEM_GEMV_CUDA_STAGES ;;
+  long1024)
+    STEP_TAIL=16 step memory_260k_c1024 440 python3 -m bench.memory --model qwen3.5-27b \
+      --weights int4 --kv-format rk4 --speculative mtp --draft-tokens 3 --device cuda \
+      --max-context-tokens 262144 --prefill-chunk 1024 --gpu-memory-budget 24GiB \
+      --prompt-tokens 260000 --new-tokens 64 \
+      --serve-args "--live-slots 1 --snapshot-slots 4 --max-batch 1" --json "$OUT/memory_260k_c1024.json"
+    grep -i -e "compile" -e "peak" -e "total" -e "spare" "$OUT/memory_260k_c1024.log" | head -30 ;;
   memory)
     STEP_TAIL=16 step memory_70k 330 python3 -m bench.memory --model qwen3.5-27b --weights int4 \
       --kv-format rk4 --speculative mtp --draft-tokens 3 --device cuda --max-context-tokens 262144 \
