@@ -187,6 +187,31 @@ def _recorded_prologues(monkeypatch) -> list:
     return calls
 
 
+def _chained_in_a_graph(x, a, b, plan=None):
+    """(mid, out): mid = GEMV(x, a), out = GEMV(mid, b) with `plan`, both
+    with PDL, captured in a CUDA graph (after one run outside it, which
+    compiles and loads) and replayed three times into NaN-poisoned outputs."""
+    mid = torch.full((1, a.out_features), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1, b.out_features), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def both():
+        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
+        gemv_cuda.gemv_cuda(mid, b, out=out, plan=plan, pdl=True)
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        both()
+    torch.cuda.synchronize()
+    mid.fill_(float("nan"))
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return mid, out
+
+
 def _assert_close(y, expected):
     assert not y.isnan().any()
     scale = expected.abs().max()
@@ -242,22 +267,7 @@ def test_a_block_walking_many_tiles_reuses_each_stage_in_turn(stages, flush):
     b = _quant(2000, 2048, seed=stages + 1, device="cuda")
     x = _activation(1024, seed=flush)
     plan = plan_for(2048, rows=4, blocks_per_sm=1, flush=flush, stages=stages)
-    mid = torch.full((1, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = torch.full((1, 2000), float("nan"), dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # compile and load outside the capture
-        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
-        gemv_cuda.gemv_cuda(mid, b, out=out, plan=plan, pdl=True)
-    torch.cuda.synchronize()
-    mid.fill_(float("nan"))
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
-        gemv_cuda.gemv_cuda(mid, b, out=out, plan=plan, pdl=True)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    mid, out = _chained_in_a_graph(x, a, b, plan)
     assert torch.equal(out, _run(b, mid, plan_for(2048, rows=4, blocks_per_sm=1)))
     _assert_close(out, _expected(mid, b))
 
@@ -327,22 +337,7 @@ def test_dependent_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote():
     output, so a missing griddepcontrol.wait reads stale or NaN values."""
     a, b = _quant(512, 1024, seed=5, device="cuda"), _quant(256, 512, seed=6, device="cuda")
     x = _activation(1024, seed=7)
-    mid = torch.full((1, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = torch.full((1, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # compile and load outside the capture
-        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
-        gemv_cuda.gemv_cuda(mid, b, out=out, pdl=True)
-    torch.cuda.synchronize()
-    mid.fill_(float("nan"))
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
-        gemv_cuda.gemv_cuda(mid, b, out=out, pdl=True)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    mid, out = _chained_in_a_graph(x, a, b)
     _assert_close(mid, _expected(x, a))
     _assert_close(out, _expected(mid, b))
 

@@ -130,6 +130,17 @@ struct XSlice {       // one group of x as int8 codes, even k and odd k apart
     float scale, code_sum_scaled;
 };
 
+// an idle thread's group: it adds nothing to the row
+__device__ __forceinline__ void clear_group(Group& e) {
+    e.words = uint4{0u, 0u, 0u, 0u};
+    e.sc = 0;
+    e.d = 0;
+#if ASYM
+    e.m = 0;
+    e.dmin = 0;
+#endif
+}
+
 __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
                                           const uint4* __restrict__ qw,
                                           const scale_t* __restrict__ d,
@@ -152,13 +163,7 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
                 e.dmin = dmin[n * (GROUPS / GPS) + g / GPS];
 #endif
             } else {
-                e.words = uint4{0u, 0u, 0u, 0u};
-                e.sc = 0;
-                e.d = 0;
-#if ASYM
-                e.m = 0;
-                e.dmin = 0;
-#endif
+                clear_group(e);
             }
         }
     }
@@ -470,13 +475,7 @@ __device__ __forceinline__ void read_stage(Group (&tile)[ROWS][SLOTS],
                 e.dmin = dmin[r * (GROUPS / GPS) + g / GPS];
 #endif
             } else {
-                e.words = uint4{0u, 0u, 0u, 0u};
-                e.sc = 0;
-                e.d = 0;
-#if ASYM
-                e.m = 0;
-                e.dmin = 0;
-#endif
+                clear_group(e);
             }
         }
     }
