@@ -76,6 +76,37 @@ def test_the_first_line_past_the_budget_is_named_with_what_to_lower():
         plan.check()
 
 
+def test_the_plan_names_the_largest_prefill_chunk_its_budget_fits():
+    """Larger chunks prefill 4-bit weights faster: a plan that fits says
+    when a larger chunk fits too, and one over budget says which smaller
+    chunk would fit, each checked by planning that chunk."""
+    from kvstore.plan import PREFILL_CHUNK_CHOICES
+
+    def plan(chunk, budget="24GiB"):
+        return _plan(_qwen27b(), weight_bytes=15 * GiB, live_slots=1, snapshot_slots=4,
+                     prefill_chunk_tokens=chunk, budget=budget, cuda_processes=3,
+                     paged_attention_kernel=True)
+
+    small = plan(512)
+    best = small.largest_fitting_chunk()
+    assert best in PREFILL_CHUNK_CHOICES and best > 512
+    assert plan(best).spare_bytes >= 0
+    larger = [c for c in PREFILL_CHUNK_CHOICES if c > best]
+    assert larger and all(plan(c).spare_bytes < 0 for c in larger)
+    small.check()
+    assert f"also fits --prefill-chunk {best} (now 512)" in small.table()
+    assert "--prefill-chunk" not in plan(best).table().split("spare")[-1]  # nothing larger fits
+    too_large = plan(larger[0])
+    with pytest.raises(OverBudgetError, match=rf"--prefill-chunk {best} fits this budget"):
+        too_large.check()
+    unlimited = _plan(_qwen27b(), weight_bytes=15 * GiB, gpu_memory_budget=None)
+    assert unlimited.largest_fitting_chunk() is None and "--prefill-chunk" not in unlimited.table()
+    # over budget whatever the chunk (the weights alone): no chunk to name
+    with pytest.raises(OverBudgetError) as e:
+        plan(512, budget="8GiB").check()
+    assert "fits this budget" not in str(e.value)
+
+
 def test_what_to_lower_names_flags_of_tandem_serve():
     """The over-budget advice reaches users through `tandem serve` (the store
     refuses to start) and `tandem plan`: it names serve's flags, not the
