@@ -286,6 +286,32 @@ def test_a_ring_plan_the_shape_cannot_take_is_refused_given_and_dropped_from_a_f
 
 
 @needs_gpu
+def test_a_ring_past_a_blocks_shared_memory_with_the_static_arrays_is_never_launched(
+        tmp_path, monkeypatch):
+    """down's K at 5 stages is a 197 KB ring, within the 227 KB a block may
+    hold alone, but the norm prologue's weight stash (35 KB of static
+    arrays: 16 bytes x 4 x 544 threads) takes it past: given, it is refused
+    before any launch; from a plans file the register pipeline runs
+    instead."""
+    from engine.quant.gemv_cuda import NormPrologue
+
+    qt = _quant(256, 17408, seed=12, device="cuda")
+    x = _activation(17408, seed=13)
+    norm = NormPrologue(torch.ones(17408, dtype=torch.bfloat16, device="cuda"), 1e-6, True)
+    plan = plan_for(17408, stages=5)
+    assert gemv_cuda.bulk_copyable(plan, qt)
+    out = torch.full((1, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="fewer stages"):
+        gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, prologue=norm)
+    assert out.isnan().all()          # nothing ran
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"256,17408": plan.spec()}))
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
+    assert torch.equal(gemv_cuda.gemv_cuda(x, qt, prologue=norm),
+                       gemv_cuda.gemv_cuda(x, qt, plan=plan_for(17408), prologue=norm))
+
+
+@needs_gpu
 def test_a_plan_whose_build_spills_is_never_launched(tmp_path, monkeypatch):
     """8 rows a tile at down's 544 threads spill (nvcc 13 for sm_90: 96
     registers, 100 bytes a thread; the 12-04 sweep picked it for down): given

@@ -39,8 +39,11 @@ DEFAULT_ROWS = 4
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
 _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-# shared memory a block may take without opting in (cuFuncSetAttribute above it)
+# shared memory a block may take without opting in (cuFuncSetAttribute above it),
+# and what sm_90 lets one block hold, static arrays and the ring together
 _DEFAULT_SHARED_BYTES = 48 * 1024
+_MAX_SHARED_BYTES = 227 * 1024
+_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1   # a build's static shared memory (cuda.h)
 MAX_STAGES = 8
 
 
@@ -134,8 +137,9 @@ def bulk_copyable(plan: CudaGemvPlan, qt: QuantTensor) -> bool:
     """Whether `plan`'s ring (stages > 0) can take qt: every tile whole (N a
     multiple of rows: a bulk copy has no row clamp), each of a stage's
     arrays whole 16-byte units from 16-byte aligned addresses (what
-    cp.async.bulk moves), and the ring within the 227 KB a block may hold.
-    The 27B's Q4_K shapes all pass at 4 rows."""
+    cp.async.bulk moves), and the ring within the 227 KB a block may hold
+    (with the build's static arrays: checked once built). The 27B's Q4_K
+    shapes all pass at 4 rows."""
     n, _ = qt.shape
     superblock_groups = qt.superblock // GROUP
     d_bytes = plan.rows * (plan.groups // superblock_groups) * qt.d.element_size()
@@ -143,7 +147,7 @@ def bulk_copyable(plan: CudaGemvPlan, qt: QuantTensor) -> bool:
     return (n % plan.rows == 0 and (plan.rows * plan.groups) % 16 == 0 and d_bytes % 16 == 0
             and all(t.data_ptr() % 16 == 0 for t in arrays)
             and plan.ring_bytes(qt.superblock, qt.asymmetric, qt.d.dtype == torch.float32)
-            <= 227 * 1024)
+            <= _MAX_SHARED_BYTES)
 
 
 def runs(x: torch.Tensor, qt: QuantTensor, bias: torch.Tensor | None = None,
@@ -350,6 +354,7 @@ class _Compiled:
     resident_per_sm: int
     local_bytes: int      # a thread's local memory: a spill or a stack frame
     shared_bytes: int = 0  # dynamic shared memory a launch asks for (the ring)
+    fits_shared: bool = True  # the ring and the static arrays within one block's limit
 
 
 @functools.lru_cache(maxsize=None)
@@ -367,6 +372,14 @@ def _compiled(options: tuple[str, ...], device: int, threads: int,
                                       nvcc_options=list(options))
         kernel = _cuda_load_module(binary, [name])[name]
     driver = _get_gpu_runtime_library()
+    static = ctypes.c_int(0)
+    _check(driver.cuFuncGetAttribute(ctypes.byref(static), _FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                     kernel.func), "cuFuncGetAttribute")
+    local = ctypes.c_int(0)
+    _check(driver.cuFuncGetAttribute(
+        ctypes.byref(local), _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.func), "cuFuncGetAttribute")
+    if static.value + shared_bytes > _MAX_SHARED_BYTES:   # never launched (gemv_cuda)
+        return _Compiled(kernel.func, kernel, 0, local.value, shared_bytes, fits_shared=False)
     if shared_bytes > _DEFAULT_SHARED_BYTES:
         _check(driver.cuFuncSetAttribute(kernel.func, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          ctypes.c_int(shared_bytes)), "cuFuncSetAttribute")
@@ -374,9 +387,6 @@ def _compiled(options: tuple[str, ...], device: int, threads: int,
     _check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
         ctypes.byref(resident), kernel.func, threads, ctypes.c_size_t(shared_bytes)),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    local = ctypes.c_int(0)
-    _check(driver.cuFuncGetAttribute(
-        ctypes.byref(local), _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.func), "cuFuncGetAttribute")
     return _Compiled(kernel.func, kernel, resident.value, local.value, shared_bytes)
 
 
@@ -494,6 +504,13 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
     compiled = build(plan)
+    if not compiled.fits_shared:
+        if given:
+            raise ValueError(f"plan {plan.spec()}'s ring of {compiled.shared_bytes} bytes and "
+                             f"the build's static arrays pass the {_MAX_SHARED_BYTES} bytes "
+                             f"of shared memory a block may hold: use fewer stages")
+        plan = replace(plan, stages=0)
+        compiled = build(plan)
     if not launchable(compiled.local_bytes) and not given and plan != plan_for(k):
         plan = plan_for(k)   # a plans file's choice that spills with these flags
         compiled = build(plan)
