@@ -144,6 +144,7 @@ def test_service_benches_on_one_service(tmp_path):
     result = busy["result"]
     assert result["idle_itl_p50_ms"] > 0 and result["prefill_solo_tok_s"] > 0
     assert mem["cached_tokens"] >= 32 and mem["generated"] == 4
+    assert mem["first_request_s"] > 0 and mem["second_request_s"] > 0
     assert {"kvstore", "prefill", "decode", "router"} <= set(mem["peak_bytes"])
     assert json.loads((tmp_path / "m.json").read_text())["total_peak_bytes"] > 0
 
