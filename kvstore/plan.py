@@ -204,14 +204,8 @@ class CapacityPlan:
         not even the smallest fits)."""
         if self.gpu_memory_budget is None:
             return None
-        for chunk in PREFILL_CHUNK_CHOICES:
-            if chunk == self.prefill_chunk_tokens:
-                fits = self.spare_bytes >= 0
-            else:
-                fits = replace(self, prefill_chunk_tokens=chunk).spare_bytes >= 0
-            if fits:
-                return chunk
-        return None
+        return next((chunk for chunk in PREFILL_CHUNK_CHOICES
+                     if replace(self, prefill_chunk_tokens=chunk).spare_bytes >= 0), None)
 
     def _chunk_advice(self) -> str:
         """A line naming a prefill chunk other than the planned one that the

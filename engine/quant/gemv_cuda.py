@@ -490,11 +490,9 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                                     torch.cuda.get_device_capability(device)[0] < 9):
         l2_prefetch = None  # the bulk prefetch is sm_90's
     if plan.stages and not bulk_copyable(plan, qt):
-        if given:
-            raise ValueError(f"plan {plan.spec()} takes its tiles through bulk copies, which "
-                             f"need N a multiple of its rows and whole 16-byte arrays a "
-                             f"stage; {qt.describe()} has neither: use stages=0")
-        plan = replace(plan, stages=0)
+        plan = _without_ring(plan, given, f"bulk copies need N a multiple of its rows and "
+                                          f"whole 16-byte arrays a stage, which "
+                                          f"{qt.describe()} lacks: use stages=0")
     d_fp32 = qt.d.dtype == torch.float32
 
     def build(plan: CudaGemvPlan) -> _Compiled:
@@ -505,11 +503,10 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
 
     compiled = build(plan)
     if not compiled.fits_shared:
-        if given:
-            raise ValueError(f"plan {plan.spec()}'s ring of {compiled.shared_bytes} bytes and "
-                             f"the build's static arrays pass the {_MAX_SHARED_BYTES} bytes "
-                             f"of shared memory a block may hold: use fewer stages")
-        plan = replace(plan, stages=0)
+        plan = _without_ring(plan, given, f"its ring of {compiled.shared_bytes} bytes and the "
+                                          f"build's static arrays pass the {_MAX_SHARED_BYTES} "
+                                          f"bytes of shared memory a block may hold: use "
+                                          f"fewer stages")
         compiled = build(plan)
     if not launchable(compiled.local_bytes) and not given and plan != plan_for(k):
         plan = plan_for(k)   # a plans file's choice that spills with these flags
@@ -526,6 +523,15 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
             [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
              l2_prefetch.regions() if l2_prefetch is not None else _Regions()], pdl)
     return out
+
+
+def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:
+    """A ring plan the weight or the build cannot take: refused when the
+    caller gave it, else (a plans file's, the default's) the register
+    pipeline."""
+    if given:
+        raise ValueError(f"plan {plan.spec()} cannot run its tiles through the ring: {why}")
+    return replace(plan, stages=0)
 
 
 CUDA_ENV = "TANDEM_GEMV_CUDA"
