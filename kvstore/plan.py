@@ -41,8 +41,10 @@ CUDA_CONTEXT_BYTES = 560 * MiB
 SERVICE_CUDA_PROCESSES = 3
 SLACK_ACTIVATION_FRACTION = 0.10
 # fp32 [tokens, v_heads, head_dim] tensors a GDN prefill chunk holds at once
-# (see CapacityPlan._gdn_prefill_bytes_per_token).
+# (see CapacityPlan._gdn_prefill_bytes_per_token): the chunked PyTorch rule,
+# and fla-core's chunked kernels (the CUDA prefill where fla is installed).
 GDN_PREFILL_FP32_TENSORS = 24
+GDN_PREFILL_KERNEL_FP32_TENSORS = 8
 
 
 # The prefill chunks the plan tries when it says which one the budget fits:
@@ -84,6 +86,7 @@ class CapacityPlan:
       prefill_chunk_tokens x (6 hidden + 3 intermediate + q_width + 2 kv_width
                               + 2 conv_dim) x activation_bytes     the widest layer's live tensors
       + prefill_chunk_tokens x 24 x gdn_v_heads x gdn_head_dim x 4  the GDN chunk's fp32 work
+        (8 instead of 24 with gdn_prefill_kernel: fla-core's chunked kernels)
       + 2 x context x kv_heads x head_dim x activation_bytes      one layer's K and V dequantized
         (the PyTorch path; with paged_attention_kernel, prefill over quantized pages
         dequantizes at most DENSE_PREFILL_MAX_TOKENS, and a read slice's fp32
@@ -132,6 +135,9 @@ class CapacityPlan:
     weight_format: str = "as stored"
     host_weight_bytes: int = 0
     weight_workspace_bytes: int = 0
+    # the GDN prefill runs fla-core's chunked kernels (engine/gdn_batched.py),
+    # whose working set is a third of the PyTorch chunked rule's
+    gdn_prefill_kernel: bool = False
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -304,6 +310,8 @@ class CapacityPlan:
                      "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens"
+                     + (", GDN by fla-core's kernels" if self.gdn_prefill_kernel
+                        and cfg.is_hybrid else "")
                      + (f", with a {format_bytes(self.weight_workspace_bytes)} slice of "
                         "dequantized weights" if self.weight_workspace_bytes else ""),
                      f"lower --prefill-chunk (now {self.prefill_chunk_tokens}) or "
@@ -342,12 +350,20 @@ class CapacityPlan:
     def _gdn_prefill_bytes_per_token(self) -> int:
         """The chunked delta rule's fp32 working set (engine/gdn.py): about 16
         [tokens, v_heads, head_dim] tensors live at once by count, 24 once
-        calibrated on the 27B shape (NVML, prefill worker, chunks 512 and 2048)."""
+        calibrated on the 27B shape (NVML, prefill worker, chunks 512 and 2048).
+        fla-core's kernels hold ~3.5 such tensors by their own allocations (the
+        chunk states, the WY factors, the new values and the output, mostly
+        bf16), plus the q/k norms and gates around them: 8. The 27B's prefill
+        worker measured 528 / 668 / 788 MiB of PyTorch reserve at chunks of
+        512 / 1,024 / 2,048 with fla (12-05, H100), under half of what the
+        plan counts with 8."""
         cfg = self.config
         if not cfg.is_hybrid:
             return 0
         head = max(cfg.linear_k_head_dim, cfg.linear_v_head_dim)
-        return GDN_PREFILL_FP32_TENSORS * cfg.linear_num_v_heads * head * 4
+        tensors = (GDN_PREFILL_KERNEL_FP32_TENSORS if self.gdn_prefill_kernel
+                   else GDN_PREFILL_FP32_TENSORS)
+        return tensors * cfg.linear_num_v_heads * head * 4
 
     def _decode_activations(self, batch: int) -> int:
         rows = max(batch, 1) * self.verify_rows_per_sequence

@@ -35,6 +35,7 @@ import torch
 
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
+from engine.gdn_batched import fla_available
 from engine.config import ModelConfig, shape_names
 from engine.kv.formats import FORMATS, default_page_size
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
@@ -159,7 +160,8 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         draft_tokens=spec.num_draft_tokens if spec.enabled else 0,
         mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host,
         weight_workspace_bytes=planned_workspace_bytes(packed_in_features, dtype.itemsize)
-        if on_gpu and packed_in_features else 0)
+        if on_gpu and packed_in_features else 0,
+        gdn_prefill_kernel=on_gpu and fla_available())
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:

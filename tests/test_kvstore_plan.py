@@ -267,6 +267,44 @@ def test_gpu_prefill_workspace_is_planned_for_quantized_pages_only():
     assert cpu_rk4 - (gpu_bf16 - partials) == 2 * 262_144 * kv_width * 2
 
 
+def test_the_gdn_prefill_kernels_are_planned_with_their_own_working_set(monkeypatch):
+    """fla-core's chunked GDN kernels hold a third of the PyTorch chunked
+    rule's fp32 working set per chunk token; the store's plan counts the one
+    the prefill worker will run (fla importable and a GPU), and says so."""
+    import kvstore.server as server
+    from engine.speculative import SpeculativeConfig
+    from kvstore.plan import GDN_PREFILL_FP32_TENSORS, GDN_PREFILL_KERNEL_FP32_TENSORS
+
+    config = _qwen27b()
+    chunk = 2048
+    per_tensor = chunk * config.linear_num_v_heads * config.linear_v_head_dim * 4
+
+    def reserve(**kw) -> int:
+        return _plan(config, 13 * 10**9, budget="200GiB", prefill_chunk_tokens=chunk,
+                     paged_attention_kernel=True, **kw).line("activation reserve").bytes
+
+    assert GDN_PREFILL_KERNEL_FP32_TENSORS < GDN_PREFILL_FP32_TENSORS
+    assert reserve() - reserve(gdn_prefill_kernel=True) == \
+        (GDN_PREFILL_FP32_TENSORS - GDN_PREFILL_KERNEL_FP32_TENSORS) * per_tensor
+    dense = _plan(_dense_config(), 10**9, budget="200GiB", gdn_prefill_kernel=True,
+                  kv_format=KVFormatSpec("int8"))
+    assert "fla-core" not in dense.line("activation reserve").detail
+
+    def store_plan(device: str, fla: bool) -> CapacityPlan:
+        monkeypatch.setattr(server, "fla_available", lambda: fla)
+        options = server.ServerOptions(
+            socket="(plan)", model="qwen3.5-27b", kv_format="rk4", max_context_tokens=262_144,
+            live_slots=1, snapshot_slots=4, gpu_memory_budget=parse_bytes("24GiB"),
+            device=device, prefill_chunk_tokens=chunk,
+            speculative=SpeculativeConfig(method="mtp", num_draft_tokens=3))
+        return server.plan_for(options, config, torch.bfloat16, 15 * GiB)
+
+    assert store_plan("cuda", fla=True).gdn_prefill_kernel
+    assert "GDN by fla-core's kernels" in store_plan("cuda", fla=True).table()
+    assert not store_plan("cuda", fla=False).gdn_prefill_kernel
+    assert not store_plan("cpu", fla=True).gdn_prefill_kernel  # the CPU runs the PyTorch rule
+
+
 def test_every_flag_the_advice_names_parses_in_plan_and_serve():
     """The advice is printed by `tandem plan` and by `tandem serve` (its store
     refuses to start): each flag it names must parse in both. `tandem plan`
