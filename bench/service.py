@@ -15,6 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engine.chunking import parse_prefill_chunk
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -43,10 +45,11 @@ class StreamResult:
 
 
 class Service:
-    """`with Service(model=..., device=...) as svc:` starts and stops tandem serve."""
+    """`with Service(model=..., device=...) as svc:` starts and stops tandem serve
+    (prefill_chunk 0: its --prefill-chunk auto)."""
 
     def __init__(self, model: str | None, device: str, kv_format: str = "int8",
-                 max_context_tokens: int = 8192, prefill_chunk: int = 512,
+                 max_context_tokens: int = 8192, prefill_chunk: int = 0,
                  gpu_memory_budget: str | None = None, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.max_context_tokens = max_context_tokens
@@ -55,7 +58,7 @@ class Service:
                     "--kv-format", kv_format, "--grpc-port", str(self.port),
                     "--metrics-port", str(self.metrics_port), "--http-port", "0",
                     "--max-context-tokens", str(max_context_tokens),
-                    "--prefill-chunk", str(prefill_chunk), "--live-slots", "4",
+                    "--prefill-chunk", str(prefill_chunk or "auto"), "--live-slots", "4",
                     "--snapshot-slots", "32", "--max-batch", "4",
                     "--socket-dir", tempfile.mkdtemp(prefix="tandem-bench-"), *extra]
         if model:
@@ -238,7 +241,8 @@ def add_service_arguments(p, max_context_tokens: int) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-format", default="int8")
     p.add_argument("--max-context-tokens", type=int, default=max_context_tokens)
-    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=parse_prefill_chunk, default="auto",
+                   help="auto (the service's default) or tokens per prefill forward")
     p.add_argument("--gpu-memory-budget", default=None)
     p.add_argument("--weights", default=None, help="tandem serve's --weights (e.g. int4)")
     p.add_argument("--speculative", default=None, help="tandem serve's --speculative")

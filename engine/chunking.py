@@ -10,7 +10,33 @@ kvstore/radix.py).
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+
+# --prefill-chunk auto on a GPU: the largest chunk up to this cap that the
+# memory budget fits (kvstore/plan.py, CapacityPlan.with_auto_chunk). A decode
+# step sharing the GPU waits out a whole chunk, and 2,048 was the knee of decode latency against prefill throughput under MPS
+# (BENCHMARKS.md, 12-04 10:55); 2,048 prefills the 27B's 4K prompt at 4.0x
+# llama.cpp with 4-bit weights, where 512 is host-bound at 1.4x (12-05).
+AUTO_PREFILL_CHUNK_CAP = 2048
+# --prefill-chunk auto on the CPU: a chunk there costs its tokens whatever its
+# size (no per-chunk weight dequantization to spread), and a short one lets
+# a cancel or a decode step sharing the cores in sooner.
+AUTO_PREFILL_CHUNK_CPU = 512
+# how the flag's "auto" travels in options (ServerOptions.prefill_chunk_tokens)
+AUTO_PREFILL_CHUNK = 0
+
+
+def parse_prefill_chunk(text: str) -> int:
+    """--prefill-chunk: "auto" (AUTO_PREFILL_CHUNK) or a token count >= 1.
+    Raises argparse's type error, whose message argparse prints as it is."""
+    text = str(text).strip()
+    if text.lower() == "auto":
+        return AUTO_PREFILL_CHUNK
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a prefill chunk is auto or a number of tokens >= 1, "
+                                         f"got {text!r}")
+    return int(text)
 
 
 @dataclass(frozen=True)

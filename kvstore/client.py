@@ -94,6 +94,8 @@ class StoreInfo:
     speculative: SpeculativeConfig = SpeculativeConfig()
     mtp_kv_layers: int = 0  # MTP layers with KV page pools in the kv arena
     num_staging_pages: int = 0  # bf16 staging pages, ids num_pages ..
+    # the largest prefill chunk the store's plan sized activations for
+    prefill_chunk_tokens: int = 0
 
     @property
     def sink_pages_per_sequence(self) -> int:
@@ -355,6 +357,7 @@ def _info_from_pb(a: pb.Attached) -> StoreInfo:
         page_size=a.page_size, num_pages=a.num_pages, num_state_slots=a.num_state_slots,
         store_pid=a.store_pid, speculative=_speculative_from_pb(a.speculative),
         mtp_kv_layers=a.speculative.mtp_kv_layers, num_staging_pages=a.num_staging_pages,
+        prefill_chunk_tokens=a.prefill_chunk_tokens,
         arenas={"weights": _arena_from_pb(a.weights), "kv": _arena_from_pb(a.kv),
                 "state": _arena_from_pb(a.state), "host": _arena_from_pb(a.host_weights)})
 

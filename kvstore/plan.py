@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.cache import CacheShape
+from engine.chunking import AUTO_PREFILL_CHUNK_CAP
 from engine.config import ModelConfig
 from engine.errors import TandemError
 from engine.kv.attention import (DENSE_READ_SLICE_TOKENS, PREFILL_KEY_SPLITS,
@@ -138,6 +139,8 @@ class CapacityPlan:
     # the GDN prefill runs fla-core's chunked kernels (engine/gdn_batched.py),
     # whose working set is a third of the PyTorch chunked rule's
     gdn_prefill_kernel: bool = False
+    # the chunk was picked by with_auto_chunk (--prefill-chunk auto), for the table
+    chunk_auto: bool = False
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -204,14 +207,25 @@ class CapacityPlan:
     def spare_bytes(self) -> int | None:
         return None if self.gpu_memory_budget is None else self.gpu_memory_budget - self.total_bytes
 
-    def largest_fitting_chunk(self) -> int | None:
-        """The largest prefill chunk of PREFILL_CHUNK_CHOICES with which this
-        plan fits its budget, everything else as it is (None: no budget, or
-        not even the smallest fits)."""
+    def largest_fitting_chunk(self, up_to: int | None = None) -> int | None:
+        """The largest prefill chunk of PREFILL_CHUNK_CHOICES (up to `up_to`)
+        with which this plan fits its budget, everything else as it is (None:
+        no budget, or not even the smallest fits)."""
         if self.gpu_memory_budget is None:
             return None
         return next((chunk for chunk in PREFILL_CHUNK_CHOICES
-                     if replace(self, prefill_chunk_tokens=chunk).spare_bytes >= 0), None)
+                     if (up_to is None or chunk <= up_to)
+                     and replace(self, prefill_chunk_tokens=chunk).spare_bytes >= 0), None)
+
+    def with_auto_chunk(self) -> CapacityPlan:
+        """This plan with --prefill-chunk auto on a GPU: the largest chunk up
+        to AUTO_PREFILL_CHUNK_CAP that its budget fits, the cap without a
+        budget; when not even the smallest fits, the chunk stays as it is, so
+        that check() names the line that does not fit."""
+        best = AUTO_PREFILL_CHUNK_CAP if self.gpu_memory_budget is None else \
+            self.largest_fitting_chunk(up_to=AUTO_PREFILL_CHUNK_CAP)
+        return replace(self, prefill_chunk_tokens=best or self.prefill_chunk_tokens,
+                       chunk_auto=True)
 
     def _chunk_advice(self) -> str:
         """A line naming a prefill chunk other than the planned one that the
@@ -310,6 +324,8 @@ class CapacityPlan:
                      "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens"
+                     + (f" (auto: the largest up to {AUTO_PREFILL_CHUNK_CAP} that fits)"
+                        if self.chunk_auto else "")
                      + (", GDN by fla-core's kernels" if self.gdn_prefill_kernel
                         and cfg.is_hybrid else "")
                      + (f", with a {format_bytes(self.weight_workspace_bytes)} slice of "

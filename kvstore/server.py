@@ -36,6 +36,8 @@ import torch
 from engine.cuda_context import trim_stack_reservation
 from engine.errors import InvalidRequestError, TandemError
 from engine.gdn_batched import fla_available
+from engine.chunking import (AUTO_PREFILL_CHUNK, AUTO_PREFILL_CHUNK_CAP, AUTO_PREFILL_CHUNK_CPU,
+                             parse_prefill_chunk)
 from engine.config import ModelConfig, shape_names
 from engine.kv.formats import FORMATS, default_page_size
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
@@ -74,7 +76,9 @@ class ServerOptions:
     snapshot_slots: int = 32
     gpu_memory_budget: int | None = None
     device: str = "cpu"
-    prefill_chunk_tokens: int = 2048
+    # the largest chunk prefill workers run, which sizes the activation
+    # reserve; AUTO_PREFILL_CHUNK: the plan picks it (plan_for)
+    prefill_chunk_tokens: int = AUTO_PREFILL_CHUNK
     seed: int = 0
     weights: str = "auto"  # engine/loader.py: auto, native, bf16, or a dummy-shape recipe
     # the decode workers' drafter: the store lays out its memory (MTP KV pools,
@@ -94,7 +98,7 @@ class ServerOptions:
                                    ("--max-context-tokens", self.max_context_tokens, 1),
                                    ("--live-slots", self.live_slots, 1),
                                    ("--snapshot-slots", self.snapshot_slots, 0),
-                                   ("--prefill-chunk-tokens", self.prefill_chunk_tokens, 1)):
+                                   ("--prefill-chunk-tokens", self.prefill_chunk_tokens, 0)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{flag} must be an integer >= {least}, got {value!r}")
         if self.gpu_memory_budget is not None and self.gpu_memory_budget <= 0:
@@ -149,11 +153,14 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
     spec.check_model(config)
     on_gpu = torch.device(options.device).type == "cuda"
     on_host = embedding_bytes if on_gpu and host_embeddings(options, config) else 0
-    return CapacityPlan(
+    auto = options.prefill_chunk_tokens == AUTO_PREFILL_CHUNK
+    chunk = options.prefill_chunk_tokens or (AUTO_PREFILL_CHUNK_CAP if on_gpu
+                                             else AUTO_PREFILL_CHUNK_CPU)
+    plan = CapacityPlan(
         config=config, kv_format=kv_spec_for(options, dtype), page_size=options.page_size,
         max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
         snapshot_slots=options.snapshot_slots, gpu_memory_budget=options.gpu_memory_budget,
-        weight_bytes=weight_bytes, prefill_chunk_tokens=options.prefill_chunk_tokens,
+        weight_bytes=weight_bytes, prefill_chunk_tokens=chunk,
         activation_bytes=dtype.itemsize, cuda_graphs=on_gpu,
         cuda_processes=SERVICE_CUDA_PROCESSES if on_gpu else 0, paged_attention_kernel=on_gpu,
         weight_format=weight_format, draft_slots_per_sequence=spec.spare_slots(config),
@@ -162,6 +169,7 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         weight_workspace_bytes=planned_workspace_bytes(packed_in_features, dtype.itemsize)
         if on_gpu and packed_in_features else 0,
         gdn_prefill_kernel=on_gpu and fla_available())
+    return plan.with_auto_chunk() if auto and on_gpu else plan
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
@@ -288,6 +296,7 @@ def attached_to_pb(store: Store, session_id: str) -> pb.Attached:
         page_size=store.plan.page_size, num_pages=store.plan.num_pages,
         num_state_slots=store.plan.num_state_slots,
         num_staging_pages=store.plan.cache_shape.staging_pages,
+        prefill_chunk_tokens=store.plan.prefill_chunk_tokens,
         weights=arena_to_pb(handles["weights"]), kv=arena_to_pb(handles["kv"]),
         state=arena_to_pb(handles["state"]), host_weights=arena_to_pb(handles["host"]),
         store_pid=os.getpid(),
@@ -455,8 +464,10 @@ def parse_args(argv: list[str] | None = None) -> ServerOptions:
     p.add_argument("--gpu-memory-budget", default=None,
                    help="e.g. 24GiB; refuse to start when the plan needs more (default: no limit)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--prefill-chunk-tokens", type=int, default=2048,
-                   help="largest prefill chunk workers run (sizes the activation reserve)")
+    p.add_argument("--prefill-chunk-tokens", type=parse_prefill_chunk, default="auto",
+                   help="largest prefill chunk workers run, which sizes the activation reserve; "
+                        f"auto (default): on a GPU the largest up to {AUTO_PREFILL_CHUNK_CAP} "
+                        f"the budget fits, on the CPU {AUTO_PREFILL_CHUNK_CPU}")
     p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
     p.add_argument("--weights", default="auto",
                    help="auto (low-bit files stay packed on CUDA), native, bf16, or for a dummy "

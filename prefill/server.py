@@ -241,11 +241,27 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         return pb.AbortWorkReply(found=True)
 
 
+def chunk_for(asked: int, planned: int) -> int:
+    """The worker's prefill chunk: the store's planned one unless a smaller
+    one is asked (0: none is). A larger one would pass the activation
+    reserve of the store's memory plan, so it is refused."""
+    if asked < 0:
+        raise TandemError(f"--chunk must be a number of tokens >= 1 (0: the store's), got {asked}")
+    if asked > planned:
+        raise TandemError(f"--chunk {asked} is larger than the {planned}-token prefill chunk "
+                          "the store's memory plan reserved activations for: give the store "
+                          f"--prefill-chunk-tokens {asked} (tandem serve --prefill-chunk) or "
+                          "leave --chunk out to run the store's")
+    return asked or planned
+
+
 async def _main(args) -> None:
     store = attach_worker(PROCESS, args)
+    chunk = chunk_for(args.chunk, store.info.prefill_chunk_tokens)
+    log(PROCESS, f"prefill chunks of up to {chunk} tokens")
     link, ready, close_link = _transfer_link(args, store)
     compiles = watch_compiles(store.device)
-    service = PrefillService(store, args.chunk, link, compiles, args.profile_every)
+    service = PrefillService(store, chunk, link, compiles, args.profile_every)
     if compiles is not None:
         _warm_up(service, compiles)
 
@@ -341,7 +357,9 @@ def _request_count(text: str) -> int:
 
 def parser():
     p = worker_arguments("python -m prefill.server", __doc__.splitlines()[0])
-    p.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="tokens per prefill forward, at most the store's planned chunk "
+                        "(default 0: the store's)")
     # argparse runs a string default through `type` too: a bad variable is a usage error
     p.add_argument("--profile-every", type=_request_count, default=os.environ.get(PROFILE_ENV) or "0",
                    metavar="N", help="log where every N-th request's prefill time goes "

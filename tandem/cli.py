@@ -295,7 +295,7 @@ def _add_serve(sub) -> None:
                    help="cached hybrid-state snapshots kept for the prefix cache")
     _add_embeddings_flag(p)
     p.add_argument("--max-batch", type=int, default=16, help="decode batch size")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    _add_prefill_chunk_flag(p)
     p.add_argument("--prefill-sm-percent", type=int, default=None,
                    help="under CUDA MPS (a running nvidia-cuda-mps-control -d): the share of "
                         "the GPU's SMs the prefill worker may fill (its "
@@ -369,7 +369,7 @@ def serve_specs(args, socket_dir: str) -> list:
     py = sys.executable
     kvstore = _kvstore_argv(args, sock["kvstore"], device)
     prefill = [py, "-m", "prefill.server", "--store", sock["kvstore"], "--socket", sock["prefill"],
-               "--chunk", str(args.prefill_chunk), "--device", device]
+               "--device", device]  # the chunk: the store's, which its plan sized
     decode = [py, "-m", "decode.server", "--store", sock["kvstore"], "--socket", sock["decode"],
               "--max-batch", str(args.max_batch), "--device", device]
     if getattr(args, "no_cuda_graphs", False):
@@ -431,7 +431,7 @@ def _kvstore_argv(args, socket: str, device: str) -> list[str]:
                "--socket", socket, "--kv-format", args.kv_format,
                "--max-context-tokens", str(args.max_context_tokens),
                "--live-slots", str(args.live_slots), "--snapshot-slots", str(args.snapshot_slots),
-               "--prefill-chunk-tokens", str(args.prefill_chunk), "--device", device,
+               "--prefill-chunk-tokens", str(args.prefill_chunk or "auto"), "--device", device,
                # the store lays out the drafter's memory; the workers and the router
                # read the setting from it
                "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]
@@ -511,7 +511,7 @@ def _disaggregated_specs(args, socket_dir: str) -> list:
         common = ["--store", sock[f"kvstore-{w}"], "--socket", sock[w], "--device", d,
                   "--transfer-rank", str(rank), *group]
         if rank < n:
-            argv = [py, "-m", "prefill.server", *common, "--chunk", str(args.prefill_chunk)]
+            argv = [py, "-m", "prefill.server", *common]
             if args.kv_transfer == "peer":
                 argv += ["--peer-stores", ",".join(sock[f"kvstore-{x}"] for x in decodes)]
         else:
@@ -625,12 +625,22 @@ def _add_plan(sub) -> None:
                    help="tokens per KV page (default 16; 32 for rk4p)")
     p.add_argument("--live-slots", type=int, default=1, help="sequences running at once")
     p.add_argument("--snapshot-slots", type=int, default=8, help="GDN prefix-cache snapshots")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill chunk")
+    _add_prefill_chunk_flag(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
                    help="the device planned for (default cuda)")
     p.add_argument("--gpu-memory-budget", required=True, help="e.g. 24GiB")
     _add_embeddings_flag(p)
     p.set_defaults(run=_run_plan)
+
+
+def _add_prefill_chunk_flag(p) -> None:
+    from engine.chunking import AUTO_PREFILL_CHUNK_CAP, AUTO_PREFILL_CHUNK_CPU, parse_prefill_chunk
+
+    p.add_argument("--prefill-chunk", type=parse_prefill_chunk, default="auto",
+                   help="tokens per prefill forward, which sizes the activation reserve: auto "
+                        f"(default) is on a GPU the largest up to {AUTO_PREFILL_CHUNK_CAP} the "
+                        f"memory budget fits (4-bit weights prefill faster in larger chunks), on "
+                        f"the CPU {AUTO_PREFILL_CHUNK_CPU}")
 
 
 def _add_embeddings_flag(p) -> None:

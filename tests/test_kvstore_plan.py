@@ -8,7 +8,7 @@ import torch
 from engine.cache import CacheShape
 from engine.config import ModelConfig, shape_hf_config
 from engine.errors import TandemError
-from engine.loader import load_model
+from engine.loader import load_model, plan_inputs
 from kvstore.arena import ALIGNMENT, Arena, ArenaMapError, Layout, SHM_DIR
 from kvstore.memory import (KVFormatSpec, cache_on_arenas, config_from_json, config_to_json,
                             create_arenas, kv_layout, model_on_arena, open_arenas)
@@ -303,6 +303,57 @@ def test_the_gdn_prefill_kernels_are_planned_with_their_own_working_set(monkeypa
     assert "GDN by fla-core's kernels" in store_plan("cuda", fla=True).table()
     assert not store_plan("cuda", fla=False).gdn_prefill_kernel
     assert not store_plan("cpu", fla=True).gdn_prefill_kernel  # the CPU runs the PyTorch rule
+
+
+def test_an_auto_prefill_chunk_is_the_largest_up_to_its_cap_that_fits(monkeypatch):
+    """--prefill-chunk auto (the default): on a GPU the largest chunk up to
+    AUTO_PREFILL_CHUNK_CAP the budget fits, so 4-bit weights prefill in the
+    chunks they are fastest in without passing the budget; on the CPU 512;
+    a chunk given is planned as given."""
+    import argparse
+
+    import kvstore.server as server
+    from engine.chunking import (AUTO_PREFILL_CHUNK, AUTO_PREFILL_CHUNK_CAP,
+                                 AUTO_PREFILL_CHUNK_CPU, parse_prefill_chunk)
+    from engine.speculative import SpeculativeConfig
+
+    monkeypatch.setattr(server, "fla_available", lambda: True)
+    inputs = plan_inputs("qwen3.5-27b", "int4", torch.device("cuda"))  # no weights made
+    config = inputs.config
+
+    def store_plan(device="cuda", chunk="auto", budget="24GiB") -> CapacityPlan:
+        options = server.ServerOptions(
+            socket="(plan)", model="qwen3.5-27b", kv_format="rk4", max_context_tokens=262_144,
+            live_slots=1, snapshot_slots=4, device=device,
+            gpu_memory_budget=parse_bytes(budget) if budget else None,
+            prefill_chunk_tokens=parse_prefill_chunk(chunk),
+            speculative=SpeculativeConfig(method="mtp", num_draft_tokens=3))
+        return server.plan_for(options, config, torch.bfloat16, inputs.weight_bytes,
+                               inputs.label, inputs.embedding_bytes, inputs.packed_in_features)
+
+    auto = store_plan()
+    auto.check()
+    assert auto.prefill_chunk_tokens == auto.largest_fitting_chunk(up_to=AUTO_PREFILL_CHUNK_CAP)
+    assert auto.prefill_chunk_tokens > 512  # the 24 GiB / 262K plan fits a chunk past the old default
+    assert "(auto: the largest up to" in auto.table()
+    tight = store_plan(budget="23GiB")
+    assert tight.prefill_chunk_tokens < auto.prefill_chunk_tokens and tight.spare_bytes >= 0
+    assert store_plan(budget=None).prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CAP
+    assert store_plan(device="cpu", budget=None).prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CPU
+    given = store_plan(chunk="4096")
+    assert given.prefill_chunk_tokens == 4096 and not given.chunk_auto
+    with pytest.raises(OverBudgetError):  # as given, not lowered to fit
+        given.check()
+    # nothing fits: the plan keeps the cap and check() names the line
+    hopeless = store_plan(budget="8GiB")
+    assert hopeless.prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CAP
+    with pytest.raises(OverBudgetError, match="over budget: weights"):
+        hopeless.check()
+    assert parse_prefill_chunk("auto") == parse_prefill_chunk(" AUTO ") == AUTO_PREFILL_CHUNK
+    assert parse_prefill_chunk("256") == 256
+    for bad in ("0", "-5", "1k", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="auto or a number of tokens"):
+            parse_prefill_chunk(bad)
 
 
 def test_every_flag_the_advice_names_parses_in_plan_and_serve():

@@ -240,12 +240,23 @@ def test_over_budget_start_refuses_with_the_plan(tmp_path):
 
 def test_dense_store_serves_then_stops_cleanly_on_sigterm(tmp_path):
     store = StoreProcess(tmp_path, "--model", "tiny-llama", "--kv-format", "int8",
-                         "--page-size", "8", "--max-context-tokens", "128").wait_serving()
+                         "--page-size", "8", "--max-context-tokens", "128",
+                         "--prefill-chunk-tokens", "64").wait_serving()
+    # a prefill worker asking for larger chunks than the store's plan sized
+    # activations for is refused at start, naming both flags
+    worker = subprocess.run(
+        [sys.executable, "-m", "prefill.server", "--store", store.socket, "--socket",
+         str(tmp_path / "prefill.sock"), "--device", "cpu", "--chunk", "128"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert worker.returncode == 2, worker.stderr
+    assert "--chunk 128 is larger than the 64-token prefill chunk" in worker.stderr
+    assert "--prefill-chunk-tokens 128" in worker.stderr
     files = store.shm_files()
     # a CPU store keeps its token table with the other weights: the host arena is empty
     assert [f.name.rsplit("-", 1)[1] for f in files] == ["host", "kv", "state", "weights"]
     with StoreClient.connect(store.socket, "dense") as c:
         assert c.info.num_state_slots == 0 and c.cache.recurrent == []
+        assert c.info.prefill_chunk_tokens == 64  # what prefill workers run by default
         with pytest.raises(StoreError, match="no GDN layers"):
             c.allocate(pages=1, slots=1)
         got = c.allocate(pages=2)

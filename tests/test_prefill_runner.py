@@ -131,3 +131,19 @@ def test_the_worker_refuses_a_bad_id_as_invalid_argument():
             assert not service.work  # never accepted
     finally:
         service.gpu.shutdown()
+
+
+def test_a_worker_runs_the_stores_planned_chunk_or_a_smaller_one_asked():
+    """The store's plan sized prefill activations for its chunk: a worker runs
+    that one by default, a smaller one when asked, never a larger one (the
+    refusal at start, through real processes: tests/test_kvstore_process.py)."""
+    from engine.errors import TandemError
+    from prefill.server import chunk_for
+
+    assert chunk_for(0, 2048) == 2048
+    assert chunk_for(512, 2048) == 512
+    assert chunk_for(2048, 2048) == 2048
+    with pytest.raises(TandemError, match="--chunk 4096 is larger than the 2048-token"):
+        chunk_for(4096, 2048)
+    with pytest.raises(TandemError, match="--chunk must be a number of tokens >= 1"):
+        chunk_for(-1, 2048)

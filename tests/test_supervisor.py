@@ -337,7 +337,7 @@ def test_serve_specs_builds_the_five_command_lines(monkeypatch):
     assert list(specs[0].argv) == [
         py, "-m", "kvstore.server", "--model", "embedded", "--socket", f"{d}/kvstore.sock",
         "--kv-format", "int8", "--max-context-tokens", "65536",
-        "--live-slots", "16", "--snapshot-slots", "64", "--prefill-chunk-tokens", "512",
+        "--live-slots", "16", "--snapshot-slots", "64", "--prefill-chunk-tokens", "auto",
         "--device", "cpu", "--speculative", "none", "--draft-tokens", "3"]
     # the store picks the format's page size unless one is given
     paged = serve_specs(build_parser().parse_args(["serve", "--device", "cpu", "--page-size", "32"]),
@@ -345,7 +345,7 @@ def test_serve_specs_builds_the_five_command_lines(monkeypatch):
     assert list(paged[-2:]) == ["--page-size", "32"]
     assert list(specs[1].argv) == [
         py, "-m", "prefill.server", "--store", f"{d}/kvstore.sock", "--socket",
-        f"{d}/prefill.sock", "--chunk", "512", "--device", "cpu"]
+        f"{d}/prefill.sock", "--device", "cpu"]
     assert list(specs[2].argv) == [
         py, "-m", "decode.server", "--store", f"{d}/kvstore.sock", "--socket",
         f"{d}/decode.sock", "--max-batch", "16", "--device", "cpu"]
@@ -445,7 +445,9 @@ def test_serve_specs_passes_the_flags_through():
     assert kvstore.argv[-2:] == ("--gpu-memory-budget", "24GiB")
     assert kvstore.argv[kvstore.argv.index("--device") + 1] == "cuda"
     assert "int8" in kvstore.argv and "32" in kvstore.argv and "4096" in kvstore.argv
-    assert prefill.argv[-4:] == ("--chunk", "256", "--device", "cuda")
+    # the store plans the chunk and the worker runs the store's
+    assert kvstore.argv[kvstore.argv.index("--prefill-chunk-tokens") + 1] == "256"
+    assert "--chunk" not in prefill.argv and prefill.argv[-2:] == ("--device", "cuda")
     assert decode.argv[-4:] == ("--max-batch", "8", "--device", "cuda")
     assert router.argv[-6:] == ("--host", "0.0.0.0", "--port", "6000", "--metrics-port", "0")
     assert router.health_target == "127.0.0.1:6000"  # a wildcard bind is probed locally

@@ -19,7 +19,7 @@ class AttachEvent(_message.Message):
     def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
-    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative", "host_weights", "num_staging_pages")
+    __slots__ = ("session_id", "model", "kv_format", "page_size", "num_pages", "num_state_slots", "weights", "kv", "state", "store_pid", "speculative", "host_weights", "num_staging_pages", "prefill_chunk_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class Attached(_message.Message):
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     HOST_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     NUM_STAGING_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model: ModelInfo
     kv_format: KVFormatInfo
@@ -46,7 +47,8 @@ class Attached(_message.Message):
     speculative: SpeculativeInfo
     host_weights: ArenaInfo
     num_staging_pages: int
-    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ..., host_weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., num_staging_pages: _Optional[int] = ...) -> None: ...
+    prefill_chunk_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., kv_format: _Optional[_Union[KVFormatInfo, _Mapping]] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., num_state_slots: _Optional[int] = ..., weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., kv: _Optional[_Union[ArenaInfo, _Mapping]] = ..., state: _Optional[_Union[ArenaInfo, _Mapping]] = ..., store_pid: _Optional[int] = ..., speculative: _Optional[_Union[SpeculativeInfo, _Mapping]] = ..., host_weights: _Optional[_Union[ArenaInfo, _Mapping]] = ..., num_staging_pages: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeInfo(_message.Message):
     __slots__ = ("method", "draft_tokens", "mtp_kv_layers")
