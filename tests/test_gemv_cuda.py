@@ -89,6 +89,35 @@ def test_the_switch_is_on_by_default_where_nvrtc_loads_and_a_bad_value_names_it(
     assert gemv_cuda.wanted() is False  # no NVRTC: the Triton kernel runs
 
 
+def test_a_card_with_swept_plans_gets_them_unless_a_switch_says_otherwise(tmp_path, monkeypatch):
+    """CARD_PLANS: the 27B's shapes on the cards they were swept on get the
+    sweep's plans; other shapes and cards plan_for's; a plans file, or any
+    TANDEM_GEMV_CUDA_STAGES (0 included), replaces them."""
+    monkeypatch.delenv(gemv_cuda.PLANS_ENV, raising=False)
+    monkeypatch.delenv(gemv_cuda.STAGES_ENV, raising=False)
+    h200 = "NVIDIA H200"
+    assert picked_plan(248320, 5120, h200) == plan_for(5120, rows=4, flush=1, stages=3)
+    assert picked_plan(34816, 5120, h200) == plan_for(5120, rows=4, flush=16)
+    assert picked_plan(5120, 6144, h200) == plan_for(6144, rows=gemv_cuda.DEFAULT_ROWS)
+    assert picked_plan(248320, 5120, "NVIDIA GeForce RTX 4090") == \
+        picked_plan(248320, 5120) == plan_for(5120, rows=gemv_cuda.DEFAULT_ROWS)
+    for card, plans in gemv_cuda.CARD_PLANS.items():  # every entry builds as written
+        for (n, k), (slots, threads, flush, stages) in plans.items():
+            plan = picked_plan(n, k, card)
+            assert (plan.slots, plan.threads, plan.flush, plan.stages) == \
+                (slots, threads, flush, stages)
+    monkeypatch.setenv(gemv_cuda.STAGES_ENV, "0")
+    assert picked_plan(248320, 5120, h200) == plan_for(5120, rows=gemv_cuda.DEFAULT_ROWS)
+    monkeypatch.setenv(gemv_cuda.STAGES_ENV, "2")
+    assert picked_plan(248320, 5120, h200) == plan_for(5120, rows=4, stages=2)
+    monkeypatch.delenv(gemv_cuda.STAGES_ENV)
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"248320,5120": {"rows": 2, "flush": 4}}))
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
+    assert picked_plan(248320, 5120, h200) == plan_for(5120, rows=2, flush=4)
+    assert picked_plan(34816, 5120, h200) == plan_for(5120, rows=4, flush=16)  # not in the file
+
+
 def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path, monkeypatch):
     path = tmp_path / "plans.json"
     # "queue": a key of files written before the tile queue was removed

@@ -467,7 +467,8 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                          f"{x.dtype} on {x.device} and {qt.describe()}")
     n, k = qt.shape
     given = plan is not None
-    plan = plan or picked_plan(n, k)
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    plan = plan or picked_plan(n, k, card_name(device))
     if pdl is None:
         from engine.pdl import pdl_capable, pdl_wanted
 
@@ -479,7 +480,6 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     elif not _fits_out(out, x, n):
         raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if prologue is not None:
         prologue_args = prologue.operands(x, k)
     elif x.shape[-1] != k:
@@ -587,15 +587,62 @@ def default_stages() -> int:
     return one_of(STAGES_ENV, 0, tuple(range(MAX_STAGES + 1)))
 
 
-def picked_plan(n: int, k: int) -> CudaGemvPlan:
+# The sweeps' plans for the 27B's shapes, by card (torch.cuda.get_device_name)
+# and (N, K) as (slots, threads, flush, stages) at DEFAULT_ROWS, from
+# `bench.gemv_cuda --rows 4 --stages 2 3 4 6 --plans-out` (12-05). The int4
+# step with them against plan_for's defaults, alternating runs of one warm
+# machine (BENCHMARKS.md, 12-05 21:57-22:04): H200 6.79-6.89 ms against
+# 6.93-7.38 (four pairs, every one won); H100 7.08 / 7.31 against 7.17-7.43.
+# Shapes and cards not named get plan_for's.
+CARD_PLANS: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    "NVIDIA H200": {
+        (34816, 5120): (1, 160, 16, 0),    # gate_up
+        (5120, 17408): (1, 544, 16, 0),    # down
+        (16480, 5120): (1, 160, 8, 0),     # gdn in_proj
+        (14336, 5120): (1, 160, 16, 0),    # attn qkv
+        (248320, 5120): (1, 160, 1, 3),    # lm_head, through a 3-stage ring
+    },
+    "NVIDIA H100 80GB HBM3": {
+        (5120, 17408): (1, 544, 16, 0),
+        (16480, 5120): (1, 160, 8, 0),
+        (14336, 5120): (1, 160, 16, 0),
+        (248320, 5120): (1, 160, 16, 0),
+    },
+}
+
+
+def _card_plan(card: str | None, n: int, k: int) -> CudaGemvPlan | None:
+    found = CARD_PLANS.get(card or "", {}).get((n, k))
+    if found is None:
+        return None
+    slots, threads, flush, stages = found
+    plan = plan_for(k, rows=DEFAULT_ROWS, slots=slots, flush=flush, stages=stages)
+    if plan.threads != threads:  # the table and plan_for's thread rule disagree
+        raise ValueError(f"CARD_PLANS[{card!r}][{n}, {k}] has {threads} threads, "
+                         f"plan_for gives {plan.threads}")
+    return plan
+
+
+@functools.lru_cache(maxsize=16)
+def card_name(device: int) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def picked_plan(n: int, k: int, card: str | None = None) -> CudaGemvPlan:
     """The plan a sweep wrote for (N, K) into the JSON file TANDEM_GEMV_CUDA_PLANS
-    names ({"N,K": CudaGemvPlan.spec()}, as bench.gemv_cuda --plans-out writes it),
-    else plan_for(k) at DEFAULT_ROWS and default_stages()."""
+    names ({"N,K": CudaGemvPlan.spec()}, as bench.gemv_cuda --plans-out writes it);
+    else with TANDEM_GEMV_CUDA_STAGES set plan_for(k) at those stages; else
+    CARD_PLANS' for this card (`card`, a CUDA device name); else plan_for(k)
+    at DEFAULT_ROWS. TANDEM_GEMV_CUDA_STAGES=0 thus runs plan_for's defaults."""
     import os
 
     path = os.environ.get(PLANS_ENV, "")
     if path:
         found = _plans_file(path).get((n, k))
+        if found is not None:
+            return found
+    if os.environ.get(STAGES_ENV, "") == "":
+        found = _card_plan(card, n, k)
         if found is not None:
             return found
     return plan_for(k, rows=DEFAULT_ROWS, stages=default_stages())
