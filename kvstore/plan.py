@@ -220,11 +220,11 @@ class CapacityPlan:
     def with_auto_chunk(self) -> CapacityPlan:
         """This plan with --prefill-chunk auto on a GPU: the largest chunk up
         to AUTO_PREFILL_CHUNK_CAP that its budget fits, the cap without a
-        budget; when not even the smallest fits, the chunk stays as it is, so
-        that check() names the line that does not fit."""
+        budget; when not even the smallest fits, the smallest, so that
+        check() names a line that lowering the chunk would not fix."""
         best = AUTO_PREFILL_CHUNK_CAP if self.gpu_memory_budget is None else \
             self.largest_fitting_chunk(up_to=AUTO_PREFILL_CHUNK_CAP)
-        return replace(self, prefill_chunk_tokens=best or self.prefill_chunk_tokens,
+        return replace(self, prefill_chunk_tokens=best or PREFILL_CHUNK_CHOICES[-1],
                        chunk_auto=True)
 
     def _chunk_advice(self) -> str:

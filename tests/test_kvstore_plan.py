@@ -315,6 +315,7 @@ def test_an_auto_prefill_chunk_is_the_largest_up_to_its_cap_that_fits(monkeypatc
     import kvstore.server as server
     from engine.chunking import (AUTO_PREFILL_CHUNK, AUTO_PREFILL_CHUNK_CAP,
                                  AUTO_PREFILL_CHUNK_CPU, parse_prefill_chunk)
+    from kvstore.plan import PREFILL_CHUNK_CHOICES
     from engine.speculative import SpeculativeConfig
 
     monkeypatch.setattr(server, "fla_available", lambda: True)
@@ -344,11 +345,14 @@ def test_an_auto_prefill_chunk_is_the_largest_up_to_its_cap_that_fits(monkeypatc
     assert given.prefill_chunk_tokens == 4096 and not given.chunk_auto
     with pytest.raises(OverBudgetError):  # as given, not lowered to fit
         given.check()
-    # nothing fits: the plan keeps the cap and check() names the line
+    # nothing fits: the smallest chunk, so that check() names a line that a
+    # smaller chunk would not fix
     hopeless = store_plan(budget="8GiB")
-    assert hopeless.prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CAP
+    assert hopeless.prefill_chunk_tokens == PREFILL_CHUNK_CHOICES[-1]
     with pytest.raises(OverBudgetError, match="over budget: weights"):
         hopeless.check()
+    with pytest.raises(OverBudgetError, match="over budget: cuda contexts"):
+        store_plan(budget="22GiB").check()
     assert parse_prefill_chunk("auto") == parse_prefill_chunk(" AUTO ") == AUTO_PREFILL_CHUNK
     assert parse_prefill_chunk("256") == 256
     for bad in ("0", "-5", "1k", ""):

@@ -26,9 +26,15 @@ def _bytes(text: str, line: str) -> float:
 
 def test_27b_int4_rk4_full_context_plan_lists_every_line(capsys):
     """The 24 GiB demonstration's plan, CUDA contexts included: fits with the
-    issue's 1 GiB to spare, the token table in host memory; on the device the
-    table costs what its plan line says, and at 23 GiB the plan is refused."""
+    issue's 1 GiB to spare at 512-token chunks, the token table in host
+    memory; the auto chunk spends part of that spare on a larger chunk and
+    still fits; on the device the table costs what its plan line says, and
+    at 23 GiB the plan is refused."""
     assert main([*PLAN_27B, "--weights", "int4", "--device", "cuda"]) == 0
+    auto = capsys.readouterr().out
+    assert "(auto: the largest up to 2048 that fits)" in auto and _bytes(auto, "spare") > 0
+    assert re.search(r"prefill chunk (1024|2048) tokens", auto)  # 2048 where fla-core is installed
+    assert main([*PLAN_27B, "--weights", "int4", "--device", "cuda", "--prefill-chunk", "512"]) == 0
     out = capsys.readouterr().out
     for line in ("weights", "kv pages", "mtp kv pages", "gdn live slots", "gdn snapshot slots",
                  "gdn draft slots", "activation reserve", "decode activations", "cuda graphs",
@@ -38,7 +44,7 @@ def test_27b_int4_rk4_full_context_plan_lists_every_line(capsys):
     assert 21 * GiB < _bytes(out, "total") <= 23 * GiB
     assert 13 * GiB < _bytes(out, "weights") < 16 * GiB  # ~27B weights at 4.625 bits
     table = 248320 * 5120 * 4.625 / 8  # Q4_K rows of the 27B's vocabulary
-    assert main([*PLAN_27B, "--weights", "int4", "--device", "cuda",
+    assert main([*PLAN_27B, "--weights", "int4", "--device", "cuda", "--prefill-chunk", "512",
                  "--embeddings", "device"]) == 0
     on_device = capsys.readouterr().out
     assert _bytes(on_device, "weights") - _bytes(out, "weights") == pytest.approx(table, rel=0.01)
