@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 # --prefill-chunk auto on a GPU: the largest chunk up to this cap that the
 # memory budget fits (kvstore/plan.py, CapacityPlan.with_auto_chunk). A decode
-# step sharing the GPU waits out a whole chunk, and 2,048 was the knee of decode latency against prefill throughput under MPS
-# (BENCHMARKS.md, 12-04 10:55); 2,048 prefills the 27B's 4K prompt at 4.0x
-# llama.cpp with 4-bit weights, where 512 is host-bound at 1.4x (12-05).
+# step sharing the GPU waits out a whole chunk, and 2,048 was the knee of
+# decode latency against prefill throughput under MPS (BENCHMARKS.md, 12-04
+# 10:55); 2,048 prefills the 27B's 4K prompt at 4.0x llama.cpp with 4-bit
+# weights, where 512 is host-bound at 1.4x (12-05).
 AUTO_PREFILL_CHUNK_CAP = 2048
 # --prefill-chunk auto on the CPU: a chunk there costs its tokens whatever its
 # size (no per-chunk weight dequantization to spread), and a short one lets

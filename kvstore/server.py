@@ -33,12 +33,12 @@ import grpc
 import numpy as np
 import torch
 
-from engine.cuda_context import trim_stack_reservation
-from engine.errors import InvalidRequestError, TandemError
-from engine.gdn_batched import fla_available
 from engine.chunking import (AUTO_PREFILL_CHUNK, AUTO_PREFILL_CHUNK_CAP, AUTO_PREFILL_CHUNK_CPU,
                              parse_prefill_chunk)
 from engine.config import ModelConfig, shape_names
+from engine.cuda_context import trim_stack_reservation
+from engine.errors import InvalidRequestError, TandemError
+from engine.gdn_batched import fla_available
 from engine.kv.formats import FORMATS, default_page_size
 from engine.loader import default_dtype, keeps_quantized, load_model, plan_inputs
 from engine.quant.workspace import planned_workspace_bytes
@@ -153,6 +153,7 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
     spec.check_model(config)
     on_gpu = torch.device(options.device).type == "cuda"
     on_host = embedding_bytes if on_gpu and host_embeddings(options, config) else 0
+    # auto: on a GPU with_auto_chunk plans down from the cap; on the CPU 512
     auto = options.prefill_chunk_tokens == AUTO_PREFILL_CHUNK
     chunk = options.prefill_chunk_tokens or (AUTO_PREFILL_CHUNK_CAP if on_gpu
                                              else AUTO_PREFILL_CHUNK_CPU)

@@ -588,25 +588,25 @@ def default_stages() -> int:
 
 
 # The sweeps' plans for the 27B's shapes, by card (torch.cuda.get_device_name)
-# and (N, K) as (slots, threads, flush, stages) at DEFAULT_ROWS, from
+# and (N, K) as (flush, stages) at DEFAULT_ROWS and plan_for's slots, from
 # `bench.gemv_cuda --rows 4 --stages 2 3 4 6 --plans-out` (12-05). The int4
 # step with them against plan_for's defaults, alternating runs of one warm
 # machine (BENCHMARKS.md, 12-05 21:57-22:04): H200 6.79-6.89 ms against
 # 6.93-7.38 (four pairs, every one won); H100 7.08 / 7.31 against 7.17-7.43.
 # Shapes and cards not named get plan_for's.
-CARD_PLANS: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+CARD_PLANS: dict[str, dict[tuple[int, int], tuple[int, int]]] = {
     "NVIDIA H200": {
-        (34816, 5120): (1, 160, 16, 0),    # gate_up
-        (5120, 17408): (1, 544, 16, 0),    # down
-        (16480, 5120): (1, 160, 8, 0),     # gdn in_proj
-        (14336, 5120): (1, 160, 16, 0),    # attn qkv
-        (248320, 5120): (1, 160, 1, 3),    # lm_head, through a 3-stage ring
+        (34816, 5120): (16, 0),    # gate_up
+        (5120, 17408): (16, 0),    # down
+        (16480, 5120): (8, 0),     # gdn in_proj
+        (14336, 5120): (16, 0),    # attn qkv
+        (248320, 5120): (1, 3),    # lm_head, through a 3-stage ring
     },
     "NVIDIA H100 80GB HBM3": {
-        (5120, 17408): (1, 544, 16, 0),
-        (16480, 5120): (1, 160, 8, 0),
-        (14336, 5120): (1, 160, 16, 0),
-        (248320, 5120): (1, 160, 16, 0),
+        (5120, 17408): (16, 0),
+        (16480, 5120): (8, 0),
+        (14336, 5120): (16, 0),
+        (248320, 5120): (16, 0),
     },
 }
 
@@ -615,12 +615,8 @@ def _card_plan(card: str | None, n: int, k: int) -> CudaGemvPlan | None:
     found = CARD_PLANS.get(card or "", {}).get((n, k))
     if found is None:
         return None
-    slots, threads, flush, stages = found
-    plan = plan_for(k, rows=DEFAULT_ROWS, slots=slots, flush=flush, stages=stages)
-    if plan.threads != threads:  # the table and plan_for's thread rule disagree
-        raise ValueError(f"CARD_PLANS[{card!r}][{n}, {k}] has {threads} threads, "
-                         f"plan_for gives {plan.threads}")
-    return plan
+    flush, stages = found
+    return plan_for(k, rows=DEFAULT_ROWS, flush=flush, stages=stages)
 
 
 @functools.lru_cache(maxsize=16)
