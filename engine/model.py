@@ -97,10 +97,29 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.gate_up_proj(x))
 
-    def finish(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP after its first projection (gate_up_proj's output). A
-        quantized down projection may do the activation itself
-        (QuantLinear.forward_activated: in the CUDA GEMV's prologue)."""
+    def project(self, norm: "RMSNorm", x: torch.Tensor, pending: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(x + pending, gate_up(norm(x + pending)), activated): the residual
+        update, the norm and the first projection. activated: a one-row
+        CUDA GEMV gave SiLU(gate) * up in its epilogue
+        (QuantLinear.forward_silu_mul), half as wide, and the activation's
+        launch goes away."""
+        silu_mul = getattr(self.gate_up_proj, "forward_silu_mul", None)
+        if silu_mul is None or not (x.is_cuda and x.shape[0] == 1):
+            return (*norm_then_project(norm, x, pending, self.gate_up_proj), False)
+        x, h = norm.add_forward(x, pending)
+        act = silu_mul(h)
+        if act is None:
+            return x, self.gate_up_proj(h), False
+        return x, act, True
+
+    def finish(self, gate_up: torch.Tensor, activated: bool = False) -> torch.Tensor:
+        """The MLP after its first projection (gate_up_proj's output, or
+        with activated the activation project gave). A quantized down
+        projection may do the activation itself (QuantLinear.forward_activated:
+        in the CUDA GEMV's prologue)."""
+        if activated:
+            return self.down_proj(gate_up)
         if use_fused(gate_up) and hasattr(self.down_proj, "forward_activated"):
             out = self.down_proj.forward_activated(gate_up)
             if out is not None:
@@ -221,9 +240,40 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         return self.forward_projected(self.in_proj(x), batch, cache)
 
+    def project(self, norm: "RMSNorm", x: torch.Tensor, pending: torch.Tensor | None,
+                batch: ForwardBatch, cache: PagedKVCache
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(x + pending, in_proj(norm(x + pending)), convolved): the residual
+        update, the norm and the first projection. convolved: a one-token
+        decode step's conv + SiLU ran in in_proj's CUDA GEMV epilogue
+        (QuantLinear.forward_convolved), so the output's first conv_dim
+        columns already hold it and its launch goes away."""
+        convolving = getattr(self.in_proj, "forward_convolved", None)
+        if convolving is None or not self._one_fused_token(x, batch):
+            return (*norm_then_project(norm, x, pending, self.in_proj), False)
+        x, h = norm.add_forward(x, pending)
+        projected = convolving(h, self._conv_epilogue(batch, cache))
+        if projected is None:
+            return x, self.in_proj(h), False
+        return x, projected, True
+
+    @staticmethod
+    def _one_fused_token(x: torch.Tensor, batch: ForwardBatch) -> bool:
+        """A batch of one token that the fused GDN steps run (CUDA): its
+        conv may run in in_proj's one-row GEMV."""
+        return (x.is_cuda and x.shape[0] == 1 and batch.attention.max_new_tokens == 1
+                and batch.gdn.rows is None and gdn_batched.use_fused_path(x, batch))
+
+    def _conv_epilogue(self, batch: ForwardBatch, cache: PagedKVCache):
+        from engine.quant.gemv_cuda import ConvEpilogue
+
+        return ConvEpilogue(self.conv1d.weight[:, 0, :], cache.conv_window(self.layer),
+                            batch.positions, batch.gdn.read, batch.gdn.write)
+
     def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch,
-                          cache: PagedKVCache) -> torch.Tensor:
-        """The layer after its first projection (in_proj's output)."""
+                          cache: PagedKVCache, convolved: bool = False) -> torch.Tensor:
+        """The layer after its first projection (in_proj's output; with
+        convolved, its qkv columns already through the conv, see project)."""
         tokens = projected.shape[0]
         # views of one [T, qkv + z + b + a] output (row stride the whole width)
         mixed, z, b, a = projected.split(self._in_split, dim=-1)
@@ -235,7 +285,7 @@ class GatedDeltaNet(nn.Module):
             out = self._mix_around_snapshots(mixed, a, b, batch.snapshot_split, states,
                                              windows, weight)
         else:
-            out = self._mix(mixed, a, b, batch, states, windows, weight)
+            out = self._mix(mixed, a, b, batch, states, windows, weight, convolved)
         return gated_norm_then_project(self.norm, out, z, self.out_proj)
 
     def _mix_around_snapshots(self, mixed, a, b, split, states, windows, weight):
@@ -251,12 +301,15 @@ class GatedDeltaNet(nn.Module):
         out[rows] = self._mix(mixed[rows], a[rows], b[rows], split.after, states, windows, weight)
         return out
 
-    def _mix(self, mixed, a, b, batch, states, windows, weight):
-        """Conv + SiLU and the gated delta rule of the batch's rows, reading
-        and updating its state slots; [T, Hv, Dv]."""
+    def _mix(self, mixed, a, b, batch, states, windows, weight, convolved: bool = False):
+        """Conv + SiLU (unless convolved: mixed is its output) and the gated
+        delta rule of the batch's rows, reading and updating its state
+        slots; [T, Hv, Dv]."""
         tokens = mixed.shape[0]
         if gdn_batched.use_fused_path(mixed, batch):
-            return self._forward_fused(mixed, a, b, batch, states, windows, weight)
+            return self._forward_fused(mixed, a, b, batch, states, windows, weight, convolved)
+        if convolved:
+            raise AssertionError("a convolved projection outside the fused GDN steps")
         beta = torch.sigmoid(b)
         # decay in log space; fp32 so that exp(A_log) cannot overflow in half precision
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
@@ -289,14 +342,15 @@ class GatedDeltaNet(nn.Module):
             out[lo:hi] = o[0]
         return out
 
-    def _forward_fused(self, mixed, a, b, batch, states, windows, weight):
-        """Decode and verify steps on CUDA: two Triton kernels, every index on
-        the device (graph-safe); the state after each token goes to its write
+    def _forward_fused(self, mixed, a, b, batch, states, windows, weight, convolved=False):
+        """Decode and verify steps on CUDA: two Triton kernels (one when the
+        conv ran in in_proj's epilogue: convolved), every index on the
+        device (graph-safe); the state after each token goes to its write
         slot (batch.gdn). See engine/gdn_batched.py."""
         tokens = mixed.shape[0]
         meta, slots = batch.attention, batch.gdn
         where = (meta.q_offsets, batch.positions, slots.read, slots.write, meta.max_new_tokens)
-        conv_out = gdn_batched.fused_conv(mixed, windows, weight, *where)
+        conv_out = mixed if convolved else gdn_batched.fused_conv(mixed, windows, weight, *where)
         q, k, v = conv_out.split(self._split, dim=-1)
         q = q.view(tokens, self.num_k_heads, self.k_dim)
         k = k.view(tokens, self.num_k_heads, self.k_dim)
@@ -362,16 +416,17 @@ class DecoderLayer(nn.Module):
         returns the stream after it as (x', pending'), the MLP's output left
         unadded so that the next norm adds it in the same kernel. Rounding is
         that of the plain `x = x + h` sequence."""
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        first = mixer.in_proj if self.is_linear else mixer.qkv_proj
-        x, projected = norm_then_project(self.input_layernorm, x, pending, first)
         if self.is_linear:
-            h = mixer.forward_projected(projected, batch, cache)
+            mixer = self.linear_attn
+            x, projected, convolved = mixer.project(self.input_layernorm, x, pending, batch,
+                                                    cache)
+            h = mixer.forward_projected(projected, batch, cache, convolved)
         else:
+            mixer = self.self_attn
+            x, projected = norm_then_project(self.input_layernorm, x, pending, mixer.qkv_proj)
             h = mixer.forward_projected(projected, batch, cache, rotary, cos_sin)
-        x, projected = norm_then_project(self.post_attention_layernorm, x, h,
-                                         self.mlp.gate_up_proj)
-        return x, self.mlp.finish(projected)
+        x, projected, activated = self.mlp.project(self.post_attention_layernorm, x, h)
+        return x, self.mlp.finish(projected, activated)
 
 
 def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,

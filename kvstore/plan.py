@@ -139,7 +139,8 @@ class CapacityPlan:
     # the GDN prefill runs fla-core's chunked kernels (engine/gdn_batched.py),
     # whose working set is a third of the PyTorch chunked rule's
     gdn_prefill_kernel: bool = False
-    # the chunk was picked by with_auto_chunk (--prefill-chunk auto), for the table
+    # the chunk was --prefill-chunk auto's, for the table: on a GPU (cuda_processes)
+    # with_auto_chunk's pick, on the CPU engine/chunking's AUTO_PREFILL_CHUNK_CPU
     chunk_auto: bool = False
     lines: tuple[PlanLine, ...] = field(init=False, compare=False)
 
@@ -226,6 +227,13 @@ class CapacityPlan:
             self.largest_fitting_chunk(up_to=AUTO_PREFILL_CHUNK_CAP)
         return replace(self, prefill_chunk_tokens=best or PREFILL_CHUNK_CHOICES[-1],
                        chunk_auto=True)
+
+    def _auto_chunk_note(self) -> str:
+        if not self.chunk_auto:
+            return ""
+        if self.cuda_processes:
+            return f" (auto: the largest up to {AUTO_PREFILL_CHUNK_CAP} that fits)"
+        return " (auto: the CPU's)"
 
     def _chunk_advice(self) -> str:
         """A line naming a prefill chunk other than the planned one that the
@@ -324,8 +332,7 @@ class CapacityPlan:
                      "lower --draft-tokens or --live-slots"),
             PlanLine("activation reserve", activations,
                      f"estimate: prefill chunk {self.prefill_chunk_tokens} tokens"
-                     + (f" (auto: the largest up to {AUTO_PREFILL_CHUNK_CAP} that fits)"
-                        if self.chunk_auto else "")
+                     + self._auto_chunk_note()
                      + (", GDN by fla-core's kernels" if self.gdn_prefill_kernel
                         and cfg.is_hybrid else "")
                      + (f", with a {format_bytes(self.weight_workspace_bytes)} slice of "

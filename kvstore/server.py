@@ -169,7 +169,7 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host,
         weight_workspace_bytes=planned_workspace_bytes(packed_in_features, dtype.itemsize)
         if on_gpu and packed_in_features else 0,
-        gdn_prefill_kernel=on_gpu and fla_available())
+        gdn_prefill_kernel=on_gpu and fla_available(), chunk_auto=auto)
     return plan.with_auto_chunk() if auto and on_gpu else plan
 
 

@@ -99,6 +99,27 @@ def test_graph_replay_matches_eager_decode(kv_format):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_int4_replays_with_the_gemv_epilogues_match_eager_steps_without(monkeypatch):
+    """int4 weights: the one-sequence steps run GDN's conv in in_proj's CUDA
+    GEMV epilogue and the MLP's activation in gate_up's (TANDEM_CONV_EPILOGUE,
+    TANDEM_SILU_EPILOGUE, on by default), captured with the slot and
+    position tensors the graph replays; they agree with eager steps that
+    launch both apart."""
+    from engine.quant.linear import CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV
+
+    loaded = load_model("tiny-qwen3.5", device="cuda", dtype=GRAPH_DTYPE, seed=3,
+                        weights="int4")
+    for switch in (CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV):
+        monkeypatch.setenv(switch, "0")
+    eager = _decode_logits(loaded, "bf16", graphs=False)
+    for switch in (CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV):
+        monkeypatch.setenv(switch, "1")
+    replayed = _decode_logits(loaded, "bf16", graphs=True)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2 * eager.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_padded_bucket_replay_matches_eager_decode():
     # failed in fp32 until 2026-12-01 and passed in bf16 on the H200 (BENCHMARKS.md:
     # the fp32 replay question); custom buckets pad, the default ones do not

@@ -718,9 +718,11 @@ def test_a_gdn_gated_norm_in_the_gemv_prologue_matches_the_norm_launch(monkeypat
 
 
 @pytest.mark.parametrize("prologue", [None, "norm", "silu", "gated"])
-def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue):
+@pytest.mark.parametrize("epilogue", [None, "conv", "silu_mul"])
+def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue, epilogue):
     """An undefined macro reads as 0 in #if, silently: every name the source
-    tests in #if / #elif gets a -D from build_options, whatever the prologue."""
+    tests in #if / #elif gets a -D from build_options, whatever the prologue
+    and epilogue."""
     import re
 
     from engine.quant.gemv_cuda import (GatedNormPrologue, NormPrologue, SiluPrologue,
@@ -729,13 +731,324 @@ def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue):
     w = torch.randn(128, dtype=torch.bfloat16)
     prologues = {None: None, "norm": NormPrologue(w, 1e-6, True), "silu": SiluPrologue(),
                  "gated": GatedNormPrologue(torch.randn(1, 512, dtype=torch.bfloat16), w, 1e-6)}
-    options = build_options(plan_for(5120), 256, True, False, True, prologues[prologue])
+    options = build_options(plan_for(5120), 256, True, False, True, prologues[prologue],
+                            epilogue={None: None, "conv": _conv_epilogue(64, 4, 2)[0],
+                                      "silu_mul": gemv_cuda.SiluMulEpilogue()}[epilogue])
     defined = {o[2:].split("=")[0] for o in options if o.startswith("-D")}
     source = gemv_cuda.SOURCE.read_text()
     tested = {name for line in re.findall(r"^#\s*(?:el)?if\s+(.*)$", source, re.M)
               for name in re.findall(r"[A-Z_][A-Z0-9_]*", line)}
     assert tested <= defined, tested - defined
     assert len([o for o in options if o.startswith("-D")]) == len(defined)  # each once
+
+
+# ------------------------------------------------- GDN's conv in in_proj's epilogue
+
+
+def _conv_epilogue(channels, width, slots, position=5, in_slot=1, write_slot=1,
+                   weight_dtype=torch.bfloat16, window_dtype=torch.float32, device="cpu",
+                   seed=0):
+    """(ConvEpilogue, its windows): random weights, windows of bf16 values
+    (what the conv ever writes: the projection's bf16 outputs), one token at
+    `position` reading slot `in_slot` and writing `write_slot`."""
+    from engine.quant.gemv_cuda import ConvEpilogue
+
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(channels, width, generator=g) * 0.5).to(weight_dtype).to(device)
+    windows = torch.randn(slots, channels, width - 1, generator=g).to(torch.bfloat16)
+    windows = windows.to(window_dtype).to(device)
+
+    def index(value):
+        return torch.tensor([value], dtype=torch.long, device=device)
+
+    return ConvEpilogue(weight, windows, index(position), index(in_slot), index(write_slot)), windows
+
+
+def test_a_conv_epilogue_refuses_what_the_kernel_cannot_do():
+    from engine.quant.gemv_cuda import ConvEpilogue
+
+    conv, windows = _conv_epilogue(64, 4, 2)
+    assert conv.flags() == {"CONV": 1, "CONV_K": 4, "CONV_W_F32": 0, "CONV_WIN_F32": 1}
+    assert conv.channels == 64
+    one = conv.position
+    with pytest.raises(ValueError, match="contiguous \\[channels, width\\]"):
+        ConvEpilogue(conv.weight.to(torch.float16), windows, one, one, one)
+    with pytest.raises(ValueError, match="windows must be \\[slots, 64, 3\\]"):
+        ConvEpilogue(conv.weight, windows[:, :32], one, one, one)
+    with pytest.raises(ValueError, match="each slot's windows contiguous"):
+        ConvEpilogue(conv.weight, windows.transpose(1, 2).contiguous().transpose(1, 2),
+                     one, one, one)
+    with pytest.raises(ValueError, match="in_slot must be an int64"):
+        ConvEpilogue(conv.weight, windows, one, one.int(), one)
+    # a slot of a bigger arena (the stride from one slot to the next is the kernel's)
+    arena = torch.zeros(3, 64 * 3 + 5)
+    ConvEpilogue(conv.weight, arena[:, :64 * 3].view(3, 64, 3), one, one, one)
+    with pytest.raises(ValueError, match="64 channels are more than the GEMV's 32"):
+        conv.operands(torch.zeros(1, 16), 32)
+
+
+def test_the_conv_step_parameter_matches_the_kernels_struct():
+    """_ConvStep is passed by value as q4_gemv.cu's ConvStep: its fields in
+    the source's order, and the C layout (5 pointers, a long long, an int,
+    padded to 8)."""
+    import ctypes
+    import re
+
+    from engine.quant.gemv_cuda import _ConvStep
+
+    source = gemv_cuda.SOURCE.read_text()
+    body = re.search(r"struct ConvStep \{(.*?)\};", source, re.S).group(1)
+    fields = re.findall(r"(\w+);", re.sub(r"//[^\n]*", "", body))
+    assert fields == [name for name, _ in _ConvStep._fields_]
+    assert ctypes.sizeof(_ConvStep) == 56 and _ConvStep.channels.offset == 48
+    conv, windows = _conv_epilogue(64, 4, 3)
+    step = conv.operands(torch.zeros(1, 16), 100)
+    assert (step.windows, step.slot_stride, step.channels) == (windows.data_ptr(), 192, 64)
+
+
+def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_launch(
+        monkeypatch):
+    """GatedDeltaNet.project on the CPU is the norm then in_proj, bit for
+    bit, and says the conv is still to run; a bad switch value names itself."""
+    from engine.loader import load_model
+    from engine.model import norm_then_project
+    from engine.quant.linear import CONV_EPILOGUE_ENV, conv_epilogue_wanted
+
+    monkeypatch.delenv(CONV_EPILOGUE_ENV, raising=False)
+    assert conv_epilogue_wanted() is True
+    monkeypatch.setenv(CONV_EPILOGUE_ENV, "yes")
+    with pytest.raises(ValueError, match=CONV_EPILOGUE_ENV):
+        conv_epilogue_wanted()
+    monkeypatch.delenv(CONV_EPILOGUE_ENV)
+    loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
+    layer = next(layer for layer in loaded.model.model.layers if layer.is_linear)
+    k = layer.linear_attn.in_proj.quant.in_features
+    x, pending = torch.randn(1, k), torch.randn(1, k)
+    with torch.inference_mode():
+        residual, projected, convolved = layer.linear_attn.project(
+            layer.input_layernorm, x, pending, None, None)
+        expected = norm_then_project(layer.input_layernorm, x, pending, layer.linear_attn.in_proj)
+    assert convolved is False
+    assert torch.equal(residual, expected[0]) and torch.equal(projected, expected[1])
+    assert layer.linear_attn.in_proj.forward_convolved(x, _conv_epilogue(64, 4, 2)[0]) is None
+
+
+def _conv_reference(plain, conv, windows):
+    """gdn_kernels.conv_step_reference of the plain GEMV's conv rows, on
+    copies of the windows: (SiLU(conv) rows, the windows after)."""
+    from engine.gdn_kernels import conv_step_reference
+
+    after = windows.clone()
+    offsets = torch.tensor([0, 1], dtype=torch.int32, device=plain.device)
+    rows = conv_step_reference(plain[:, :conv.channels].clone(), after, conv.weight, offsets,
+                               conv.position, conv.in_slot, conv.write_slot, 1)
+    return rows, after
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["warm", "fresh", "elsewhere", "nowhere", "padding"])
+@pytest.mark.parametrize("weight_dtype, window_dtype", [
+    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16,
+                                                                       torch.bfloat16)])
+@pytest.mark.parametrize("flush, blocks_per_sm", [(1, 0), (8, 1)])
+def test_the_conv_epilogue_gives_the_gemv_then_the_conv_step(case, weight_dtype, window_dtype,
+                                                             flush, blocks_per_sm):
+    """Rows past the conv's channels are the plain GEMV's bits; the conv rows
+    the reference conv step of the plain GEMV's rows within the output's
+    rounding, and the windows it leaves bit for bit: warm (reading and
+    writing the token's own slot, decode's case), fresh (position 0: a zero
+    window), writing another slot, writing none, and a padding copy (slot
+    -1: nothing convolved, no window touched). 2,000 rows at one block an SM
+    walk several tiles a block, flushed 8 at a time."""
+    n, k, channels = 2000, 768, 1500
+    position, in_slot, write_slot = {"warm": (5, 1, 1), "fresh": (0, 1, 1),
+                                     "elsewhere": (5, 1, 2), "nowhere": (5, 1, -1),
+                                     "padding": (5, -1, 1)}[case]
+    qt = _quant(n, k, seed=71, device="cuda")
+    x = _activation(k, seed=72)
+    conv, windows = _conv_epilogue(channels, 4, 3, position, in_slot, write_slot, weight_dtype,
+                                   window_dtype, device="cuda", seed=73)
+    plan = plan_for(k, rows=4, flush=flush, blocks_per_sm=blocks_per_sm)
+    plain = _run(qt, x, plan)
+    expected_rows, expected_windows = _conv_reference(plain, conv, windows)
+    before = windows.clone()
+    out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, epilogue=conv)
+    assert torch.equal(y[:, channels:], plain[:, channels:])
+    if case == "padding":
+        assert torch.equal(y, plain) and torch.equal(windows, before)
+        return
+    _assert_close(y[:, :channels], expected_rows.float().cpu())
+    assert torch.equal(windows, expected_windows)
+
+
+@needs_gpu
+def test_a_conv_epilogue_in_a_cuda_graph_reads_the_slots_each_replay_hands_it():
+    """Captured once after a GEMV that writes its x, with PDL; replayed with
+    new position and slots in the same index tensors (as the decode graph
+    does): each replay convolves from the window its slot holds then."""
+    a = _quant(768, 1024, seed=81, device="cuda")
+    b = _quant(900, 768, seed=82, device="cuda")
+    x = _activation(1024, seed=83)
+    conv, windows = _conv_epilogue(600, 4, 4, device="cuda", seed=84)
+    mid = torch.full((1, 768), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((1, 900), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+    def both():
+        gemv_cuda.gemv_cuda(x, a, out=mid, pdl=True)
+        gemv_cuda.gemv_cuda(mid, b, out=out, pdl=True, epilogue=conv)
+
+    state = windows.clone()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        both()   # compiles and loads
+    torch.cuda.synchronize()
+    windows.copy_(state)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    windows.copy_(state)
+    plain = _run(b, gemv_cuda.gemv_cuda(x, a), plan_for(768))
+    for position, in_slot, write_slot in [(0, 2, 2), (1, 2, 2), (7, 3, 0)]:
+        for t, value in ((conv.position, position), (conv.in_slot, in_slot),
+                         (conv.write_slot, write_slot)):
+            t.fill_(value)
+        expected_rows, expected_windows = _conv_reference(plain, conv, windows)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close(out[:, :600], expected_rows.float().cpu())
+        assert torch.equal(out[:, 600:], plain[:, 600:])
+        assert torch.equal(windows, expected_windows)
+
+
+@needs_gpu
+@pytest.mark.parametrize("switch", ["TANDEM_CONV_EPILOGUE", "TANDEM_SILU_EPILOGUE"])
+def test_decode_steps_with_an_epilogue_match_the_ops_own_launch(switch, monkeypatch):
+    """The tiny Qwen3.5 in int4 on the GPU, a prompt then four decode steps
+    on two caches: with the switch on, every GDN layer's decode conv runs in
+    in_proj's GEMV (TANDEM_CONV_EPILOGUE), or every layer's MLP activation
+    in gate_up's (TANDEM_SILU_EPILOGUE), as recorded; the logits, the
+    argmax, the conv windows and the recurrent states agree with the op's
+    own launch (the switch at 0) within bf16 rounding."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from engine.loader import load_model
+    from engine.quant.linear import CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV
+
+    loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
+    model = loaded.model
+    kind, layers = {CONV_EPILOGUE_ENV: (gemv_cuda.ConvEpilogue,
+                                        sum(layer.is_linear for layer in model.model.layers)),
+                    SILU_EPILOGUE_ENV: (gemv_cuda.SiluMulEpilogue, len(model.model.layers))}[switch]
+    other = SILU_EPILOGUE_ENV if switch == CONV_EPILOGUE_ENV else CONV_EPILOGUE_ENV
+    monkeypatch.setenv(other, "0")
+    epilogues = []
+    real = gemv_cuda.gemv_cuda
+    monkeypatch.setattr(gemv_cuda, "gemv_cuda",
+                        lambda *a, **kw: epilogues.append(kw.get("epilogue")) or real(*a, **kw))
+
+    def decode(on):
+        monkeypatch.setenv(switch, on)
+        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cuda",
+                             make_format("bf16", dtype=torch.bfloat16))
+        steps = []
+        with torch.inference_mode():
+            logits = model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 1)], 16,
+                                              "cuda"), cache)
+            for position in range(3, 7):
+                token = int(logits[-1].argmax())
+                logits = model(ForwardBatch.build([SequenceInput((token,), position, (0,), 1)],
+                                                  16, "cuda"), cache)
+                steps.append(logits[-1].float())
+        return torch.stack(steps), cache
+
+    apart, cache_apart = decode("0")
+    assert not any(epilogues)
+    fused, cache_fused = decode("1")
+    assert sum(isinstance(e, kind) for e in epilogues) == 4 * layers
+    assert all(e is None or isinstance(e, kind) for e in epilogues)
+    assert torch.equal(apart.argmax(-1), fused.argmax(-1))
+    torch.testing.assert_close(fused, apart, rtol=0.02, atol=0.05 * apart.abs().max().item())
+    for w_fused, w_apart in zip(cache_fused.conv, cache_apart.conv):
+        torch.testing.assert_close(w_fused, w_apart, rtol=0.02, atol=0.02)
+    for s_fused, s_apart in zip(cache_fused.recurrent, cache_apart.recurrent):
+        torch.testing.assert_close(s_fused, s_apart, rtol=0.05, atol=0.02)
+
+
+# ------------------------------------------------- the MLP's activation in gate_up's epilogue
+
+
+def test_the_silu_epilogue_takes_even_tiles_dividing_n_without_a_ring_and_its_switch(
+        monkeypatch):
+    """Its plans, its switch, and MLP.project on the CPU: the norm then
+    gate_up bit for bit, the activation still to launch."""
+    from engine.loader import load_model
+    from engine.model import norm_then_project
+    from engine.quant.gemv_cuda import SiluMulEpilogue
+    from engine.quant.linear import SILU_EPILOGUE_ENV, silu_epilogue_wanted
+
+    fits = SiluMulEpilogue.fits
+    assert fits(plan_for(5120, rows=4), 34816) and fits(plan_for(5120, rows=2), 6)
+    assert not fits(plan_for(5120, rows=1), 34816)            # no pair in a tile
+    assert not fits(plan_for(5120, rows=4), 34818)            # a tile past N
+    assert not fits(plan_for(5120, rows=4, stages=2), 34816)  # a ring copies contiguous rows
+    monkeypatch.delenv(SILU_EPILOGUE_ENV, raising=False)
+    assert silu_epilogue_wanted() is False   # until a GPU has timed it
+    monkeypatch.setenv(SILU_EPILOGUE_ENV, "2")
+    with pytest.raises(ValueError, match=SILU_EPILOGUE_ENV):
+        silu_epilogue_wanted()
+    monkeypatch.setenv(SILU_EPILOGUE_ENV, "1")
+    layer = load_model("tiny-qwen3.5", weights="int4", progress=False).model.model.layers[0]
+    k = layer.mlp.gate_up_proj.quant.in_features
+    x, pending = torch.randn(1, k), torch.randn(1, k)
+    with torch.inference_mode():
+        residual, projected, activated = layer.mlp.project(layer.post_attention_layernorm, x,
+                                                           pending)
+        expected = norm_then_project(layer.post_attention_layernorm, x, pending,
+                                     layer.mlp.gate_up_proj)
+        assert layer.mlp.gate_up_proj.forward_silu_mul(x) is None   # the CPU
+    assert activated is False
+    assert torch.equal(residual, expected[0]) and torch.equal(projected, expected[1])
+
+
+@needs_gpu
+@pytest.mark.parametrize("rows, flush, blocks_per_sm", [(2, 1, 0), (4, 1, 0), (4, 8, 1),
+                                                        (8, 4, 1)])
+def test_the_silu_epilogue_gives_the_gemv_then_silu_mul(rows, flush, blocks_per_sm):
+    """[1, N / 2] from a [gate; up] weight: silu_mul of the plain GEMV's
+    gate and up halves within the output's rounding (its exp may move an
+    ulp); 3,000 rows at one block an SM walk several tiles a block."""
+    from engine.fused import reference
+    from engine.quant.gemv_cuda import SiluMulEpilogue
+
+    n, k = 3000, 768
+    qt = _quant(n, k, seed=91, device="cuda")
+    x = _activation(k, seed=92)
+    plan = plan_for(k, rows=rows, flush=flush, blocks_per_sm=blocks_per_sm)
+    plain = _run(qt, x, plan)
+    out = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, epilogue=SiluMulEpilogue())
+    assert y.data_ptr() == out.data_ptr()
+    expected = reference.silu_mul(plain[:, :n // 2], plain[:, n // 2:])
+    _assert_close(y, expected.float().cpu())
+
+
+@needs_gpu
+def test_a_silu_epilogue_plan_it_cannot_take_is_refused_given_and_replaced_picked(
+        tmp_path, monkeypatch):
+    from engine.quant.gemv_cuda import PLANS_ENV, SiluMulEpilogue
+
+    qt = _quant(64, 768, seed=93, device="cuda")
+    x = _activation(768, seed=94)
+    with pytest.raises(ValueError, match="pairs gate and up rows"):
+        gemv_cuda.gemv_cuda(x, qt, plan=plan_for(768, rows=1), epilogue=SiluMulEpilogue())
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"64,768": plan_for(768, rows=1).spec()}))
+    monkeypatch.setenv(PLANS_ENV, str(path))
+    y = gemv_cuda.gemv_cuda(x, qt, epilogue=SiluMulEpilogue())   # the file's plan: dropped
+    assert torch.equal(y, gemv_cuda.gemv_cuda(x, qt, plan=plan_for(768),
+                                              epilogue=SiluMulEpilogue()))
 
 
 # ------------------------------------------------- reading the next weight ahead into L2

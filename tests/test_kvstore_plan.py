@@ -340,9 +340,12 @@ def test_an_auto_prefill_chunk_is_the_largest_up_to_its_cap_that_fits(monkeypatc
     tight = store_plan(budget="23GiB")
     assert tight.prefill_chunk_tokens < auto.prefill_chunk_tokens and tight.spare_bytes >= 0
     assert store_plan(budget=None).prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CAP
-    assert store_plan(device="cpu", budget=None).prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CPU
+    on_cpu = store_plan(device="cpu", budget=None)
+    assert on_cpu.prefill_chunk_tokens == AUTO_PREFILL_CHUNK_CPU and on_cpu.chunk_auto
+    assert f"prefill chunk {AUTO_PREFILL_CHUNK_CPU} tokens (auto: the CPU's)" in on_cpu.table()
     given = store_plan(chunk="4096")
     assert given.prefill_chunk_tokens == 4096 and not given.chunk_auto
+    assert "auto" not in given.table().split("activation reserve")[1].splitlines()[0]
     with pytest.raises(OverBudgetError):  # as given, not lowered to fit
         given.check()
     # nothing fits: the smallest chunk, so that check() names a line that a

@@ -288,6 +288,98 @@ class GatedNormPrologue:
 
 Prologue = NormPrologue | SiluPrologue | GatedNormPrologue
 
+# The kernel's epilogue flags and their values when no epilogue asks for them
+_EPILOGUE_FLAGS = {"CONV": 0, "CONV_K": 0, "CONV_W_F32": 0, "CONV_WIN_F32": 0,
+                   "SILU_MUL": 0}
+
+
+class _ConvStep(ctypes.Structure):
+    """q4_gemv.cu's ConvStep, the kernel's last parameter (by value)."""
+    _fields_ = [("weight", ctypes.c_void_p), ("windows", ctypes.c_void_p),
+                ("position", ctypes.c_void_p), ("in_slot", ctypes.c_void_p),
+                ("write_slot", ctypes.c_void_p), ("slot_stride", ctypes.c_longlong),
+                ("channels", ctypes.c_int)]
+
+
+@dataclass(frozen=True)
+class ConvEpilogue:
+    """GDN's causal conv + SiLU after its in_proj, done in the GEMV's
+    epilogue for one decode token (q4_gemv.cu, CONV; engine/gdn_kernels.py's
+    conv_step is the op it replaces and its reference). Output rows [0, C)
+    are the conv's channels and come out as SiLU(conv); the rows after them
+    (GDN's z, b, a) as the plain GEMV's. weight [C, K]; windows [S, C, K-1],
+    each slot's [C, K-1] contiguous, read at in_slot[0] (zeros when
+    position[0] is 0) and rewritten at write_slot[0] (-1: nowhere); an
+    in_slot of -1 marks a padding copy, whose rows stay unconvolved. The
+    three index tensors are int64 on the GPU, as conv_step takes them for a
+    batch of one token (a CUDA graph replays them with new values)."""
+    weight: torch.Tensor
+    windows: torch.Tensor
+    position: torch.Tensor
+    in_slot: torch.Tensor
+    write_slot: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.weight.dim() != 2 or self.weight.dtype not in (torch.bfloat16, torch.float32) \
+                or not self.weight.is_contiguous():
+            raise ValueError(f"the conv weight must be a contiguous [channels, width] bf16 or "
+                             f"fp32 tensor, got {tuple(self.weight.shape)} {self.weight.dtype}")
+        channels, width = self.weight.shape
+        w = self.windows
+        if w.dim() != 3 or tuple(w.shape[1:]) != (channels, width - 1) \
+                or w.dtype not in (torch.bfloat16, torch.float32) \
+                or w.stride(2) != 1 or w.stride(1) != width - 1:
+            raise ValueError(f"the conv windows must be [slots, {channels}, {width - 1}] bf16 or "
+                             f"fp32 with each slot's windows contiguous, got {tuple(w.shape)} "
+                             f"{w.dtype} strides {w.stride()}")
+        for name in ("position", "in_slot", "write_slot"):
+            t = getattr(self, name)
+            if t.dtype != torch.int64 or t.numel() < 1 or t.device != w.device \
+                    or t.device != self.weight.device:
+                raise ValueError(f"the conv's {name} must be an int64 tensor of at least one "
+                                 f"element on {w.device}, got {t.dtype} {tuple(t.shape)} on "
+                                 f"{t.device}")
+
+    @property
+    def channels(self) -> int:
+        return self.weight.shape[0]
+
+    def flags(self) -> dict[str, int]:
+        return {"CONV": 1, "CONV_K": self.weight.shape[1],
+                "CONV_W_F32": int(self.weight.dtype == torch.float32),
+                "CONV_WIN_F32": int(self.windows.dtype == torch.float32)}
+
+    def operands(self, x: torch.Tensor, n: int) -> _ConvStep:
+        if self.channels > n:
+            raise ValueError(f"the conv's {self.channels} channels are more than the "
+                             f"GEMV's {n} output rows")
+        if self.windows.device != x.device:
+            raise ValueError(f"the conv's tensors must be on {x.device}, "
+                             f"got {self.windows.device}")
+        return _ConvStep(self.weight.data_ptr(), self.windows.data_ptr(),
+                         self.position.data_ptr(), self.in_slot.data_ptr(),
+                         self.write_slot.data_ptr(), self.windows.stride(0), self.channels)
+
+
+@dataclass(frozen=True)
+class SiluMulEpilogue:
+    """The MLP's SiLU(gate) * up after its gate_up projection, done in the
+    GEMV's epilogue (q4_gemv.cu, SILU_MUL): the weight holds N / 2 gate rows
+    then N / 2 up rows, each tile pairs them, and the output is the [1, N / 2]
+    activation as engine/fused's silu_mul rounds it. It takes plans of an
+    even row count dividing N without a ring (a ring stage copies
+    contiguous rows)."""
+
+    def flags(self) -> dict[str, int]:
+        return {"SILU_MUL": 1}
+
+    @staticmethod
+    def fits(plan: CudaGemvPlan, n: int) -> bool:
+        return plan.rows % 2 == 0 and n % plan.rows == 0 and plan.stages == 0
+
+
+Epilogue = ConvEpilogue | SiluMulEpilogue
+
 L2_REGIONS = 5  # q4_gemv.cu's L2Regions: a QuantTensor's qweight, d, sc, dmin, m
 
 
@@ -336,9 +428,11 @@ class L2Prefetch:
 
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
                   pdl: bool, prologue: Prologue | None = None,
-                  l2_prefetch: bool = False) -> tuple[str, ...]:
+                  l2_prefetch: bool = False,
+                  epilogue: Epilogue | None = None) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
-    flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {})}
+    flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
+             **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
@@ -452,14 +546,16 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
               plan: CudaGemvPlan | None = None, pdl: bool | None = None,
-              prologue: Prologue | None = None, l2_prefetch: L2Prefetch | None = None
-              ) -> torch.Tensor:
+              prologue: Prologue | None = None, l2_prefetch: L2Prefetch | None = None,
+              epilogue: Epilogue | None = None) -> torch.Tensor:
     """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with a
     prologue, the op before the GEMV done first inside it: NormPrologue
     (RMSNorm(x (+ pending))), SiluPrologue (x the [1, 2K] gate_up row),
-    GatedNormPrologue (GDN's gated norm); with l2_prefetch, the next
-    weight's leading rows asked of L2 at the end (sm_90 on; elsewhere
-    ignored). Unset, the plan is picked_plan's and PDL is on where
+    GatedNormPrologue (GDN's gated norm); with an epilogue, the op after
+    it done on its output rows: ConvEpilogue (GDN's conv step),
+    SiluMulEpilogue (the MLP's activation: the output is [1, N / 2]); with
+    l2_prefetch, the next weight's leading rows asked of L2 at the end
+    (sm_90 on; elsewhere ignored). Unset, the plan is picked_plan's and PDL is on where
     engine/pdl.py turns it on."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
@@ -475,10 +571,17 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         pdl = pdl_capable(x.device) and pdl_wanted()
     if plan.groups != k // GROUP:
         raise ValueError(f"the plan covers {plan.groups} groups, the weight has {k // GROUP}")
+    if isinstance(epilogue, SiluMulEpilogue) and not epilogue.fits(plan, n):
+        if given or not epilogue.fits(plan_for(k), n):
+            raise ValueError(f"the SiLU epilogue pairs gate and up rows in tiles of an even "
+                             f"row count dividing N = {n}, without a ring: plan {plan.spec()} "
+                             f"cannot")
+        plan = plan_for(k)
+    width = n // 2 if isinstance(epilogue, SiluMulEpilogue) else n
     if out is None:
-        out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    elif not _fits_out(out, x, n):
-        raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, "
+        out = torch.empty(1, width, dtype=x.dtype, device=x.device)
+    elif not _fits_out(out, x, width):
+        raise ValueError(f"out must be a contiguous [1, {width}] {x.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
     if prologue is not None:
         prologue_args = prologue.operands(x, k)
@@ -486,6 +589,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"x must be a [1, {k}] row, got {tuple(x.shape)}")
     else:
         prologue_args = [x, x, 0.0, x]
+    conv_step = epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
     if l2_prefetch is not None and (not l2_prefetch.ranges or
                                     torch.cuda.get_device_capability(device)[0] < 9):
         l2_prefetch = None  # the bulk prefetch is sm_90's
@@ -497,7 +601,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
-                                       prologue, l2_prefetch is not None),
+                                       prologue, l2_prefetch is not None, epilogue),
                          device, plan.threads,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
@@ -521,7 +625,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
             [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
-             l2_prefetch.regions() if l2_prefetch is not None else _Regions()], pdl)
+             l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step], pdl)
     return out
 
 

@@ -164,6 +164,37 @@ class QuantLinear(_QuantHolder):
         return gemv_cuda.gemv_cuda(row, self.quant, prologue=prologue,
                                    l2_prefetch=self._l2_prefetch())
 
+    def forward_convolved(self, x: torch.Tensor, conv) -> torch.Tensor | None:
+        """self(x) with GDN's decode conv step done on its first rows in the
+        CUDA GEMV's epilogue (conv a gemv_cuda.ConvEpilogue); or None where
+        that does not apply (conv_epilogue_wanted, operands the kernel does
+        not take), and the caller runs the conv's own launch."""
+        if self.bias is not None or not x.is_cuda or not conv_epilogue_wanted():
+            return None
+        from engine.quant import gemv_cuda
+
+        if not gemv_cuda.runs(x, self.quant) or conv.channels > self.quant.out_features:
+            return None
+        return gemv_cuda.gemv_cuda(x, self.quant, epilogue=conv,
+                                   l2_prefetch=self._l2_prefetch())
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu_mul(gate, up) of this gate_up projection's output [1, 2I]
+        (gate rows, then up rows), done in the CUDA GEMV's epilogue: [1, I];
+        or None where that does not apply (silu_epilogue_wanted, operands or
+        a row count the kernel does not take), and the caller launches the
+        activation."""
+        if self.bias is not None or not x.is_cuda or not silu_epilogue_wanted():
+            return None
+        from engine.quant import gemv_cuda
+
+        n, k = self.quant.shape
+        if not gemv_cuda.runs(x, self.quant) \
+                or not gemv_cuda.SiluMulEpilogue.fits(gemv_cuda.plan_for(k), n):
+            return None
+        return gemv_cuda.gemv_cuda(x, self.quant, epilogue=gemv_cuda.SiluMulEpilogue(),
+                                   l2_prefetch=self._l2_prefetch())
+
     def _prologue_may_run(self, x: torch.Tensor, switch: str) -> bool:
         return self.bias is None and x.is_cuda and prologue_wanted(switch)
 
@@ -191,6 +222,35 @@ def prologue_wanted(switch: str) -> bool:
 
     on, off = _PROLOGUES[switch]
     return on_off(switch, False, on=on, off=off)
+
+
+CONV_EPILOGUE_ENV = "TANDEM_CONV_EPILOGUE"
+
+
+def conv_epilogue_wanted() -> bool:
+    """Whether GDN's decode conv runs in its in_proj's CUDA GEMV epilogue
+    (QuantLinear.forward_convolved): TANDEM_CONV_EPILOGUE, on by default;
+    0 gives the conv its own launch. Read per call; in a CUDA graph, at
+    capture."""
+    from engine.switches import on_off
+
+    return on_off(CONV_EPILOGUE_ENV, True, on="GDN's conv in in_proj's GEMV epilogue",
+                  off="a conv launch")
+
+
+SILU_EPILOGUE_ENV = "TANDEM_SILU_EPILOGUE"
+
+
+def silu_epilogue_wanted() -> bool:
+    """Whether the MLP's activation runs in its gate_up's CUDA GEMV
+    epilogue (QuantLinear.forward_silu_mul): TANDEM_SILU_EPILOGUE=1; off by
+    default until a GPU has run its tests and timed it (the conv epilogue,
+    built the same way, is on). Read per call; in a CUDA graph, at
+    capture."""
+    from engine.switches import on_off
+
+    return on_off(SILU_EPILOGUE_ENV, False, on="the MLP activation in gate_up's GEMV epilogue",
+                  off="an activation launch")
 
 
 L2_PREFETCH_ENV = "TANDEM_GEMV_L2_PREFETCH_MB"

@@ -64,13 +64,31 @@
 // as engine/fused's silu_mul stores it (the SiLU to bf16, then the product),
 // so the activation's launch goes away. No reduction: each thread makes its
 // own groups.
+// CONV=1 (GDN's causal conv + SiLU in the epilogue of its in_proj, for one
+// decode token): output rows n < conv.channels are the conv's input
+// channels; the thread that writes row n rounds it to bf16 as the plain
+// GEMV stores it, convolves it with the channel's window (zeros at position
+// 0) and weights, stores SiLU of that instead, and writes the window after
+// the token to conv.write_slot. A depthwise conv: channel n needs only row
+// n, which one thread of one block writes, so no other thread reads the
+// window it rewrites, even when the write slot is the slot it read (decode).
+// The conv's launch goes away (gdn_kernels.conv_step, the reference).
+// SILU_MUL=1 (the MLP's SiLU(gate) * up in the epilogue of its gate_up
+// projection): the weight holds the gate rows then as many up rows, and a
+// tile takes ROWS / 2 gate rows and the up rows that pair with them, so the
+// flush has both sums of output j and writes SiLU(gate) * up, rounded as
+// engine/fused's silu_mul stores it, to out[j]: the output is N / 2 wide and
+// the activation's launch goes away. N a multiple of ROWS, ROWS even, the
+// register pipeline (a ring stage copies contiguous rows).
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
 // L2_PREFETCH, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
-// SILU, GATED.
+// SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
+// CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
+// SILU_MUL; at most one of CONV and SILU_MUL.
 
 typedef unsigned short u16;
 
@@ -80,6 +98,18 @@ constexpr int L2_REGIONS = 5;
 struct L2Regions {
     const char* base[L2_REGIONS];
     unsigned bytes[L2_REGIONS];   // multiples of 16, from 16-byte aligned bases
+};
+
+// the conv step CONV=1 ends with, passed by value (gemv_cuda.py's _ConvStep
+// has the same layout); unused (all zero) in other builds
+struct ConvStep {
+    const void* weight;           // [channels, CONV_K], CONV_W_F32 ? fp32 : bf16
+    void* windows;                // [slots, channels, CONV_K - 1], CONV_WIN_F32 ? fp32 : bf16
+    const long long* position;    // the token's position: 0 starts from a zero window
+    const long long* in_slot;     // the window read; -1: a padding copy, left alone
+    const long long* write_slot;  // where the window after the token goes; -1: nowhere
+    long long slot_stride;        // elements from one slot's windows to the next
+    int channels;                 // rows [0, channels) are convolved
 };
 
 #if D_F32
@@ -141,6 +171,16 @@ __device__ __forceinline__ void clear_group(Group& e) {
 #endif
 }
 
+// the weight row of tile `index`'s row r
+__device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
+#if SILU_MUL
+    constexpr int HALF = ROWS / 2;   // gate rows j.., then up rows n_rows / 2 + j..
+    return (long long)(r < HALF ? 0 : n_rows / 2) + (long long)index * HALF + r % HALF;
+#else
+    return min(index * ROWS + r, n_rows - 1);   // rows past N repeat the last
+#endif
+}
+
 __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
                                           const uint4* __restrict__ qw,
                                           const scale_t* __restrict__ d,
@@ -149,7 +189,7 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
                                           const signed char* __restrict__ m) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        const long long n = min(index * ROWS + r, n_rows - 1);   // rows past N repeat the last
+        const long long n = tile_row(index, r, n_rows);
 #pragma unroll
         for (int j = 0; j < SLOTS; ++j) {
             const int g = threadIdx.x + j * THREADS;
@@ -482,6 +522,60 @@ __device__ __forceinline__ void read_stage(Group (&tile)[ROWS][SLOTS],
 }
 #endif
 
+#if CONV
+#if CONV_WIN_F32
+typedef float window_t;
+__device__ __forceinline__ float window_float(float v) { return v; }
+__device__ __forceinline__ float window_store(float v) { return v; }
+#else
+typedef u16 window_t;
+__device__ __forceinline__ float window_float(u16 v) { return bf16_float(v); }
+__device__ __forceinline__ u16 window_store(float v) { return float_bf16(v); }
+#endif
+
+struct ConvTaps {     // one channel's window (its last CONV_K - 1 inputs) and weights
+    float window[CONV_K - 1];
+    float weight[CONV_K];
+};
+
+// loaded before the flush's barrier, so that their latency passes behind it
+__device__ __forceinline__ ConvTaps load_taps(const ConvStep& conv, int n, long long slot,
+                                              bool warm) {
+    ConvTaps taps;
+    const window_t* window = static_cast<const window_t*>(conv.windows)
+                             + (warm ? slot : 0) * conv.slot_stride + (long long)n * (CONV_K - 1);
+#pragma unroll
+    for (int j = 0; j < CONV_K - 1; ++j) taps.window[j] = warm ? window_float(window[j]) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_K; ++j) {
+#if CONV_W_F32
+        taps.weight[j] = static_cast<const float*>(conv.weight)[(long long)n * CONV_K + j];
+#else
+        taps.weight[j] = bf16_float(static_cast<const u16*>(conv.weight)[(long long)n * CONV_K + j]);
+#endif
+    }
+    return taps;
+}
+
+// SiLU of channel n's conv over its window and y, the new input as the plain
+// GEMV stores it; the window after y goes to slot dst (-1: nowhere)
+__device__ __forceinline__ float conv_channel(const ConvStep& conv, const ConvTaps& taps, int n,
+                                              float y, long long dst) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CONV_K - 1; ++j) acc += taps.window[j] * taps.weight[j];
+    acc += y * taps.weight[CONV_K - 1];
+    if (dst >= 0) {
+        window_t* window = static_cast<window_t*>(conv.windows) + dst * conv.slot_stride
+                           + (long long)n * (CONV_K - 1);
+#pragma unroll
+        for (int j = 0; j < CONV_K - 2; ++j) window[j] = window_store(taps.window[j + 1]);
+        window[CONV_K - 2] = window_store(y);
+    }
+    return acc / (1.0f + __expf(-acc));
+}
+#endif
+
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
     const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
@@ -512,7 +606,8 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const scale_t* __restrict__ dmin, const signed char* __restrict__ m,
                u16* __restrict__ out, int n_rows,
                const u16* __restrict__ pending, const void* __restrict__ norm_w,
-               float eps, u16* __restrict__ residual_out, const L2Regions prefetch) {
+               float eps, u16* __restrict__ residual_out, const L2Regions prefetch,
+               const ConvStep conv) {
     constexpr int WARPS = THREADS / 32;
     __shared__ float partial[FLUSH][ROWS][WARPS];
 #if NORM
@@ -562,6 +657,13 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if CONV
+    // read once, after the wait (an earlier kernel may write them); used at each flush
+    const long long conv_slot = *conv.in_slot;
+    const bool conv_live = conv_slot >= 0;
+    const bool conv_warm = conv_live && *conv.position > 0;
+    const long long conv_dst = conv_live ? *conv.write_slot : -1;
 #endif
     XSlice xs[SLOTS];
 #if GATED
@@ -681,15 +783,41 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         }
         ++held;
         if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
+#if SILU_MUL
+            constexpr int HALF = ROWS / 2;
+            __syncthreads();
+            if (threadIdx.x < held * HALF) {
+                const int t = threadIdx.x / HALF, r = threadIdx.x % HALF;
+                float gate = 0.0f, up = 0.0f;
+#pragma unroll
+                for (int w = 0; w < WARPS; ++w) {
+                    gate += partial[t][r][w];
+                    up += partial[t][r + HALF][w];
+                }
+                gate = rounded_bf16(gate);   // as the plain GEMV stores them
+                up = rounded_bf16(up);
+                const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
+                out[(first_held + t * (int)gridDim.x) * HALF + r] = float_bf16(act * up);
+            }
+#else
+            const int t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
+            const int n = (first_held + t * (int)gridDim.x) * ROWS + r;
+#if CONV
+            const bool convolved = threadIdx.x < held * ROWS && n < conv.channels && conv_live;
+            ConvTaps taps;
+            if (convolved) taps = load_taps(conv, n, conv_slot, conv_warm);
+#endif
             __syncthreads();
             if (threadIdx.x < held * ROWS) {
-                const int t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
-                const int n = (first_held + t * (int)gridDim.x) * ROWS + r;
                 float total = 0.0f;
 #pragma unroll
                 for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
+#if CONV
+                if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), conv_dst);
+#endif
                 if (n < n_rows) out[n] = float_bf16(total);
             }
+#endif
             __syncthreads();   // partial is rewritten by the next tiles
             held = 0;
             first_held = following;
