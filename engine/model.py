@@ -262,7 +262,7 @@ class GatedDeltaNet(nn.Module):
         """A batch of one token that the fused GDN steps run (CUDA): its
         conv may run in in_proj's one-row GEMV."""
         return (x.is_cuda and x.shape[0] == 1 and batch.attention.max_new_tokens == 1
-                and batch.gdn.rows is None and gdn_batched.use_fused_path(x, batch))
+                and gdn_batched.use_fused_path(x, batch) and batch.gdn.rows is None)
 
     def _conv_epilogue(self, batch: ForwardBatch, cache: PagedKVCache):
         from engine.quant.gemv_cuda import ConvEpilogue
