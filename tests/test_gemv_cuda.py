@@ -814,12 +814,8 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     from engine.model import norm_then_project
     from engine.quant.linear import CONV_EPILOGUE_ENV, conv_epilogue_wanted
 
-    monkeypatch.delenv(CONV_EPILOGUE_ENV, raising=False)
-    assert conv_epilogue_wanted() is True
-    monkeypatch.setenv(CONV_EPILOGUE_ENV, "yes")
-    with pytest.raises(ValueError, match=CONV_EPILOGUE_ENV):
-        conv_epilogue_wanted()
-    monkeypatch.delenv(CONV_EPILOGUE_ENV)
+    _assert_on_by_default_and_a_bad_value_named(monkeypatch, CONV_EPILOGUE_ENV,
+                                                conv_epilogue_wanted)
     loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
     layer = next(layer for layer in loaded.model.model.layers if layer.is_linear)
     k = layer.linear_attn.in_proj.quant.in_features
@@ -831,6 +827,15 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     assert convolved is False
     assert torch.equal(residual, expected[0]) and torch.equal(projected, expected[1])
     assert layer.linear_attn.in_proj.forward_convolved(x, _conv_epilogue(64, 4, 2)[0]) is None
+
+
+def _assert_on_by_default_and_a_bad_value_named(monkeypatch, switch, wanted):
+    monkeypatch.delenv(switch, raising=False)
+    assert wanted() is True
+    monkeypatch.setenv(switch, "yes")
+    with pytest.raises(ValueError, match=switch):
+        wanted()
+    monkeypatch.delenv(switch)
 
 
 def _conv_reference(plain, conv, windows):
@@ -993,12 +998,8 @@ def test_the_silu_epilogue_takes_even_tiles_dividing_n_without_a_ring_and_its_sw
     assert not fits(plan_for(5120, rows=1), 34816)            # no pair in a tile
     assert not fits(plan_for(5120, rows=4), 34818)            # a tile past N
     assert not fits(plan_for(5120, rows=4, stages=2), 34816)  # a ring copies contiguous rows
-    monkeypatch.delenv(SILU_EPILOGUE_ENV, raising=False)
-    assert silu_epilogue_wanted() is True
-    monkeypatch.setenv(SILU_EPILOGUE_ENV, "2")
-    with pytest.raises(ValueError, match=SILU_EPILOGUE_ENV):
-        silu_epilogue_wanted()
-    monkeypatch.delenv(SILU_EPILOGUE_ENV)
+    _assert_on_by_default_and_a_bad_value_named(monkeypatch, SILU_EPILOGUE_ENV,
+                                                silu_epilogue_wanted)
     layer = load_model("tiny-qwen3.5", weights="int4", progress=False).model.model.layers[0]
     k = layer.mlp.gate_up_proj.quant.in_features
     x, pending = torch.randn(1, k), torch.randn(1, k)
