@@ -9,8 +9,10 @@
 #   bash scripts/sessions/device_next54.sh silu   (carry .whl): the MLP's
 #     activation in gate_up's epilogue too (TANDEM_SILU_EPILOGUE): its GPU
 #     tests, then rounds of both epilogues / the conv's alone / neither
+#   bash scripts/sessions/device_next54.sh h200   (carry .whl): both epilogues
+#     (the default) against neither, two rounds, on whatever card comes
 set -uo pipefail
-call=${1:?conv, ab or silu}
+call=${1:?conv, ab, silu or h200}
 source scripts/device_env.sh
 pairs() {  # pairs ROUNDS PREFIX
   for round in $(seq 1 "$1"); do
@@ -46,4 +48,12 @@ case "$call" in
       echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2}')"
     done
     TANDEM_PDL=0 STEP_TAIL=30 step profile_both 200 python3 -m bench.profile_step --weights int4 ;;
+  h200)
+    for round in 1 2; do
+      step_27b h${round}_both
+      TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b h${round}_neither
+    done
+    for f in "$OUT"/h*_both.log "$OUT"/h*_neither.log; do
+      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2}')"
+    done ;;
 esac
