@@ -105,13 +105,9 @@ class MLP(nn.Module):
         (QuantLinear.forward_silu_mul), half as wide, and the activation's
         launch goes away."""
         silu_mul = getattr(self.gate_up_proj, "forward_silu_mul", None)
-        if silu_mul is None or not (x.is_cuda and x.shape[0] == 1):
-            return (*norm_then_project(norm, x, pending, self.gate_up_proj), False)
-        x, h = norm.add_forward(x, pending)
-        act = silu_mul(h)
-        if act is None:
-            return x, self.gate_up_proj(h), False
-        return x, act, True
+        one_row = x.is_cuda and x.shape[0] == 1
+        return norm_then_project_in_epilogue(norm, x, pending, self.gate_up_proj,
+                                             silu_mul if one_row else None)
 
     def finish(self, gate_up: torch.Tensor, activated: bool = False) -> torch.Tensor:
         """The MLP after its first projection (gate_up_proj's output, or
@@ -249,13 +245,11 @@ class GatedDeltaNet(nn.Module):
         (QuantLinear.forward_convolved), so the output's first conv_dim
         columns already hold it and its launch goes away."""
         convolving = getattr(self.in_proj, "forward_convolved", None)
-        if convolving is None or not self._one_fused_token(x, batch):
-            return (*norm_then_project(norm, x, pending, self.in_proj), False)
-        x, h = norm.add_forward(x, pending)
-        projected = convolving(h, self._conv_epilogue(batch, cache))
-        if projected is None:
-            return x, self.in_proj(h), False
-        return x, projected, True
+        fused = None
+        if convolving is not None and self._one_fused_token(x, batch):
+            def fused(h):
+                return convolving(h, self._conv_epilogue(batch, cache))
+        return norm_then_project_in_epilogue(norm, x, pending, self.in_proj, fused)
 
     @staticmethod
     def _one_fused_token(x: torch.Tensor, batch: ForwardBatch) -> bool:
@@ -441,6 +435,23 @@ def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | No
             return fused
     x, h = norm.add_forward(x, pending)
     return x, linear(h)
+
+
+def norm_then_project_in_epilogue(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
+                                  linear: nn.Module, fused
+                                  ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(x + pending, projection, in_epilogue): norm_then_project where
+    `fused` (None: not asked) cannot run, else the norm then fused(normed),
+    the projection with the op after it done in its GEMV's epilogue
+    (QuantLinear.forward_convolved, forward_silu_mul), or None where the
+    GEMV cannot, and the plain projection."""
+    if fused is None:
+        return (*norm_then_project(norm, x, pending, linear), False)
+    x, h = norm.add_forward(x, pending)
+    projected = fused(h)
+    if projected is None:
+        return x, linear(h), False
+    return x, projected, True
 
 
 def gated_norm_then_project(norm: GatedRMSNorm, x: torch.Tensor, gate: torch.Tensor,

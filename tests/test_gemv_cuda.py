@@ -812,10 +812,9 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     bit, and says the conv is still to run; a bad switch value names itself."""
     from engine.loader import load_model
     from engine.model import norm_then_project
-    from engine.quant.linear import CONV_EPILOGUE_ENV, conv_epilogue_wanted
+    from engine.quant.linear import CONV_EPILOGUE_ENV
 
-    _assert_on_by_default_and_a_bad_value_named(monkeypatch, CONV_EPILOGUE_ENV,
-                                                conv_epilogue_wanted)
+    _assert_on_by_default_and_a_bad_value_named(monkeypatch, CONV_EPILOGUE_ENV)
     loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
     layer = next(layer for layer in loaded.model.model.layers if layer.is_linear)
     k = layer.linear_attn.in_proj.quant.in_features
@@ -829,13 +828,63 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     assert layer.linear_attn.in_proj.forward_convolved(x, _conv_epilogue(64, 4, 2)[0]) is None
 
 
-def _assert_on_by_default_and_a_bad_value_named(monkeypatch, switch, wanted):
+def _assert_on_by_default_and_a_bad_value_named(monkeypatch, switch):
+    from engine.quant.linear import epilogue_wanted
+
     monkeypatch.delenv(switch, raising=False)
-    assert wanted() is True
+    assert epilogue_wanted(switch) is True
     monkeypatch.setenv(switch, "yes")
     with pytest.raises(ValueError, match=switch):
-        wanted()
+        epilogue_wanted(switch)
+    monkeypatch.setenv(switch, "0")
+    assert epilogue_wanted(switch) is False
     monkeypatch.delenv(switch)
+
+
+def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_plain_one():
+    """model.norm_then_project_in_epilogue on the CPU, and GatedDeltaNet.project
+    handing the fused call the normed row and the layer's conv (its GPU
+    gate forced open): where the GEMV cannot (None) the plain projection of
+    the same normed row, bit for bit."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from engine.loader import load_model
+    from engine.model import norm_then_project, norm_then_project_in_epilogue
+
+    loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
+    layer = next(layer for layer in loaded.model.model.layers if layer.is_linear)
+    norm, in_proj = layer.input_layernorm, layer.linear_attn.in_proj
+    x, pending = torch.randn(1, in_proj.in_features), torch.randn(1, in_proj.in_features)
+    seen = []
+    with torch.inference_mode():
+        residual, plain = norm_then_project(norm, x, pending, in_proj)
+        marker = torch.full((1, 3), 7.0)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj,
+                                            lambda h: seen.append(h) or marker)
+        assert got[0].equal(residual) and got[1] is marker and got[2] is True
+        assert torch.equal(in_proj(seen[0]), plain)   # the fused call got the normed row
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, lambda h: None)
+        assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, None)
+        assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
+
+        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cpu",
+                             make_format("bf16", dtype=torch.float32))
+        batch = ForwardBatch.build([SequenceInput((7,), 3, (0,), 1)], 16, "cpu")
+        convs = []
+        mixer = layer.linear_attn
+        mixer._one_fused_token = lambda *_: True
+        in_proj.forward_convolved = lambda h, conv: convs.append(conv) or marker
+        try:
+            got = mixer.project(norm, x, pending, batch, cache)
+        finally:
+            del mixer._one_fused_token, in_proj.forward_convolved
+    assert got[1] is marker and got[2] is True
+    conv = convs[0]
+    assert conv.windows is cache.conv_window(mixer.layer)
+    assert conv.weight.equal(mixer.conv1d.weight[:, 0, :])
+    assert conv.in_slot.tolist() == [1] and conv.position.tolist() == [3]
 
 
 def _conv_reference(plain, conv, windows):
@@ -991,15 +1040,14 @@ def test_the_silu_epilogue_takes_even_tiles_dividing_n_without_a_ring_and_its_sw
     from engine.loader import load_model
     from engine.model import norm_then_project
     from engine.quant.gemv_cuda import SiluMulEpilogue
-    from engine.quant.linear import SILU_EPILOGUE_ENV, silu_epilogue_wanted
+    from engine.quant.linear import SILU_EPILOGUE_ENV
 
     fits = SiluMulEpilogue.fits
     assert fits(plan_for(5120, rows=4), 34816) and fits(plan_for(5120, rows=2), 6)
     assert not fits(plan_for(5120, rows=1), 34816)            # no pair in a tile
     assert not fits(plan_for(5120, rows=4), 34818)            # a tile past N
     assert not fits(plan_for(5120, rows=4, stages=2), 34816)  # a ring copies contiguous rows
-    _assert_on_by_default_and_a_bad_value_named(monkeypatch, SILU_EPILOGUE_ENV,
-                                                silu_epilogue_wanted)
+    _assert_on_by_default_and_a_bad_value_named(monkeypatch, SILU_EPILOGUE_ENV)
     layer = load_model("tiny-qwen3.5", weights="int4", progress=False).model.model.layers[0]
     k = layer.mlp.gate_up_proj.quant.in_features
     x, pending = torch.randn(1, k), torch.randn(1, k)

@@ -167,9 +167,9 @@ class QuantLinear(_QuantHolder):
     def forward_convolved(self, x: torch.Tensor, conv) -> torch.Tensor | None:
         """self(x) with GDN's decode conv step done on its first rows in the
         CUDA GEMV's epilogue (conv a gemv_cuda.ConvEpilogue); or None where
-        that does not apply (conv_epilogue_wanted, operands the kernel does
-        not take), and the caller runs the conv's own launch."""
-        if self.bias is not None or not x.is_cuda or not conv_epilogue_wanted():
+        that does not apply (epilogue_wanted, operands the kernel does not
+        take), and the caller runs the conv's own launch."""
+        if self.bias is not None or not x.is_cuda or not epilogue_wanted(CONV_EPILOGUE_ENV):
             return None
         from engine.quant import gemv_cuda
 
@@ -181,10 +181,10 @@ class QuantLinear(_QuantHolder):
     def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu_mul(gate, up) of this gate_up projection's output [1, 2I]
         (gate rows, then up rows), done in the CUDA GEMV's epilogue: [1, I];
-        or None where that does not apply (silu_epilogue_wanted, operands or
-        a row count the kernel does not take), and the caller launches the
+        or None where that does not apply (epilogue_wanted, operands or a
+        row count the kernel does not take), and the caller launches the
         activation."""
-        if self.bias is not None or not x.is_cuda or not silu_epilogue_wanted():
+        if self.bias is not None or not x.is_cuda or not epilogue_wanted(SILU_EPILOGUE_ENV):
             return None
         from engine.quant import gemv_cuda
 
@@ -225,32 +225,24 @@ def prologue_wanted(switch: str) -> bool:
 
 
 CONV_EPILOGUE_ENV = "TANDEM_CONV_EPILOGUE"
-
-
-def conv_epilogue_wanted() -> bool:
-    """Whether GDN's decode conv runs in its in_proj's CUDA GEMV epilogue
-    (QuantLinear.forward_convolved): TANDEM_CONV_EPILOGUE, on by default;
-    0 gives the conv its own launch. Read per call; in a CUDA graph, at
-    capture."""
-    from engine.switches import on_off
-
-    return on_off(CONV_EPILOGUE_ENV, True, on="GDN's conv in in_proj's GEMV epilogue",
-                  off="a conv launch")
-
-
 SILU_EPILOGUE_ENV = "TANDEM_SILU_EPILOGUE"
+_EPILOGUES = {CONV_EPILOGUE_ENV: ("GDN's conv in in_proj's GEMV epilogue", "a conv launch"),
+              SILU_EPILOGUE_ENV: ("the MLP activation in gate_up's GEMV epilogue",
+                                  "an activation launch")}
 
 
-def silu_epilogue_wanted() -> bool:
-    """Whether the MLP's activation runs in its gate_up's CUDA GEMV
-    epilogue (QuantLinear.forward_silu_mul): TANDEM_SILU_EPILOGUE, on by
-    default (the H100's int4 step 7.23-7.25 ms against 7.27-7.29 without,
-    three alternating rounds, 12-06); 0 gives it its own launch. Read per
-    call; in a CUDA graph, at capture."""
+def epilogue_wanted(switch: str) -> bool:
+    """Whether the op after a projection runs in its CUDA GEMV's epilogue:
+    TANDEM_CONV_EPILOGUE (GDN's decode conv: QuantLinear.forward_convolved),
+    TANDEM_SILU_EPILOGUE (the MLP's activation: forward_silu_mul). Both on
+    by default: on an H100 (12-05/06) the int4 step 7.21-7.22 ms against
+    7.30-7.32 with the conv's, 7.23-7.25 against 7.27-7.29 adding the
+    activation's; 0 gives the op its own launch. Read per call; in a CUDA
+    graph, at capture."""
     from engine.switches import on_off
 
-    return on_off(SILU_EPILOGUE_ENV, True, on="the MLP activation in gate_up's GEMV epilogue",
-                  off="an activation launch")
+    on, off = _EPILOGUES[switch]
+    return on_off(switch, True, on=on, off=off)
 
 
 L2_PREFETCH_ENV = "TANDEM_GEMV_L2_PREFETCH_MB"
