@@ -228,3 +228,18 @@ def test_the_speculative_bench_gives_each_prompts_accepted_length():
     chat, code = PROMPT_SETS["record"]
     assert (len(chat), len(code)) == (36, 24) and chat[:6] == CHAT and code[:6] == CODE
     assert len(set(chat)) == 36 and len(set(code)) == 24
+
+
+def test_the_critical_path_charges_each_kernel_its_advance_of_the_steps_end():
+    from bench.profile_step import critical_path, short_name
+
+    assert short_name("void tandem::fused_kernel<int, 4>(float*, int)") == "fused_kernel"
+    # a norm, a GEMV placed early (PDL) that ends 7 us later, a kernel hidden
+    # inside it, then a hop of 3 us to a last kernel of 2 us
+    spans = [("norm", 0.0, 2.0), ("gemv", 1.0, 9.0), ("copy", 3.0, 4.0), ("norm", 12.0, 14.0)]
+    table = critical_path(spans)
+    assert table["(start) -> norm"] == [1, 2.0, 0.0]
+    assert table["norm -> gemv"] == [1, 7.0, 1.0]
+    assert table["gemv -> copy"] == [1, 0.0, 6.0]       # ended inside the GEMV: no advance
+    assert table["copy -> norm"] == [1, 5.0, 0.0]       # measured from the GEMV's end, not the copy's
+    assert sum(adv for _, adv, _ in table.values()) == 14.0   # the span, first start to last end

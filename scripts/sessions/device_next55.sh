@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# 12-06: where the int4 step's time goes with dependent launches on, and the
+# epilogues on the card that comes (the H200 never ran them).
+#   bash scripts/sessions/device_next55.sh probe   (carry .whl): the critical
+#     path of a step (bench.profile_step --critical-path, PDL on), then two
+#     rounds of both epilogues (the default) / neither / the default with
+#     GDN's gated norm in out_proj's prologue
+#   bash scripts/sessions/device_next55.sh norm    (carry .whl): the layer
+#     norms in the prologue of the GEMV after them, with the epilogues
+#     (TANDEM_NORM_PROLOGUE=1): its GPU tests, then rounds against the default
+set -uo pipefail
+call=${1:?probe or norm}
+source scripts/device_env.sh
+steps() {  # steps PREFIX...: each log's step times on one line
+  for prefix in "$@"; do
+    for f in "$OUT"/${prefix}*.log; do
+      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2}' | paste -sd' ')"
+    done
+  done
+}
+case "$call" in
+  probe)
+    STEP_TAIL=45 step critical 200 python3 -m bench.profile_step --weights int4 --critical-path --top 30
+    for round in 1 2; do
+      step_27b r${round}_a_both
+      TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b r${round}_b_neither
+      TANDEM_GATED_PROLOGUE=1 step_27b r${round}_c_gated
+    done
+    steps r1_ r2_ ;;
+  norm)
+    STEP_TAIL=6 step norm_tests 300 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gemv_cuda.py tests/test_cuda_graphs.py tests/test_cuda.py \
+      -k "norm or prologue or epilogue or graph or greedy or matches_the_reference"
+    for round in 1 2 3; do
+      step_27b n${round}_a_default
+      TANDEM_NORM_PROLOGUE=1 step_27b n${round}_b_norm
+    done
+    steps n1_ n2_ n3_
+    TANDEM_NORM_PROLOGUE=1 STEP_TAIL=45 step critical_norm 200 \
+      python3 -m bench.profile_step --weights int4 --critical-path --top 30 ;;
+esac
