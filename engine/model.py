@@ -102,12 +102,14 @@ class MLP(nn.Module):
         """(x + pending, gate_up(norm(x + pending)), activated): the residual
         update, the norm and the first projection. activated: a one-row
         CUDA GEMV gave SiLU(gate) * up in its epilogue
-        (QuantLinear.forward_silu_mul), half as wide, and the activation's
+        (gemv_cuda.SiluMulEpilogue), half as wide, and the activation's
         launch goes away."""
-        silu_mul = getattr(self.gate_up_proj, "forward_silu_mul", None)
-        one_row = x.is_cuda and x.shape[0] == 1
-        return norm_then_project_in_epilogue(norm, x, pending, self.gate_up_proj,
-                                             silu_mul if one_row else None)
+        epilogue = None
+        if hasattr(self.gate_up_proj, "epilogue_applies") and x.is_cuda and x.shape[0] == 1:
+            from engine.quant.gemv_cuda import SiluMulEpilogue
+
+            epilogue = SiluMulEpilogue()
+        return norm_then_project_in_epilogue(norm, x, pending, self.gate_up_proj, epilogue)
 
     def finish(self, gate_up: torch.Tensor, activated: bool = False) -> torch.Tensor:
         """The MLP after its first projection (gate_up_proj's output, or
@@ -242,14 +244,12 @@ class GatedDeltaNet(nn.Module):
         """(x + pending, in_proj(norm(x + pending)), convolved): the residual
         update, the norm and the first projection. convolved: a one-token
         decode step's conv + SiLU ran in in_proj's CUDA GEMV epilogue
-        (QuantLinear.forward_convolved), so the output's first conv_dim
-        columns already hold it and its launch goes away."""
-        convolving = getattr(self.in_proj, "forward_convolved", None)
-        fused = None
-        if convolving is not None and self._one_fused_token(x, batch):
-            def fused(h):
-                return convolving(h, self._conv_epilogue(batch, cache))
-        return norm_then_project_in_epilogue(norm, x, pending, self.in_proj, fused)
+        (gemv_cuda.ConvEpilogue), so the output's first conv_dim columns
+        already hold it and its launch goes away."""
+        epilogue = None
+        if hasattr(self.in_proj, "epilogue_applies") and self._one_fused_token(x, batch):
+            epilogue = self._conv_epilogue(batch, cache)
+        return norm_then_project_in_epilogue(norm, x, pending, self.in_proj, epilogue)
 
     @staticmethod
     def _one_fused_token(x: torch.Tensor, batch: ForwardBatch) -> bool:
@@ -438,20 +438,23 @@ def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | No
 
 
 def norm_then_project_in_epilogue(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
-                                  linear: nn.Module, fused
+                                  linear: nn.Module, epilogue
                                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(x + pending, projection, in_epilogue): norm_then_project where
-    `fused` (None: not asked) cannot run, else the norm then fused(normed),
-    the projection with the op after it done in its GEMV's epilogue
-    (QuantLinear.forward_convolved, forward_silu_mul), or None where the
-    GEMV cannot, and the plain projection."""
-    if fused is None:
+    """(x + pending, projection, in_epilogue): norm_then_project, and where
+    the projection's GEMV can end with `epilogue` (None: not asked; a
+    gemv_cuda epilogue, the op after the projection:
+    QuantLinear.epilogue_applies) that op done in it, in_epilogue True. The
+    norm then runs in the same GEMV's prologue where forward_normed can
+    (TANDEM_NORM_PROLOGUE=1), else its own launch."""
+    if epilogue is None or not hasattr(linear, "epilogue_applies") \
+            or not linear.epilogue_applies(x, epilogue):
         return (*norm_then_project(norm, x, pending, linear), False)
+    fused = linear.forward_normed(x, pending, norm.weight, norm.eps, norm.zero_centered,
+                                  epilogue=epilogue) if use_fused(x) else None
+    if fused is not None:
+        return (*fused, True)
     x, h = norm.add_forward(x, pending)
-    projected = fused(h)
-    if projected is None:
-        return x, linear(h), False
-    return x, projected, True
+    return x, linear.forward_in_epilogue(h, epilogue), True
 
 
 def gated_norm_then_project(norm: GatedRMSNorm, x: torch.Tensor, gate: torch.Tensor,

@@ -825,7 +825,7 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
         expected = norm_then_project(layer.input_layernorm, x, pending, layer.linear_attn.in_proj)
     assert convolved is False
     assert torch.equal(residual, expected[0]) and torch.equal(projected, expected[1])
-    assert layer.linear_attn.in_proj.forward_convolved(x, _conv_epilogue(64, 4, 2)[0]) is None
+    assert not layer.linear_attn.in_proj.epilogue_applies(x, _conv_epilogue(64, 4, 2)[0])
 
 
 def _assert_on_by_default_and_a_bad_value_named(monkeypatch, switch):
@@ -841,11 +841,13 @@ def _assert_on_by_default_and_a_bad_value_named(monkeypatch, switch):
     monkeypatch.delenv(switch)
 
 
-def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_plain_one():
+def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_plain_one(
+        monkeypatch):
     """model.norm_then_project_in_epilogue on the CPU, and GatedDeltaNet.project
-    handing the fused call the normed row and the layer's conv (its GPU
-    gate forced open): where the GEMV cannot (None) the plain projection of
-    the same normed row, bit for bit."""
+    handing in_proj the normed row and the layer's conv (its GPU gates
+    forced open): where the GEMV cannot end with the epilogue, the plain
+    projection of the same normed row, bit for bit; where the norm prologue
+    may run, the norm, the projection and its epilogue in one call."""
     from engine.batch import ForwardBatch, SequenceInput
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
@@ -856,32 +858,40 @@ def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_pl
     layer = next(layer for layer in loaded.model.model.layers if layer.is_linear)
     norm, in_proj = layer.input_layernorm, layer.linear_attn.in_proj
     x, pending = torch.randn(1, in_proj.in_features), torch.randn(1, in_proj.in_features)
-    seen = []
+    epilogue, marker, seen = object(), torch.full((1, 3), 7.0), []
     with torch.inference_mode():
         residual, plain = norm_then_project(norm, x, pending, in_proj)
-        marker = torch.full((1, 3), 7.0)
-        got = norm_then_project_in_epilogue(norm, x, pending, in_proj,
-                                            lambda h: seen.append(h) or marker)
-        assert got[0].equal(residual) and got[1] is marker and got[2] is True
-        assert torch.equal(in_proj(seen[0]), plain)   # the fused call got the normed row
-        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, lambda h: None)
-        assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
         got = norm_then_project_in_epilogue(norm, x, pending, in_proj, None)
         assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, epilogue)  # the CPU: no
+        assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
+
+        monkeypatch.setattr(in_proj, "epilogue_applies", lambda x, e: e is epilogue, raising=False)
+        monkeypatch.setattr(in_proj, "forward_in_epilogue",
+                            lambda h, e: seen.append((h, e)) or marker, raising=False)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, epilogue)
+        assert got[0].equal(residual) and got[1] is marker and got[2] is True
+        assert seen[0][1] is epilogue and torch.equal(in_proj(seen[0][0]), plain)  # normed row
+
+        monkeypatch.setattr("engine.model.use_fused", lambda x: True)
+        monkeypatch.setattr(in_proj, "forward_normed",
+                            lambda x_, p, w, eps, zc, epilogue=None:
+                            (residual, marker) if epilogue is not None else None, raising=False)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, epilogue)
+        assert got[0] is residual and got[1] is marker and got[2] is True and len(seen) == 1
+        monkeypatch.undo()
 
         cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cpu",
                              make_format("bf16", dtype=torch.float32))
         batch = ForwardBatch.build([SequenceInput((7,), 3, (0,), 1)], 16, "cpu")
-        convs = []
         mixer = layer.linear_attn
-        mixer._one_fused_token = lambda *_: True
-        in_proj.forward_convolved = lambda h, conv: convs.append(conv) or marker
-        try:
-            got = mixer.project(norm, x, pending, batch, cache)
-        finally:
-            del mixer._one_fused_token, in_proj.forward_convolved
+        monkeypatch.setattr(mixer, "_one_fused_token", lambda *_: True)
+        monkeypatch.setattr(in_proj, "epilogue_applies", lambda x, e: True, raising=False)
+        monkeypatch.setattr(in_proj, "forward_in_epilogue",
+                            lambda h, e: seen.append((h, e)) or marker, raising=False)
+        got = mixer.project(norm, x, pending, batch, cache)
     assert got[1] is marker and got[2] is True
-    conv = convs[0]
+    conv = seen[-1][1]
     assert conv.windows is cache.conv_window(mixer.layer)
     assert conv.weight.equal(mixer.conv1d.weight[:, 0, :])
     assert conv.in_slot.tolist() == [1] and conv.position.tolist() == [3]
@@ -1030,6 +1040,97 @@ def test_decode_steps_with_an_epilogue_match_the_ops_own_launch(switch, monkeypa
         torch.testing.assert_close(s_fused, s_apart, rtol=0.05, atol=0.02)
 
 
+@needs_gpu
+@pytest.mark.parametrize("kind", ["conv", "silu_mul"])
+@pytest.mark.parametrize("flush", [1, 8])
+def test_a_norm_prologue_and_an_epilogue_in_one_gemv_give_the_three_ops(kind, flush):
+    """The layer norm in the prologue and the op after the projection in the
+    epilogue of one launch: the stored residual bitwise the norm prologue's
+    alone; the output the epilogue's reference of the prologue-only GEMV's
+    rows (the same normed row, the same sums) within the output's rounding,
+    and the conv windows bit for bit."""
+    from engine.fused import reference
+    from engine.quant.gemv_cuda import NormPrologue, SiluMulEpilogue
+
+    n, k = 2000, 768
+    qt = _quant(n, k, seed=81, device="cuda")
+    g = torch.Generator().manual_seed(82)
+    x = (torch.randn(1, k, generator=g) * 3).to(torch.bfloat16).cuda()
+    pending = torch.randn(1, k, generator=g).to(torch.bfloat16).cuda()
+    weight = (torch.randn(k, generator=g) * 0.1).to(torch.bfloat16).cuda()
+    plan = plan_for(k, rows=4, flush=flush)
+
+    def norm():
+        residual = torch.full((1, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return NormPrologue(weight, 1e-6, True, pending, residual), residual
+
+    prologue, residual_alone = norm()
+    normed_rows = gemv_cuda.gemv_cuda(x, qt, plan=plan, prologue=prologue)
+    assert torch.equal(residual_alone, reference.add_rms_norm(x, pending, weight, 1e-6, True)[0])
+    prologue, residual = norm()
+    if kind == "conv":
+        conv, windows = _conv_epilogue(1500, 4, 3, device="cuda", seed=83)
+        expected, expected_windows = _conv_reference(normed_rows, conv, windows)
+        y = gemv_cuda.gemv_cuda(x, qt, plan=plan, prologue=prologue, epilogue=conv)
+        assert torch.equal(y[:, conv.channels:], normed_rows[:, conv.channels:])
+        assert torch.equal(windows, expected_windows)
+        y = y[:, :conv.channels]
+    else:
+        expected = reference.silu_mul(normed_rows[:, :n // 2], normed_rows[:, n // 2:])
+        y = gemv_cuda.gemv_cuda(x, qt, plan=plan, prologue=prologue, epilogue=SiluMulEpilogue())
+    assert torch.equal(residual, residual_alone)
+    _assert_close(y, expected.float().cpu())
+
+
+@needs_gpu
+def test_decode_steps_with_the_norm_prologue_and_the_epilogues_match_the_launches(monkeypatch):
+    """The tiny Qwen3.5 in int4 on the GPU, a prompt then four decode steps:
+    with TANDEM_NORM_PROLOGUE=1 and both epilogues, in_proj and gate_up take
+    the layer norm in their prologue and the op after them in their
+    epilogue (recorded), and the logits and argmax agree with every op in
+    its own launch within bf16 rounding."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+    from engine.loader import load_model
+    from engine.quant.linear import CONV_EPILOGUE_ENV, NORM_PROLOGUE_ENV, SILU_EPILOGUE_ENV
+
+    loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
+    model = loaded.model
+    calls = []
+    real = gemv_cuda.gemv_cuda
+    monkeypatch.setattr(gemv_cuda, "gemv_cuda", lambda *a, **kw: calls.append(
+        (kw.get("prologue"), kw.get("epilogue"))) or real(*a, **kw))
+
+    def decode(on):
+        for switch in (NORM_PROLOGUE_ENV, CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV):
+            monkeypatch.setenv(switch, on)
+        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cuda",
+                             make_format("bf16", dtype=torch.bfloat16))
+        steps = []
+        with torch.inference_mode():
+            logits = model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 1)], 16,
+                                              "cuda"), cache)
+            for position in range(3, 7):
+                token = int(logits[-1].argmax())
+                logits = model(ForwardBatch.build([SequenceInput((token,), position, (0,), 1)],
+                                                  16, "cuda"), cache)
+                steps.append(logits[-1].float())
+        return torch.stack(steps)
+
+    apart = decode("0")
+    assert not any(p or e for p, e in calls)
+    calls.clear()
+    fused = decode("1")
+    both = [(p, e) for p, e in calls if p is not None and e is not None]
+    linear = sum(layer.is_linear for layer in model.model.layers)
+    assert sum(isinstance(e, gemv_cuda.SiluMulEpilogue) for _, e in both) == \
+        4 * len(model.model.layers)   # every gate_up
+    assert sum(isinstance(e, gemv_cuda.ConvEpilogue) for _, e in both) == 4 * linear
+    assert torch.equal(apart.argmax(-1), fused.argmax(-1))
+    torch.testing.assert_close(fused, apart, rtol=0.02, atol=0.05 * apart.abs().max().item())
+
+
 # ------------------------------------------------- the MLP's activation in gate_up's epilogue
 
 
@@ -1056,7 +1157,7 @@ def test_the_silu_epilogue_takes_even_tiles_dividing_n_without_a_ring_and_its_sw
                                                            pending)
         expected = norm_then_project(layer.post_attention_layernorm, x, pending,
                                      layer.mlp.gate_up_proj)
-        assert layer.mlp.gate_up_proj.forward_silu_mul(x) is None   # the CPU
+        assert not layer.mlp.gate_up_proj.epilogue_applies(x, SiluMulEpilogue())   # the CPU
     assert activated is False
     assert torch.equal(residual, expected[0]) and torch.equal(projected, expected[1])
 

@@ -106,11 +106,13 @@ class QuantLinear(_QuantHolder):
         return quant_matmul(x, self.quant, self.bias, self._l2_prefetch() if one_row else None)
 
     def forward_normed(self, x: torch.Tensor, pending: torch.Tensor | None,
-                       weight: torch.Tensor, eps: float, zero_centered: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       weight: torch.Tensor, eps: float, zero_centered: bool,
+                       epilogue=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x + pending, self(rms_norm(x + pending))) with the norm done in the
         CUDA GEMV's prologue (gemv_cuda.NormPrologue), or None where that does
-        not apply (prologue_wanted, operands the kernel does not take)."""
+        not apply (prologue_wanted, operands the kernel does not take). With
+        `epilogue` (one epilogue_applies accepted) the op after the
+        projection too, in the same launch's epilogue."""
         if not self._prologue_may_run(x, NORM_PROLOGUE_ENV):
             return None
         from engine.quant import gemv_cuda
@@ -124,7 +126,7 @@ class QuantLinear(_QuantHolder):
         except ValueError:  # e.g. a Llama norm's fp32 weight: the norm's launch
             return None
         return (x if residual is None else residual,
-                gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue,
+                gemv_cuda.gemv_cuda(x, self.quant, prologue=prologue, epilogue=epilogue,
                                     l2_prefetch=self._l2_prefetch()))
 
     def forward_activated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -164,35 +166,31 @@ class QuantLinear(_QuantHolder):
         return gemv_cuda.gemv_cuda(row, self.quant, prologue=prologue,
                                    l2_prefetch=self._l2_prefetch())
 
-    def forward_convolved(self, x: torch.Tensor, conv) -> torch.Tensor | None:
-        """self(x) with GDN's decode conv step done on its first rows in the
-        CUDA GEMV's epilogue (conv a gemv_cuda.ConvEpilogue); or None where
-        that does not apply (epilogue_wanted, operands the kernel does not
-        take), and the caller runs the conv's own launch."""
-        if self.bias is not None or not x.is_cuda or not epilogue_wanted(CONV_EPILOGUE_ENV):
-            return None
+    def epilogue_applies(self, x: torch.Tensor, epilogue) -> bool:
+        """Whether this projection's CUDA GEMV of row x can end with
+        `epilogue`: gemv_cuda.ConvEpilogue (GDN's decode conv over the first
+        rows, TANDEM_CONV_EPILOGUE) or SiluMulEpilogue (the MLP's activation
+        of a gate_up projection, TANDEM_SILU_EPILOGUE); else the caller
+        launches that op itself."""
         from engine.quant import gemv_cuda
 
-        if not gemv_cuda.runs(x, self.quant) or conv.channels > self.quant.out_features:
-            return None
-        return gemv_cuda.gemv_cuda(x, self.quant, epilogue=conv,
-                                   l2_prefetch=self._l2_prefetch())
-
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu_mul(gate, up) of this gate_up projection's output [1, 2I]
-        (gate rows, then up rows), done in the CUDA GEMV's epilogue: [1, I];
-        or None where that does not apply (epilogue_wanted, operands or a
-        row count the kernel does not take), and the caller launches the
-        activation."""
-        if self.bias is not None or not x.is_cuda or not epilogue_wanted(SILU_EPILOGUE_ENV):
-            return None
-        from engine.quant import gemv_cuda
-
+        conv = isinstance(epilogue, gemv_cuda.ConvEpilogue)
+        switch = CONV_EPILOGUE_ENV if conv else SILU_EPILOGUE_ENV
+        if self.bias is not None or not x.is_cuda or not epilogue_wanted(switch) \
+                or not gemv_cuda.runs(x, self.quant):
+            return False
         n, k = self.quant.shape
-        if not gemv_cuda.runs(x, self.quant) \
-                or not gemv_cuda.SiluMulEpilogue.fits(gemv_cuda.plan_for(k), n):
-            return None
-        return gemv_cuda.gemv_cuda(x, self.quant, epilogue=gemv_cuda.SiluMulEpilogue(),
+        if conv:
+            return epilogue.channels <= n
+        return gemv_cuda.SiluMulEpilogue.fits(gemv_cuda.plan_for(k), n)
+
+    def forward_in_epilogue(self, x: torch.Tensor, epilogue) -> torch.Tensor:
+        """self(x) with the op after it in the CUDA GEMV's epilogue (one
+        epilogue_applies accepted): the conv's rows come out convolved, a
+        gate_up projection's output as the [1, N / 2] activation."""
+        from engine.quant import gemv_cuda
+
+        return gemv_cuda.gemv_cuda(x, self.quant, epilogue=epilogue,
                                    l2_prefetch=self._l2_prefetch())
 
     def _prologue_may_run(self, x: torch.Tensor, switch: str) -> bool:
@@ -233,8 +231,8 @@ _EPILOGUES = {CONV_EPILOGUE_ENV: ("GDN's conv in in_proj's GEMV epilogue", "a co
 
 def epilogue_wanted(switch: str) -> bool:
     """Whether the op after a projection runs in its CUDA GEMV's epilogue:
-    TANDEM_CONV_EPILOGUE (GDN's decode conv: QuantLinear.forward_convolved),
-    TANDEM_SILU_EPILOGUE (the MLP's activation: forward_silu_mul). Both on
+    TANDEM_CONV_EPILOGUE (GDN's decode conv) and TANDEM_SILU_EPILOGUE (the
+    MLP's activation), asked by QuantLinear.epilogue_applies. Both on
     by default: on an H100 (12-05/06) the int4 step 7.21-7.22 ms against
     7.30-7.32 with the conv's, 7.23-7.25 against 7.27-7.29 adding the
     activation's; 0 gives the op its own launch. Read per call; in a CUDA
