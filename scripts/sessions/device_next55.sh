@@ -8,8 +8,11 @@
 #   bash scripts/sessions/device_next55.sh norm    (carry .whl): the layer
 #     norms in the prologue of the GEMV after them, with the epilogues
 #     (TANDEM_NORM_PROLOGUE=1): its GPU tests, then rounds against the default
+#   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
+#     tests, the critical path, then two rounds of the default / neither
+#     epilogue / the norm prologue / the gated prologue
 set -uo pipefail
-call=${1:?probe or norm}
+call=${1:?probe, norm or all}
 source scripts/device_env.sh
 steps() {  # steps PREFIX...: each log's step times on one line
   for prefix in "$@"; do
@@ -38,4 +41,16 @@ case "$call" in
     steps n1_ n2_ n3_
     TANDEM_NORM_PROLOGUE=1 STEP_TAIL=45 step critical_norm 200 \
       python3 -m bench.profile_step --weights int4 --critical-path --top 30 ;;
+  all)
+    STEP_TAIL=6 step norm_tests 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gemv_cuda.py tests/test_cuda_graphs.py \
+      -k "norm or prologue or epilogue or matches_the_reference"
+    STEP_TAIL=45 step critical 150 python3 -m bench.profile_step --weights int4 --critical-path --top 30
+    for round in 1 2; do
+      step_27b r${round}_a_default
+      TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b r${round}_b_neither
+      TANDEM_NORM_PROLOGUE=1 step_27b r${round}_c_norm
+      TANDEM_GATED_PROLOGUE=1 step_27b r${round}_d_gated
+    done
+    steps r1_ r2_ ;;
 esac
