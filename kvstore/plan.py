@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.cache import CacheShape
-from engine.chunking import AUTO_PREFILL_CHUNK_CAP
+from engine.chunking import AUTO_PREFILL_CHUNK_CAP, AUTO_PREFILL_CHUNK_CPU
 from engine.config import ModelConfig
 from engine.errors import TandemError
 from engine.kv.attention import (DENSE_READ_SLICE_TOKENS, PREFILL_KEY_SPLITS,
@@ -219,10 +219,14 @@ class CapacityPlan:
                      and replace(self, prefill_chunk_tokens=chunk).spare_bytes >= 0), None)
 
     def with_auto_chunk(self) -> CapacityPlan:
-        """This plan with --prefill-chunk auto on a GPU: the largest chunk up
-        to AUTO_PREFILL_CHUNK_CAP that its budget fits, the cap without a
+        """This plan with --prefill-chunk auto, the one place that picks it:
+        on a GPU (cuda_processes) the largest chunk up to
+        AUTO_PREFILL_CHUNK_CAP that its budget fits, the cap without a
         budget; when not even the smallest fits, the smallest, so that
-        check() names a line that lowering the chunk would not fix."""
+        check() names a line that lowering the chunk would not fix. On the
+        CPU, engine/chunking's AUTO_PREFILL_CHUNK_CPU (no budget to fit)."""
+        if not self.cuda_processes:
+            return replace(self, prefill_chunk_tokens=AUTO_PREFILL_CHUNK_CPU, chunk_auto=True)
         best = AUTO_PREFILL_CHUNK_CAP if self.gpu_memory_budget is None else \
             self.largest_fitting_chunk(up_to=AUTO_PREFILL_CHUNK_CAP)
         return replace(self, prefill_chunk_tokens=best or PREFILL_CHUNK_CHOICES[-1],

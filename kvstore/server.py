@@ -153,10 +153,8 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
     spec.check_model(config)
     on_gpu = torch.device(options.device).type == "cuda"
     on_host = embedding_bytes if on_gpu and host_embeddings(options, config) else 0
-    # auto: on a GPU with_auto_chunk plans down from the cap; on the CPU 512
     auto = options.prefill_chunk_tokens == AUTO_PREFILL_CHUNK
-    chunk = options.prefill_chunk_tokens or (AUTO_PREFILL_CHUNK_CAP if on_gpu
-                                             else AUTO_PREFILL_CHUNK_CPU)
+    chunk = options.prefill_chunk_tokens or AUTO_PREFILL_CHUNK_CAP   # auto: replaced below
     plan = CapacityPlan(
         config=config, kv_format=kv_spec_for(options, dtype), page_size=options.page_size,
         max_context_tokens=options.max_context_tokens, live_slots=options.live_slots,
@@ -169,8 +167,8 @@ def plan_for(options: ServerOptions, config: ModelConfig, dtype: torch.dtype, we
         mtp_kv_layers=spec.mtp_kv_layers(config), host_weight_bytes=on_host,
         weight_workspace_bytes=planned_workspace_bytes(packed_in_features, dtype.itemsize)
         if on_gpu and packed_in_features else 0,
-        gdn_prefill_kernel=on_gpu and fla_available(), chunk_auto=auto)
-    return plan.with_auto_chunk() if auto and on_gpu else plan
+        gdn_prefill_kernel=on_gpu and fla_available())
+    return plan.with_auto_chunk() if auto else plan
 
 
 def kv_spec_for(options: ServerOptions, dtype: torch.dtype) -> KVFormatSpec:
