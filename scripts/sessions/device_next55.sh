@@ -10,7 +10,7 @@
 #     (TANDEM_NORM_PROLOGUE=1): its GPU tests, then rounds against the default
 #   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
 #     tests, the critical path, then two rounds of the default / neither
-#     epilogue / the norm prologue / the gated prologue
+#     epilogue / the norm prologue / the gated prologue / 8 MB read-ahead
 set -uo pipefail
 call=${1:?probe, norm or all}
 source scripts/device_env.sh
@@ -42,15 +42,15 @@ case "$call" in
     TANDEM_NORM_PROLOGUE=1 STEP_TAIL=45 step critical_norm 200 \
       python3 -m bench.profile_step --weights int4 --critical-path --top 30 ;;
   all)
-    STEP_TAIL=6 step norm_tests 240 python3 -m pytest -q -p no:cacheprovider \
-      tests/test_gemv_cuda.py tests/test_cuda_graphs.py \
-      -k "norm or prologue or epilogue or matches_the_reference"
+    STEP_TAIL=6 step norm_tests 150 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_gemv_cuda.py -k "norm or epilogue"
     STEP_TAIL=45 step critical 150 python3 -m bench.profile_step --weights int4 --critical-path --top 30
     for round in 1 2; do
       step_27b r${round}_a_default
       TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b r${round}_b_neither
       TANDEM_NORM_PROLOGUE=1 step_27b r${round}_c_norm
       TANDEM_GATED_PROLOGUE=1 step_27b r${round}_d_gated
+      TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b r${round}_e_l2
     done
     steps r1_ r2_ ;;
 esac
