@@ -10,7 +10,7 @@
 #     (TANDEM_NORM_PROLOGUE=1): its GPU tests, then rounds against the default
 #   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
 #     tests, the critical path, then two rounds of the default / neither
-#     epilogue / the norm prologue / the gated prologue / 8 MB read-ahead
+#     epilogue / the norm prologue / 8 MB read-ahead
 set -uo pipefail
 call=${1:?probe, norm or all}
 source scripts/device_env.sh
@@ -49,7 +49,6 @@ case "$call" in
       step_27b r${round}_a_default
       TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b r${round}_b_neither
       TANDEM_NORM_PROLOGUE=1 step_27b r${round}_c_norm
-      TANDEM_GATED_PROLOGUE=1 step_27b r${round}_d_gated
       TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b r${round}_e_l2
     done
     steps r1_ r2_ ;;
