@@ -591,6 +591,18 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     return part;
 }
 
+constexpr int WARPS = THREADS / 32;
+
+// the sum of flushed tile t's row r over the block's warps, in warp order:
+// the same order in every build, so an epilogue sees the plain GEMV's sums
+__device__ __forceinline__ float warp_total(const float (&partial)[FLUSH][ROWS][WARPS], int t,
+                                            int r) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
+    return total;
+}
+
 // GATED asks for two blocks an SM: left alone ptxas gave it 140 registers.
 // It takes 112 then and spills nothing, yet the driver still runs two
 // 192-thread blocks an SM, not three (H200 12-04 21:40: the occupancy query
@@ -608,7 +620,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                const u16* __restrict__ pending, const void* __restrict__ norm_w,
                float eps, u16* __restrict__ residual_out, const L2Regions prefetch,
                const ConvStep conv) {
-    constexpr int WARPS = THREADS / 32;
     __shared__ float partial[FLUSH][ROWS][WARPS];
 #if NORM
     __shared__ float squares_of_warp[WARPS];
@@ -788,14 +799,8 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             __syncthreads();
             if (threadIdx.x < held * HALF) {
                 const int t = threadIdx.x / HALF, r = threadIdx.x % HALF;
-                float gate = 0.0f, up = 0.0f;
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) {
-                    gate += partial[t][r][w];
-                    up += partial[t][r + HALF][w];
-                }
-                gate = rounded_bf16(gate);   // as the plain GEMV stores them
-                up = rounded_bf16(up);
+                const float gate = rounded_bf16(warp_total(partial, t, r));   // as the plain
+                const float up = rounded_bf16(warp_total(partial, t, r + HALF));  // GEMV stores them
                 const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
                 out[(first_held + t * (int)gridDim.x) * HALF + r] = float_bf16(act * up);
             }
@@ -809,9 +814,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #endif
             __syncthreads();
             if (threadIdx.x < held * ROWS) {
-                float total = 0.0f;
-#pragma unroll
-                for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
+                float total = warp_total(partial, t, r);
 #if CONV
                 if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), conv_dst);
 #endif
