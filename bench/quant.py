@@ -15,7 +15,11 @@ lines to paste into engine/quant/gemv.py, and estimates the GEMV part of a
 27B decode step from the per-step count of each shape. The decode step runs
 the offline engine on `qwen3.5-27b` with `--weights int4` and bf16 KV at a
 short context, timing steps after a warm-up, and reports the peak memory
-torch allocated."""
+torch allocated. Its step is the engine's whole loop a token (scheduling,
+the batch's copies, the graph, sampling, the token to the host); beside it,
+`back_to_back_ms` is one decode batch's graph replayed with no wait
+between: the GPU's own step, which a loop that kept the next token on the
+device and ran ahead of the host would approach."""
 from __future__ import annotations
 
 import argparse
@@ -332,6 +336,29 @@ def print_sweep(results: list[dict]) -> None:
               f"{picked / 1e3:.2f} ms, floor {floor / 1e3:.2f} ms")
 
 
+def back_to_back_seconds(engine, position: int, replays: int = 16) -> float:
+    """Seconds a decode step of one sequence at `position` takes when
+    `replays` of them are queued with no host wait between (the same batch
+    each time: its K/V and state are rewritten, which timing does not mind),
+    after one that warms up. Any device: elsewhere than CUDA the host runs
+    each step itself, so this is the plain step."""
+    from bench.common import now
+    from bench.limits import sync
+    from engine.batch import ForwardBatch, SequenceInput
+
+    page = engine.config.page_size
+    table = tuple(range(position // page + 1))
+    batch = ForwardBatch.build([SequenceInput((5,), position, table, 0)], page,
+                               engine.loaded.device)
+    engine.decode_forward(batch)
+    sync(engine.loaded.device)
+    began = now()
+    for _ in range(replays):
+        engine.decode_forward(batch)
+    sync(engine.loaded.device)
+    return (now() - began) / replays
+
+
 def decode_27b(steps: int, device) -> dict:
     from engine.llm import EngineConfig, OfflineEngine
     from engine.loader import load_model
@@ -353,6 +380,7 @@ def decode_27b(steps: int, device) -> dict:
     gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(stamps[1:], stamps[2:])]
     forward = engine.decode_forward
     return {"weights_GiB": weights / 2**30, "step_ms": median(gaps) * 1e3,
+            "back_to_back_ms": back_to_back_seconds(engine, position=len(prompt)) * 1e3,
             "tok_s": 1 / median(gaps), "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30,
             "graph_replays": float(forward.replays),
             "eager_buckets": float(len(forward.capture_errors)),

@@ -243,3 +243,18 @@ def test_the_critical_path_charges_each_kernel_its_advance_of_the_steps_end():
     assert table["gemv -> copy"] == [1, 0.0, 6.0]       # ended inside the GEMV: no advance
     assert table["copy -> norm"] == [1, 5.0, 0.0]       # measured from the GEMV's end, not the copy's
     assert sum(adv for _, adv, _ in table.values()) == 14.0   # the span, first start to last end
+
+
+def test_back_to_back_steps_time_the_engines_decode_batch():
+    """bench.quant's GPU-only step on the CPU: it runs the engine's decode
+    forward on a batch of one sequence and gives a positive time."""
+    from bench.quant import back_to_back_seconds
+    from engine.llm import EngineConfig, OfflineEngine
+
+    engine = OfflineEngine(load_model("tiny-qwen3.5", progress=False),
+                           EngineConfig(max_batch=1, max_context=256))
+    calls = []
+    real = engine.decode_forward
+    engine.decode_forward = lambda batch: calls.append(batch.positions.tolist()) or real(batch)
+    assert back_to_back_seconds(engine, position=40, replays=3) > 0
+    assert calls == [[40]] * 4   # one warm-up, then the timed replays

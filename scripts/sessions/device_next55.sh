@@ -8,11 +8,15 @@
 #   bash scripts/sessions/device_next55.sh norm    (carry .whl): the layer
 #     norms in the prologue of the GEMV after them, with the epilogues
 #     (TANDEM_NORM_PROLOGUE=1): its GPU tests, then rounds against the default
+#   bash scripts/sessions/device_next55.sh host    (carry .whl): the engine's
+#     step against its graph replayed back to back (bench.quant's
+#     back_to_back_ms: the host's share of a token), with both epilogues
+#     and with neither, alternating
 #   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
 #     tests, the critical path, then two rounds of the default / neither
 #     epilogue / the norm prologue / 8 MB read-ahead
 set -uo pipefail
-call=${1:?probe, norm or all}
+call=${1:?probe, norm, host or all}
 source scripts/device_env.sh
 steps() {  # steps PREFIX...: each log's step times on one line
   for prefix in "$@"; do
@@ -53,4 +57,12 @@ case "$call" in
     TANDEM_NORM_PROLOGUE=1 step_27b r2_c_norm
     TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b r2_e_l2
     steps r1_ r2_ ;;
+  host)
+    for round in 1 2; do
+      step_27b h${round}_a_default
+      TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b h${round}_b_neither
+    done
+    for f in "$OUT"/h*.log; do   # step_ms and back_to_back_ms
+      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2, $3}')"
+    done ;;
 esac
