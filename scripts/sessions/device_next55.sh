@@ -58,7 +58,7 @@ case "$call" in
     TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b r2_e_l2
     steps r1_ r2_ ;;
   host)
-    for round in 1 2; do
+    for round in ${ROUNDS:-1 2}; do
       step_27b h${round}_a_default
       TANDEM_SILU_EPILOGUE=0 TANDEM_CONV_EPILOGUE=0 step_27b h${round}_b_neither
     done
