@@ -100,6 +100,26 @@ def test_greedy_ties_take_lowest_index():
     assert sample(logits, states_for(SamplingParams(temperature=0))).token_ids == [1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_takes_the_general_paths_tokens(dtype, monkeypatch):
+    """The plain-greedy shortcut (one argmax) against the general path
+    (penalties, one-hot, noise) forced on: the same tokens for random rows,
+    bf16 rows full of ties, and a row with NaN."""
+    import engine.sampling as sampling
+
+    g = torch.Generator().manual_seed(5)
+    rows = torch.cat([torch.randn(6, VOCAB, generator=g),
+                      torch.randint(0, 3, (4, VOCAB), generator=g).float()])
+    rows[2, 7] = float("nan")
+    logits = rows.to(dtype)
+    states = states_for(*[SamplingParams(temperature=0)] * len(rows))
+    fast = sample(logits, states)
+    monkeypatch.setattr(sampling, "_plain_greedy", lambda params: False)
+    general = sample(logits, states)
+    assert fast.token_ids == general.token_ids
+    assert fast.logprobs == general.logprobs and fast.top_logprobs == general.top_logprobs
+
+
 def test_same_seed_same_draws_different_seed_differs():
     logits = [torch.zeros(VOCAB)] * 30  # uniform: every draw is pure randomness
     first = draw_sequence(logits, SamplingParams(seed=1234))
