@@ -985,6 +985,28 @@ def test_a_conv_epilogue_in_a_cuda_graph_reads_the_slots_each_replay_hands_it():
         assert torch.equal(windows, expected_windows)
 
 
+def _prompt_then_four_steps(loaded):
+    """(the last logits of four greedy decode steps after a 3-token prompt,
+    stacked; the cache) of a model on the GPU, in a fresh bf16 cache."""
+    from engine.batch import ForwardBatch, SequenceInput
+    from engine.cache import CacheShape, PagedKVCache
+    from engine.kv import make_format
+
+    model = loaded.model
+    cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cuda",
+                         make_format("bf16", dtype=torch.bfloat16))
+    steps = []
+    with torch.inference_mode():
+        logits = model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 1)], 16,
+                                          "cuda"), cache)
+        for position in range(3, 7):
+            token = int(logits[-1].argmax())
+            logits = model(ForwardBatch.build([SequenceInput((token,), position, (0,), 1)],
+                                              16, "cuda"), cache)
+            steps.append(logits[-1].float())
+    return torch.stack(steps), cache
+
+
 @needs_gpu
 @pytest.mark.parametrize("switch", ["TANDEM_CONV_EPILOGUE", "TANDEM_SILU_EPILOGUE"])
 def test_decode_steps_with_an_epilogue_match_the_ops_own_launch(switch, monkeypatch):
@@ -994,9 +1016,6 @@ def test_decode_steps_with_an_epilogue_match_the_ops_own_launch(switch, monkeypa
     in gate_up's (TANDEM_SILU_EPILOGUE), as recorded; the logits, the
     argmax, the conv windows and the recurrent states agree with the op's
     own launch (the switch at 0) within bf16 rounding."""
-    from engine.batch import ForwardBatch, SequenceInput
-    from engine.cache import CacheShape, PagedKVCache
-    from engine.kv import make_format
     from engine.loader import load_model
     from engine.quant.linear import CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV
 
@@ -1014,18 +1033,7 @@ def test_decode_steps_with_an_epilogue_match_the_ops_own_launch(switch, monkeypa
 
     def decode(on):
         monkeypatch.setenv(switch, on)
-        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cuda",
-                             make_format("bf16", dtype=torch.bfloat16))
-        steps = []
-        with torch.inference_mode():
-            logits = model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 1)], 16,
-                                              "cuda"), cache)
-            for position in range(3, 7):
-                token = int(logits[-1].argmax())
-                logits = model(ForwardBatch.build([SequenceInput((token,), position, (0,), 1)],
-                                                  16, "cuda"), cache)
-                steps.append(logits[-1].float())
-        return torch.stack(steps), cache
+        return _prompt_then_four_steps(loaded)
 
     apart, cache_apart = decode("0")
     assert not any(epilogues)
@@ -1089,9 +1097,6 @@ def test_decode_steps_with_the_norm_prologue_and_the_epilogues_match_the_launche
     the layer norm in their prologue and the op after them in their
     epilogue (recorded), and the logits and argmax agree with every op in
     its own launch within bf16 rounding."""
-    from engine.batch import ForwardBatch, SequenceInput
-    from engine.cache import CacheShape, PagedKVCache
-    from engine.kv import make_format
     from engine.loader import load_model
     from engine.quant.linear import CONV_EPILOGUE_ENV, NORM_PROLOGUE_ENV, SILU_EPILOGUE_ENV
 
@@ -1105,18 +1110,7 @@ def test_decode_steps_with_the_norm_prologue_and_the_epilogues_match_the_launche
     def decode(on):
         for switch in (NORM_PROLOGUE_ENV, CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV):
             monkeypatch.setenv(switch, on)
-        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cuda",
-                             make_format("bf16", dtype=torch.bfloat16))
-        steps = []
-        with torch.inference_mode():
-            logits = model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 1)], 16,
-                                              "cuda"), cache)
-            for position in range(3, 7):
-                token = int(logits[-1].argmax())
-                logits = model(ForwardBatch.build([SequenceInput((token,), position, (0,), 1)],
-                                                  16, "cuda"), cache)
-                steps.append(logits[-1].float())
-        return torch.stack(steps)
+        return _prompt_then_four_steps(loaded)[0]
 
     apart = decode("0")
     assert not any(p or e for p, e in calls)
