@@ -8,7 +8,7 @@ the KV store hands them out instead.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import torch
@@ -20,9 +20,15 @@ from engine.kv import make_format
 from engine.kv.open_pages import OpenPages, prepare_pages, staging_per_sequence
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
-from engine.sampling import SamplingParams, SequenceSamplingState, sample
+from engine.sampling import SamplingParams, SequenceSamplingState, plain_greedy, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker, StopStringMatcher
+from engine.switches import on_off
+
+# Decode steps queued one ahead of the host (OfflineEngine._run_ahead): off
+# until a GPU times it. The H200's int4 step spends ~1 ms of 6.2-6.75 outside
+# its graph, the host's loop with the GPU idle (BENCHMARKS.md 2026-12-06).
+RUN_AHEAD_ENV = "TANDEM_RUN_AHEAD"
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,25 @@ class _Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
+
+
+class _DeviceTokens:
+    """One greedy token per row of `logits`, left on the device for the next
+    step, with its copy to the host under way (read with on_host)."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.ids = logits.argmax(dim=-1)
+        self._host, self._ready = self.ids, None
+        if self.ids.is_cuda:
+            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+            self._host.copy_(self.ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def on_host(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()   # this copy only, not the step queued after it
+        return self._host.tolist()
 
 
 class _FreeList:
@@ -180,6 +205,8 @@ class OfflineEngine:
                         self._start_speculating(seq)
                 if running and self.spec is not None:
                     yield from self._speculative_step(running)
+                elif running and not waiting and self._may_run_ahead(running):
+                    yield from self._run_ahead(running)
                 elif running:
                     logits = self._decode_step(running)
                     yield from self._advance(list(running), logits, running)
@@ -271,14 +298,67 @@ class OfflineEngine:
                                     self.max_context))
         self.spec.draft([seq])
 
-    def _decode_step(self, running: list[_Sequence]) -> torch.Tensor:
+    def _decode_step(self, running: list[_Sequence],
+                     next_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of `running` on each sequence's last token; with
+        `next_tokens` (one per sequence, on the device) on those instead,
+        tokens the host has not seen yet, one position further."""
         inputs = []
         for seq in running:
-            self._ensure_pages(seq, seq.length)
-            table = prepare_pages(seq, self.cache, seq.length - 1, seq.length, prefill=False)
-            inputs.append(SequenceInput((seq.output[-1],), seq.length - 1, table, seq.state_slot))
+            length = seq.length + (next_tokens is not None)
+            self._ensure_pages(seq, length)
+            table = prepare_pages(seq, self.cache, length - 1, length, prefill=False)
+            token = seq.output[-1] if next_tokens is None else 0   # 0: replaced below
+            inputs.append(SequenceInput((token,), length - 1, table, seq.state_slot))
         batch = ForwardBatch.build(inputs, self.config.page_size, self.loaded.device)
+        if next_tokens is not None:
+            batch = replace(batch, input_ids=next_tokens)
         return self.decode_forward(batch)
+
+    def _may_run_ahead(self, running: list[_Sequence]) -> bool:
+        """TANDEM_RUN_AHEAD=1 and a batch _run_ahead takes: plain greedy
+        rows (the token is an argmax the GPU can feed itself) and token ids
+        the graph embeds on the device."""
+        return (on_off(RUN_AHEAD_ENV, False, on="decode steps queued one ahead of the host",
+                       off="each step after the host has its token")
+                and not self.model.embeds_on_host
+                and all(plain_greedy(seq.params) for seq in running))
+
+    def _continues_past_next_token(self, seq: _Sequence) -> bool:
+        """Whether no length limit ends the sequence at its next token, so a
+        step after it is worth queueing (a stop token may still end it: that
+        step is then wasted, never wrong; see _run_ahead)."""
+        after = len(seq.output) + 1
+        return after < seq.params.max_new_tokens and seq.length + 1 < self.max_context
+
+    def _run_ahead(self, running: list[_Sequence]) -> Iterator[GenerationEvent]:
+        """Plain greedy decode steps, each queued before the host reads the
+        token of the one before: the argmax stays on the device and feeds the
+        next step, and the host reads it (an async copy) while that step runs,
+        so the GPU does not wait on the host's loop between tokens. The tokens
+        are the plain loop's: sample()'s plain greedy path is this argmax.
+
+        A step queued past a token that ends its sequence is wasted: the
+        sequence is released after it in stream order (its pages and state
+        slot are written by that step before any later owner's work), and
+        the rows of the others go on. Every step queued for a sequence that
+        goes on is consumed: the GDN state is updated in place, so running
+        a token twice would corrupt it. Returns with nothing queued, when a
+        length limit is one token away (the plain loop finishes there) or
+        no sequence is left."""
+        seqs = list(running)
+        logits = self._decode_step(seqs)
+        while True:
+            tokens = _DeviceTokens(logits)
+            ahead = self._decode_step(seqs, tokens.ids) \
+                if all(self._continues_past_next_token(s) for s in seqs) else None
+            for seq, token in zip(seqs, tokens.on_host()):
+                yield self._emit(seq, token, None, None, running)
+            kept = [i for i, seq in enumerate(seqs) if seq in running]
+            if ahead is None or not kept:
+                return
+            logits = ahead if len(kept) == len(seqs) else ahead[kept]
+            seqs = [seqs[i] for i in kept]
 
     def _speculative_step(self, running: list[_Sequence]) -> Iterator[GenerationEvent]:
         """Verify every sequence's drafts in one forward, emit what it keeps,

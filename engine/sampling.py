@@ -475,7 +475,7 @@ def _report_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
             list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist())) if k else [])
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
+def plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing to add: no penalties, no logprobs."""
     return params.is_greedy and not params.has_penalties and params.logprobs is None
 
@@ -488,7 +488,7 @@ def sample(logits: torch.Tensor,
     the states (the caller does, once it accepts them).
     """
     _check_batch(logits, states)
-    if all(_plain_greedy(s.params) for s in states):
+    if all(plain_greedy(s.params) for s in states):
         # one argmax launch where the general path makes ~11 over the vocabulary
         # (cast, clone, one-hot, noise, divide, argmax) for the same index:
         # the float cast keeps bf16's order, and both take a tie's first index

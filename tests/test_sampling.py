@@ -114,7 +114,7 @@ def test_plain_greedy_takes_the_general_paths_tokens(dtype, monkeypatch):
     logits = rows.to(dtype)
     states = states_for(*[SamplingParams(temperature=0)] * len(rows))
     fast = sample(logits, states)
-    monkeypatch.setattr(sampling, "_plain_greedy", lambda params: False)
+    monkeypatch.setattr(sampling, "plain_greedy", lambda params: False)
     general = sample(logits, states)
     assert fast.token_ids == general.token_ids
     assert fast.logprobs == general.logprobs and fast.top_logprobs == general.top_logprobs
