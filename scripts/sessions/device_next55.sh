@@ -12,11 +12,14 @@
 #     step against its graph replayed back to back (bench.quant's
 #     back_to_back_ms: the host's share of a token), with both epilogues
 #     and with neither, alternating
+#   bash scripts/sessions/device_next55.sh ahead   (carry .whl): the run-ahead
+#     decode's GPU tests, then the engine's step with TANDEM_RUN_AHEAD=1
+#     against the plain loop, alternating (never run: no device time left)
 #   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
 #     tests, the critical path, then two rounds of the default / neither
 #     epilogue / the norm prologue / 8 MB read-ahead
 set -uo pipefail
-call=${1:?probe, norm, host or all}
+call=${1:?probe, norm, host, ahead or all}
 source scripts/device_env.sh
 steps() {  # steps PREFIX...: each log's step times on one line
   for prefix in "$@"; do
@@ -57,6 +60,15 @@ case "$call" in
     TANDEM_NORM_PROLOGUE=1 step_27b r2_c_norm
     TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b r2_e_l2
     steps r1_ r2_ ;;
+  ahead)
+    STEP_TAIL=6 step ahead_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_run_ahead.py
+    for round in 1 2 3; do
+      step_27b a${round}_a_plain
+      TANDEM_RUN_AHEAD=1 step_27b a${round}_b_ahead
+    done
+    for f in "$OUT"/a*_*.log; do   # step_ms and back_to_back_ms
+      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2, $3}')"
+    done ;;
   host)
     for round in ${ROUNDS:-1 2}; do
       step_27b h${round}_a_default
