@@ -105,7 +105,7 @@ class MLP(nn.Module):
         (gemv_cuda.SiluMulEpilogue), half as wide, and the activation's
         launch goes away."""
         epilogue = None
-        if hasattr(self.gate_up_proj, "epilogue_applies") and x.is_cuda and x.shape[0] == 1:
+        if hasattr(self.gate_up_proj, "epilogue_applies"):   # it judges the row and the card
             from engine.quant.gemv_cuda import SiluMulEpilogue
 
             epilogue = SiluMulEpilogue()
@@ -442,12 +442,11 @@ def norm_then_project_in_epilogue(norm: RMSNorm, x: torch.Tensor, pending: torch
                                   ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(x + pending, projection, in_epilogue): norm_then_project, and where
     the projection's GEMV can end with `epilogue` (None: not asked; a
-    gemv_cuda epilogue, the op after the projection:
+    gemv_cuda epilogue, asked only of a projection with
     QuantLinear.epilogue_applies) that op done in it, in_epilogue True. The
     norm then runs in the same GEMV's prologue where forward_normed can
     (TANDEM_NORM_PROLOGUE=1), else its own launch."""
-    if epilogue is None or not hasattr(linear, "epilogue_applies") \
-            or not linear.epilogue_applies(x, epilogue):
+    if epilogue is None or not linear.epilogue_applies(x, epilogue):
         return (*norm_then_project(norm, x, pending, linear), False)
     fused = linear.forward_normed(x, pending, norm.weight, norm.eps, norm.zero_centered,
                                   epilogue=epilogue) if use_fused(x) else None

@@ -552,11 +552,7 @@ def test_the_silu_prologue_switch_is_off_by_default_and_cpu_mlps_take_the_activa
     from engine.loader import load_model
     from engine.quant.linear import SILU_PROLOGUE_ENV, QuantLinear, prologue_wanted
 
-    monkeypatch.delenv(SILU_PROLOGUE_ENV, raising=False)
-    assert prologue_wanted(SILU_PROLOGUE_ENV) is False
-    monkeypatch.setenv(SILU_PROLOGUE_ENV, "maybe")
-    with pytest.raises(ValueError, match=SILU_PROLOGUE_ENV):
-        prologue_wanted(SILU_PROLOGUE_ENV)
+    _assert_switch(monkeypatch, SILU_PROLOGUE_ENV, prologue_wanted, default=False)
     monkeypatch.setenv(SILU_PROLOGUE_ENV, "1")
     mlp = load_model("tiny-llama", device="cpu", progress=False).model.model.layers[0].mlp
     h, i = mlp.down_proj.out_features, mlp.down_proj.in_features
@@ -643,8 +639,7 @@ def test_the_gated_prologue_switch_is_off_by_default_and_cpu_layers_take_the_nor
     from engine.model import GatedRMSNorm, gated_norm_then_project
     from engine.quant.linear import GATED_PROLOGUE_ENV, QuantLinear, prologue_wanted
 
-    monkeypatch.delenv(GATED_PROLOGUE_ENV, raising=False)
-    assert prologue_wanted(GATED_PROLOGUE_ENV) is False
+    _assert_switch(monkeypatch, GATED_PROLOGUE_ENV, prologue_wanted, default=False)
     monkeypatch.setenv(GATED_PROLOGUE_ENV, "1")
     norm = GatedRMSNorm(64, 1e-6)
     torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
@@ -828,17 +823,23 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     assert not layer.linear_attn.in_proj.epilogue_applies(x, _conv_epilogue(64, 4, 2)[0])
 
 
+def _assert_switch(monkeypatch, switch, wanted, default: bool):
+    """wanted(switch) is `default` unset, the other value at its digit, and
+    a bad value's error names the variable; leaves the switch unset."""
+    monkeypatch.delenv(switch, raising=False)
+    assert wanted(switch) is default
+    monkeypatch.setenv(switch, "yes")
+    with pytest.raises(ValueError, match=switch):
+        wanted(switch)
+    monkeypatch.setenv(switch, "1" if not default else "0")
+    assert wanted(switch) is not default
+    monkeypatch.delenv(switch)
+
+
 def _assert_on_by_default_and_a_bad_value_named(monkeypatch, switch):
     from engine.quant.linear import epilogue_wanted
 
-    monkeypatch.delenv(switch, raising=False)
-    assert epilogue_wanted(switch) is True
-    monkeypatch.setenv(switch, "yes")
-    with pytest.raises(ValueError, match=switch):
-        epilogue_wanted(switch)
-    monkeypatch.setenv(switch, "0")
-    assert epilogue_wanted(switch) is False
-    monkeypatch.delenv(switch)
+    _assert_switch(monkeypatch, switch, epilogue_wanted, default=True)
 
 
 def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_plain_one(
