@@ -359,7 +359,7 @@ def back_to_back_seconds(engine, position: int, replays: int = 16) -> float:
     return (now() - began) / replays
 
 
-def decode_27b(steps: int, device) -> dict:
+def decode_27b(steps: int, device, temperature: float = 0.0) -> dict:
     from bench.common import now
     from engine.llm import EngineConfig, OfflineEngine
     from engine.loader import load_model
@@ -371,7 +371,8 @@ def decode_27b(steps: int, device) -> dict:
     weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
     engine = OfflineEngine(loaded, EngineConfig(max_batch=1, max_context=1024))
     prompt = [(7 * i + 3) % 256 for i in range(256)]
-    params = SamplingParams(temperature=0.0, max_new_tokens=steps, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, seed=1,
+                            max_new_tokens=steps, ignore_eos=True)
     # when each token reaches the host, with no wait of the bench's own (one
     # would hold TANDEM_RUN_AHEAD's queued step back to the host's pace)
     stamps = [now() for _ in engine.generate([prompt], params)]
@@ -390,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--decode-steps", type=int, default=16, help="0 skips the 27B decode")
+    p.add_argument("--decode-temperature", type=float, default=0.0,
+                   help="the 27B decode's sampling temperature (0: greedy; above it, seeded "
+                        "with top-p 0.95, the draw a chat request makes)")
     p.add_argument("--sweep", action="store_true",
                    help="time every candidate GEMV config per shape and print the best")
     p.add_argument("--int8-x", action="store_true",
@@ -447,7 +451,11 @@ def main(argv: list[str] | None = None) -> int:
                   args.int8_x_only, args.candidates, tuple(args.splits)) if args.sweep else None
     if swept:
         print_sweep(swept)
-    decode = decode_27b(args.decode_steps, device) if args.decode_steps else None
+    if args.decode_temperature < 0:
+        print("--decode-temperature takes 0 (greedy) or more", file=sys.stderr)
+        return 2
+    decode = (decode_27b(args.decode_steps, device, args.decode_temperature)
+              if args.decode_steps else None)
     if decode:
         print_table("27B dummy, int4 weights, batch-1 decode", list(decode),
                     [[f"{v:.2f}" for v in decode.values()]])

@@ -1,6 +1,8 @@
 """Continuous batching for the decode worker: sequences join and leave between
 steps; each step is one forward of every running sequence's last token over
-its pages, then per-request sampling and stop checks.
+its pages, then per-request sampling and stop checks. A batch that asks for
+no logprobs may queue its next step before the host reads its tokens
+(TANDEM_RUN_AHEAD, engine/run_ahead.py).
 
 Owns the running set and the per-step work. Does not own text (stop strings
 are the router's: it aborts a sequence whose text matched one) nor where pages
@@ -8,7 +10,7 @@ come from (a PageSource: the KV store's client, or a local allocator in tests).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 import torch
@@ -18,6 +20,7 @@ from engine.cache import PagedKVCache
 from engine.cuda_graphs import DecodeForward
 from engine.kv.open_pages import OpenPages, prepare_pages
 from engine.model import CausalLM
+from engine.run_ahead import DeviceTokens, StepDone, feeds_itself, run_ahead_on
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker
@@ -105,11 +108,32 @@ class StepProgress:
         return [s for s in self.left if s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)]
 
 
+@dataclass
+class _QueuedStep:
+    """A decode step queued before the host read the tokens it runs on
+    (TANDEM_RUN_AHEAD): one row of `logits` per sequence of `seqs`, in order."""
+
+    seqs: list[DecodeSequence]
+    logits: torch.Tensor
+    done: StepDone
+
+    def holds(self, seq: DecodeSequence) -> bool:
+        return any(s is seq for s in self.seqs)
+
+    def logits_of(self, running: list[DecodeSequence]) -> torch.Tensor:
+        """The rows of the sequences still running (an abort may have taken some)."""
+        if len(running) == len(self.seqs):
+            return self.logits
+        still = {id(s) for s in running}
+        return self.logits[[i for i, s in enumerate(self.seqs) if id(s) in still]]
+
+
 class DecodeScheduler:
     def __init__(self, model: CausalLM, cache: PagedKVCache, pages: PageSource,
                  max_batch: int = 32, max_context: int | None = None,
                  cuda_graphs: bool | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 run_ahead: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.page_source = pages
@@ -120,6 +144,11 @@ class DecodeScheduler:
         self.waiting: list[DecodeSequence] = []
         # the latest step's tokens and leaving sequences, also when it raised
         self.progress = StepProgress()
+        # decode steps queued one ahead of the host (None: TANDEM_RUN_AHEAD,
+        # on for CUDA; read here so that a mistyped value stops the worker at its start)
+        self.run_ahead = run_ahead_on(cache.device) if run_ahead is None else run_ahead
+        # the next step, already queued on the device (run-ahead), or None
+        self._queued: _QueuedStep | None = None
         # decode steps replay CUDA graphs on a GPU (None: on for CUDA caches)
         self.forward = DecodeForward(model, cache, self.max_context, enabled=cuda_graphs)
         speculative = speculative or SpeculativeConfig()
@@ -134,12 +163,14 @@ class DecodeScheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> DecodeSequence | None:
-        """Removes a sequence now; the caller gives back its pages and slots."""
+        """Removes a sequence now; the caller gives back its pages and slots
+        (a step queued ahead that writes them has run by the time this returns)."""
         for group in (self.running, self.waiting):
             for seq in group:
                 if seq.request_id == request_id:
                     group.remove(seq)
                     seq.finish_reason = FinishReason.ABORT
+                    self._let_go_of([seq])
                     return seq
         return None
 
@@ -152,31 +183,91 @@ class DecodeScheduler:
         """Runs one decode step. Returns the tokens produced and the sequences
         that finished (their pages and slots are the caller's to release).
         If it raises, `progress` holds what it had done: the sequences it
-        took out of the batch are there, in no other list."""
+        took out of the batch are there, in no other list.
+
+        With run-ahead on, a batch without logprobs queues the next step on
+        the device before the host reads this one's tokens (_queue_next); the
+        next call then starts from that step's logits. Sequences join only
+        at a step that starts afresh, so one that waits stops the queueing
+        and joins one step later."""
         self.progress = StepProgress()
         outs, finished = self.progress.tokens, self.progress.left
-        self._admit()
-        self._ensure_pages(finished)
+        queued, self._queued = self._queued, None
+        if queued is None:
+            self._admit()
+            self._ensure_pages(finished)
+            if self.running and self.spec is not None:
+                return self._speculative_step(outs, finished)
         if not self.running:
             return outs, finished
-        if self.spec is not None:
-            return self._speculative_step(outs, finished)
-        logits = self.forward(self._batch())
+        logits = self.forward(self._batch()) if queued is None else queued.logits_of(self.running)
         self._capture_boundaries()
-        result = sample(logits, [s.sampling for s in self.running])
+        token_ids, logprobs, top_logprobs = self._pick_tokens(logits)
         for row, seq in enumerate(list(self.running)):
-            token = result.token_ids[row]
-            seq.output.append(token)
-            seq.sampling.append(token)
-            seq.finish_reason = seq.stop.check_token(token, len(seq.output))
-            if seq.finish_reason is None and seq.length >= self.max_context:
-                seq.finish_reason = FinishReason.LENGTH
-            outs.append(TokenOut(seq.request_id, token, result.logprobs[row],
-                                 result.top_logprobs[row], seq.finish_reason))
-            if seq.finish_reason is not None:
+            finish = self._take_token(seq, token_ids[row])
+            outs.append(TokenOut(seq.request_id, token_ids[row], logprobs[row],
+                                 top_logprobs[row], finish))
+            if finish is not None:
                 self.running.remove(seq)
                 finished.append(seq)
+        self._let_go_of(finished)
         return outs, finished
+
+    def _pick_tokens(self, logits: torch.Tensor) -> tuple[list[int], list, list]:
+        """Each running sequence's token, logprob and top logprobs; a batch
+        that runs ahead queues the next step before the host reads them."""
+        if self.run_ahead and feeds_itself(self.model, (s.params for s in self.running)):
+            tokens = DeviceTokens(logits, [s.sampling for s in self.running])
+            self._queued = self._queue_next(tokens)
+            token_ids = tokens.on_host()
+            return token_ids, [None] * len(token_ids), [None] * len(token_ids)  # none asked for
+        result = sample(logits, [s.sampling for s in self.running])
+        return result.token_ids, result.logprobs, result.top_logprobs
+
+    def _take_token(self, seq: DecodeSequence, token: int) -> FinishReason | None:
+        """Appends a sampled token and applies the stop rules and the context's end."""
+        seq.output.append(token)
+        seq.sampling.append(token)
+        seq.finish_reason = seq.stop.check_token(token, len(seq.output))
+        if seq.finish_reason is None and seq.length >= self.max_context:
+            seq.finish_reason = FinishReason.LENGTH
+        return seq.finish_reason
+
+    def _queue_next(self, tokens: DeviceTokens) -> _QueuedStep | None:
+        """Queues the step after this one on `tokens` (still on the device),
+        one position further. Not when a sequence waits to join, when a
+        length limit ends a sequence at this token (nothing would read the
+        step), or when a page for it cannot be had (the next step, started
+        afresh, allocates or drops as usual). A stop token may still end a
+        sequence: its row of the queued step is then wasted, never wrong."""
+        if self.waiting or not all(self._continues_past_next_token(s) for s in self.running):
+            return None
+        from engine.errors import TandemError
+
+        try:
+            for seq in self.running:
+                self._allocate_pages(seq, seq.length + 1)
+        except TandemError:
+            return None
+        inputs = [SequenceInput((0,), s.length,   # 0: the device's token replaces it
+                                prepare_pages(s, self.cache, s.length, s.length + 1, prefill=False),
+                                s.state_slot)
+                  for s in self.running]
+        batch = ForwardBatch.build(inputs, self.page_size, self.cache.device)
+        logits = self.forward(replace(batch, input_ids=tokens.ids))
+        return _QueuedStep(list(self.running), logits, StepDone(self.cache.device))
+
+    def _continues_past_next_token(self, seq: DecodeSequence) -> bool:
+        """No length limit ends `seq` at the token being read now."""
+        after = len(seq.output) + 1
+        return after < seq.params.max_new_tokens and seq.length + 1 < self.max_context
+
+    def _let_go_of(self, leaving: list[DecodeSequence]) -> None:
+        """Sequences about to go back to the caller, who may give their pages
+        and slots to another process at once: wait for a queued step that
+        writes them (its rows of theirs are wasted)."""
+        if self._queued is not None and any(self._queued.holds(s) for s in leaving):
+            self._queued.done.wait()
 
     def _speculative_step(self, outs: list[TokenOut], finished: list[DecodeSequence]
                           ) -> tuple[list[TokenOut], list[DecodeSequence]]:
@@ -189,11 +280,7 @@ class DecodeScheduler:
             first = len(outs)
             for j, token in enumerate(v.tokens):
                 kept += 1
-                seq.output.append(token)
-                seq.sampling.append(token)
-                seq.finish_reason = seq.stop.check_token(token, len(seq.output))
-                if seq.finish_reason is None and seq.length >= self.max_context:
-                    seq.finish_reason = FinishReason.LENGTH
+                self._take_token(seq, token)
                 outs.append(TokenOut(seq.request_id, token, v.logprobs[j], v.top_logprobs[j],
                                      seq.finish_reason))
                 if seq.finish_reason is not None:
@@ -241,15 +328,18 @@ class DecodeScheduler:
         from engine.errors import TandemError
 
         for seq in list(self.running):
-            needed = -(-seq.length // self.page_size) - len(seq.pages)
-            if needed <= 0:
-                continue
             try:
-                seq.pages.extend(self.page_source.allocate_pages(needed))
+                self._allocate_pages(seq, seq.length)
             except TandemError as e:
                 seq.finish_reason, seq.finish_detail = FinishReason.ABORT, f"out of KV pages: {e}"
                 self.running.remove(seq)
                 dropped.append(seq)
+
+    def _allocate_pages(self, seq: DecodeSequence, tokens: int) -> None:
+        """Pages for `tokens` tokens of `seq`, or raise engine.errors.TandemError."""
+        needed = -(-tokens // self.page_size) - len(seq.pages)
+        if needed > 0:
+            seq.pages.extend(self.page_source.allocate_pages(needed))
 
     def _batch(self) -> ForwardBatch:
         inputs = [SequenceInput((s.output[-1],), s.length - 1,

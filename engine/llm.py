@@ -20,15 +20,10 @@ from engine.kv import make_format
 from engine.kv.open_pages import OpenPages, prepare_pages, staging_per_sequence
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
-from engine.sampling import SamplingParams, SequenceSamplingState, plain_greedy, sample
+from engine.run_ahead import DeviceTokens, feeds_itself, run_ahead_on
+from engine.sampling import SamplingParams, SequenceSamplingState, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker, StopStringMatcher
-from engine.switches import on_off
-
-# Decode steps queued one ahead of the host (OfflineEngine._run_ahead): off
-# until a GPU times it. The H200's int4 step spends ~1 ms of 6.2-6.75 outside
-# its graph, the host's loop with the GPU idle (BENCHMARKS.md 2026-12-06).
-RUN_AHEAD_ENV = "TANDEM_RUN_AHEAD"
 
 
 @dataclass(frozen=True)
@@ -99,25 +94,6 @@ class _Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
-
-
-class _DeviceTokens:
-    """One greedy token per row of `logits`, left on the device for the next
-    step, with its copy to the host under way (read with on_host)."""
-
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.ids = logits.argmax(dim=-1)
-        self._host, self._ready = self.ids, None
-        if self.ids.is_cuda:
-            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
-            self._host.copy_(self.ids, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def on_host(self) -> list[int]:
-        if self._ready is not None:
-            self._ready.synchronize()   # this copy only, not the step queued after it
-        return self._host.tolist()
 
 
 class _FreeList:
@@ -316,13 +292,12 @@ class OfflineEngine:
         return self.decode_forward(batch)
 
     def _may_run_ahead(self, running: list[_Sequence]) -> bool:
-        """TANDEM_RUN_AHEAD=1 and a batch _run_ahead takes: plain greedy
-        rows (the token is an argmax the GPU can feed itself) and token ids
-        the graph embeds on the device."""
-        return (on_off(RUN_AHEAD_ENV, False, on="decode steps queued one ahead of the host",
-                       off="each step after the host has its token")
-                and not self.model.embeds_on_host
-                and all(plain_greedy(seq.params) for seq in running))
+        """Run-ahead on (TANDEM_RUN_AHEAD, by default on CUDA) and a batch
+        _run_ahead takes: no logprobs asked for (the token is drawn on the
+        GPU, which feeds it to the next step itself) and token ids the graph
+        embeds on the device."""
+        return (run_ahead_on(self.loaded.device)
+                and feeds_itself(self.model, (seq.params for seq in running)))
 
     def _continues_past_next_token(self, seq: _Sequence) -> bool:
         """Whether no length limit ends the sequence at its next token, so a
@@ -332,11 +307,12 @@ class OfflineEngine:
         return after < seq.params.max_new_tokens and seq.length + 1 < self.max_context
 
     def _run_ahead(self, running: list[_Sequence]) -> Iterator[GenerationEvent]:
-        """Plain greedy decode steps, each queued before the host reads the
-        token of the one before: the argmax stays on the device and feeds the
-        next step, and the host reads it (an async copy) while that step runs,
-        so the GPU does not wait on the host's loop between tokens. The tokens
-        are the plain loop's: sample()'s plain greedy path is this argmax.
+        """Decode steps each queued before the host reads the token of the
+        one before: the token is drawn on the device and feeds the next step,
+        and the host reads it (an async copy) while that step runs, so the
+        GPU does not wait on the host's loop between tokens. The tokens are
+        the plain loop's: sample() picks by the same draw, made here too
+        once the host has appended the token before.
 
         A step queued past a token that ends its sequence is wasted: the
         sequence is released after it in stream order (its pages and state
@@ -349,7 +325,7 @@ class OfflineEngine:
         seqs = list(running)
         logits = self._decode_step(seqs)
         while True:
-            tokens = _DeviceTokens(logits)
+            tokens = DeviceTokens(logits, [s.sampling for s in seqs])
             ahead = self._decode_step(seqs, tokens.ids) \
                 if all(self._continues_past_next_token(s) for s in seqs) else None
             for seq, token in zip(seqs, tokens.on_host()):

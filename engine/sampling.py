@@ -202,8 +202,10 @@ class SequenceSamplingState:
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
         self.num_output_tokens += 1
         if self._output_count_vec is not None:
+            # fill_, not `mask[i] = True`: that copies the scalar from the host
+            # with a stream sync, which would hold up a step queued ahead
             self._output_count_vec[token_id] += 1
-            self._seen_mask[token_id] = True
+            self._seen_mask[token_id].fill_(True)
 
     def with_pending(self, tokens: Sequence[int]) -> "SequenceSamplingState":
         """A copy with `tokens` appended to the counts, for judging a speculative
@@ -262,8 +264,8 @@ class SequenceSamplingState:
         for token_id, count in self.output_counts.items():
             if token_id < vocab_size:
                 counts[token_id] = count
-        self._seen_mask = seen.to(device)
-        self._output_count_vec = counts.to(device)
+        self._seen_mask = upload(seen, torch.bool, device)
+        self._output_count_vec = upload(counts, torch.float32, device)
 
 
 def _canonical_device(device: torch.device | str) -> torch.device:
@@ -305,16 +307,23 @@ def apply_penalties(logits: torch.Tensor,
     freq = _column([p.frequency_penalty for p in params], device)
     pres = _column([p.presence_penalty for p in params], device)
 
-    x = out[rows]
+    index = _row_index(rows, device)
+    x = out.index_select(0, index)
     penalised = torch.where(x > 0, x / rep, x * rep)
     x = torch.where(seen, penalised, x)
     x = x - freq * counts - pres * (counts > 0).float()
-    out[rows] = x
-    return out
+    return out.index_copy_(0, index, x)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return upload(values, torch.float32, device).unsqueeze(1)
+
+
+def _row_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row numbers as a device index. Indexing a CUDA tensor with a Python
+    list uploads the list with a stream sync, which would stall a decode
+    step queued ahead of the host (engine/run_ahead.py)."""
+    return upload(rows, torch.long, device)
 
 
 def _mask_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -348,8 +357,8 @@ def _truncated_logits(scaled: torch.Tensor, params: list[SamplingParams]) -> tor
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
 
-    k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params],
-                     device=device).unsqueeze(1)
+    k = upload([p.top_k if p.top_k > 0 else vocab for p in params], torch.long,
+               device).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(rank >= k, -math.inf)
 
     probs = torch.softmax(sorted_logits, dim=-1)
@@ -383,16 +392,19 @@ def _distribution(penalised: torch.Tensor,
         kind = "greedy" if p.is_greedy else "truncated" if p.truncates_by_rank else "plain"
         groups[kind].append(i)
 
+    device = penalised.device
     if groups["greedy"]:
-        probs[groups["greedy"]] = _one_hot_argmax(penalised[groups["greedy"]])
+        index = _row_index(groups["greedy"], device)
+        probs.index_copy_(0, index, _one_hot_argmax(penalised.index_select(0, index)))
     for kind, filter_logits in (("truncated", _truncated_logits),
                                 ("plain", _plain_logits)):
         rows = groups[kind]
         if rows:
             params = [states[i].params for i in rows]
-            temperature = _column([p.temperature for p in params], penalised.device)
-            kept = filter_logits(penalised[rows] / temperature, params)
-            probs[rows] = torch.softmax(kept, dim=-1)
+            temperature = _column([p.temperature for p in params], device)
+            index = _row_index(rows, device)
+            kept = filter_logits(penalised.index_select(0, index) / temperature, params)
+            probs.index_copy_(0, index, torch.softmax(kept, dim=-1))
     return probs
 
 
@@ -480,6 +492,20 @@ def plain_greedy(params: SamplingParams) -> bool:
     return params.is_greedy and not params.has_penalties and params.logprobs is None
 
 
+def draw(logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch.Tensor:
+    """sample()'s token per row of `logits`, left on the device [B] long:
+    nothing in it waits for the GPU, so the next decode step can be queued on
+    these tokens before the host reads them (engine/run_ahead.py). Advances
+    the generators of non-greedy rows."""
+    _check_batch(logits, states)
+    if all(plain_greedy(s.params) for s in states):
+        # one argmax launch where the general path makes ~11 over the vocabulary
+        # (cast, clone, one-hot, noise, divide, argmax) for the same index:
+        # the float cast keeps bf16's order, and both take a tie's first index
+        return logits.argmax(dim=-1)
+    return _draw_tokens(_distribution(apply_penalties(logits, states), states), states)
+
+
 def sample(logits: torch.Tensor,
            states: Sequence[SequenceSamplingState]) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (bf16 or float32, any device).
@@ -487,17 +513,10 @@ def sample(logits: torch.Tensor,
     Advances the generators of non-greedy rows; does not append the tokens to
     the states (the caller does, once it accepts them).
     """
-    _check_batch(logits, states)
-    if all(plain_greedy(s.params) for s in states):
-        # one argmax launch where the general path makes ~11 over the vocabulary
-        # (cast, clone, one-hot, noise, divide, argmax) for the same index:
-        # the float cast keeps bf16's order, and both take a tie's first index
-        n = len(states)
-        return SampleResult(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * n,
-                            top_logprobs=[None] * n)
-    raw = logits.float()
-    probs = _distribution(apply_penalties(raw, states), states)
-    token_ids = _draw_tokens(probs, states)
-    result = SampleResult(token_ids=token_ids.tolist())
-    _report_logprobs(raw, token_ids, states, result)
+    token_ids = draw(logits, states)
+    n = len(states)
+    result = SampleResult(token_ids=token_ids.tolist(), logprobs=[None] * n,
+                          top_logprobs=[None] * n)
+    if any(s.params.logprobs is not None for s in states):
+        _report_logprobs(logits.float(), token_ids, states, result)
     return result

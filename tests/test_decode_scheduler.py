@@ -3,6 +3,7 @@ steps, with different lengths, produce exactly what the offline engine (one
 sequence at a time) produces; boundary snapshots capture the right state."""
 import time
 
+import pytest
 import torch
 
 from decode.scheduler import DecodeScheduler, DecodeSequence, run_to_completion
@@ -72,11 +73,13 @@ def test_joining_sequences_match_the_offline_engine():
     assert pages.num_free == 128 and slots.num_free == 8
 
 
-def test_abort_and_out_of_pages():
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_abort_and_out_of_pages(run_ahead):
     loaded = load_model("tiny-llama", seed=1)
     cache = PagedKVCache(loaded.config, CacheShape(6, PAGE, 0), "cpu", make_format("bf16", dtype=torch.float32))
     pages, slots = PageAllocator(6), SlotAllocator(2)
-    sched = DecodeScheduler(loaded.model, cache, _LocalPages(pages), max_batch=2)
+    sched = DecodeScheduler(loaded.model, cache, _LocalPages(pages), max_batch=2,
+                            run_ahead=run_ahead)
     params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
     a = _prefill(loaded, cache, pages, slots, [1, 2, 3], params, "a")
     b = _prefill(loaded, cache, pages, slots, [4, 5, 6, 7, 8], params, "b")
@@ -93,14 +96,15 @@ def test_abort_and_out_of_pages():
     assert finished[0].finish_reason.value == "abort" and "out of KV pages" in finished[0].finish_detail
 
 
-def test_boundary_snapshot_holds_the_state_at_a_page_end():
+@pytest.mark.parametrize("run_ahead", [False, True])
+def test_boundary_snapshot_holds_the_state_at_a_page_end(run_ahead):
     loaded = load_model("tiny-qwen3.5", seed=5)
     cache = PagedKVCache(loaded.config, CacheShape(32, PAGE, 4), "cpu", make_format("bf16", dtype=torch.float32))
     pages, slots = PageAllocator(32), SlotAllocator(4)
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     seq = _prefill(loaded, cache, pages, slots, [9, 8, 7, 6, 5, 4], params, "s")
     seq.boundary_slot = slots.allocate(1)[0]
-    sched = DecodeScheduler(loaded.model, cache, _LocalPages(pages))
+    sched = DecodeScheduler(loaded.model, cache, _LocalPages(pages), run_ahead=run_ahead)
     sched.add(seq)
     run_to_completion(sched)
     # 12 tokens exist but the last sampled one never ran: the state covers 11,

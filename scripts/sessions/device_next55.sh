@@ -14,12 +14,20 @@
 #     and with neither, alternating
 #   bash scripts/sessions/device_next55.sh ahead   (carry .whl): the run-ahead
 #     decode's GPU tests, then the engine's step with TANDEM_RUN_AHEAD=1
-#     against the plain loop, alternating (never run: no device time left)
+#     against the plain loop, alternating; then the real service on CUDA
+#     with the decode worker's scheduler running ahead (12-06 04:48, H100:
+#     plain 6.97-6.99 ms, ahead 6.65-6.66, back to back 6.62-6.63; the
+#     service step needs the embedded GGUF for tests/test_service.py, so
+#     only test_service_hybrid.py ran, in a second call, and passed)
+#   bash scripts/sessions/device_next55.sh ahead2  (carry .whl): run-ahead now the
+#     default on CUDA and for sampled rows too: its GPU tests (the draw under
+#     torch's sync check), then the step greedy and at temperature 0.7, each
+#     run ahead (the default) and plain, and the hybrid service on CUDA
 #   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
 #     tests, the critical path, then two rounds of the default / neither
 #     epilogue / the norm prologue / 8 MB read-ahead
 set -uo pipefail
-call=${1:?probe, norm, host, ahead or all}
+call=${1:?probe, norm, host, ahead, ahead2 or all}
 source scripts/device_env.sh
 steps() {  # steps PREFIX...: each log's step times on one line
   for prefix in "$@"; do
@@ -63,12 +71,31 @@ case "$call" in
   ahead)
     STEP_TAIL=6 step ahead_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_run_ahead.py
     for round in 1 2 3; do
-      step_27b a${round}_a_plain
+      TANDEM_RUN_AHEAD=0 step_27b a${round}_a_plain
       TANDEM_RUN_AHEAD=1 step_27b a${round}_b_ahead
     done
     for f in "$OUT"/a*_*.log; do   # step_ms and back_to_back_ms
       echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2, $3}')"
-    done ;;
+    done
+    # the decode worker's scheduler queueing ahead inside the real service
+    TANDEM_TEST_DEVICE=cuda TANDEM_RUN_AHEAD=1 STEP_TAIL=6 step ahead_service 200 \
+      python3 -m pytest -q -p no:cacheprovider tests/test_service.py tests/test_service_hybrid.py ;;
+  ahead2)   # run-ahead the default on CUDA, now for sampled rows too
+    STEP_TAIL=6 step ahead_tests 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_run_ahead.py tests/test_sampling.py
+    for round in 1 2; do
+      step_27b g${round}_a_ahead
+      TANDEM_RUN_AHEAD=0 step_27b g${round}_b_plain
+      STEP_TAIL=3 step s${round}_a_ahead 100 python3 -m bench.quant --rows 1 --only lm_head \
+        --decode-steps 16 --decode-temperature 0.7
+      TANDEM_RUN_AHEAD=0 STEP_TAIL=3 step s${round}_b_plain 100 python3 -m bench.quant --rows 1 \
+        --only lm_head --decode-steps 16 --decode-temperature 0.7
+    done
+    for f in "$OUT"/[gs][12]_*.log; do   # step_ms and back_to_back_ms
+      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2, $3}')"
+    done
+    TANDEM_TEST_DEVICE=cuda STEP_TAIL=6 step ahead_service 200 \
+      python3 -m pytest -q -p no:cacheprovider tests/test_service_hybrid.py tests/test_decode_warmup.py ;;
   host)
     for round in ${ROUNDS:-1 2}; do
       step_27b h${round}_a_default

@@ -1,0 +1,82 @@
+"""Decode steps queued one ahead of the host (TANDEM_RUN_AHEAD): the pieces
+the offline engine (engine/llm.py) and the decode worker's scheduler
+(decode/scheduler.py) share.
+
+A sampled token is drawn on the GPU (engine.sampling.draw: an argmax, or
+the exponential race on the row's own generator), so the GPU can feed it to
+the next step itself and that step can be queued before the host has read
+the token; the host reads it through an asynchronous copy while the next
+step runs, and the GPU no longer idles through the host's loop between
+tokens. The draw for a queued step's logits is made when the step is
+consumed, after the host has appended the token before, so penalties and
+generators see exactly what the plain loop shows them.
+
+Owns the switch, the token kept on the device with its copy to the host, and
+the rule for whether a batch may run ahead. Must not know sequences, pages
+or stop rules: the callers decide when a queued step is worth queueing and
+what to do with a step queued past a sequence's end.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from engine.sampling import SamplingParams, SequenceSamplingState, draw
+from engine.switches import on_off
+
+# On by default on CUDA: the H100's int4 step went from 6.97-6.99 to
+# 6.65-6.66 ms, the figure of its graph replayed back to back (6.62-6.63),
+# three rounds each (BENCHMARKS.md 2026-12-06, second session). Off
+# elsewhere: where the host runs each step itself nothing overlaps, and a
+# step queued past a stop token would only cost time.
+RUN_AHEAD_ENV = "TANDEM_RUN_AHEAD"
+
+
+def run_ahead_on(device: torch.device | str) -> bool:
+    """TANDEM_RUN_AHEAD as 1 or 0; unset, on for a CUDA device."""
+    return on_off(RUN_AHEAD_ENV, torch.device(device).type == "cuda",
+                  on="decode steps queued one ahead of the host",
+                  off="each step after the host has its token")
+
+
+def feeds_itself(model, params: Iterable[SamplingParams]) -> bool:
+    """Whether a batch's next tokens can stay on the device: no row asks for
+    logprobs (those are read on the host with the token), and token ids are
+    embedded on the device (a host-side token table needs them on the host)."""
+    return not model.embeds_on_host and all(p.logprobs is None for p in params)
+
+
+class DeviceTokens:
+    """One sampled token per row of `logits` (engine.sampling.draw), left
+    on the device for the next step, with its copy to the host under way
+    (read with on_host)."""
+
+    def __init__(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> None:
+        self.ids = draw(logits, states)
+        self._host, self._ready = self.ids, None
+        if self.ids.is_cuda:
+            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
+            self._host.copy_(self.ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def on_host(self) -> list[int]:
+        if self._ready is not None:
+            self._ready.synchronize()   # this copy only, not the step queued after it
+        return self._host.tolist()
+
+
+class StepDone:
+    """Marks the work queued so far on the current stream; wait() returns
+    once it has run. Off CUDA the work has already run when it was queued."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._event = None
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
