@@ -1,8 +1,8 @@
 """Continuous batching for the decode worker: sequences join and leave between
 steps; each step is one forward of every running sequence's last token over
-its pages, then per-request sampling and stop checks. A batch that asks for
-no logprobs may queue its next step before the host reads its tokens
-(TANDEM_RUN_AHEAD, engine/run_ahead.py).
+its pages, then per-request sampling and stop checks. A batch may queue its
+next step before the host reads its tokens (TANDEM_RUN_AHEAD,
+engine/run_ahead.py).
 
 Owns the running set and the per-step work. Does not own text (stop strings
 are the router's: it aborts a sequence whose text matched one) nor where pages
@@ -21,7 +21,7 @@ from engine.cuda_graphs import DecodeForward
 from engine.kv.open_pages import OpenPages, prepare_pages
 from engine.model import CausalLM
 from engine.run_ahead import DeviceTokens, StepDone, feeds_itself, run_ahead_on
-from engine.sampling import SamplingParams, SequenceSamplingState, sample
+from engine.sampling import SampleResult, SamplingParams, SequenceSamplingState, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker
 
@@ -185,7 +185,7 @@ class DecodeScheduler:
         If it raises, `progress` holds what it had done: the sequences it
         took out of the batch are there, in no other list.
 
-        With run-ahead on, a batch without logprobs queues the next step on
+        With run-ahead on, the batch queues the next step on
         the device before the host reads this one's tokens (_queue_next); the
         next call then starts from that step's logits. Sequences join only
         at a step that starts afresh, so one that waits stops the queueing
@@ -202,27 +202,25 @@ class DecodeScheduler:
             return outs, finished
         logits = self.forward(self._batch()) if queued is None else queued.logits_of(self.running)
         self._capture_boundaries()
-        token_ids, logprobs, top_logprobs = self._pick_tokens(logits)
+        picked = self._pick_tokens(logits)
         for row, seq in enumerate(list(self.running)):
-            finish = self._take_token(seq, token_ids[row])
-            outs.append(TokenOut(seq.request_id, token_ids[row], logprobs[row],
-                                 top_logprobs[row], finish))
+            finish = self._take_token(seq, picked.token_ids[row])
+            outs.append(TokenOut(seq.request_id, picked.token_ids[row], picked.logprobs[row],
+                                 picked.top_logprobs[row], finish))
             if finish is not None:
                 self.running.remove(seq)
                 finished.append(seq)
         self._let_go_of(finished)
         return outs, finished
 
-    def _pick_tokens(self, logits: torch.Tensor) -> tuple[list[int], list, list]:
-        """Each running sequence's token, logprob and top logprobs; a batch
-        that runs ahead queues the next step before the host reads them."""
-        if self.run_ahead and feeds_itself(self.model, (s.params for s in self.running)):
-            tokens = DeviceTokens(logits, [s.sampling for s in self.running])
-            self._queued = self._queue_next(tokens)
-            token_ids = tokens.on_host()
-            return token_ids, [None] * len(token_ids), [None] * len(token_ids)  # none asked for
-        result = sample(logits, [s.sampling for s in self.running])
-        return result.token_ids, result.logprobs, result.top_logprobs
+    def _pick_tokens(self, logits: torch.Tensor) -> SampleResult:
+        """Each running sequence's token and the logprobs it asked for; a
+        batch that runs ahead queues the next step before the host reads them."""
+        if not (self.run_ahead and feeds_itself(self.model)):
+            return sample(logits, [s.sampling for s in self.running])
+        tokens = DeviceTokens(logits, [s.sampling for s in self.running])
+        self._queued = self._queue_next(tokens)
+        return tokens.on_host()
 
     def _take_token(self, seq: DecodeSequence, token: int) -> FinishReason | None:
         """Appends a sampled token and applies the stop rules and the context's end."""

@@ -181,7 +181,7 @@ class OfflineEngine:
                         self._start_speculating(seq)
                 if running and self.spec is not None:
                     yield from self._speculative_step(running)
-                elif running and not waiting and self._may_run_ahead(running):
+                elif running and not waiting and self._may_run_ahead():
                     yield from self._run_ahead(running)
                 elif running:
                     logits = self._decode_step(running)
@@ -291,13 +291,11 @@ class OfflineEngine:
             batch = replace(batch, input_ids=next_tokens)
         return self.decode_forward(batch)
 
-    def _may_run_ahead(self, running: list[_Sequence]) -> bool:
-        """Run-ahead on (TANDEM_RUN_AHEAD, by default on CUDA) and a batch
-        _run_ahead takes: no logprobs asked for (the token is drawn on the
-        GPU, which feeds it to the next step itself) and token ids the graph
-        embeds on the device."""
-        return (run_ahead_on(self.loaded.device)
-                and feeds_itself(self.model, (seq.params for seq in running)))
+    def _may_run_ahead(self) -> bool:
+        """Run-ahead on (TANDEM_RUN_AHEAD, by default on CUDA) and token ids
+        the graph embeds on the device (the token is drawn on the GPU, which
+        feeds it to the next step itself)."""
+        return run_ahead_on(self.loaded.device) and feeds_itself(self.model)
 
     def _continues_past_next_token(self, seq: _Sequence) -> bool:
         """Whether no length limit ends the sequence at its next token, so a
@@ -328,8 +326,10 @@ class OfflineEngine:
             tokens = DeviceTokens(logits, [s.sampling for s in seqs])
             ahead = self._decode_step(seqs, tokens.ids) \
                 if all(self._continues_past_next_token(s) for s in seqs) else None
-            for seq, token in zip(seqs, tokens.on_host()):
-                yield self._emit(seq, token, None, None, running)
+            picked = tokens.on_host()
+            for row, seq in enumerate(seqs):
+                yield self._emit(seq, picked.token_ids[row], picked.logprobs[row],
+                                 picked.top_logprobs[row], running)
             kept = [i for i, seq in enumerate(seqs) if seq in running]
             if ahead is None or not kept:
                 return

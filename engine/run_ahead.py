@@ -3,11 +3,11 @@ the offline engine (engine/llm.py) and the decode worker's scheduler
 (decode/scheduler.py) share.
 
 A sampled token is drawn on the GPU (engine.sampling.draw: an argmax, or
-the exponential race on the row's own generator), so the GPU can feed it to
-the next step itself and that step can be queued before the host has read
-the token; the host reads it through an asynchronous copy while the next
-step runs, and the GPU no longer idles through the host's loop between
-tokens. The draw for a queued step's logits is made when the step is
+the exponential race on the row's own generator; its logprobs beside it,
+engine.sampling.pick), so the GPU can feed it to the next step itself and
+that step can be queued before the host has read the token; the host reads
+it through an asynchronous copy while the next step runs, and the GPU no
+longer idles through the host's loop between tokens. The draw for a queued step's logits is made when the step is
 consumed, after the host has appended the token before, so penalties and
 generators see exactly what the plain loop shows them.
 
@@ -18,16 +18,16 @@ what to do with a step queued past a sequence's end.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 
-from engine.sampling import SamplingParams, SequenceSamplingState, draw
+from engine.sampling import SampleResult, SequenceSamplingState, pick
 from engine.switches import on_off
 
-# On by default on CUDA: the H100's int4 step went from 6.97-6.99 to
-# 6.65-6.66 ms, the figure of its graph replayed back to back (6.62-6.63),
-# three rounds each (BENCHMARKS.md 2026-12-06, second session). Off
+# On by default on CUDA: the H100's int4 step went from 6.97-7.61 to
+# 6.55-6.66 ms on three hosts, each its graph's figure replayed back to back
+# (BENCHMARKS.md 2026-12-06, "decode steps queued one ahead"). Off
 # elsewhere: where the host runs each step itself nothing overlaps, and a
 # step queued past a stop token would only cost time.
 RUN_AHEAD_ENV = "TANDEM_RUN_AHEAD"
@@ -40,31 +40,35 @@ def run_ahead_on(device: torch.device | str) -> bool:
                   off="each step after the host has its token")
 
 
-def feeds_itself(model, params: Iterable[SamplingParams]) -> bool:
-    """Whether a batch's next tokens can stay on the device: no row asks for
-    logprobs (those are read on the host with the token), and token ids are
-    embedded on the device (a host-side token table needs them on the host)."""
-    return not model.embeds_on_host and all(p.logprobs is None for p in params)
+def feeds_itself(model) -> bool:
+    """Whether a batch's next tokens can stay on the device: token ids are
+    embedded there (a host-side token table needs them on the host)."""
+    return not model.embeds_on_host
 
 
 class DeviceTokens:
-    """One sampled token per row of `logits` (engine.sampling.draw), left
-    on the device for the next step, with its copy to the host under way
-    (read with on_host)."""
+    """One sampled token per row of `logits` and the logprobs asked for
+    (engine.sampling.pick), left on the device; the tokens feed the next
+    step, and the copy of it all to the host is under way (on_host)."""
 
     def __init__(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> None:
-        self.ids = draw(logits, states)
-        self._host, self._ready = self.ids, None
+        picks = pick(logits, states)
+        self.ids = picks.token_ids
+        self._host, self._ready = picks, None
         if self.ids.is_cuda:
-            self._host = torch.empty(self.ids.shape, dtype=self.ids.dtype, pin_memory=True)
-            self._host.copy_(self.ids, non_blocking=True)
+            self._host = picks.moved(_to_pinned_host)
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def on_host(self) -> list[int]:
+    def on_host(self) -> SampleResult:
         if self._ready is not None:
-            self._ready.synchronize()   # this copy only, not the step queued after it
-        return self._host.tolist()
+            self._ready.synchronize()   # these copies only, not the step queued after them
+        return self._host.result()
+
+
+def _to_pinned_host(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class StepDone:

@@ -460,33 +460,6 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
-def _report_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
-                     states: Sequence[SequenceSamplingState], result: SampleResult) -> None:
-    """Logprobs of the model's raw distribution: log_softmax of the
-    unprocessed float32 logits (no penalties, temperature or truncation).
-
-    Chosen deliberately: they describe what the model thinks, are comparable
-    across requests with different sampling settings, and are never -inf for a
-    chosen token (as truncation could make them). This matches what vLLM
-    reports by default.
-    """
-    wanted = [s.params.logprobs for s in states]
-    result.logprobs = [None] * len(states)
-    result.top_logprobs = [None] * len(states)
-    rows = [i for i, k in enumerate(wanted) if k is not None]
-    if not rows:
-        return
-    logp = torch.log_softmax(raw[rows], dim=-1)
-    chosen = logp.gather(1, token_ids[rows].unsqueeze(1)).squeeze(1).tolist()
-    k_max = min(max(wanted[i] for i in rows), logp.shape[1])
-    top_vals, top_ids = logp.topk(k_max, dim=-1) if k_max else (None, None)
-    for j, i in enumerate(rows):
-        result.logprobs[i] = chosen[j]
-        k = min(wanted[i], logp.shape[1])
-        result.top_logprobs[i] = (
-            list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist())) if k else [])
-
-
 def plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing to add: no penalties, no logprobs."""
     return params.is_greedy and not params.has_penalties and params.logprobs is None
@@ -506,17 +479,71 @@ def draw(logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> torch
     return _draw_tokens(_distribution(apply_penalties(logits, states), states), states)
 
 
+@dataclass
+class Picks:
+    """One sampling step's outcome as tensors, where they were computed (the
+    logits' device) until moved: the token per row, and the logprobs of the
+    rows that asked for them.
+
+    Logprobs are of the model's raw distribution: log_softmax of the
+    unprocessed float32 logits (no penalties, temperature or truncation).
+    Chosen deliberately: they describe what the model thinks, are comparable
+    across requests with different sampling settings, and are never -inf for
+    a chosen token (as truncation could make them). This matches what vLLM
+    reports by default.
+    """
+
+    token_ids: torch.Tensor  # [B] long
+    asked: list[tuple[int, int]] = field(default_factory=list)  # (row, k) of rows that asked
+    chosen: torch.Tensor | None = None  # [len(asked)]: each asking row's token's logprob
+    top_ids: torch.Tensor | None = None  # [len(asked), k_max]: most likely first
+    top_vals: torch.Tensor | None = None
+
+    def moved(self, move) -> "Picks":
+        """The same picks with each tensor passed through `move`."""
+        def apply(t):
+            return None if t is None else move(t)
+        return Picks(move(self.token_ids), self.asked, apply(self.chosen),
+                     apply(self.top_ids), apply(self.top_vals))
+
+    def result(self) -> SampleResult:
+        """As Python lists (reads the tensors: a sync where they are on a GPU)."""
+        n = self.token_ids.shape[0]
+        result = SampleResult(token_ids=self.token_ids.tolist(), logprobs=[None] * n,
+                              top_logprobs=[None] * n)
+        if not self.asked:
+            return result
+        chosen = self.chosen.tolist()
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_vals = self.top_vals.tolist() if self.top_vals is not None else None
+        for j, (row, k) in enumerate(self.asked):
+            result.logprobs[row] = chosen[j]
+            result.top_logprobs[row] = (list(zip(top_ids[j][:k], top_vals[j][:k]))
+                                        if k and top_ids is not None else [])
+        return result
+
+
+def pick(logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> Picks:
+    """draw()'s tokens and the logprobs asked for, left on the device:
+    nothing in it waits for the GPU either."""
+    token_ids = draw(logits, states)
+    asked = [(i, s.params.logprobs) for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not asked:
+        return Picks(token_ids)
+    index = _row_index([row for row, _ in asked], logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    chosen = logp.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+    k_max = min(max(k for _, k in asked), logp.shape[1])
+    top_vals, top_ids = logp.topk(k_max, dim=-1) if k_max else (None, None)
+    return Picks(token_ids, asked, chosen, top_ids, top_vals)
+
+
 def sample(logits: torch.Tensor,
            states: Sequence[SequenceSamplingState]) -> SampleResult:
-    """Pick one token per row of `logits` [B, V] (bf16 or float32, any device).
+    """Pick one token per row of `logits` [B, V] (bf16 or float32, any device),
+    with the logprobs each row asked for (see Picks).
 
     Advances the generators of non-greedy rows; does not append the tokens to
     the states (the caller does, once it accepts them).
     """
-    token_ids = draw(logits, states)
-    n = len(states)
-    result = SampleResult(token_ids=token_ids.tolist(), logprobs=[None] * n,
-                          top_logprobs=[None] * n)
-    if any(s.params.logprobs is not None for s in states):
-        _report_logprobs(logits.float(), token_ids, states, result)
-    return result
+    return pick(logits, states).result()

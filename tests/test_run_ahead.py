@@ -28,7 +28,7 @@ def _events(engine, params, monkeypatch, on: str):
 
     monkeypatch.setattr(engine, "_run_ahead", spy)
     with torch.inference_mode():
-        events = [(e.index, e.token_id, e.text, e.finish_reason)
+        events = [(e.index, e.token_id, e.text, e.finish_reason, e.logprob, e.top_logprobs)
                   for e in engine.generate(PROMPTS, params)]
     return events, ran_ahead
 
@@ -47,18 +47,18 @@ def test_run_ahead_gives_the_plain_loops_events(model, device, monkeypatch):
     plain, _ = _events(engine, lengths, monkeypatch, "0")
     ahead, ran = _events(engine, lengths, monkeypatch, "1")
     assert ahead == plain and ran and ran[0] == 3
-    finish = {index: reason for index, _, _, reason in plain if reason is not None}
+    finish = {event[0]: event[3] for event in plain if event[3] is not None}
     assert len(finish) == 3
 
     # a stop token the first sequence emits mid-way: the step queued past it is wasted
-    first = [token for index, token, _, _ in plain if index == 0]
+    first = [event[1] for event in plain if event[0] == 0]
     stop = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True,
                           stop_token_ids=(first[3],))
     params = [stop, lengths[1], lengths[1]]
     plain, _ = _events(engine, params, monkeypatch, "0")
     ahead, ran = _events(engine, params, monkeypatch, "1")
     assert ahead == plain and ran
-    assert [t for i, t, _, _ in plain if i == 0][-1] == first[3]
+    assert [event[1] for event in plain if event[0] == 0][-1] == first[3]
 
 
 def _drawn_and_penalised(max_new_tokens: int) -> list[SamplingParams]:
@@ -84,18 +84,22 @@ def test_sampled_and_penalised_rows_run_ahead_to_the_plain_loops_tokens(device, 
     plain, _ = _events(engine, params, monkeypatch, "0")
     ahead, ran = _events(engine, params, monkeypatch, "1")
     assert ahead == plain and ran == [3]
-    assert len({tuple(t for i, t, _, _ in plain if i == row) for row in range(3)}) == 3
+    assert len({tuple(e[1] for e in plain if e[0] == row) for row in range(3)}) == 3
 
 
-def test_only_batches_without_logprobs_run_ahead(monkeypatch):
+def test_logprobs_run_ahead_and_the_switch(monkeypatch):
     loaded = load_model("tiny-qwen3.5", progress=False)
     engine = OfflineEngine(loaded, EngineConfig(max_batch=3, max_context=48))
-    logprobs = SamplingParams(temperature=0, max_new_tokens=6, logprobs=0)
-    _, ran = _events(engine, logprobs, monkeypatch, "1")
-    assert ran == []
+    params = [SamplingParams(temperature=0, max_new_tokens=6, logprobs=0, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=2, max_new_tokens=6, logprobs=3,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)]
+    plain, _ = _events(engine, params, monkeypatch, "0")
+    ahead, ran = _events(engine, params, monkeypatch, "1")
+    assert ahead == plain and ran == [3]
+    assert all(e[4] is not None and len(e[5]) == 3 for e in plain if e[0] == 1)
+    assert all(e[4] is None and e[5] is None for e in plain if e[0] == 2)
     greedy = SamplingParams(temperature=0, max_new_tokens=6)
-    _, ran = _events(engine, greedy, monkeypatch, "0")
-    assert ran == []   # the switch off
     _, ran = _events(engine, greedy, monkeypatch, "")
     assert ran == []   # unset: off on the CPU, where nothing would overlap
     monkeypatch.setenv(RUN_AHEAD_ENV, "yes")
@@ -147,12 +151,12 @@ def _scheduler_run(model: str, device: str, params, run_ahead: bool, max_context
             first = sample(loaded.model(batch, cache), [SequenceSamplingState(p, prompt)])
             seq = DecodeSequence(f"r{i}", list(prompt), [first.token_ids[0]], p, ids, slot,
                                  loaded.tokenizer.eos_token_ids)
-            got[seq.request_id] = [list(seq.output), None]
+            got[seq.request_id] = [[(seq.output[0], None, None)], None]
             sched.add(seq)
         while sched.has_work:
             outs, finished = sched.step()
             for out in outs:
-                got[out.request_id][0].append(out.token_id)
+                got[out.request_id][0].append((out.token_id, out.logprob, out.top_logprobs))
             for seq in finished:
                 got[seq.request_id][1] = seq.finish_reason
                 pages.free(seq.pages)
@@ -174,7 +178,7 @@ def test_scheduler_run_ahead_gives_the_plain_steps_tokens(model, device):
 
     # a stop token mid-way: the row queued past it is wasted, the others go on
     stop = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True,
-                          stop_token_ids=(plain["r0"][0][4],))
+                          stop_token_ids=(plain["r0"][0][4][0],))
     params = [stop, lengths[1], lengths[2]]
     plain, _, _ = _scheduler_run(model, device, params, run_ahead=False)
     ahead, queued, all_back = _scheduler_run(model, device, params, run_ahead=True)
@@ -183,17 +187,19 @@ def test_scheduler_run_ahead_gives_the_plain_steps_tokens(model, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_scheduler_runs_sampled_rows_ahead_and_not_logprobs(device):
+def test_scheduler_runs_sampled_and_logprob_rows_ahead(device):
     drawn = _drawn_and_penalised(9)
     plain, _, _ = _scheduler_run("tiny-qwen3.5", device, drawn, False)
     ahead, queued, all_back = _scheduler_run("tiny-qwen3.5", device, drawn, True)
     assert ahead == plain and all_back and sum(queued) >= 6
-    logprobs = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=2)
-    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-    plain, _, _ = _scheduler_run("tiny-qwen3.5", device, [greedy, logprobs, greedy], False)
-    ahead, queued, all_back = _scheduler_run("tiny-qwen3.5", device, [greedy, logprobs, greedy],
-                                             True)
-    assert ahead == plain and queued == [] and all_back
+    logprobs = SamplingParams(temperature=0.8, seed=4, max_new_tokens=8, ignore_eos=True,
+                              logprobs=2)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=0)
+    plain, _, _ = _scheduler_run("tiny-qwen3.5", device, [greedy, logprobs, drawn[2]], False)
+    ahead, queued, all_back = _scheduler_run("tiny-qwen3.5", device,
+                                             [greedy, logprobs, drawn[2]], True)
+    assert ahead == plain and all_back and sum(queued) >= 6
+    assert all(lp is not None and len(top) == 2 for _, lp, top in plain["r1"][0][1:])
 
 
 def test_run_ahead_is_on_by_default_for_cuda_only(monkeypatch):
@@ -212,13 +218,15 @@ def test_run_ahead_is_on_by_default_for_cuda_only(monkeypatch):
 def test_the_device_draw_never_waits_for_the_gpu():
     """A queued step is worth queueing only if nothing between the logits and
     the next step's launch waits for the GPU: appending the tokens before,
-    the draw (penalties, top-p, min-p, the generators) and the copy to the
-    host, under torch's sync check, in a batch that mixes every kind of row."""
+    the draw (penalties, top-p, min-p, the generators), the logprobs and the
+    copies to the host, under torch's sync check, in a batch that mixes
+    every kind of row."""
     from engine.run_ahead import DeviceTokens
     from engine.sampling import SequenceSamplingState
 
     states = [SequenceSamplingState(p, [1, 2, 3]) for p in _drawn_and_penalised(8)]
     states.append(SequenceSamplingState(SamplingParams(temperature=0), [4]))
+    states.append(SequenceSamplingState(SamplingParams(temperature=0.5, logprobs=4, seed=9), [4]))
     logits = torch.randn(len(states), 5000, device="cuda", dtype=torch.bfloat16)
     for state in states:   # the counts' first upload is per request, not per step
         state.penalty_tensors(5000, logits.device)
@@ -227,7 +235,7 @@ def test_the_device_draw_never_waits_for_the_gpu():
     for _ in range(3):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            for state, token in zip(states, host or []):
+            for state, token in zip(states, host.token_ids if host else []):
                 state.append(token)
             tokens = DeviceTokens(logits, states)
         finally:
