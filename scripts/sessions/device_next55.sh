@@ -23,6 +23,8 @@
 #     default on CUDA and for sampled rows too: its GPU tests (the draw under
 #     torch's sync check), then the step greedy and at temperature 0.7, each
 #     run ahead (the default) and plain, and the hybrid service on CUDA
+#     (12-06 05:02, H100: greedy 6.55 against 7.08-7.42 ms, T 0.7 6.90 against
+#     7.55-7.90, back to back 6.53-6.55; the next call to make on an H200)
 #   bash scripts/sessions/device_next55.sh all     (carry .whl): the norm
 #     tests, the critical path, then two rounds of the default / neither
 #     epilogue / the norm prologue / 8 MB read-ahead
