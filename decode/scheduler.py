@@ -20,7 +20,8 @@ from engine.cache import PagedKVCache
 from engine.cuda_graphs import DecodeForward
 from engine.kv.open_pages import OpenPages, prepare_pages
 from engine.model import CausalLM
-from engine.run_ahead import DeviceTokens, StepDone, feeds_itself, run_ahead_on
+from engine.run_ahead import (DeviceTokens, StepDone, continues_past_next_token, feeds_itself,
+                               run_ahead_on)
 from engine.sampling import SampleResult, SamplingParams, SequenceSamplingState, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker
@@ -256,9 +257,8 @@ class DecodeScheduler:
         return _QueuedStep(list(self.running), logits, StepDone(self.cache.device))
 
     def _continues_past_next_token(self, seq: DecodeSequence) -> bool:
-        """No length limit ends `seq` at the token being read now."""
-        after = len(seq.output) + 1
-        return after < seq.params.max_new_tokens and seq.length + 1 < self.max_context
+        return continues_past_next_token(len(seq.output), seq.params.max_new_tokens,
+                                         seq.length, self.max_context)
 
     def _let_go_of(self, leaving: list[DecodeSequence]) -> None:
         """Sequences about to go back to the caller, who may give their pages

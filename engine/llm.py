@@ -20,7 +20,8 @@ from engine.kv import make_format
 from engine.kv.open_pages import OpenPages, prepare_pages, staging_per_sequence
 from engine.errors import InvalidRequestError
 from engine.loader import LoadedModel
-from engine.run_ahead import DeviceTokens, feeds_itself, run_ahead_on
+from engine.run_ahead import (DeviceTokens, continues_past_next_token, feeds_itself,
+                               run_ahead_on)
 from engine.sampling import SamplingParams, SequenceSamplingState, sample
 from engine.speculative import SpecState, SpeculativeConfig, SpeculativeDecoder
 from engine.stopping import FinishReason, StopChecker, StopStringMatcher
@@ -298,11 +299,8 @@ class OfflineEngine:
         return run_ahead_on(self.loaded.device) and feeds_itself(self.model)
 
     def _continues_past_next_token(self, seq: _Sequence) -> bool:
-        """Whether no length limit ends the sequence at its next token, so a
-        step after it is worth queueing (a stop token may still end it: that
-        step is then wasted, never wrong; see _run_ahead)."""
-        after = len(seq.output) + 1
-        return after < seq.params.max_new_tokens and seq.length + 1 < self.max_context
+        return continues_past_next_token(len(seq.output), seq.params.max_new_tokens,
+                                         seq.length, self.max_context)
 
     def _run_ahead(self, running: list[_Sequence]) -> Iterator[GenerationEvent]:
         """Decode steps each queued before the host reads the token of the

@@ -7,13 +7,14 @@ the exponential race on the row's own generator; its logprobs beside it,
 engine.sampling.pick), so the GPU can feed it to the next step itself and
 that step can be queued before the host has read the token; the host reads
 it through an asynchronous copy while the next step runs, and the GPU no
-longer idles through the host's loop between tokens. The draw for a queued step's logits is made when the step is
-consumed, after the host has appended the token before, so penalties and
-generators see exactly what the plain loop shows them.
+longer idles through the host's loop between tokens. The draw for a queued
+step's logits is made when the step is consumed, after the host has
+appended the token before, so penalties and generators see exactly what the
+plain loop shows them.
 
 Owns the switch, the token kept on the device with its copy to the host, and
-the rule for whether a batch may run ahead. Must not know sequences, pages
-or stop rules: the callers decide when a queued step is worth queueing and
+the rules for whether a batch may run ahead and whether a length limit makes
+a queued step useless. Must not know sequences, pages or stop tokens: the callers decide when a queued step is worth queueing and
 what to do with a step queued past a sequence's end.
 """
 from __future__ import annotations
@@ -46,6 +47,15 @@ def feeds_itself(model) -> bool:
     return not model.embeds_on_host
 
 
+def continues_past_next_token(generated: int, max_new_tokens: int, length: int,
+                              max_context: int) -> bool:
+    """Whether no length limit ends a sequence (`generated` tokens so far,
+    `length` with its prompt) at the token being read now, so a step after
+    it is worth queueing (a stop token may still end it: that step is then
+    wasted, never wrong)."""
+    return generated + 1 < max_new_tokens and length + 1 < max_context
+
+
 class DeviceTokens:
     """One sampled token per row of `logits` and the logprobs asked for
     (engine.sampling.pick), left on the device; the tokens feed the next
@@ -54,15 +64,11 @@ class DeviceTokens:
     def __init__(self, logits: torch.Tensor, states: Sequence[SequenceSamplingState]) -> None:
         picks = pick(logits, states)
         self.ids = picks.token_ids
-        self._host, self._ready = picks, None
-        if self.ids.is_cuda:
-            self._host = picks.moved(_to_pinned_host)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self._host = picks.moved(_to_pinned_host) if self.ids.is_cuda else picks
+        self._copied = StepDone(self.ids.device)
 
     def on_host(self) -> SampleResult:
-        if self._ready is not None:
-            self._ready.synchronize()   # these copies only, not the step queued after them
+        self._copied.wait()   # these copies only, not the step queued after them
         return self._host.result()
 
 
