@@ -44,7 +44,7 @@ from engine.gdn import causal_conv1d, l2_normalize, recurrent_gated_delta_rule
 from engine.kv.kernels import _load_dense, _store_dense
 from engine.kv.kernels import as_kernel_dense as _as_kernel
 from engine.pdl import pdl_launch, pdl_prologue
-from engine.switches import one_of
+from engine.switches import on_off, one_of
 
 MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5)
 
@@ -69,6 +69,24 @@ def recurrence_block_v(dv: int) -> int:
     of two), or TANDEM_GDN_BLOCK_V."""
     width = triton.next_power_of_2(dv)
     return min(one_of(BLOCK_V_ENV, 32, (8, 16, 32, 64, 128)), width)
+
+
+STATE_EARLY_ENV = "TANDEM_GDN_STATE_EARLY"
+
+
+def recurrence_state_early() -> bool:
+    """Whether the recurrence step reads its state tiles before waiting for
+    the kernel before it: on by default (TANDEM_GDN_STATE_EARLY=0 reads them
+    after; read at launch, in a CUDA graph at capture). Safe under
+    programmatic dependent launch: a kernel launches only when the one
+    before it has passed its own wait, so every kernel but the one right
+    before has finished, and that one (in_proj's GEMV, or the conv step)
+    writes no state. The int4 27B step, alternating runs (BENCHMARKS.md,
+    2026-12-06 08:11-08:45): H200 5.32 ms in three runs against 5.34-5.36
+    without, H100 6.62 against 6.66-6.67; the recurrence's share of a step
+    5.23 -> 3.83 us a layer."""
+    return on_off(STATE_EARLY_ENV, True, on="states read before the wait",
+                  off="states read after it")
 
 
 def fits(max_new_tokens: int) -> bool:
@@ -351,12 +369,20 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
                             DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                             MAX_T: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
                             A_LOG_BF16: tl.constexpr, DT_BF16: tl.constexpr,
-                            PDL: tl.constexpr):
+                            STATE_EARLY: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, value head, block of value columns): the state tile
     [DK, BLOCK_V] stays in registers across the sequence's tokens. It is read
     before the first write, so a write slot equal to the input slot is safe;
-    no other program reads or writes this tile of these slots."""
-    pdl_prologue(PDL)
+    no other program reads or writes this tile of these slots.
+
+    STATE_EARLY: the tile is loaded before the dependent-launch wait, while
+    the kernel before (in_proj's GEMV or the conv) still runs. No kernel of
+    the step writes a state before this one: the slot indexes and positions
+    are the batch's host copies, and the tile was last written by this
+    layer's kernel a step ago (recurrence_state_early says why that is
+    complete)."""
+    if not STATE_EARLY:
+        pdl_prologue(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     vb = tl.program_id(2)
@@ -376,6 +402,8 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
     head_base = head * DK * DV
     state = tl.load(states_ptr + slot * state_size + head_base + tile,
                     mask=tile_ok & warm & live, other=0.0)
+    if STATE_EARLY:
+        pdl_prologue(PDL)
     # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
     one = head < HV  # a true mask for the scalar loads
     neg_rate = -tl.exp(_load_dense(a_log_ptr, head, one, A_LOG_BF16))
@@ -442,7 +470,8 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5,
         HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
         BLOCK_V=block_v, MAX_T=_bucket(max_tokens), X_BF16=x_bf16, G_BF16=g_bf16,
-        A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16, **pdl_launch(v.device))
+        A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16, STATE_EARLY=recurrence_state_early(),
+        **pdl_launch(v.device))
     return out
 
 

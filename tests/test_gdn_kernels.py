@@ -196,8 +196,9 @@ def test_recurrence_step_matches_reference(counts, verify, dtype):
 
 
 def test_tile_width_overrides_change_no_value(monkeypatch):
-    """TANDEM_GDN_CONV_BLOCK / TANDEM_GDN_BLOCK_V only regroup programs:
-    outputs and written slots are bitwise those of the default widths, and
+    """TANDEM_GDN_CONV_BLOCK / TANDEM_GDN_BLOCK_V only regroup programs and
+    TANDEM_GDN_STATE_EARLY only moves the state's load: outputs and written
+    slots are bitwise those of the defaults, and
     a width they do not offer is an error naming the variable."""
     counts, verify = (4, 1, 3), True
     gen = torch.Generator().manual_seed(3)
@@ -224,14 +225,20 @@ def test_tile_width_overrides_change_no_value(monkeypatch):
         return conv, windows, out, states
 
     default = step()
-    for conv_block, block_v in (("32", "8"), ("256", "64")):
+    for conv_block, block_v, early in (("32", "8", "0"), ("256", "64", "1")):
         monkeypatch.setenv(gdn_kernels.CONV_BLOCK_ENV, conv_block)
         monkeypatch.setenv(gdn_kernels.BLOCK_V_ENV, block_v)
+        monkeypatch.setenv(gdn_kernels.STATE_EARLY_ENV, early)
         for got, want in zip(step(), default):
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     monkeypatch.setenv(gdn_kernels.BLOCK_V_ENV, "48")
     with pytest.raises(ValueError, match="TANDEM_GDN_BLOCK_V='48'"):
         gdn_kernels.recurrence_block_v(128)
+    monkeypatch.setenv(gdn_kernels.STATE_EARLY_ENV, "yes")
+    with pytest.raises(ValueError, match="TANDEM_GDN_STATE_EARLY='yes'"):
+        gdn_kernels.recurrence_state_early()
+    monkeypatch.delenv(gdn_kernels.STATE_EARLY_ENV)
+    assert gdn_kernels.recurrence_state_early()  # on by default
 
 
 def test_out_of_range_token_counts_are_refused():
@@ -301,19 +308,29 @@ CONV = dict(mixed_ptr="*i16", mixed_stride="i32", windows_ptr="*fp32", w_stride_
 REC = dict(q_ptr="*i16", k_ptr="*i16", v_ptr="*i16", row_stride="i32", a_ptr="*i16",
            b_ptr="*i16", gate_stride="i32", a_log_ptr="*i16", dt_bias_ptr="*i16",
            states_ptr="*fp32", out_ptr="*i16", **INDEX, scale="fp32")
+def loads_before_wait(ptx):
+    return "ld.global" in ptx[:ptx.index("griddepcontrol.wait")]
+
+
 for t in (1, 4):
-    for kernel, sig, consts in (
-            (G._conv_step_kernel, CONV,
-             dict(KERNEL=4, MAX_T=t, HIST=triton.next_power_of_2(3 + t), BLOCK_C=128,
-                  X_BF16=True, WIN_BF16=False, W_BF16=True, PDL=True)),
-            (G._recurrence_step_kernel, REC, dict(HV=48, GROUPS=3, DK=128, DV=128, DK_PAD=128,
-                                                  BLOCK_V=32, MAX_T=t, X_BF16=True, G_BF16=True,
-                                                  A_LOG_BF16=False, DT_BF16=True,
-                                                  PDL=True))):
-        signature = dict(sig, **{k: "constexpr" for k in consts})
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        assert compiled.asm["cubin"], kernel
+    for early in (False, True):
+        for kernel, sig, consts in (
+                (G._conv_step_kernel, CONV,
+                 dict(KERNEL=4, MAX_T=t, HIST=triton.next_power_of_2(3 + t), BLOCK_C=128,
+                      X_BF16=True, WIN_BF16=False, W_BF16=True, PDL=True)),
+                (G._recurrence_step_kernel, REC,
+                 dict(HV=48, GROUPS=3, DK=128, DV=128, DK_PAD=128, BLOCK_V=32, MAX_T=t,
+                      X_BF16=True, G_BF16=True, A_LOG_BF16=False, DT_BF16=True,
+                      STATE_EARLY=early, PDL=True))):
+            signature = dict(sig, **{k: "constexpr" for k in consts})
+            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+                                      target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+            assert compiled.asm["cubin"], kernel
+            # the state tile's loads are issued ahead of the wait only when asked
+            if kernel is G._recurrence_step_kernel:
+                assert loads_before_wait(compiled.asm["ptx"]) == early, (t, early)
+            else:
+                assert not loads_before_wait(compiled.asm["ptx"])
 CHUNK = dict(mixed_ptr="*i16", mixed_stride="i32", windows_ptr="*fp32", w_stride_slot="i32",
              w_stride_c="i32", weight_ptr="*i16", out_ptr="*i16", row_seq_ptr="*i32",
              offsets_ptr="*i32", slots_ptr="*i64", positions_ptr="*i64", tokens="i32",
