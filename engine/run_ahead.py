@@ -14,8 +14,9 @@ plain loop shows them.
 
 Owns the switch, the token kept on the device with its copy to the host, and
 the rules for whether a batch may run ahead and whether a length limit makes
-a queued step useless. Must not know sequences, pages or stop tokens: the callers decide when a queued step is worth queueing and
-what to do with a step queued past a sequence's end.
+a queued step useless. Must not know sequences, pages or stop tokens: the
+callers decide when a queued step is worth queueing and what to do with a
+step queued past a sequence's end.
 """
 from __future__ import annotations
 

@@ -514,12 +514,12 @@ class Picks:
         if not self.asked:
             return result
         chosen = self.chosen.tolist()
+        # no top tensors only when every asking row wants k = 0 (pick's k_max)
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_vals = self.top_vals.tolist() if self.top_vals is not None else None
         for j, (row, k) in enumerate(self.asked):
             result.logprobs[row] = chosen[j]
-            result.top_logprobs[row] = (list(zip(top_ids[j][:k], top_vals[j][:k]))
-                                        if k and top_ids is not None else [])
+            result.top_logprobs[row] = list(zip(top_ids[j][:k], top_vals[j][:k])) if k else []
         return result
 
 
