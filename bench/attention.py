@@ -50,7 +50,12 @@ CANDIDATES = ((64, 32, 4, None, False), (64, 32, 4, None, True), (64, 64, 4, Non
               (16, 128, 8, 2, True), (16, 64, 8, 1, False),
               # 25: rk4's pair program's decode tiles (TANDEM_RK4_PAIRS, one
               # stage: Triton's default three spilled, static sm_90 build)
-              (16, 64, 4, 1, True))
+              (16, 64, 4, 1, True),
+              # 26-33: decode at short contexts (one 64-key tile a split at 4K):
+              # fewer keys, warps or stages a program
+              (16, 32, 4, None, True), (16, 16, 4, None, True), (16, 64, 2, None, True),
+              (16, 64, 4, 2, True), (16, 32, 2, 1, True), (16, 128, 4, 1, True),
+              (16, 128, 8, 1, True), (16, 32, 4, 1, True))
 
 
 def visible_pairs(context: int, new: int) -> int:
@@ -88,16 +93,31 @@ def layout(kv_format: str, context: int, new: int, model: str, device: torch.dev
     return fmt, cache.kv[index], q, meta, cache.rotary, k, v
 
 
-def time_ms(fn, repeats: int) -> float:
+def time_ms(fn, repeats: int, graph: int = 0) -> float:
+    """ms a call: `repeats` calls back to back, or with `graph` > 0 a CUDA
+    graph of `graph` calls replayed `repeats` times (no host launch cost
+    between them, dependent launches as the step's graph has them)."""
     fn()
     sync(torch.device("cuda"))
+    if graph > 0:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+            for _ in range(graph):
+                fn()
+        g.replay()
+        sync(torch.device("cuda"))
+        fn, repeats, per_call = g.replay, repeats, graph
+    else:
+        per_call = 1
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
         fn()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return start.elapsed_time(end) / repeats / per_call
 
 
 def kernel_call(fmt, buffers, q, meta, rotary, candidate, splits: int = 1):
@@ -146,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--splits", type=int, nargs="+", default=[1],
                    help="key splits per candidate: a short chunk over a long context "
                         "has few row blocks to fill the GPU with")
+    p.add_argument("--graph", type=int, default=0,
+                   help="time a CUDA graph of this many calls (decode's short launches: "
+                        "the host's launch cost would hide the kernel)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.candidates and not all(0 <= i < len(CANDIDATES) for i in args.candidates):
@@ -169,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = str(candidate) + (f" x{splits} splits" if splits > 1 else "")
                 try:
                     call, out = kernel_call(fmt, buffers, q, meta, rotary, candidate, splits)
-                    ms = time_ms(call, args.repeats)
+                    ms = time_ms(call, args.repeats, args.graph)
                     if reference is None:
                         reference = out.float().clone()
                     err = (out.float() - reference).abs().max().item()

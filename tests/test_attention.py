@@ -443,10 +443,12 @@ def _poisoned_output(shape, dtype, device):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def _switch_outputs(fmt, name, head_dim, seqs, seed, monkeypatch):
+def _switch_outputs(fmt, name, head_dim, seqs, seed, monkeypatch,
+                    switch_env: str | None = None):
     """(reference, {switch value: {splits: output}}) over one batch; the
     kernel's output buffer NaN-poisoned, so a channel it leaves unwritten
-    shows."""
+    shows. switch_env: the switch flipped (NO_I2F_SWITCHES[name] unless
+    given)."""
     from engine.kv import attention
     from engine.kv.attention import Tiles
 
@@ -461,7 +463,7 @@ def _switch_outputs(fmt, name, head_dim, seqs, seed, monkeypatch):
     monkeypatch.setattr(attention, "kernel_output", _poisoned_output)
     outputs = {}
     for switch in ("0", "1"):
-        monkeypatch.setenv(NO_I2F_SWITCHES[name], switch)
+        monkeypatch.setenv(switch_env or NO_I2F_SWITCHES[name], switch)
         outputs[switch] = {splits: paged_attention_triton(fmt, buffers, q, meta, scale,
                                                           num_splits=splits, tiles=tiles)
                            for splits in (1, 3)}
@@ -481,6 +483,8 @@ def test_rk4_pairs_and_int8_without_i2f_match_reference_and_the_old_path(
     half the channels, so they agree to fp32 rounding (tf32 on a GPU; bf16 queries: to a
     bf16 ulp of the output, where a rounded P may flip)."""
     fmt = make_format(name, **options)
+    # int8's codes are made fp32 only on the dequantized tiles' path
+    monkeypatch.setenv(INT8_CODES_DOT_ENV, "0")
     expected, outputs = _switch_outputs(fmt, name, head_dim, NO_I2F_STEPS[step],
                                         seed=head_dim + len(step), monkeypatch=monkeypatch)
     bf16 = NO_I2F_SHAPES[head_dim][2] == torch.bfloat16
@@ -503,6 +507,64 @@ def test_rk4_pairs_and_int8_without_i2f_match_reference_and_the_old_path(
             # (H200, 12-03 08:45: at most 6.4e-5 apart, prefill at head_dim 64)
             agree = 1e-5 if DEVICE == "cpu" else 2 ** -10
             torch.testing.assert_close(new, old, rtol=agree, atol=agree)
+
+
+INT8_CODES_DOT_ENV = "TANDEM_INT8_CODES_DOT"
+
+
+@pytest.mark.parametrize("head_dim", sorted(NO_I2F_SHAPES))
+@pytest.mark.parametrize("step", list(NO_I2F_STEPS))
+def test_int8_codes_in_the_dots_match_reference_and_the_dequantized_tiles(
+        step, head_dim, monkeypatch):
+    """int8 with its codes as dot operands and each key's scales on the
+    scores and probabilities (TANDEM_INT8_CODES_DOT, on by default) against
+    the reference and the dequantized tiles, with 1 and 3 key splits, the
+    output NaN-poisoned. The two paths round differently only where bf16
+    dots round (K and V scaled before rounding, or p s rounded): fp32
+    queries agree to fp32 rounding (on a GPU their dots round K or P V to
+    tf32 differently: H100, 12-06, 3.3e-3 apart at most), bf16 ones to a
+    bf16 ulp. The codes path rounds K not at all, so it is no further from
+    the reference than the dequantized tiles (mean error, with a margin)."""
+    fmt = make_format("int8")
+    expected, outputs = _switch_outputs(fmt, "int8", head_dim, NO_I2F_STEPS[step],
+                                        seed=3 * head_dim + len(step), monkeypatch=monkeypatch,
+                                        switch_env=INT8_CODES_DOT_ENV)
+    bf16 = NO_I2F_SHAPES[head_dim][2] == torch.bfloat16
+    for switch, by_splits in outputs.items():
+        for splits, actual in by_splits.items():
+            assert not actual.isnan().any(), (switch, splits)
+            if bf16:
+                torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+                assert (actual.float() - expected).abs().mean() < 4e-3
+            else:
+                torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    for splits in (1, 3):
+        tiles, codes = outputs["0"][splits].float(), outputs["1"][splits].float()
+        if bf16 or DEVICE != "cpu":
+            agree = 2 ** -6 if bf16 else 2 ** -7
+            torch.testing.assert_close(codes, tiles, rtol=agree, atol=agree)
+            error = {side: (out - expected).abs().mean().item()
+                     for side, out in (("tiles", tiles), ("codes", codes))}
+            assert error["codes"] <= 1.25 * error["tiles"] + 1e-5, error
+        else:
+            torch.testing.assert_close(codes, tiles, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_codes_dot_switch_is_on_by_default_and_int8_only(monkeypatch):
+    """TANDEM_INT8_CODES_DOT: on unless "0", read at every launch, int8's
+    constexpr only (the other formats compile one variant), a mistyped
+    value refused by name."""
+    from engine.kv import attention_kernels as K
+
+    monkeypatch.delenv(INT8_CODES_DOT_ENV, raising=False)
+    assert K.program_switches(K.INT8, 256)["INT8_CODES_DOT"]
+    assert not any(K.program_switches(k, 256)["INT8_CODES_DOT"]
+                   for k in (K.DENSE, K.DENSE_BF16, K.RK4, K.RK4P))
+    monkeypatch.setenv(INT8_CODES_DOT_ENV, "0")
+    assert not K.program_switches(K.INT8, 256)["INT8_CODES_DOT"]
+    monkeypatch.setenv(INT8_CODES_DOT_ENV, "on")
+    with pytest.raises(ValueError, match=f"{INT8_CODES_DOT_ENV}='on'"):
+        K.program_switches(K.DENSE, 256)
 
 
 @pytest.mark.parametrize("name", ["rk4", "int8"])

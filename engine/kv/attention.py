@@ -235,6 +235,22 @@ def rk4_pairs() -> bool:
                   off="rk4 attention on channel-order tiles")
 
 
+INT8_CODES_DOT_ENV = "TANDEM_INT8_CODES_DOT"
+
+
+def int8_codes_dot() -> bool:
+    """Whether int8 attention puts the codes themselves into its dots and
+    each key's scales on the scores and the probabilities
+    (attention_kernels._attend_int8_codes) instead of dequantized tiles.
+    The 27B's decode attention + combine, one int8 layer in CUDA graphs
+    (H100, 2026-12-06, bench.attention --graph 20): 4K 12.2 -> 11.3 us,
+    32K 51.8 -> 46.2, 128K 172.8 -> 150.1; the sm_90 decode build 255
+    registers with spills -> 202 without, 2,396 -> 1,817 loop instructions.
+    Read at every launch (program_switches)."""
+    return on_off(INT8_CODES_DOT_ENV, True, on="int8 codes in the dots, scales outside",
+                  off="dequantized int8 tiles in the dots")
+
+
 def int8_no_i2f() -> bool:
     """Whether int8 attention makes its codes fp32 by bit tricks (2**23 +
     code + 128 from the bits, minus 2**23 + 128) instead of an I2F per

@@ -28,7 +28,10 @@ I2F runs at 1/8 of FADD's rate on sm_90, and the decode tiles converted
 every K and V element. The float with bits 0x4B0000bb is 2**23 + b, so a
 byte placed under that exponent (one PRMT, `_nibble_values`,
 `_int8_values`) and one FADD give the code exactly; int8's codes take the
-same way (TANDEM_INT8_NO_I2F=0: I2F), with the same bits out.
+same way (TANDEM_INT8_NO_I2F=0: I2F), with the same bits out, where they
+are dequantized at all: by default int8's codes enter the dots as they are
+and each key's scales multiply its scores and probabilities instead
+(`_attend_int8_codes`, TANDEM_INT8_CODES_DOT=0 for the dequantized tiles).
 
 rk4p pages hold K before RoPE (per-channel codes per page) and rotated V;
 page ids >= num_pages name bf16 staging pages (open pages). A K or V byte
@@ -432,7 +435,7 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
                  KV_HEADS: tl.constexpr, D: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  KIND: tl.constexpr, SCALE_BLOCK: tl.constexpr, E8M0: tl.constexpr,
                  BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr, INT8_NO_I2F: tl.constexpr,
-                 COMPILED: tl.constexpr):
+                 INT8_CODES_DOT: tl.constexpr, COMPILED: tl.constexpr):
     """One online-softmax step over keys [start, start + BLOCK_N) (< hi).
     DOT_BF16: q (already rounded), K, P and V enter the dots as bf16,
     which runs them at twice tf32's rate with half the shared memory; the
@@ -440,6 +443,10 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < hi
     slot = _key_slots(table, keys, key_ok, PAGE_SIZE)
+    if KIND == 2 and INT8_CODES_DOT:
+        return _attend_int8_codes(q, q_pos, m_i, l_i, acc, keys, key_ok, slot, cols, col_ok,
+                                  kv_head, k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                                  KV_HEADS, D, DOT_BF16)
     k = _load_kv(k_codes_ptr, k_scales_ptr, slot, kv_head, cols, key_ok, col_ok,
                  KV_HEADS, D, KIND, SCALE_BLOCK, E8M0, INT8_NO_I2F, COMPILED)
     s = tl.dot(q, tl.trans(_dot_operand(k, DOT_BF16)))
@@ -448,6 +455,40 @@ def _attend_tile(q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_hea
                  KV_HEADS, D, KIND, SCALE_BLOCK, E8M0, INT8_NO_I2F, COMPILED)
     acc = acc * alpha[:, None] + tl.dot(_dot_operand(p, DOT_BF16), _dot_operand(v, DOT_BF16))
     return m_new, l_i, acc
+
+
+@triton.jit
+def _code_operand(codes, DOT_BF16: tl.constexpr):
+    """int8 codes as a dot operand: exact in bf16 (8 significant bits) and
+    in tf32 alike."""
+    if DOT_BF16 == 1:
+        return codes.to(tl.bfloat16)
+    else:
+        return codes.to(tl.float32)
+
+
+@triton.jit
+def _attend_int8_codes(q, q_pos, m_i, l_i, acc, keys, key_ok, slot, cols, col_ok, kv_head,
+                       k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
+                       KV_HEADS: tl.constexpr, D: tl.constexpr, DOT_BF16: tl.constexpr):
+    """_attend_tile over int8 pages with the codes themselves in the dots and
+    each key's scales outside them: q . (c_k s_k) = (q . c_k) s_k on the
+    scores, sum_n p_n (c_n s_n) = sum_n (p_n s_n) c_n on the output. The
+    K and V tiles are then int8 cast in the dots' own layout (no fp32 tile,
+    no per-element scale), where dequantizing them first cost the 27B's 4K
+    decode ~19 instructions an element, 255 registers and spills (Nsight
+    Compute, H100, 2026-12-06). The codes are exact operands, so only q and
+    p s round (as q and p did)."""
+    row = slot * KV_HEADS + kv_head
+    mask = key_ok[:, None] & col_ok[None, :]
+    k = tl.load(k_codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
+    k_scale = tl.load(k_scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(_code_operand(k, DOT_BF16))) * k_scale[None, :]
+    m_new, alpha, p, l_i = _online_softmax(s, keys, key_ok, q_pos, m_i, l_i)
+    v = tl.load(v_codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
+    v_scale = tl.load(v_scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+    pv = tl.dot(_dot_operand(p * v_scale[None, :], DOT_BF16), _code_operand(v, DOT_BF16))
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -753,7 +794,8 @@ def _paged_attention_kernel(
         Q_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
         FOR_LOOP: tl.constexpr, DOT_BF16: tl.constexpr, RK4_PAIRS: tl.constexpr,
-        INT8_NO_I2F: tl.constexpr, ROTATE_Q: tl.constexpr, LOG2_D: tl.constexpr,
+        INT8_NO_I2F: tl.constexpr, INT8_CODES_DOT: tl.constexpr, ROTATE_Q: tl.constexpr,
+        LOG2_D: tl.constexpr,
         R_SCALE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     row_block = tl.program_id(0)
@@ -804,7 +846,7 @@ def _paged_attention_kernel(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                 KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16,
-                INT8_NO_I2F, FOR_LOOP)
+                INT8_NO_I2F, INT8_CODES_DOT, FOR_LOOP)
     else:  # the interpreter cannot take tensor range bounds (numpy 2): a while loop
         start = lo
         while start < hi:
@@ -812,7 +854,7 @@ def _paged_attention_kernel(
                 q, q_pos, m_i, l_i, acc, start, hi, table, cols, col_ok, kv_head,
                 k_codes_ptr, k_scales_ptr, v_codes_ptr, v_scales_ptr,
                 KV_HEADS, D, PAGE_SIZE, KIND, SCALE_BLOCK, E8M0, BLOCK_N, DOT_BF16,
-                INT8_NO_I2F, FOR_LOOP)
+                INT8_NO_I2F, INT8_CODES_DOT, FOR_LOOP)
             start += BLOCK_N
 
     has_keys = l_i > 0.0
@@ -863,11 +905,13 @@ def program_switches(kind: int, head_dim: int) -> dict[str, bool]:
     on channel pairs, where its pair tiles are as wide as tl.dot's 16;
     INT8_NO_I2F, int8 codes to fp32 by bit tricks. Off for other formats,
     so they compile one variant whatever the switches say."""
-    from engine.kv.attention import int8_no_i2f, rk4_pairs
+    from engine.kv.attention import int8_codes_dot, int8_no_i2f, rk4_pairs
 
-    pairs, no_i2f = rk4_pairs(), int8_no_i2f()  # both read: a mistyped value fails anywhere
+    # all read: a mistyped value fails anywhere
+    pairs, no_i2f, codes_dot = rk4_pairs(), int8_no_i2f(), int8_codes_dot()
     return dict(RK4_PAIRS=kind == RK4 and pairs and triton.next_power_of_2(head_dim) >= 32,
-                INT8_NO_I2F=kind == INT8 and no_i2f)
+                INT8_NO_I2F=kind == INT8 and no_i2f,
+                INT8_CODES_DOT=kind == INT8 and codes_dot)
 
 
 def rotates_q_in_kernel(kind: int, head_dim: int) -> bool:
