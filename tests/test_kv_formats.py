@@ -133,6 +133,11 @@ TRITON_CASES = [
     *[("rk4", o, 256) for o in RK4_OFFERED],
 ]
 CASE_IDS = [f"{n}-{o}-D{d}" for n, o, d in TRITON_CASES]
+# unquantized pages have a write kernel only (kernels.dense_write: one
+# scatter launch for K and V); their read is torch's gather either way
+WRITE_CASES = TRITON_CASES + [("bf16", {}, 64), ("bf16", {}, 96),
+                              ("bf16", dict(dtype=torch.float32), 64)]
+WRITE_IDS = [f"{n}-{o}-D{d}" for n, o, d in WRITE_CASES]
 
 
 def poison(buffers):
@@ -166,7 +171,7 @@ def tokens_with_edge_cases(tokens, heads, head_dim, seed):
 
 
 @needs_triton
-@pytest.mark.parametrize("name, options, head_dim", TRITON_CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("name, options, head_dim", WRITE_CASES, ids=WRITE_IDS)
 def test_triton_write_is_bit_identical_to_reference(name, options, head_dim,
                                                     reference_rotation):
     fmt = make_format(name, **options)
@@ -187,6 +192,28 @@ def test_triton_write_is_bit_identical_to_reference(name, options, head_dim,
         written = reference[buf_name].flatten(0, 1)[slots]
         if written.is_floating_point():
             assert not written.isnan().any(), buf_name
+
+
+@needs_triton
+def test_dense_write_reads_k_and_v_as_views_of_one_projection():
+    """The model's K and V are column slices of one qkv row per token: the
+    dense write kernel reads them in place (their token stride) and stores
+    the same bits as torch's scatter of the same views."""
+    fmt = make_format("bf16")
+    num_pages, page_size, heads, head_dim, tokens = 6, 8, 2, 64, 11
+    qkv = gaussian_kv(tokens, 5, head_dim, seed=11).to(torch.bfloat16).flatten(1)
+    k = qkv[:, 2 * head_dim:4 * head_dim].view(tokens, heads, head_dim)
+    v = qkv[:, 3 * head_dim:].view(tokens, heads, head_dim)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    slots = torch.randperm(num_pages * page_size, generator=torch.Generator().manual_seed(3))
+    slots = slots[:tokens].to(DEVICE)
+    reference = poison(fmt.allocate(num_pages, page_size, heads, head_dim, DEVICE))
+    triton_out = poison(fmt.allocate(num_pages, page_size, heads, head_dim, DEVICE))
+    fmt.write(reference, slots, k, v, use_triton=False)
+    fmt.write(triton_out, slots, k, v, use_triton=True)
+    for side in ("k", "v"):
+        assert torch.equal(raw_bits(triton_out[side]), raw_bits(reference[side])), side
+        assert not reference[side].flatten(0, 1)[slots].isnan().any()
 
 
 @needs_triton

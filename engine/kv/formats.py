@@ -418,8 +418,14 @@ class Bf16Format(KVFormat):
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         return {side: torch.zeros(shape, dtype=self.dtype, device=device) for side in ("k", "v")}
 
+    def _write_pair_triton(self, buffers, slots, k, v) -> bool:
+        # nothing to quantize, but one dependent launch for both sides where
+        # torch's scatter took two that waited for the kernel before them
+        _kernels().dense_write(k.to(self.dtype), v.to(self.dtype), slots, buffers)
+        return True
+
     def _write_side(self, buffers, side, slots, x, triton):
-        # A plain scatter: nothing to quantize, so no kernel of our own.
+        # the reference path: a plain scatter
         buf = buffers[side]
         buf.view(-1, *buf.shape[2:]).index_copy_(0, slots, x.to(self.dtype))
 
