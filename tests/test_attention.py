@@ -470,6 +470,20 @@ def _switch_outputs(fmt, name, head_dim, seqs, seed, monkeypatch,
     return expected, outputs
 
 
+def _assert_every_side_near_reference(outputs, expected, bf16: bool) -> None:
+    """Each switch side's outputs, at each split count: written whole and
+    within the reference's tolerance (the existing rk4 and int8 ones: fp32
+    queries, or bf16 queries and dots)."""
+    for switch, by_splits in outputs.items():
+        for splits, actual in by_splits.items():
+            assert not actual.isnan().any(), (switch, splits)
+            if bf16:
+                torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
+                assert (actual.float() - expected).abs().mean() < 4e-3
+            else:
+                torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+
+
 @pytest.mark.parametrize("head_dim", sorted(NO_I2F_SHAPES))
 @pytest.mark.parametrize("name, options", NO_I2F_FORMATS, ids=NO_I2F_IDS)
 @pytest.mark.parametrize("step", list(NO_I2F_STEPS))
@@ -488,14 +502,7 @@ def test_rk4_pairs_and_int8_without_i2f_match_reference_and_the_old_path(
     expected, outputs = _switch_outputs(fmt, name, head_dim, NO_I2F_STEPS[step],
                                         seed=head_dim + len(step), monkeypatch=monkeypatch)
     bf16 = NO_I2F_SHAPES[head_dim][2] == torch.bfloat16
-    for switch, by_splits in outputs.items():
-        for splits, actual in by_splits.items():
-            assert not actual.isnan().any(), (switch, splits)
-            if bf16:
-                torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
-                assert (actual.float() - expected).abs().mean() < 4e-3
-            else:
-                torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    _assert_every_side_near_reference(outputs, expected, bf16)
     for splits in (1, 3):
         old, new = outputs["0"][splits].float(), outputs["1"][splits].float()
         if name == "int8":
@@ -530,14 +537,7 @@ def test_int8_codes_in_the_dots_match_reference_and_the_dequantized_tiles(
                                         seed=3 * head_dim + len(step), monkeypatch=monkeypatch,
                                         switch_env=INT8_CODES_DOT_ENV)
     bf16 = NO_I2F_SHAPES[head_dim][2] == torch.bfloat16
-    for switch, by_splits in outputs.items():
-        for splits, actual in by_splits.items():
-            assert not actual.isnan().any(), (switch, splits)
-            if bf16:
-                torch.testing.assert_close(actual.float(), expected, rtol=4e-2, atol=4e-2)
-                assert (actual.float() - expected).abs().mean() < 4e-3
-            else:
-                torch.testing.assert_close(actual, expected, **tolerance(torch.float32))
+    _assert_every_side_near_reference(outputs, expected, bf16)
     for splits in (1, 3):
         tiles, codes = outputs["0"][splits].float(), outputs["1"][splits].float()
         if bf16 or DEVICE != "cpu":

@@ -474,8 +474,8 @@ def _attend_int8_codes(q, q_pos, m_i, l_i, acc, keys, key_ok, slot, cols, col_ok
     """_attend_tile over int8 pages with the codes themselves in the dots and
     each key's scales outside them: q . (c_k s_k) = (q . c_k) s_k on the
     scores, sum_n p_n (c_n s_n) = sum_n (p_n s_n) c_n on the output. The
-    K and V tiles are then int8 cast in the dots' own layout (no fp32 tile,
-    no per-element scale), where dequantizing them first cost the 27B's 4K
+    K and V tiles are then int8 codes cast as they enter the dots (no fp32
+    tile, no per-element scale), where dequantizing them first cost the 27B's 4K
     decode ~19 instructions an element, 255 registers and spills (Nsight
     Compute, H100, 2026-12-06). The codes are exact operands, so only q and
     p s round (as q and p did)."""
@@ -903,8 +903,10 @@ def program_switches(kind: int, head_dim: int) -> dict[str, bool]:
     """The kernel's A/B constexprs, from the environment at launch
     (attention.rk4_pairs, attention.int8_no_i2f): RK4_PAIRS, rk4's program
     on channel pairs, where its pair tiles are as wide as tl.dot's 16;
-    INT8_NO_I2F, int8 codes to fp32 by bit tricks. Off for other formats,
-    so they compile one variant whatever the switches say."""
+    INT8_NO_I2F, int8 codes to fp32 by bit tricks (on the dequantized
+    tiles); INT8_CODES_DOT, int8 codes as the dots' operands
+    (attention.int8_codes_dot). Off for other formats, so they compile one
+    variant whatever the switches say."""
     from engine.kv.attention import int8_codes_dot, int8_no_i2f, rk4_pairs
 
     # all read: a mistyped value fails anywhere

@@ -2,7 +2,8 @@
 
 Owns the device side of formats.py: quantize-and-scatter of new tokens into
 their page slots, and gather-and-dequantize of a page table into a dense
-[length, H, D] tensor, for int8 and rk4. The rk4 rotation is the caller's
+[length, H, D] tensor, for int8 and rk4; unquantized pages get the scatter
+only (`dense_write`, one dependent launch for K and V). The rk4 rotation is the caller's
 (formats.py: a torch matmul, or hadamard_kernels.py's FWHT), except in
 rk4_rotate_write_kv, which applies fwht.rotate_rows to K and V itself;
 every other kernel sees the stored space only.

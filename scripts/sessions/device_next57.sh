@@ -39,6 +39,15 @@ attn() {  # attn NAME ARGS...: bench.attention for one query token in graphs of 
   STEP_TAIL=60 step "$1" 300 python3 -m bench.attention --new 1 --graph 20 --repeats 20 \
     --kv-format int8 "${@:2}"
 }
+ncu_codes() {  # Nsight Compute on one 4K int8 attention launch with the codes in the dots
+  TANDEM_INT8_CODES_DOT=1 STEP_TAIL=0 step ncu_codes 200 ncu --clock-control none \
+    --kernel-name regex:_paged_attention_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats python3 -m bench.attention --new 1 --context 4096 \
+    --kv-format int8 --candidates 19 --splits 64 --repeats 5
+  grep -e Duration -e "Registers Per" -e Spilling -e "Issued Warp" -e "Block Limit Reg" \
+    "$OUT/ncu_codes.log"
+}
 case "$call" in
   sweep)
     attn a4k --context 4096 --candidates 19 26 27 28 29 30 31 32 33 --splits 16 32 64 128
@@ -61,13 +70,7 @@ case "$call" in
     TANDEM_INT8_CODES_DOT=1 attn k4k --context 4096 --candidates 19 26 29 33 31 32 --splits 32 64
     attn d4k --context 4096 --candidates 19 33 --splits 64
     TANDEM_INT8_CODES_DOT=1 attn klong --context 32768 131072 --candidates 19 26 --splits 64
-    TANDEM_INT8_CODES_DOT=1 STEP_TAIL=40 step ncu_codes 200 ncu --clock-control none \
-      --kernel-name regex:_paged_attention_kernel --launch-skip 3 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats python3 -m bench.attention --new 1 --context 4096 \
-      --kv-format int8 --candidates 19 --splits 64 --repeats 5
-    grep -e Duration -e "Registers Per" -e Spilling -e "Issued Warp" -e "Block Limit Reg" \
-      "$OUT/ncu_codes.log"
+    ncu_codes
     for round in 1 2; do
       step_27b s${round}_a_default
       TANDEM_INT8_CODES_DOT=1 step_27b s${round}_b_codes
@@ -79,13 +82,7 @@ case "$call" in
       TANDEM_INT8_CODES_DOT=1 attn k$ctx --context $ctx --candidates 19 33 31 26 --splits 64
     done
     grep -h "int8 " "$OUT"/d*.log "$OUT"/k*.log > "$OUT/codes_all.txt"
-    TANDEM_INT8_CODES_DOT=1 STEP_TAIL=0 step ncu_codes 200 ncu --clock-control none \
-      --kernel-name regex:_paged_attention_kernel --launch-skip 3 --launch-count 1 \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section SchedulerStats python3 -m bench.attention --new 1 --context 4096 \
-      --kv-format int8 --candidates 19 --splits 64 --repeats 5
-    grep -e Duration -e "Registers Per" -e Spilling -e "Issued Warp" -e "Block Limit Reg" \
-      "$OUT/ncu_codes.log" | tee -a "$OUT/codes_all.txt"
+    ncu_codes | tee -a "$OUT/codes_all.txt"
     STEP_TAIL=30 step b256 300 python3 -m bench.attention --new 1 --graph 20 --repeats 20 \
       --kv-format bf16 --context 256 --candidates 19 33 26 --splits 4 8 16
     STEP_TAIL=0 step critical256 200 python3 -m bench.profile_step --weights int4 \
