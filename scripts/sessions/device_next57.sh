@@ -27,13 +27,16 @@
 #     dots) against HEAD's (a worktree), alternating, and this tree's
 #     critical path (11:48 and 12:01, two H100 starts: 6.42-6.44 ms against
 #     HEAD's 6.50-6.52, four pairs; the write's hop 1.1 us a layer)
+#   bash scripts/sessions/device_next57.sh int8  (carry .whl; next session): the
+#     bf16-weight 27B step over int8 KV at 4K and 128K (issue 6's rows) with
+#     int8's codes in the dots and without, alternating
 #   bash scripts/sessions/device_next57.sh tests  (carry .whl): the GPU tests
 #     of the changed kernels and of the engine on CUDA (11:48, H100: the
 #     step 6.42-6.43 ms against HEAD's 6.50-6.52 in two pairs, the write's
 #     hop 1.1 us a layer where torch's two scatters took ~5; 11:50: 65
 #     passed, then the codes test's fp32 case held tf32 to 2**-10: 3.3e-3)
 set -uo pipefail
-call=${1:?sweep, codes, codes2, ab or tests}
+call=${1:?sweep, codes, codes2, ab, int8 or tests}
 source scripts/device_env.sh
 attn() {  # attn NAME ARGS...: bench.attention for one query token in graphs of 20
   STEP_TAIL=60 step "$1" 300 python3 -m bench.attention --new 1 --graph 20 --repeats 20 \
@@ -102,6 +105,14 @@ case "$call" in
       --kv-format bf16 --context 256 --critical-path --top 40
     sed -n '/critical path/,$p' "$OUT/critical.log" | grep -e dense -e index -e attention \
       -e norm_rope -e "critical path" ;;
+  int8)  # ROUNDS=2 for a second pair (each run loads the 54 GB dummy weights)
+    for round in $(seq "${ROUNDS:-1}"); do
+      for codes in 1 0; do
+        TANDEM_INT8_CODES_DOT=$codes STEP_TAIL=6 step i${round}_codes$codes 280 \
+          python3 -m bench.decode --model qwen3.5-27b --device cuda --kv-format int8 \
+          --context 4096 131072 --steps 16
+      done
+    done ;;
   tests)
     STEP_TAIL=4 step tests_attention 250 python3 -m pytest -q -p no:cacheprovider \
       tests/test_attention.py -k "codes or int8"
