@@ -108,7 +108,7 @@ def time_ms(fn, repeats: int, graph: int = 0) -> float:
                 fn()
         g.replay()
         sync(torch.device("cuda"))
-        fn, repeats, per_call = g.replay, repeats, graph
+        fn, per_call = g.replay, graph
     else:
         per_call = 1
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -124,8 +124,7 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
     elif KIND == 1:
         return _load_dense(codes_ptr, row[:, None] * D + cols[None, :], mask, True)
     elif KIND == 2:
-        codes = tl.load(codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
-        scale = tl.load(scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+        codes, scale = _int8_rows(codes_ptr, scales_ptr, row, cols, key_ok, mask, D)
         if INT8_NO_I2F:
             return _int8_values(codes, COMPILED) * scale[:, None]
         return codes.to(tl.float32) * scale[:, None]
@@ -145,6 +144,15 @@ def _load_kv(codes_ptr, scales_ptr, slot, kv_head, cols, key_ok, col_ok,
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, NB, SCALE_BLOCK)),
                            (BLOCK_N, D_PAD))
         return codes * scale
+
+
+@triton.jit
+def _int8_rows(codes_ptr, scales_ptr, row, cols, key_ok, mask, D: tl.constexpr):
+    """int8 pages' codes [BLOCK_N, cols] of rows `row` (masked: 0) and their
+    fp32 scales [BLOCK_N] (masked keys: 0)."""
+    codes = tl.load(codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
+    scale = tl.load(scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+    return codes, scale
 
 
 @triton.jit
@@ -481,12 +489,10 @@ def _attend_int8_codes(q, q_pos, m_i, l_i, acc, keys, key_ok, slot, cols, col_ok
     p s round (as q and p did)."""
     row = slot * KV_HEADS + kv_head
     mask = key_ok[:, None] & col_ok[None, :]
-    k = tl.load(k_codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
-    k_scale = tl.load(k_scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+    k, k_scale = _int8_rows(k_codes_ptr, k_scales_ptr, row, cols, key_ok, mask, D)
     s = tl.dot(q, tl.trans(_code_operand(k, DOT_BF16))) * k_scale[None, :]
     m_new, alpha, p, l_i = _online_softmax(s, keys, key_ok, q_pos, m_i, l_i)
-    v = tl.load(v_codes_ptr + row[:, None] * D + cols[None, :], mask=mask, other=0)
-    v_scale = tl.load(v_scales_ptr + row, mask=key_ok, other=0.0).to(tl.float32)
+    v, v_scale = _int8_rows(v_codes_ptr, v_scales_ptr, row, cols, key_ok, mask, D)
     pv = tl.dot(_dot_operand(p * v_scale[None, :], DOT_BF16), _code_operand(v, DOT_BF16))
     return m_new, l_i, acc * alpha[:, None] + pv
 
