@@ -43,12 +43,16 @@ def _replacements(name: str) -> list[tuple[object, str, object]]:
         "gated_rms_norm": [(fused, "gated_rms_norm", lambda x, gate, w, eps: _no_kernel(x))],
         "sigmoid_gate": [(fused, "sigmoid_gate", lambda out, gate: _no_kernel(out))],
         "norm_rope": [(fused, "norm_rope", lambda x, w, cos, sin, rd, eps, zc, keep_normed=False:
-                       (_no_kernel(x), _no_kernel(x) if keep_normed else None))],
+                       (_no_kernel(x), _no_kernel(x) if keep_normed else None)),
+                      (fused, "norm_rope_pair",
+                       lambda q, k, qw, kw, cos, sin, rd, eps, zc, keep_k_normed=False:
+                       (_no_kernel(q), _no_kernel(k), _no_kernel(k) if keep_k_normed else None))],
         "gdn_conv": [(gdn_kernels, "conv_step", lambda mixed, *a, **k: _no_kernel(mixed))],
         "gdn_recurrence": [(gdn_kernels, "recurrence_step",
                             lambda q, k, v, *a, **kw: _no_kernel(v))],
         "kv_write": [(PagedKVCache, "write_kv", lambda self, layer, slots, k, v: None)],
-        "attention": [(PagedKVCache, "attend", lambda self, layer, q, meta, scale: _no_kernel(q))],
+        "attention": [(PagedKVCache, "attend",
+                       lambda self, layer, q, meta, scale, output_gate=None: _no_kernel(q))],
     }
     if name == "all_small":
         return [r for key in ("rms_norm", "silu_mul", "gated_rms_norm", "sigmoid_gate",

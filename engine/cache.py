@@ -167,12 +167,13 @@ class PagedKVCache:
         return self.pool_formats[i].read(self.kv[i], page_table, length, dtype)
 
     def attend(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
-               softmax_scale: float) -> torch.Tensor:
+               softmax_scale: float, output_gate: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of q [T, Hq, D] over the layer's pages (the new
-        tokens' K/V already written): Triton on CUDA, PyTorch elsewhere."""
+        tokens' K/V already written): Triton on CUDA, PyTorch elsewhere;
+        output_gate: times its sigmoid (engine.kv.attention.paged_attention)."""
         i = self._attn_index[layer]
         return paged_attention(self.pool_formats[i], self.kv[i], q, meta, softmax_scale,
-                               rotary=self.rotary)
+                               rotary=self.rotary, output_gate=output_gate)
 
     @property
     def rotary(self):

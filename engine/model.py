@@ -38,7 +38,7 @@ from engine.batch import ForwardBatch
 from engine.cache import PagedKVCache
 from engine import gdn_batched
 from engine.config import LINEAR_ATTENTION, ModelConfig
-from engine.fused import load_kernels as fused_kernels, reference, use_fused
+from engine.fused import load_kernels as fused_kernels, norm_rope_paired, reference, use_fused
 from engine.gdn import causal_conv1d, chunked_gated_delta_rule, recurrent_gated_delta_rule
 from engine.rotary import Rotary
 
@@ -188,23 +188,28 @@ class Attention(nn.Module):
             k_stored = k  # formats that store K before RoPE apply it after dequantizing
             q, k = rotary.apply(q, *cos_sin), rotary.apply(k, *cos_sin)
         cache.write_kv(self.layer, batch.kv_slots, k_stored if pre_rope else k, v)
-        out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5)
+        # the fused path gates inside attention (its split combine, or
+        # engine/fused's kernel after it)
+        fused_gate = gate if use_fused(qkv) else None
+        out = cache.attend(self.layer, q, batch.attention, self.head_dim ** -0.5,
+                           output_gate=fused_gate)
         out = out.reshape(tokens, -1)
-        if gate is not None:
-            if use_fused(qkv):
-                out = fused_kernels().sigmoid_gate(out, gate)
-            else:
-                out = out * torch.sigmoid(gate.reshape(tokens, -1))
+        if gate is not None and fused_gate is None:
+            out = out * torch.sigmoid(gate.reshape(tokens, -1))
         return self.o_proj(out)
 
     def _norm_rope_fused(self, q, k, rotary, cos_sin, keep_k_normed: bool):
-        """q/k norm (when the model has one) and rotary, one launch each; with
-        keep_k_normed also K before rotary (for formats that store it so)."""
+        """q/k norm (when the model has one) and rotary, both in one launch
+        (norm_rope_paired) or one each; with keep_k_normed also K before
+        rotary (for formats that store it so)."""
         kernels, dim = fused_kernels(), rotary.rotary_dim
         q_weight = None if self.q_norm is None else self.q_norm.weight
         k_weight = None if self.k_norm is None else self.k_norm.weight
         eps, zc = (0.0, False) if self.q_norm is None else (self.q_norm.eps,
                                                              self.q_norm.zero_centered)
+        if norm_rope_paired():
+            return kernels.norm_rope_pair(q, k, q_weight, k_weight, *cos_sin, dim, eps, zc,
+                                          keep_k_normed=keep_k_normed)
         q, _ = kernels.norm_rope(q, q_weight, *cos_sin, dim, eps, zc)
         k, k_normed = kernels.norm_rope(k, k_weight, *cos_sin, dim, eps, zc,
                                         keep_normed=keep_k_normed)

@@ -305,6 +305,90 @@ def test_kernel_writes_every_output_row_and_reads_only_its_pages():
     torch.testing.assert_close(out, expected, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("name,kwargs", [FORMATS[0], FORMATS[1], FORMATS[2], FORMATS[3]],
+                         ids=FORMAT_IDS[:4])
+@pytest.mark.parametrize("seqs", [[(40, 1)], [(21, 4), (3, 2)]], ids=["decode", "verify"])
+def test_the_split_combine_gates_as_the_separate_gate_does(name, kwargs, seqs, monkeypatch):
+    """The gated attention's output gate in the split combine (rk4's rotated
+    output back in the same combine) against the ungated kernel path then
+    engine/fused's gate kernel: bitwise on the GPU, to its ulp rounding under
+    the interpreter (numpy's exp); every output row written (NaN-poisoned);
+    one split or the switch off gate after the kernel, to the same bits."""
+    from engine import fused
+    from engine.kv import attention as A
+    from engine.kv import attention_kernels as K
+
+    monkeypatch.setattr(fused, "_FORCE_ON_CPU", True)
+    fmt = make_format(name, **kwargs)
+    q_dtype = torch.float32 if kwargs.get("dtype") == torch.float32 else torch.bfloat16
+    buffers, q, meta = build_case(fmt, seqs, q_heads=4, kv_heads=2, head_dim=32,
+                                  page_size=16, q_dtype=q_dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    # the gate as the model has it: the second half of each head's [query | gate]
+    projected = (torch.randn(q.shape[0], 4, 64, generator=g) * 3).to(DEVICE, q_dtype)
+    gate = projected[..., 32:]
+    real_kernel_output = A.kernel_output
+    monkeypatch.setattr(A, "kernel_output", lambda *a: real_kernel_output(*a).fill_(float("nan")))
+    launched = []
+    real_launch = K.launch
+    monkeypatch.setattr(K, "launch", lambda *a, **k: launched.append(a[15:]) or
+                        real_launch(*a, **k))
+    scale = 32 ** -0.5
+    apart = A.gated_output(paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=2),
+                           gate)
+    fused_gate = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=2,
+                                        output_gate=gate)
+    # the combine took it, unless rk4's rotation back runs after the combine
+    in_combine = not isinstance(fmt, F.RotatedInt4Format) or fmt.rotates_in_kernels(q, "combine")
+    assert (launched[-1][-1] is gate) == in_combine
+    assert fused_gate.dtype == q_dtype and not fused_gate.isnan().any()
+    if DEVICE == "cuda":
+        assert torch.equal(fused_gate, apart)
+    else:
+        rtol = 2 ** -7 if q_dtype == torch.bfloat16 else 2 ** -20  # an ulp of the dtype
+        torch.testing.assert_close(fused_gate.float(), apart.float(), rtol=rtol, atol=1e-6)
+    one_split = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=1,
+                                       output_gate=gate)
+    assert launched[-1][-1] is None
+    ungated_one = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=1)
+    assert torch.equal(one_split, A.gated_output(ungated_one, gate))
+    monkeypatch.setenv(A.COMBINE_GATE_ENV, "0")
+    switched_off = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=2,
+                                          output_gate=gate)
+    assert launched[-1][-1] is None and torch.equal(switched_off, apart)
+
+
+@pytest.mark.parametrize("name,kwargs", [FORMATS[1], FORMATS[2], FORMATS[3]],
+                         ids=FORMAT_IDS[1:4])
+def test_the_combine_reads_only_the_parts_of_splits_with_keys(name, kwargs, monkeypatch):
+    """A decode graph's 64 splits over a short context: most have no keys,
+    store no part and the combine reads none of them, so parts poisoned with
+    NaN beforehand change nothing (a read of one would)."""
+    from engine.kv import attention_kernels as K
+
+    real = K.split_buffers
+    monkeypatch.setattr(K, "split_buffers",
+                        lambda *a: tuple(t.fill_(float("nan")) for t in real(*a)))
+    fmt = make_format(name, **kwargs)
+    buffers, q, meta = build_case(fmt, [(20, 1), (3, 1)], q_heads=4, kv_heads=2, head_dim=32,
+                                  page_size=16, q_dtype=torch.bfloat16, seed=13)
+    scale = 32 ** -0.5
+    many = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=16)
+    assert not many.isnan().any()
+    expected = paged_attention_reference(fmt, buffers, q, meta, scale)
+    torch.testing.assert_close(many.float(), expected.float(), **tolerance(torch.bfloat16))
+
+
+def test_the_combine_refuses_a_gate_it_cannot_apply():
+    from engine.kv import attention_kernels as K
+
+    out = torch.zeros(2, 4, 32)
+    with pytest.raises(ValueError, match="num_splits > 1"):
+        K._check_gate(out.clone(), out, 1)
+    with pytest.raises(ValueError, match=r"must be \(2, 4, 32\) torch.float32"):
+        K._check_gate(torch.zeros(2, 4, 64)[..., ::2], out, 2)
+
+
 def test_dispatch_uses_the_reference_on_cpu_tensors_unless_forced():
     fmt = make_format("bf16", dtype=torch.float32)
     buffers, q, meta = build_case(fmt, [(5, 3)], q_heads=2, kv_heads=1, head_dim=32,

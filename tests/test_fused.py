@@ -156,6 +156,47 @@ def test_norm_rope(dtype, head_dim, rotary_dim, with_norm, zero_centered):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim,with_norm,zero_centered", [
+    (256, 64, True, True), (64, 64, False, False), (80, 32, True, False)])
+@pytest.mark.parametrize("keep_k_normed", [False, True])
+def test_norm_rope_pair_is_the_two_launches(dtype, head_dim, rotary_dim, with_norm,
+                                            zero_centered, keep_k_normed):
+    """q (a strided query half of [query | gate]) and k (a strided slice of
+    the qkv row) with their own weights in one launch: bitwise each one's
+    norm_rope, every element written (the outputs are NaN-poisoned)."""
+    tokens, q_heads, k_heads = 3, 6, 2
+    projected = _randn(tokens, q_heads, 2 * head_dim, dtype=dtype, seed=head_dim, scale=2.0)
+    kv = _randn(tokens, 2 * k_heads * head_dim, dtype=dtype, seed=5, scale=2.0)
+    q = projected[..., :head_dim]
+    k = kv[:, :k_heads * head_dim].view(tokens, k_heads, head_dim)
+    offset = 0 if zero_centered else 1
+    qw = _randn(head_dim, dtype=dtype, seed=11, scale=0.3) + offset if with_norm else None
+    kw = _randn(head_dim, dtype=dtype, seed=12, scale=0.3) + offset if with_norm else None
+    cos, sin = _cos_sin(tokens, rotary_dim, dtype)
+    q_out, k_out, k_normed = kernels.norm_rope_pair(q, k, qw, kw, cos, sin, rotary_dim, 1e-6,
+                                                    zero_centered, keep_k_normed=keep_k_normed)
+    q_apart, _ = kernels.norm_rope(q, qw, cos, sin, rotary_dim, 1e-6, zero_centered)
+    k_apart, k_normed_apart = kernels.norm_rope(k, kw, cos, sin, rotary_dim, 1e-6,
+                                                zero_centered, keep_normed=keep_k_normed)
+    assert torch.equal(q_out, q_apart) and torch.equal(k_out, k_apart)
+    assert (k_normed is None) == (not keep_k_normed)
+    if keep_k_normed:
+        assert torch.equal(k_normed, k_normed_apart)
+    _check(q_out, reference.norm_rope(q, qw, cos, sin, rotary_dim, 1e-6, zero_centered)[0])
+
+
+def test_norm_rope_pair_takes_two_launches_where_one_cannot_serve():
+    """q and k of different head dims: each its own norm_rope (the reference's numbers)."""
+    q = _randn(2, 3, 64, dtype=torch.float32, seed=1)
+    k = _randn(2, 1, 32, dtype=torch.float32, seed=2)
+    cos, sin = _cos_sin(2, 32, torch.float32)
+    q_out, k_out, none = kernels.norm_rope_pair(q, k, None, None, cos, sin, 32, 1e-6, False)
+    assert none is None
+    _check(q_out, reference.norm_rope(q, None, cos, sin, 32, 1e-6, False)[0])
+    _check(k_out, reference.norm_rope(k, None, cos, sin, 32, 1e-6, False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_sigmoid_gate(dtype):
     tokens, heads, head_dim = 3, 4, 48
     projected = _randn(tokens, heads, 2 * head_dim, dtype=dtype, seed=12)
@@ -217,7 +258,7 @@ def test_model_forward_fused_matches_plain(family, tiny_hf_dir, monkeypatch):
     calls = _count_kernel_calls(monkeypatch)
     got = _forward_logits(loaded, True, monkeypatch, torch.float32)
     torch.testing.assert_close(got, plain, rtol=1e-4, atol=1e-4)
-    expected = {"add_rms_norm", "silu_mul", "norm_rope"} | (
+    expected = {"add_rms_norm", "silu_mul", "norm_rope_pair"} | (
         {"gated_rms_norm", "sigmoid_gate"} if family == "qwen3_5" else set())
     assert expected <= {name for name, n in calls.items() if n}, calls
 
@@ -226,7 +267,7 @@ def _count_kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts each wrapper's calls from now on (the fused path must really run)."""
     calls = {}
     for name in ("rms_norm", "add_rms_norm", "gated_rms_norm", "silu_mul", "norm_rope",
-                 "sigmoid_gate"):
+                 "norm_rope_pair", "sigmoid_gate"):
         calls[name] = 0
 
         def counted(*args, _name=name, _fn=getattr(kernels, name), **kw):
@@ -245,7 +286,7 @@ def test_model_forward_fused_bf16(tiny_hf_dir, monkeypatch):
     plain = _forward_logits(loaded, False, monkeypatch, torch.bfloat16, DEVICE)
     calls = _count_kernel_calls(monkeypatch)
     got = _forward_logits(loaded, True, monkeypatch, torch.bfloat16, DEVICE)
-    assert calls["add_rms_norm"] and calls["norm_rope"] and calls["gated_rms_norm"]
+    assert calls["add_rms_norm"] and calls["norm_rope_pair"] and calls["gated_rms_norm"]
     assert (got - plain).abs().max() < 0.02 * plain.abs().max()
     assert (got.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
 

@@ -78,11 +78,13 @@ stacks["rk4 rotating write"] = stack_of(
          k_scales_ptr="*fp16", v_codes_ptr="*u8", v_scales_ptr="*fp16"),
     dict(H=4, D=256, LOG2_D=8, SCALE=hadamard_scale(256), HEAD_ROWS=KV._rows_per_program(256),
          ROWS_PER_TOKEN=32, HALF=16, E8M0=False, X_BF16=True, PDL=True))
-stacks["attention combine rotating back"] = stack_of(
-    A._combine_splits_kernel,
-    dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*i16", signs_ptr="*fp32"),
-    dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
-         LOG2_D=8, SCALE=hadamard_scale(256), PDL=True))
+for gated in (False, True):  # gated: the output gate too, Qwen3.5's attention
+    stacks[f"attention combine rotating back{' and gating' if gated else ''}"] = stack_of(
+        A._combine_splits_kernel,
+        dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*i16", signs_ptr="*fp32",
+             gate_ptr="*i16"),
+        dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
+             LOG2_D=8, SCALE=hadamard_scale(256), GATED=gated, Q_HEADS=24, PDL=True))
 # the DP4A GEMV a sweep file (TANDEM_GEMV_TUNED) may pick, stream-K included
 from bench.gemv_sass import describe as describe_gemv
 from engine.quant.gemv_configs import STREAM_CANDIDATES, TUNED
@@ -106,7 +108,8 @@ def stacks() -> dict[str, int]:
                          + [f"attention {f} {s} switched off" for f in ("int8", "rk4")
                             for s in ("decode", "verify")]
                          + ["gdn conv chunk", "gdn q/k l2 norm", "rk4 rotating write",
-                            "attention combine rotating back"])
+                            "attention combine rotating back",
+                            "attention combine rotating back and gating"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"
 

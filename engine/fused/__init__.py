@@ -26,6 +26,16 @@ import torch
 
 ENV_SWITCH = "TANDEM_FUSED_NORMS"
 _FORCE_ON_CPU = False  # tests only: run the kernels on CPU tensors (TRITON_INTERPRET=1)
+PAIR_ENV = "TANDEM_NORM_ROPE_PAIR"
+
+
+def norm_rope_paired() -> bool:
+    """Whether attention's q and k norm + rotary share one launch
+    (kernels.norm_rope_pair; TANDEM_NORM_ROPE_PAIR, on by default; read at
+    the call, in a CUDA graph at capture): the same bits as two launches."""
+    from engine.switches import on_off
+
+    return on_off(PAIR_ENV, True, on="q and k in one launch", off="a launch each")
 
 
 def use_fused(x: torch.Tensor) -> bool:

@@ -116,16 +116,15 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, g_stride, u_stride, BLOCK: tl.con
 
 
 @triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, H, D, R,
-                      stride_t, stride_h, cs_stride, eps, HAS_NORM: tl.constexpr,
-                      ZERO_CENTERED: tl.constexpr, STORE_NORMED: tl.constexpr,
-                      HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One (token, head): optional RMSNorm over the head, then rotate-half
-    rotary on its first R dims. The head is loaded as three pieces (first and
-    second rotary halves, the unrotated rest) so the rotation pairs lanes
-    without shuffles. Products and the sum are rounded like the eager ops."""
-    pdl_prologue(PDL)
-    pid = tl.program_id(0).to(tl.int64)
+def _norm_rope_head(pid, x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, H, D, R,
+                    stride_t, stride_h, cs_stride, eps, HAS_NORM: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr, STORE_NORMED: tl.constexpr,
+                    HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr):
+    """(token, head) number pid of x: optional RMSNorm over the head, then
+    rotate-half rotary on its first R dims. The head is loaded as three
+    pieces (first and second rotary halves, the unrotated rest) so the
+    rotation pairs lanes without shuffles. Products and the sum are rounded
+    like the eager ops."""
     t = pid // H
     head = pid % H
     base = x_ptr + t * stride_t + head * stride_h
@@ -161,6 +160,40 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, H, D,
         tl.store(normed + o1, x1.to(DT), mask=m1)
         tl.store(normed + o2, x2.to(DT), mask=m1)
         tl.store(normed + o3, x3.to(DT), mask=m3)
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, normed_ptr, H, D, R,
+                      stride_t, stride_h, cs_stride, eps, HAS_NORM: tl.constexpr,
+                      ZERO_CENTERED: tl.constexpr, STORE_NORMED: tl.constexpr,
+                      HALF_BLOCK: tl.constexpr, REST_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One (token, head) of x a program (_norm_rope_head)."""
+    pdl_prologue(PDL)
+    _norm_rope_head(tl.program_id(0).to(tl.int64), x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+                    normed_ptr, H, D, R, stride_t, stride_h, cs_stride, eps, HAS_NORM,
+                    ZERO_CENTERED, STORE_NORMED, HALF_BLOCK, REST_BLOCK)
+
+
+@triton.jit
+def _norm_rope_pair_kernel(q_ptr, qw_ptr, k_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr,
+                           k_out_ptr, k_normed_ptr, q_programs, HQ, HK, D, R, q_stride_t,
+                           q_stride_h, k_stride_t, k_stride_h, cs_stride, eps,
+                           HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                           STORE_NORMED: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                           REST_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """The queries' and the keys' (token, head)s in one launch: programs
+    below q_programs take q's, the rest k's (with STORE_NORMED, k's before
+    rotary too)."""
+    pdl_prologue(PDL)
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < q_programs:
+        _norm_rope_head(pid, q_ptr, qw_ptr, cos_ptr, sin_ptr, q_out_ptr, q_out_ptr, HQ, D, R,
+                        q_stride_t, q_stride_h, cs_stride, eps, HAS_NORM, ZERO_CENTERED, False,
+                        HALF_BLOCK, REST_BLOCK)
+    else:
+        _norm_rope_head(pid - q_programs, k_ptr, kw_ptr, cos_ptr, sin_ptr, k_out_ptr,
+                        k_normed_ptr, HK, D, R, k_stride_t, k_stride_h, cs_stride, eps,
+                        HAS_NORM, ZERO_CENTERED, STORE_NORMED, HALF_BLOCK, REST_BLOCK)
 
 
 @triton.jit
@@ -279,23 +312,64 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     view (the query half of [query | gate]); the outputs are contiguous. The
     normed (pre-rotary) heads come back only with keep_normed."""
     tokens, heads, dim = x.shape
-    uniform = cos.dtype == x.dtype and sin.dtype == x.dtype and (
-        weight is None or _norm_dtype(x, weight, zero_centered) == x.dtype)
-    if (x.stride(-1) != 1 or not uniform or rotary_dim % 2 or rotary_dim > dim
-            or dim > MAX_ROW or x.numel() == 0 or cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+    if not _norm_rope_takes(x, weight, cos, sin, rotary_dim, zero_centered):
         rotated, normed = reference.norm_rope(x, weight, cos, sin, rotary_dim, eps, zero_centered)
         return rotated, normed if keep_normed else None
     out = _empty((tokens, heads, dim), x.dtype, x.device)
     normed = _empty(out.shape, x.dtype, x.device) if keep_normed else out
-    half_block = max(triton.next_power_of_2(rotary_dim // 2), 16)
-    rest_block = max(triton.next_power_of_2(dim - rotary_dim), 16)
     _norm_rope_kernel[(tokens * heads,)](
         x, x if weight is None else weight, cos, sin, out, normed, heads, dim, rotary_dim,
         x.stride(0), x.stride(1), cos.stride(0), eps, HAS_NORM=weight is not None,
-        ZERO_CENTERED=zero_centered, STORE_NORMED=keep_normed, HALF_BLOCK=half_block,
-        REST_BLOCK=rest_block, num_warps=1 if dim <= 256 else 2,
-        **pdl_launch(x.device))
+        ZERO_CENTERED=zero_centered, STORE_NORMED=keep_normed,
+        **_norm_rope_blocks(dim, rotary_dim), **pdl_launch(x.device))
     return out, normed if keep_normed else None
+
+
+def _norm_rope_takes(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, rotary_dim: int, zero_centered: bool) -> bool:
+    """Whether the kernel takes x [T, heads, head_dim] (else the reference runs)."""
+    dim = x.shape[-1]
+    uniform = cos.dtype == x.dtype and sin.dtype == x.dtype and (
+        weight is None or _norm_dtype(x, weight, zero_centered) == x.dtype)
+    return (x.stride(-1) == 1 and uniform and not rotary_dim % 2 and rotary_dim <= dim
+            and dim <= MAX_ROW and x.numel() > 0 and cos.stride(-1) == 1
+            and sin.stride() == cos.stride())
+
+
+def _norm_rope_blocks(dim: int, rotary_dim: int) -> dict:
+    return dict(HALF_BLOCK=max(triton.next_power_of_2(rotary_dim // 2), 16),
+                REST_BLOCK=max(triton.next_power_of_2(dim - rotary_dim), 16),
+                num_warps=1 if dim <= 256 else 2)
+
+
+def norm_rope_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                   k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                   rotary_dim: int, eps: float, zero_centered: bool, keep_k_normed: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """norm_rope of q and of k (each with its own weight, both or neither)
+    in one launch: (q rotated, k rotated, k normed or None). Shapes the
+    kernel does not take go through norm_rope, each on its own."""
+    if (q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.dtype != k.dtype
+            or (q_weight is None) != (k_weight is None)
+            or not _norm_rope_takes(q, q_weight, cos, sin, rotary_dim, zero_centered)
+            or not _norm_rope_takes(k, k_weight, cos, sin, rotary_dim, zero_centered)):
+        q_out, _ = norm_rope(q, q_weight, cos, sin, rotary_dim, eps, zero_centered)
+        k_out, k_normed = norm_rope(k, k_weight, cos, sin, rotary_dim, eps, zero_centered,
+                                    keep_normed=keep_k_normed)
+        return q_out, k_out, k_normed
+    tokens, q_heads, dim = q.shape
+    k_heads = k.shape[1]
+    q_out = _empty(q.shape, q.dtype, q.device)
+    k_out = _empty(k.shape, k.dtype, k.device)
+    k_normed = _empty(k.shape, k.dtype, k.device) if keep_k_normed else k_out
+    has_norm = q_weight is not None
+    _norm_rope_pair_kernel[(tokens * (q_heads + k_heads),)](
+        q, q_weight if has_norm else q, k, k_weight if has_norm else k, cos, sin, q_out, k_out,
+        k_normed, tokens * q_heads, q_heads, k_heads, dim, rotary_dim, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), cos.stride(0), eps, HAS_NORM=has_norm,
+        ZERO_CENTERED=zero_centered, STORE_NORMED=keep_k_normed,
+        **_norm_rope_blocks(dim, rotary_dim), **pdl_launch(q.device))
+    return q_out, k_out, k_normed if keep_k_normed else None
 
 
 def sigmoid_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

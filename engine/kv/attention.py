@@ -412,9 +412,11 @@ ROTATE_Q_MAX_NEW_TOKENS = 8
 def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                            meta: AttentionMetadata, softmax_scale: float,
                            num_splits: int | None = None, rotary=None,
-                           tiles: Tiles | None = None) -> torch.Tensor:
+                           tiles: Tiles | None = None,
+                           output_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel path; same contract as paged_attention_reference. `tiles`
-    replaces tiles_for's choice."""
+    replaces tiles_for's choice. With output_gate, the output times its
+    sigmoid (gated_output says how), in the split combine where there is one."""
     from engine.kv import attention_kernels as K
 
     kind_args = _kind_args(fmt, buffers, rotary)
@@ -460,15 +462,46 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                         q.device)
     signs = fmt.rotation_signs(q.shape[-1], q.device) \
         if combine_rotates or kernel_rotates_q else None
+    # the combine stores the final output (q's dtype) and so can gate it
+    combine_gates = (output_gate is not None and num_splits > 1 and out.dtype == q.dtype
+                     and output_gate.dtype == q.dtype and output_gate.stride(-1) == 1
+                     and combine_gates_wanted())
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,
              tiles.rows, tiles.block_n, tiles.num_warps, tiles.num_stages,
              tiles.dot_bf16 and q.dtype == torch.bfloat16,
-             signs if combine_rotates else None, signs if kernel_rotates_q else None)
+             signs if combine_rotates else None, signs if kernel_rotates_q else None,
+             output_gate if combine_gates else None)
     if rotated and not combine_rotates:
         # fp32 out: the rotation back and the cast to q's dtype in one pass
-        return fmt.unrotate_output(out, dtype=q.dtype)
+        out = fmt.unrotate_output(out, dtype=q.dtype)
+    if output_gate is not None and not combine_gates:
+        return gated_output(out, output_gate)
     return out
+
+
+COMBINE_GATE_ENV = "TANDEM_COMBINE_GATE"
+
+
+def combine_gates_wanted() -> bool:
+    """Whether the split combine applies the gated attention's output gate
+    (TANDEM_COMBINE_GATE, on by default; read at launch, in a CUDA graph at
+    capture): one launch fewer per attention layer where the combine runs
+    (decode, verify), bitwise the separate gate's numbers."""
+    return on_off(COMBINE_GATE_ENV, True, on="the output gate in the split combine",
+                  off="the output gate in its own launch")
+
+
+def gated_output(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """out [T, Hq, D] * round(sigmoid(gate)) in out's dtype by engine/fused's
+    kernel (its reference where the fused ops do not run): the model's
+    output gate, where no split combine took it."""
+    from engine.fused import load_kernels, reference, use_fused
+
+    flat = out.reshape(out.shape[0], -1)
+    if use_fused(out):
+        return load_kernels().sigmoid_gate(flat, gate).view(out.shape)
+    return reference.sigmoid_gate(flat, gate.reshape(flat.shape)).view(out.shape)
 
 
 # ------------------------------------------------------- dense prefill chunks
@@ -602,15 +635,23 @@ def dense_prefill_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: 
 
 def paged_attention(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: torch.Tensor,
                     meta: AttentionMetadata, softmax_scale: float | None = None,
-                    use_triton: bool | None = None, rotary=None) -> torch.Tensor:
+                    use_triton: bool | None = None, rotary=None,
+                    output_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the pages: the Triton kernels on CUDA
     tensors (prefill chunks over quantized pages through a dense bf16
     workspace), the PyTorch reference elsewhere (use_triton forces either).
-    rotary: the model's Rotary, needed by formats that store K before RoPE."""
+    rotary: the model's Rotary, needed by formats that store K before RoPE.
+    output_gate ([T, Hq, D] in q's dtype, unit stride along D): the output
+    times round(sigmoid(gate)) (gated_output), in the split combine where
+    one runs (combine_gates_wanted)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     choice = fmt.use_triton if use_triton is None else use_triton
     if (q.is_cuda if choice is None else choice):
         if dense_prefill_wanted(fmt, buffers, q, meta):
-            return dense_prefill_attention(fmt, buffers, q, meta, scale, rotary=rotary)
-        return paged_attention_triton(fmt, buffers, q, meta, scale, rotary=rotary)
-    return paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)
+            out = dense_prefill_attention(fmt, buffers, q, meta, scale, rotary=rotary)
+        else:
+            return paged_attention_triton(fmt, buffers, q, meta, scale, rotary=rotary,
+                                          output_gate=output_gate)
+    else:
+        out = paged_attention_reference(fmt, buffers, q, meta, scale, rotary=rotary)
+    return out if output_gate is None else gated_output(out, output_gate)

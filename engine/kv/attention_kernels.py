@@ -644,14 +644,17 @@ def _split_keys(n_new, kv_len, first_row, split, ROWS: tl.constexpr, GROUP: tl.c
 
 
 @triton.jit
-def _store_out(o, q_rows, split, cols, mask, out_ptr, part_out_ptr, D: tl.constexpr,
+def _store_out(o, has_keys, q_rows, split, cols, mask, out_ptr, part_out_ptr, D: tl.constexpr,
                NUM_SPLITS: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Output channels `cols` of rows q_rows: the output, or this split's part."""
+    """Output channels `cols` of rows q_rows: the output, or this split's
+    part where the split had keys for the row (the combine reads no other:
+    at a short context most of a decode graph's 64 splits have none)."""
     if NUM_SPLITS == 1:
         _store_dense(out_ptr, q_rows[:, None] * D + cols[None, :], o, mask, OUT_BF16)
     else:
         part = q_rows * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o, mask=mask)
+        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o,
+                 mask=mask & has_keys[:, None])
 
 
 @triton.jit
@@ -679,9 +682,9 @@ def _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row
     2p + 1, and the split's log-sum-exp."""
     has_keys = l_i > 0.0
     norm = tl.where(has_keys, l_i, 1.0)
-    _store_out(acc_even / norm[:, None], q_rows, split, 2 * pairs, q_mask, out_ptr, part_out_ptr,
-               D, NUM_SPLITS, OUT_BF16)
-    _store_out(acc_odd / norm[:, None], q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
+    _store_out(acc_even / norm[:, None], has_keys, q_rows, split, 2 * pairs, q_mask, out_ptr,
+               part_out_ptr, D, NUM_SPLITS, OUT_BF16)
+    _store_out(acc_odd / norm[:, None], has_keys, q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
                part_out_ptr, D, NUM_SPLITS, OUT_BF16)
     _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
 
@@ -865,21 +868,49 @@ def _paged_attention_kernel(
 
     has_keys = l_i > 0.0
     norm = tl.where(has_keys, l_i, 1.0)
-    _store_out(acc / norm[:, None], q_rows, split, cols, q_mask, out_ptr, part_out_ptr, D,
+    _store_out(acc / norm[:, None], has_keys, q_rows, split, cols, q_mask, out_ptr, part_out_ptr, D,
                NUM_SPLITS, OUT_BF16)
     _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
 
 
-@triton.jit(do_not_specialize=("n_rows",))
-def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, n_rows,
+@triton.jit
+def _rounded_as(v, BF16: tl.constexpr):
+    """fp32 v rounded to the output's dtype and back: bf16 to nearest even
+    on the bits, as _store_dense stores it; fp32 as it is."""
+    if BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v
+
+
+@triton.jit
+def _gated(o, gate_ptr, row, cols, col_ok, g_stride_t, g_stride_h, Q_HEADS: tl.constexpr,
+           OUT_BF16: tl.constexpr):
+    """The stored output times its gate's sigmoid, each rounded to the
+    output's dtype: bitwise engine/fused's sigmoid_gate over the stored
+    output (the gate read in place from the q projection's [query | gate])."""
+    token, head = row // Q_HEADS, row % Q_HEADS
+    g = _load_dense(gate_ptr, token * g_stride_t + head * g_stride_h + cols, col_ok, OUT_BF16)
+    sigmoid = _rounded_as(1.0 / (1.0 + tl.exp(-g)), OUT_BF16)
+    return _rounded_as(o, OUT_BF16) * sigmoid
+
+
+@triton.jit(do_not_specialize=("n_rows", "g_stride_t", "g_stride_h"))
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, gate_ptr, n_rows,
+                           g_stride_t, g_stride_h,
                            D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr,
                            ROTATE_BACK: tl.constexpr, LOG2_D: tl.constexpr,
-                           SCALE: tl.constexpr, PDL: tl.constexpr):
+                           SCALE: tl.constexpr, GATED: tl.constexpr, Q_HEADS: tl.constexpr,
+                           PDL: tl.constexpr):
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2**(lse_s - max lse); with
     ROTATE_BACK (D a power of two) times R.T before the store, the rotated
     formats' way back from the stored space (fwht.rotate_rows: bitwise the
-    Hadamard row kernel's, which would otherwise be a launch of its own)."""
+    Hadamard row kernel's, which would otherwise be a launch of its own);
+    with GATED, times round(sigmoid(gate)) (_gated), the gated attention's
+    output gate, which would otherwise be a launch of its own too."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
@@ -889,7 +920,9 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, n_row
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.math.exp2(lse - top)
     cols = tl.arange(0, D_PAD)
-    mask = split_ok[:, None] & (cols < D)[None, :]
+    # a split without keys for the row stored no part (_store_out): its weight is 0
+    live = split_ok & (lse > float("-inf"))
+    mask = live[:, None] & (cols < D)[None, :]
     parts = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * D + cols[None, :],
                     mask=mask, other=0.0)
     total = tl.sum(weight, axis=0)
@@ -898,6 +931,8 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, n_row
         signs = tl.load(signs_ptr + cols)[None, :]
         o = tl.reshape(rotate_rows(tl.reshape(o, (1, D_PAD)), signs, 1, D_PAD, LOG2_D, SCALE,
                                    True), (D_PAD,))
+    if GATED:
+        o = _gated(o, gate_ptr, row, cols, cols < D, g_stride_t, g_stride_h, Q_HEADS, OUT_BF16)
     _store_dense(out_ptr, row * D + cols, o, cols < D, OUT_BF16)
 
 
@@ -935,10 +970,14 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
            rows: int, block_n: int, num_warps: int | None = None,
            num_stages: int | None = None, dot_bf16: bool = False,
            rotate_back_signs: torch.Tensor | None = None,
-           rotate_q_signs: torch.Tensor | None = None) -> torch.Tensor:
+           rotate_q_signs: torch.Tensor | None = None,
+           output_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Runs the attention kernel (and the split combine when num_splits > 1).
     rotate_back_signs (num_splits > 1 only): the combine multiplies the
     output by R.T = diag(signs) H / sqrt(D) before storing it in out's dtype.
+    output_gate (num_splits > 1 only; [T, Hq, D] in out's dtype, unit stride
+    along D, e.g. the gate half of the q projection): the combine stores
+    round(out) * round(sigmoid(gate)) instead, rounded to out's dtype.
     rotate_q_signs (rk4 on channel pairs only, rotates_q_in_kernel): the
     kernel multiplies q by R = H diag(signs) / sqrt(D) as it loads it.
 
@@ -959,9 +998,7 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     q_arg, q_bf16 = as_kernel_dense(q)
     out_arg, out_bf16 = as_kernel_dense(out)
     if num_splits > 1:
-        part_out = torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_out, part_lse = split_buffers(tokens, q_heads, num_splits, head_dim, q.device)
     else:
         part_out = part_lse = out_arg  # unused
     switches = program_switches(kind, head_dim)
@@ -987,15 +1024,39 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         R_SCALE=hadamard_scale(d_pad), **extra, **pdl_launch(q.device))
     if rotate_back_signs is not None and (num_splits == 1 or d_pad != head_dim):
         raise ValueError("the combine rotates back only split outputs of power-of-two heads")
+    gated = output_gate is not None
+    if gated:
+        _check_gate(output_gate, out, num_splits)
+        gate_arg, _ = as_kernel_dense(output_gate)
     if num_splits > 1:
         rotate_back = rotate_back_signs is not None
         _combine_splits_kernel[(tokens * q_heads,)](
             part_out, part_lse, out_arg, rotate_back_signs if rotate_back else part_lse,
-            tokens * q_heads, D=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            gate_arg if gated else part_lse, tokens * q_heads,
+            output_gate.stride(0) if gated else 0, output_gate.stride(1) if gated else 0,
+            D=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), OUT_BF16=out_bf16,
             ROTATE_BACK=rotate_back, LOG2_D=d_pad.bit_length() - 1,
-            SCALE=hadamard_scale(d_pad), **pdl_launch(q.device))
+            SCALE=hadamard_scale(d_pad), GATED=gated, Q_HEADS=q_heads, **pdl_launch(q.device))
     return out
+
+
+def split_buffers(tokens: int, q_heads: int, num_splits: int, head_dim: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split programs' fp32 parts [T, Hq, S, D] and log2-sum-exps
+    [T, Hq, S] (a test poisons them: the combine reads only parts stored)."""
+    return (torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
+                        device=device),
+            torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=device))
+
+
+def _check_gate(gate: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    if num_splits == 1:
+        raise ValueError("the output gate is applied by the split combine: num_splits > 1")
+    if gate.shape != out.shape or gate.dtype != out.dtype or gate.stride(-1) != 1:
+        raise ValueError(f"the output gate must be {tuple(out.shape)} {out.dtype} with unit "
+                         f"stride along the head, got {tuple(gate.shape)} {gate.dtype} "
+                         f"strides {gate.stride()}")
 
 
 # Key splits at most: a long context's short batches (decode, verify, a
