@@ -78,14 +78,10 @@ def recurrence_state_early() -> bool:
     """Whether the recurrence step reads its state tiles before waiting for
     the kernel before it: on by default (TANDEM_GDN_STATE_EARLY=0 reads them
     after; read at launch, in a CUDA graph at capture). Safe under
-    programmatic dependent launch whichever way the kernels release their
-    dependents (engine/pdl.py): the only kernel that writes a layer's state
-    is this layer's recurrence, once a forward, and a forward's launches
-    never run ahead into the next one's (a CUDA graph's replay starts once
-    the last has finished; eager, ~600 launches lie between a layer's two
-    recurrences, and an sm_90 GPU holds at most 128 grids at once). With each kernel releasing after its wait, even less is in
-    flight: every kernel but the one right before (in_proj's GEMV, or the
-    conv step) has finished. The int4 27B step, alternating runs (BENCHMARKS.md,
+    programmatic dependent launch: a kernel launches only when the one
+    before it has passed its own wait, so every kernel but the one right
+    before has finished, and that one (in_proj's GEMV, or the conv step)
+    writes no state. The int4 27B step, alternating runs (BENCHMARKS.md,
     2026-12-06 08:11-08:45): H200 5.32 ms in three runs against 5.34-5.36
     without, H100 6.62 against 6.66-6.67; the recurrence's share of a step
     5.23 -> 3.83 us a layer."""

@@ -644,17 +644,14 @@ def _split_keys(n_new, kv_len, first_row, split, ROWS: tl.constexpr, GROUP: tl.c
 
 
 @triton.jit
-def _store_out(o, has_keys, q_rows, split, cols, mask, out_ptr, part_out_ptr, D: tl.constexpr,
+def _store_out(o, q_rows, split, cols, mask, out_ptr, part_out_ptr, D: tl.constexpr,
                NUM_SPLITS: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Output channels `cols` of rows q_rows: the output, or this split's
-    part where the split had keys for the row (the combine reads no other:
-    at a short context most of a decode graph's 64 splits have none)."""
+    """Output channels `cols` of rows q_rows: the output, or this split's part."""
     if NUM_SPLITS == 1:
         _store_dense(out_ptr, q_rows[:, None] * D + cols[None, :], o, mask, OUT_BF16)
     else:
         part = q_rows * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o,
-                 mask=mask & has_keys[:, None])
+        tl.store(part_out_ptr + part[:, None] * D + cols[None, :], o, mask=mask)
 
 
 @triton.jit
@@ -682,9 +679,9 @@ def _finish_pairs(m_i, l_i, acc_even, acc_odd, q_rows, split, pairs, q_mask, row
     2p + 1, and the split's log-sum-exp."""
     has_keys = l_i > 0.0
     norm = tl.where(has_keys, l_i, 1.0)
-    _store_out(acc_even / norm[:, None], has_keys, q_rows, split, 2 * pairs, q_mask, out_ptr,
-               part_out_ptr, D, NUM_SPLITS, OUT_BF16)
-    _store_out(acc_odd / norm[:, None], has_keys, q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
+    _store_out(acc_even / norm[:, None], q_rows, split, 2 * pairs, q_mask, out_ptr, part_out_ptr,
+               D, NUM_SPLITS, OUT_BF16)
+    _store_out(acc_odd / norm[:, None], q_rows, split, 2 * pairs + 1, q_mask, out_ptr,
                part_out_ptr, D, NUM_SPLITS, OUT_BF16)
     _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
 
@@ -868,7 +865,7 @@ def _paged_attention_kernel(
 
     has_keys = l_i > 0.0
     norm = tl.where(has_keys, l_i, 1.0)
-    _store_out(acc / norm[:, None], has_keys, q_rows, split, cols, q_mask, out_ptr, part_out_ptr, D,
+    _store_out(acc / norm[:, None], q_rows, split, cols, q_mask, out_ptr, part_out_ptr, D,
                NUM_SPLITS, OUT_BF16)
     _store_lse(m_i, norm, has_keys, q_rows, split, row_ok, part_lse_ptr, NUM_SPLITS)
 
@@ -920,9 +917,7 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, gate_
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.math.exp2(lse - top)
     cols = tl.arange(0, D_PAD)
-    # a split without keys for the row stored no part (_store_out): its weight is 0
-    live = split_ok & (lse > float("-inf"))
-    mask = live[:, None] & (cols < D)[None, :]
+    mask = split_ok[:, None] & (cols < D)[None, :]
     parts = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * D + cols[None, :],
                     mask=mask, other=0.0)
     total = tl.sum(weight, axis=0)
@@ -998,7 +993,9 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     q_arg, q_bf16 = as_kernel_dense(q)
     out_arg, out_bf16 = as_kernel_dense(out)
     if num_splits > 1:
-        part_out, part_lse = split_buffers(tokens, q_heads, num_splits, head_dim, q.device)
+        part_out = torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out_arg  # unused
     switches = program_switches(kind, head_dim)
@@ -1039,15 +1036,6 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
             ROTATE_BACK=rotate_back, LOG2_D=d_pad.bit_length() - 1,
             SCALE=hadamard_scale(d_pad), GATED=gated, Q_HEADS=q_heads, **pdl_launch(q.device))
     return out
-
-
-def split_buffers(tokens: int, q_heads: int, num_splits: int, head_dim: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split programs' fp32 parts [T, Hq, S, D] and log2-sum-exps
-    [T, Hq, S] (a test poisons them: the combine reads only parts stored)."""
-    return (torch.empty(tokens, q_heads, num_splits, head_dim, dtype=torch.float32,
-                        device=device),
-            torch.empty(tokens, q_heads, num_splits, dtype=torch.float32, device=device))
 
 
 def _check_gate(gate: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:

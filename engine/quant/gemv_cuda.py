@@ -429,17 +429,13 @@ class L2Prefetch:
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
                   pdl: bool, prologue: Prologue | None = None,
                   l2_prefetch: bool = False,
-                  epilogue: Epilogue | None = None,
-                  release_first: bool = False) -> tuple[str, ...]:
-    """The kernel's compile-time constants as NVRTC -D options
-    (release_first: with PDL, the next kernel may launch before this one's
-    wait, engine/pdl.py's RELEASE_FIRST_EVERYWHERE)."""
+                  epilogue: Epilogue | None = None) -> tuple[str, ...]:
+    """The kernel's compile-time constants as NVRTC -D options."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
              **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
-            f"-DRELEASE_FIRST={int(pdl and release_first)}",
             f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
             f"-DL2_PREFETCH={int(l2_prefetch)}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
@@ -573,7 +569,6 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         from engine.pdl import pdl_capable, pdl_wanted
 
         pdl = pdl_capable(x.device) and pdl_wanted()
-    release_first = pdl and _releases_first()
     if plan.groups != k // GROUP:
         raise ValueError(f"the plan covers {plan.groups} groups, the weight has {k // GROUP}")
     if isinstance(epilogue, SiluMulEpilogue) and not epilogue.fits(plan, n):
@@ -606,8 +601,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
-                                       prologue, l2_prefetch is not None, epilogue,
-                                       release_first),
+                                       prologue, l2_prefetch is not None, epilogue),
                          device, plan.threads,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
@@ -633,12 +627,6 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
             [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
              l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step], pdl)
     return out
-
-
-def _releases_first() -> bool:
-    from engine.pdl import RELEASE_FIRST_EVERYWHERE, pdl_release
-
-    return pdl_release() == RELEASE_FIRST_EVERYWHERE
 
 
 def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:

@@ -17,8 +17,7 @@
 //     2 x ROWS x SLOTS loads in flight;
 //   * the first tile's weights are loaded before griddepcontrol.wait
 //     (programmatic dependent launch): weights are never written by a
-//     kernel, only x waits for the kernel before; RELEASE_FIRST=1 lets the
-//     next kernel launch before that, as the first thing (engine/pdl.py);
+//     kernel, only x waits for the kernel before;
 //   * FLUSH tiles' cross-warp sums wait in shared memory and are reduced
 //     together, at one barrier pair per FLUSH tiles: with a barrier pair
 //     every tile the warps of a block walk in step, and an SM whose only
@@ -82,7 +81,7 @@
 // the activation's launch goes away. N a multiple of ROWS, ROWS even, the
 // register pipeline (a ring stage copies contiguous rows).
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
-// superblock, S/32), ASYM, D_F32, PDL, RELEASE_FIRST, FLUSH (FLUSH x ROWS <= THREADS),
+// superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
 // L2_PREFETCH, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
@@ -625,9 +624,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if NORM
     __shared__ float squares_of_warp[WARPS];
 #endif
-#if PDL && RELEASE_FIRST
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = (n_rows + ROWS - 1) / ROWS;
     int index = blockIdx.x;
@@ -753,7 +749,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             xs[j] = XSlice{{0, 0, 0, 0}, {0, 0, 0, 0}, 0.0f, 0.0f};
         }
     }
-#if PDL && !RELEASE_FIRST
+#if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     int held = 0;                 // tiles whose sums wait in partial
