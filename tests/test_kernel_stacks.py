@@ -85,6 +85,14 @@ for gated in (False, True):  # gated: the output gate too, Qwen3.5's attention
              gate_ptr="*i16"),
         dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
              LOG2_D=8, SCALE=hadamard_scale(256), GATED=gated, Q_HEADS=24, PDL=True))
+# q's and k's norm + rotary in one launch (27B: 24 + 4 heads of 256, rotary 64)
+from engine.fused import kernels as FK
+stacks["q and k norm rope"] = stack_of(
+    FK._norm_rope_pair_kernel,
+    {name: "*bf16" for name in ("q_ptr", "qw_ptr", "k_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
+                                "q_out_ptr", "k_out_ptr", "k_normed_ptr")} | dict(eps="fp32"),
+    dict(HAS_NORM=True, ZERO_CENTERED=True, STORE_NORMED=True, HALF_BLOCK=32,
+         REST_BLOCK=256, PDL=True), warps=1)
 # the DP4A GEMV a sweep file (TANDEM_GEMV_TUNED) may pick, stream-K included
 from bench.gemv_sass import describe as describe_gemv
 from engine.quant.gemv_configs import STREAM_CANDIDATES, TUNED
@@ -109,7 +117,8 @@ def stacks() -> dict[str, int]:
                             for s in ("decode", "verify")]
                          + ["gdn conv chunk", "gdn q/k l2 norm", "rk4 rotating write",
                             "attention combine rotating back",
-                            "attention combine rotating back and gating"])
+                            "attention combine rotating back and gating",
+                            "q and k norm rope"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"
 

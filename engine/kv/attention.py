@@ -487,7 +487,8 @@ def combine_gates_wanted() -> bool:
     """Whether the split combine applies the gated attention's output gate
     (TANDEM_COMBINE_GATE, on by default; read at launch, in a CUDA graph at
     capture): one launch fewer per attention layer where the combine runs
-    (decode, verify), bitwise the separate gate's numbers."""
+    (decode, verify), with the separate gate's rounding steps (its numbers
+    to an ulp: _gated says why)."""
     return on_off(COMBINE_GATE_ENV, True, on="the output gate in the split combine",
                   off="the output gate in its own launch")
 

@@ -886,8 +886,10 @@ def _rounded_as(v, BF16: tl.constexpr):
 def _gated(o, gate_ptr, row, cols, col_ok, g_stride_t, g_stride_h, Q_HEADS: tl.constexpr,
            OUT_BF16: tl.constexpr):
     """The stored output times its gate's sigmoid, each rounded to the
-    output's dtype: bitwise engine/fused's sigmoid_gate over the stored
-    output (the gate read in place from the q projection's [query | gate])."""
+    output's dtype: engine/fused's sigmoid_gate's steps over the stored
+    output (the gate read in place from the q projection's [query | gate]).
+    The two kernels' fp32 sums may round otherwise: an fp32 ulp, rarely a
+    bf16 one (tests/test_attention.py)."""
     token, head = row // Q_HEADS, row % Q_HEADS
     g = _load_dense(gate_ptr, token * g_stride_t + head * g_stride_h + cols, col_ok, OUT_BF16)
     sigmoid = _rounded_as(1.0 / (1.0 + tl.exp(-g)), OUT_BF16)
