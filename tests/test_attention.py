@@ -332,7 +332,8 @@ def test_the_split_combine_gates_as_the_separate_gate_does(name, kwargs, seqs, m
     monkeypatch.setattr(A, "kernel_output", lambda *a: real_kernel_output(*a).fill_(float("nan")))
     launched = []
     real_launch = K.launch
-    monkeypatch.setattr(K, "launch", lambda *a, **k: launched.append(a[15:]) or
+    # launch's last argument: the gate its combine applies, or None
+    monkeypatch.setattr(K, "launch", lambda *a, **k: launched.append(a[-1]) or
                         real_launch(*a, **k))
     scale = 32 ** -0.5
     apart = A.gated_output(paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=2),
@@ -341,7 +342,7 @@ def test_the_split_combine_gates_as_the_separate_gate_does(name, kwargs, seqs, m
                                         output_gate=gate)
     # the combine took it, unless rk4's rotation back runs after the combine
     in_combine = not isinstance(fmt, F.RotatedInt4Format) or fmt.rotates_in_kernels(q, "combine")
-    assert (launched[-1][-1] is gate) == in_combine
+    assert (launched[-1] is gate) == in_combine
     assert fused_gate.dtype == q_dtype and not fused_gate.isnan().any()
     rtol = 2 ** -7 if q_dtype == torch.bfloat16 else 2 ** -20  # an ulp of the dtype
     torch.testing.assert_close(fused_gate.float(), apart.float(), rtol=rtol, atol=1e-6)
@@ -351,23 +352,31 @@ def test_the_split_combine_gates_as_the_separate_gate_does(name, kwargs, seqs, m
         assert (fused_gate != apart).float().mean() <= 0.01
     one_split = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=1,
                                        output_gate=gate)
-    assert launched[-1][-1] is None
+    assert launched[-1] is None
     ungated_one = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=1)
     assert torch.equal(one_split, A.gated_output(ungated_one, gate))
     monkeypatch.setenv(A.COMBINE_GATE_ENV, "0")
     switched_off = paged_attention_triton(fmt, buffers, q, meta, scale, num_splits=2,
                                           output_gate=gate)
-    assert launched[-1][-1] is None and torch.equal(switched_off, apart)
+    assert launched[-1] is None and torch.equal(switched_off, apart)
 
 
 def test_the_combine_refuses_a_gate_it_cannot_apply():
     from engine.kv import attention_kernels as K
 
     out = torch.zeros(2, 4, 32)
-    with pytest.raises(ValueError, match="num_splits > 1"):
-        K._check_gate(out.clone(), out, 1)
-    with pytest.raises(ValueError, match=r"must be \(2, 4, 32\) torch.float32"):
-        K._check_gate(torch.zeros(2, 4, 64)[..., ::2], out, 2)
+    assert K.gate_refusal(out.clone(), out, 2) == ""
+    assert "num_splits > 1" in K.gate_refusal(out.clone(), out, 1)
+    assert "must be (2, 4, 32) torch.float32" in K.gate_refusal(
+        torch.zeros(2, 4, 64)[..., ::2], out, 2)
+    fmt = make_format("bf16", dtype=torch.float32)
+    buffers, q, meta = build_case(fmt, [(5, 1)], q_heads=4, kv_heads=2, head_dim=32,
+                                  page_size=16, q_dtype=torch.float32, seed=1)
+    from engine.kv.attention import _kind_args
+    kind_args = _kind_args(fmt, buffers)
+    with pytest.raises(ValueError, match="num_splits > 1"):  # launch refuses, says why
+        K.launch(kind_args, q, meta.q_offsets, meta.kv_lens, meta.page_table, 16, 2, 1,
+                 32 ** -0.5, torch.empty_like(q), 1, 16, 16, output_gate=q.clone())
 
 
 def test_dispatch_uses_the_reference_on_cpu_tensors_unless_forced():

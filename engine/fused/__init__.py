@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from engine.switches import on_off
+
 ENV_SWITCH = "TANDEM_FUSED_NORMS"
 _FORCE_ON_CPU = False  # tests only: run the kernels on CPU tensors (TRITON_INTERPRET=1)
 PAIR_ENV = "TANDEM_NORM_ROPE_PAIR"
@@ -33,8 +35,6 @@ def norm_rope_paired() -> bool:
     """Whether attention's q and k norm + rotary share one launch
     (kernels.norm_rope_pair; TANDEM_NORM_ROPE_PAIR, on by default; read at
     the call, in a CUDA graph at capture): the same bits as two launches."""
-    from engine.switches import on_off
-
     return on_off(PAIR_ENV, True, on="q and k in one launch", off="a launch each")
 
 

@@ -462,9 +462,9 @@ def paged_attention_triton(fmt: KVFormat, buffers: dict[str, torch.Tensor], q: t
                         q.device)
     signs = fmt.rotation_signs(q.shape[-1], q.device) \
         if combine_rotates or kernel_rotates_q else None
-    # the combine stores the final output (q's dtype) and so can gate it
-    combine_gates = (output_gate is not None and num_splits > 1 and out.dtype == q.dtype
-                     and output_gate.dtype == q.dtype and output_gate.stride(-1) == 1
+    # a combine that stores the final output (q's dtype) can gate it
+    combine_gates = (output_gate is not None and out.dtype == q.dtype
+                     and not K.gate_refusal(output_gate, out, num_splits)
                      and combine_gates_wanted())
     K.launch(kind_args, q_in, meta.q_offsets, meta.kv_lens, meta.page_table, page_size,
              kv_heads, meta.max_new_tokens, softmax_scale, out, num_splits,

@@ -66,8 +66,8 @@ import triton
 import triton.language as tl
 
 from engine.kv.fwht import rotate_rows
-from engine.kv.kernels import (_e8m0_scale, _k_step_decode, _load_dense, _store_dense,
-                               as_kernel_dense)
+from engine.kv.kernels import (_bf16_bits, _e8m0_scale, _k_step_decode, _load_dense,
+                               _store_dense, as_kernel_dense)
 from engine.kv.rotation import hadamard_scale
 from engine.pdl import pdl_launch, pdl_prologue
 
@@ -875,9 +875,7 @@ def _rounded_as(v, BF16: tl.constexpr):
     """fp32 v rounded to the output's dtype and back: bf16 to nearest even
     on the bits, as _store_dense stores it; fp32 as it is."""
     if BF16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return bits.to(tl.float32, bitcast=True)
+        return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
     else:
         return v
 
@@ -1025,7 +1023,9 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
         raise ValueError("the combine rotates back only split outputs of power-of-two heads")
     gated = output_gate is not None
     if gated:
-        _check_gate(output_gate, out, num_splits)
+        refusal = gate_refusal(output_gate, out, num_splits)
+        if refusal:
+            raise ValueError(refusal)
         gate_arg, _ = as_kernel_dense(output_gate)
     if num_splits > 1:
         rotate_back = rotate_back_signs is not None
@@ -1040,13 +1040,14 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
     return out
 
 
-def _check_gate(gate: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+def gate_refusal(gate: torch.Tensor, out: torch.Tensor, num_splits: int) -> str:
+    """Why launch's combine cannot apply this output gate ("" when it can)."""
     if num_splits == 1:
-        raise ValueError("the output gate is applied by the split combine: num_splits > 1")
+        return "the output gate is applied by the split combine: num_splits > 1"
     if gate.shape != out.shape or gate.dtype != out.dtype or gate.stride(-1) != 1:
-        raise ValueError(f"the output gate must be {tuple(out.shape)} {out.dtype} with unit "
-                         f"stride along the head, got {tuple(gate.shape)} {gate.dtype} "
-                         f"strides {gate.stride()}")
+        return (f"the output gate must be {tuple(out.shape)} {out.dtype} with unit stride "
+                f"along the head, got {tuple(gate.shape)} {gate.dtype} strides {gate.stride()}")
+    return ""
 
 
 # Key splits at most: a long context's short batches (decode, verify, a

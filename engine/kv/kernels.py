@@ -144,13 +144,20 @@ def _load_dense(ptr, offsets, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(values):
+    """fp32 values' bf16 bits (in the low half of a uint32), rounded to
+    nearest even: the interpreter's own fp32->bf16 cast truncates, so it
+    would not match torch's rounding."""
+    bits = values.to(tl.uint32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@triton.jit
 def _store_dense(ptr, offsets, values, mask, BF16_BITS: tl.constexpr):
-    """Store fp32 values in the output's dtype. bf16 is rounded here, to
-    nearest even on the bits, and stored as int16: the interpreter's own
-    fp32->bf16 cast truncates, so it would not match torch's rounding."""
+    """Store fp32 values in the output's dtype: bf16 rounded to nearest even
+    (_bf16_bits) and stored as int16."""
     if BF16_BITS:
-        bits = values.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = _bf16_bits(values)
         tl.store(ptr + offsets, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
         tl.store(ptr + offsets, values.to(ptr.dtype.element_ty), mask=mask)
