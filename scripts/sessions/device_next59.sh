@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# 12-06 (fifth session): the last three sessions' changes timed on an H200,
+# and the short-context decode attention.
+#   bash scripts/sessions/device_next59.sh h200  (carry .whl): the int4 27B step
+#     of this tree against ebe4577's (before the dense KV write, the int8 codes
+#     and the two fusions), and with both fusions off, alternating (ROUNDS, 2);
+#     then the fused step's critical path
+set -uo pipefail
+call=${1:?h200}
+source scripts/device_env.sh
+base() {  # base NAME: BASE's step (default ebe4577), from its worktree
+  [ -d /tmp/base ] || git worktree add -f /tmp/base "${BASE:-ebe4577}" > /dev/null 2>&1
+  (cd /tmp/base && OUT=$OUT PYTHONPATH=/tmp/base:/tmp/site step_27b "$1")
+}
+critical() {  # critical NAME: the fused step's critical path, bf16 KV at 256 tokens
+  STEP_TAIL=0 step "$1" 200 python3 -m bench.profile_step --weights int4 \
+    --kv-format bf16 --context 256 --critical-path --top 40
+  sed -n '/critical path/,$p' "$OUT/$1.log" | head -30
+}
+case "$call" in
+  h200)
+    for round in $(seq "${ROUNDS:-2}"); do
+      step_27b s${round}_a_tree
+      base s${round}_b_base
+      TANDEM_NORM_ROPE_PAIR=0 TANDEM_COMBINE_GATE=0 step_27b s${round}_c_apart
+    done
+    step_cols s
+    critical critical ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
