@@ -4,7 +4,9 @@
 #   bash scripts/sessions/device_next59.sh h200  (carry .whl): the int4 27B step
 #     of this tree against ebe4577's (before the dense KV write, the int8 codes
 #     and the two fusions), and with both fusions off, alternating (ROUNDS, 2);
-#     then the fused step's critical path
+#     then the fused step's critical path, and what removing the norms,
+#     attention, the KV write, q/k norm + rotary or the output gate would
+#     save at most (bench.ablate_step over the headline's bf16 KV at 256)
 set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
@@ -25,6 +27,8 @@ case "$call" in
       TANDEM_NORM_ROPE_PAIR=0 TANDEM_COMBINE_GATE=0 step_27b s${round}_c_apart
     done
     step_cols s
-    critical critical ;;
+    critical critical
+    STEP_TAIL=16 step ablate 250 python3 -m bench.ablate_step --weights int4 --kv-format bf16 \
+      --context 256 --rounds 2 --ablations none rms_norm attention kv_write norm_rope ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
