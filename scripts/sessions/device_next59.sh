@@ -8,7 +8,7 @@
 #     attention, the KV write, q/k norm + rotary or the output gate would
 #     save at most (bench.ablate_step over the headline's bf16 KV at 256)
 set -uo pipefail
-call=${1:?h200}
+call=${1:?h200, epilogue or readahead}
 source scripts/device_env.sh
 base() {  # base NAME: BASE's step (default ebe4577), from its worktree
   [ -d /tmp/base ] || git worktree add -f /tmp/base "${BASE:-ebe4577}" > /dev/null 2>&1
@@ -30,5 +30,21 @@ case "$call" in
     critical critical
     STEP_TAIL=16 step ablate 250 python3 -m bench.ablate_step --weights int4 --kv-format bf16 \
       --context 256 --rounds 2 --ablations none rms_norm attention kv_write norm_rope ;;
+  epilogue)
+    STEP_TAIL=6 step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
+      -k "norm_epilogue or add_and_norm or decode_steps_with_an_epilogue or every_flag"
+    for round in $(seq "${ROUNDS:-2}"); do
+      TANDEM_NORM_EPILOGUE=0 step_27b e${round}_a_apart
+      TANDEM_NORM_EPILOGUE=1 step_27b e${round}_b_epilogue
+    done
+    step_cols e
+    TANDEM_NORM_EPILOGUE=1 critical critical_epilogue ;;
+  readahead)
+    for round in $(seq "${ROUNDS:-1}"); do
+      for mb in 0 4 8 16; do
+        TANDEM_GEMV_L2_PREFETCH_MB=$mb step_27b r${round}_${mb}mb
+      done
+    done
+    step_cols r ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac

@@ -1,0 +1,73 @@
+"""Compile the CUDA GEMV's builds (engine/quant/q4_gemv.cu) for sm_90 on a
+machine without a GPU, and print what ptxas says of each: registers, stack,
+spills. NVRTC compiles without a device; this takes it from the
+`nvidia-cuda-nvrtc` wheel (pip install --target DIR nvidia-cuda-nvrtc==13.0.88,
+then LD_LIBRARY_PATH=DIR/nvidia/cu13/lib), so a kernel edit is checked before
+it costs device time.
+
+    python scripts/nvrtc_builds.py            # the 27B's projections, each epilogue
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+from engine.quant import gemv_cuda
+from engine.quant.gemv_cuda import build_options, picked_plan, plan_for
+
+
+def compile_sm90(options: tuple[str, ...], nvrtc: ctypes.CDLL) -> tuple[int, str]:
+    """(NVRTC's result, its log with ptxas -v) of q4_gemv.cu under `options`."""
+    prog = ctypes.c_void_p()
+    source = gemv_cuda.SOURCE.read_text().encode()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"q4_gemv.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    args = [b"--gpu-architecture=sm_90", b"--ptxas-options=-v", *(o.encode() for o in options)]
+    result = nvrtc.nvrtcCompileProgram(prog, len(args), (ctypes.c_char_p * len(args))(*args))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return result, log.value.decode()
+
+
+def _cases():
+    """(name, options): the 27B's one-row projections on the H200's plans,
+    plain and with the epilogue each takes in a decode step."""
+    w32 = torch.zeros(5120, dtype=torch.float32)
+
+    def add_norm(n):
+        row = torch.zeros(1, n, dtype=torch.bfloat16)
+        return gemv_cuda.AddNormEpilogue(row, w32[:n], 1e-6, True, row.clone(),
+                                         torch.zeros(1, dtype=torch.int32))
+
+    shapes = {"gate_up": (34816, 5120), "down": (5120, 17408), "out": (5120, 6144),
+              "in_proj": (16480, 5120)}
+    for name, (n, k) in shapes.items():
+        plan = picked_plan(n, k, "NVIDIA H200")
+        yield name, build_options(plan, 256, True, False, True)
+        if name in ("down", "out"):
+            yield f"{name} + add_norm", build_options(plan, 256, True, False, True,
+                                                      epilogue=add_norm(n))
+    yield "tests' 3200 x 768 + add_norm", build_options(
+        plan_for(768, rows=2, blocks_per_sm=1), 256, True, False, True, epilogue=add_norm(3200))
+
+
+def main() -> int:
+    nvrtc = ctypes.CDLL("libnvrtc.so.13")
+    failed = 0
+    for name, options in _cases():
+        result, log = compile_sm90(options, nvrtc)
+        lines = [line for line in log.splitlines() if "Used" in line or "spill" in line
+                 or "error" in line]
+        print(f"{name}: {'ok' if result == 0 else f'FAILED ({result})'}")
+        print("\n".join("    " + line.strip() for line in lines))
+        failed += result != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
