@@ -1531,3 +1531,36 @@ def test_the_norm_epilogue_replays_in_a_cuda_graph_with_the_next_gemv_under_pdl(
         torch.cuda.synchronize()
         assert all(torch.equal(g, e) for g, e in zip((epilogue.residual_out, normed, out), eager))
     assert epilogue.arrivals.item() == 0
+
+
+# ------------------------------------------- the next tiles into L2 before the wait
+
+
+def test_the_early_l2_tiles_switch_is_off_by_default_and_names_a_bad_value(monkeypatch):
+    monkeypatch.delenv(gemv_cuda.EARLY_L2_TILES_ENV, raising=False)
+    assert gemv_cuda.early_l2_tiles() == 0
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
+    assert gemv_cuda.early_l2_tiles() == 2
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "9")
+    with pytest.raises(ValueError, match=gemv_cuda.EARLY_L2_TILES_ENV):
+        gemv_cuda.early_l2_tiles()
+
+
+@needs_gpu
+@pytest.mark.parametrize("n, k, rows, blocks_per_sm", [(5120, 6144, 4, 0), (3001, 768, 1, 1),
+                                                       (2000, 1056, 2, 1)])
+def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_sm, monkeypatch):
+    """A prefetch binds no value: the GEMV with each block's next two tiles
+    asked of L2 before the wait is bitwise the one without, over grids of
+    several tiles a block, a last tile past N and scale arrays whose tile
+    ranges start off 16-byte boundaries (the prefetch takes their whole
+    16-byte units only)."""
+    qt = _quant(n, k, seed=n, device="cuda")
+    x = _activation(k, seed=k)
+    plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
+    plain = _run(qt, x, plan, pdl=True)
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
+    early = _run(qt, x, plan, pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(early, plain)

@@ -482,7 +482,8 @@ class L2Prefetch:
 def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32: bool,
                   pdl: bool, prologue: Prologue | None = None,
                   l2_prefetch: bool = False,
-                  epilogue: Epilogue | None = None) -> tuple[str, ...]:
+                  epilogue: Epilogue | None = None,
+                  early_l2_tiles: int = 0) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
              **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
@@ -490,7 +491,7 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
             f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
-            f"-DL2_PREFETCH={int(l2_prefetch)}",
+            f"-DL2_PREFETCH={int(l2_prefetch)}", f"-DEARLY_L2_TILES={early_l2_tiles}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -659,9 +660,11 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                                           f"{qt.describe()} lacks: use stages=0")
     d_fp32 = qt.d.dtype == torch.float32
 
+    early = early_l2_tiles() if torch.cuda.get_device_capability(device)[0] >= 9 else 0
+
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
-                                       prologue, l2_prefetch is not None, epilogue),
+                                       prologue, l2_prefetch is not None, epilogue, early),
                          device, plan.threads,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
@@ -701,6 +704,19 @@ def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:
 
 CUDA_ENV = "TANDEM_GEMV_CUDA"
 PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
+EARLY_L2_TILES_ENV = "TANDEM_GEMV_EARLY_L2_TILES"
+
+
+def early_l2_tiles() -> int:
+    """How many tiles past its first each block asks L2 for before the
+    dependent-launch wait (q4_gemv.cu, EARLY_L2_TILES; sm_90's bulk
+    prefetch): TANDEM_GEMV_EARLY_L2_TILES, 0 (none) until timed. Read per
+    call, in a CUDA graph at capture."""
+    from engine.switches import one_of
+
+    return one_of(EARLY_L2_TILES_ENV, 0, (0, 1, 2, 3, 4))
+
+
 def wanted() -> bool:
     """Whether one-row GEMVs the CUDA kernel takes run it instead of the
     Triton DP4A kernel: on by default (the H200's int4 27B step, two

@@ -39,6 +39,10 @@
 //     frees its stage (an `empty` mbarrier) as soon as it has read the
 //     stage into registers, and thread 0 refills it with the block's tile
 //     STAGES ahead.
+//   * EARLY_L2_TILES=E > 0: before griddepcontrol.wait each block also asks
+//     L2 (one bulk prefetch an array, sm_90) for its next E tiles, the ones
+//     its first tile's registers do not hold, so that DRAM streams them
+//     while the kernel before finishes; after the wait those loads hit L2.
 // (A tile queue, blocks taking their tiles from an atomic counter so that
 // the grid ends together, lost 2-17 us on every 27B shape in two sweeps and
 // was removed: BENCHMARKS.md 2026-12-04 21:16.)
@@ -94,7 +98,7 @@
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
-// L2_PREFETCH, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
+// L2_PREFETCH, EARLY_L2_TILES, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
 // CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
@@ -540,6 +544,38 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 }
 #endif
 
+#if EARLY_L2_TILES
+// the whole 16-byte units of [base, base + bytes): the bulk prefetch takes
+// 16-byte aligned ranges only
+__device__ __forceinline__ void prefetch_range_l2(const void* base, long long bytes) {
+    const unsigned long long lo = ((unsigned long long)base + 15ull) & ~15ull;
+    const unsigned long long hi = ((unsigned long long)base + (unsigned long long)bytes) & ~15ull;
+    if (hi > lo)
+        asm volatile("{ .reg .u64 a;\n"
+                     "  cvta.to.global.u64 a, %0;\n"
+                     "  cp.async.bulk.prefetch.L2.global [a], %1; }"
+                     :: "l"(lo), "r"((unsigned)(hi - lo)) : "memory");
+}
+
+// tile `index`'s rows of every array into L2; one thread issues it
+__device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
+                                                 const uint4* __restrict__ qw,
+                                                 const scale_t* __restrict__ d,
+                                                 const signed char* __restrict__ sc,
+                                                 const scale_t* __restrict__ dmin,
+                                                 const signed char* __restrict__ m) {
+    const long long first = (long long)index * ROWS;
+    const long long rows = min((long long)ROWS, (long long)n_rows - first);
+    prefetch_range_l2(qw + first * GROUPS, rows * GROUPS * 16);
+    prefetch_range_l2(sc + first * GROUPS, rows * GROUPS);
+    prefetch_range_l2(d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+#if ASYM
+    prefetch_range_l2(m + first * GROUPS, rows * GROUPS);
+    prefetch_range_l2(dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+#endif
+}
+#endif
+
 #if STAGES
 // A stage: the tile's ROWS rows of words, then of sc, d (and m, dmin), each
 // contiguous in global memory from row index * ROWS on
@@ -785,6 +821,14 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #endif
         if (SLOTS * THREADS == GROUPS || g < GROUPS)
             stash_norm_weight(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
+    }
+#endif
+#if EARLY_L2_TILES && !STAGES && !SILU_MUL
+    if (threadIdx.x == 0) {   // SILU_MUL's tiles are two ranges: not asked
+#pragma unroll
+        for (int e = 1; e <= EARLY_L2_TILES; ++e)
+            if (index + e * (int)gridDim.x < tiles)
+                prefetch_tile_l2(index + e * gridDim.x, n_rows, qw, d, sc, dmin, m);
     }
 #endif
 #if ADD_NORM

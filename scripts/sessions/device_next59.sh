@@ -32,10 +32,12 @@ case "$call" in
       --context 256 --rounds 2 --ablations none rms_norm attention kv_write norm_rope ;;
   epilogue)
     STEP_TAIL=6 step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
-      -k "norm_epilogue or add_and_norm or decode_steps_with_an_epilogue or every_flag"
+      -k "norm_epilogue or add_and_norm or decode_steps_with_an_epilogue or every_flag or early_l2"
     for round in $(seq "${ROUNDS:-2}"); do
       TANDEM_NORM_EPILOGUE=0 step_27b e${round}_a_apart
       TANDEM_NORM_EPILOGUE=1 step_27b e${round}_b_epilogue
+      TANDEM_GEMV_EARLY_L2_TILES=1 step_27b e${round}_c_early1
+      TANDEM_GEMV_EARLY_L2_TILES=2 step_27b e${round}_d_early2
     done
     step_cols e
     TANDEM_NORM_EPILOGUE=1 critical critical_epilogue ;;
