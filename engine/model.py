@@ -23,14 +23,12 @@ on the CPU everything is plain PyTorch.
 On CUDA the small per-layer ops (norms, the residual adds, SiLU * up, q/k
 norm + rotary, the output gate) run as fused Triton kernels (engine/fused;
 TANDEM_FUSED_NORMS=0 keeps the eager ops). To fuse each residual add into the
-norm after it, the layer loop carries the residual stream as a Residual: x +
-pending, added by the next norm; or, where the projection before that norm
-did the add and the norm in its GEMV's last block (a quantized one-row
-projection, TANDEM_NORM_EPILOGUE), the updated stream and the norm's output.
+norm after it, the layer loop carries the residual stream as (x, pending): the
+stream's value is x + pending, added by the next norm.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -99,9 +97,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.gate_up_proj(x))
 
-    def project(self, norm: "RMSNorm", stream: "Residual"
+    def project(self, norm: "RMSNorm", x: torch.Tensor, pending: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(the stream, gate_up(norm(stream)), activated): the residual
+        """(x + pending, gate_up(norm(x + pending)), activated): the residual
         update, the norm and the first projection. activated: a one-row
         CUDA GEMV gave SiLU(gate) * up in its epilogue
         (gemv_cuda.SiluMulEpilogue), half as wide, and the activation's
@@ -111,17 +109,7 @@ class MLP(nn.Module):
             from engine.quant.gemv_cuda import SiluMulEpilogue
 
             epilogue = SiluMulEpilogue()
-        return norm_then_project_in_epilogue(norm, stream, self.gate_up_proj, epilogue)
-
-    def finish_then_norm(self, gate_up: torch.Tensor, activated: bool, x: torch.Tensor,
-                         norm: "RMSNorm | None") -> "Residual":
-        """The stream x after the MLP (finish), where `norm` runs next: with
-        the add and that norm in down's GEMV where it can (project_then_norm;
-        the activation then takes its own launch, never down's prologue)."""
-        if norm is None or not norm_epilogue_applies(self.down_proj, x):
-            return Residual(x, pending=self.finish(gate_up, activated))
-        act = gate_up if activated else self._activate(gate_up)
-        return project_then_norm(self.down_proj, act, x, norm)
+        return norm_then_project_in_epilogue(norm, x, pending, self.gate_up_proj, epilogue)
 
     def finish(self, gate_up: torch.Tensor, activated: bool = False) -> torch.Tensor:
         """The MLP after its first projection (gate_up_proj's output, or
@@ -134,14 +122,10 @@ class MLP(nn.Module):
             out = self.down_proj.forward_activated(gate_up)
             if out is not None:
                 return out
-        return self.down_proj(self._activate(gate_up))
-
-    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up of gate_up_proj's output."""
         gate, up = gate_up.split(self._intermediate, dim=-1)
-        if use_fused(gate_up):
-            return fused_kernels().silu_mul(gate, up)
-        return reference.silu_mul(gate, up)
+        act = fused_kernels().silu_mul(gate, up) if use_fused(gate_up) \
+            else reference.silu_mul(gate, up)
+        return self.down_proj(act)
 
 
 class Attention(nn.Module):
@@ -193,21 +177,6 @@ class Attention(nn.Module):
                           rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]
                           ) -> torch.Tensor:
         """The layer after its first projection (qkv_proj's output)."""
-        return self.o_proj(self.attend(qkv, batch, cache, rotary, cos_sin))
-
-    def finish_then_norm(self, qkv: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-                         rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                         x: torch.Tensor, norm: RMSNorm) -> "Residual":
-        """The stream x after the layer (forward_projected), where `norm` runs
-        next: with the add and that norm in o_proj's GEMV where it can."""
-        out = self.attend(qkv, batch, cache, rotary, cos_sin)
-        if not norm_epilogue_applies(self.o_proj, x):
-            return Residual(x, pending=self.o_proj(out))
-        return project_then_norm(self.o_proj, out, x, norm)
-
-    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-               rotary: Rotary, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """forward_projected up to o_proj: the gated attention output [T, heads x D]."""
         tokens = qkv.shape[0]
         q, gate, k, v = self.split_projection(qkv)
         pre_rope = cache.layer_format(self.layer).k_pre_rope
@@ -227,7 +196,7 @@ class Attention(nn.Module):
         out = out.reshape(tokens, -1)
         if gate is not None and fused_gate is None:
             out = out * torch.sigmoid(gate.reshape(tokens, -1))
-        return out
+        return self.o_proj(out)
 
     def _norm_rope_fused(self, q, k, rotary, cos_sin, keep_k_normed: bool):
         """q/k norm (when the model has one) and rotary, both in one launch
@@ -274,17 +243,18 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         return self.forward_projected(self.in_proj(x), batch, cache)
 
-    def project(self, norm: "RMSNorm", stream: "Residual", batch: ForwardBatch,
-                cache: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(the stream, in_proj(norm(stream)), convolved): the residual
+    def project(self, norm: "RMSNorm", x: torch.Tensor, pending: torch.Tensor | None,
+                batch: ForwardBatch, cache: PagedKVCache
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(x + pending, in_proj(norm(x + pending)), convolved): the residual
         update, the norm and the first projection. convolved: a one-token
         decode step's conv + SiLU ran in in_proj's CUDA GEMV epilogue
         (gemv_cuda.ConvEpilogue), so the output's first conv_dim columns
         already hold it and its launch goes away."""
         epilogue = None
-        if hasattr(self.in_proj, "epilogue_applies") and self._one_fused_token(stream.x, batch):
+        if hasattr(self.in_proj, "epilogue_applies") and self._one_fused_token(x, batch):
             epilogue = self._conv_epilogue(batch, cache)
-        return norm_then_project_in_epilogue(norm, stream, self.in_proj, epilogue)
+        return norm_then_project_in_epilogue(norm, x, pending, self.in_proj, epilogue)
 
     @staticmethod
     def _one_fused_token(x: torch.Tensor, batch: ForwardBatch) -> bool:
@@ -303,26 +273,6 @@ class GatedDeltaNet(nn.Module):
                           cache: PagedKVCache, convolved: bool = False) -> torch.Tensor:
         """The layer after its first projection (in_proj's output; with
         convolved, its qkv columns already through the conv, see project)."""
-        out, z = self.mix_projected(projected, batch, cache, convolved)
-        return gated_norm_then_project(self.norm, out, z, self.out_proj)
-
-    def finish_then_norm(self, projected: torch.Tensor, batch: ForwardBatch,
-                         cache: PagedKVCache, convolved: bool, x: torch.Tensor,
-                         norm: RMSNorm) -> "Residual":
-        """The stream x after the layer (forward_projected), where `norm` runs
-        next: with the add and that norm in out_proj's GEMV where it can (the
-        gated norm then takes its own launch, never out_proj's prologue)."""
-        if not norm_epilogue_applies(self.out_proj, x):
-            return Residual(x, pending=self.forward_projected(projected, batch, cache,
-                                                                convolved))
-        out, z = self.mix_projected(projected, batch, cache, convolved)
-        gated = self.norm(out, z).reshape(out.shape[0], -1)
-        return project_then_norm(self.out_proj, gated, x, norm)
-
-    def mix_projected(self, projected: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache,
-                      convolved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_projected up to the gated norm: (the delta rule's output
-        [T, Hv, Dv], its gate z [T, Hv, Dv])."""
         tokens = projected.shape[0]
         # views of one [T, qkv + z + b + a] output (row stride the whole width)
         mixed, z, b, a = projected.split(self._in_split, dim=-1)
@@ -335,7 +285,7 @@ class GatedDeltaNet(nn.Module):
                                              windows, weight)
         else:
             out = self._mix(mixed, a, b, batch, states, windows, weight, convolved)
-        return out, z
+        return gated_norm_then_project(self.norm, out, z, self.out_proj)
 
     def _mix_around_snapshots(self, mixed, a, b, split, states, windows, weight):
         """The conv and recurrence up to each snapshot, the snapshot, then the
@@ -457,110 +407,57 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, batch, cache, rotary, cos_sin):
-        return self.forward_deferred(Residual(x), batch, cache, rotary, cos_sin).value()
+        x, pending = self.forward_deferred(x, None, batch, cache, rotary, cos_sin)
+        return x + pending
 
-    def forward_deferred(self, stream: "Residual", batch, cache, rotary, cos_sin,
-                         next_norm: "RMSNorm | None" = None) -> "Residual":
-        """The layer on the residual stream; returns the stream after it, the
-        MLP's output left for the next norm (next_norm: the norm that runs
-        after the layer, None where nothing does) to add in the same kernel,
-        or already added and normed by down's GEMV. Rounding is that of the
-        plain `x = x + h` sequence."""
-        post_norm = self.post_attention_layernorm
+    def forward_deferred(self, x, pending, batch, cache, rotary, cos_sin):
+        """The layer on the residual stream x + pending (pending None: x alone);
+        returns the stream after it as (x', pending'), the MLP's output left
+        unadded so that the next norm adds it in the same kernel. Rounding is
+        that of the plain `x = x + h` sequence."""
         if self.is_linear:
             mixer = self.linear_attn
-            x, projected, convolved = mixer.project(self.input_layernorm, stream, batch, cache)
-            stream = mixer.finish_then_norm(projected, batch, cache, convolved, x, post_norm)
+            x, projected, convolved = mixer.project(self.input_layernorm, x, pending, batch,
+                                                    cache)
+            h = mixer.forward_projected(projected, batch, cache, convolved)
         else:
             mixer = self.self_attn
-            x, projected = norm_then_project(self.input_layernorm, stream, mixer.qkv_proj)
-            stream = mixer.finish_then_norm(projected, batch, cache, rotary, cos_sin, x, post_norm)
-        x, projected, activated = self.mlp.project(post_norm, stream)
-        return self.mlp.finish_then_norm(projected, activated, x, next_norm)
+            x, projected = norm_then_project(self.input_layernorm, x, pending, mixer.qkv_proj)
+            h = mixer.forward_projected(projected, batch, cache, rotary, cos_sin)
+        x, projected, activated = self.mlp.project(self.post_attention_layernorm, x, h)
+        return x, self.mlp.finish(projected, activated)
 
 
-@dataclass(frozen=True)
-class Residual:
-    """The residual stream between two norms: x + pending, the last
-    projection's output (pending) left for the norm after it to add in the
-    same kernel. Where that projection's GEMV did the add and the norm
-    itself (project_then_norm), x is the updated stream and `normed` the
-    output of norm `normed_by`, which the next step then takes as it is."""
-    x: torch.Tensor
-    pending: torch.Tensor | None = None
-    normed: torch.Tensor | None = None
-    normed_by: "RMSNorm | None" = None
-
-    def value(self) -> torch.Tensor:
-        """The stream itself: x + pending."""
-        return self.x if self.pending is None else self.x + self.pending
-
-    def normed_for(self, norm: RMSNorm) -> torch.Tensor | None:
-        """norm's output where the projection before already made it, else None."""
-        if self.normed is not None and self.normed_by is not norm:
-            raise AssertionError("the stream was normed for another norm than the one after it")
-        return self.normed
-
-    def through(self, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the stream, norm(stream)): the residual update, then the norm."""
-        normed = self.normed_for(norm)
-        if normed is not None:
-            return self.x, normed
-        return norm.add_forward(self.x, self.pending)
-
-
-def norm_epilogue_applies(linear: nn.Module, x: torch.Tensor) -> bool:
-    """Whether projection `linear` may add its output to the stream x and
-    run the norm after it in its own GEMV (QuantLinear.norm_epilogue_applies:
-    a quantized one-row projection on a GPU, TANDEM_NORM_EPILOGUE)."""
-    return use_fused(x) and hasattr(linear, "norm_epilogue_applies") \
-        and linear.norm_epilogue_applies(x)
-
-
-def project_then_norm(linear: nn.Module, a: torch.Tensor, x: torch.Tensor,
-                      norm: RMSNorm) -> Residual:
-    """The stream x after projection linear(a), where `norm` runs next: the
-    add and the norm done by the projection's GEMV
-    (QuantLinear.forward_then_norm), or, where that declines, linear(a) left
-    pending for the norm's own kernel."""
-    done = linear.forward_then_norm(a, x, norm.weight, norm.eps, norm.zero_centered)
-    if done is None:
-        return Residual(x, pending=linear(a))
-    return Residual(done[0], normed=done[1], normed_by=norm)
-
-
-def norm_then_project(norm: RMSNorm, stream: Residual, linear: nn.Module
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the stream, linear(norm(stream))): the residual update, the norm
-    and the projection after it. A quantized projection may do the norm
+def norm_then_project(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
+                      linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + pending, linear(norm(x + pending))): the residual update, the
+    norm and the projection after it. A quantized projection may do the norm
     itself (QuantLinear.forward_normed: in the CUDA GEMV's prologue, with
     TANDEM_NORM_PROLOGUE=1), which saves the norm's launch."""
-    x, pending = stream.x, stream.pending
-    if stream.normed_for(norm) is None and use_fused(x) and hasattr(linear, "forward_normed"):
+    if use_fused(x) and hasattr(linear, "forward_normed"):
         fused = linear.forward_normed(x, pending, norm.weight, norm.eps, norm.zero_centered)
         if fused is not None:
             return fused
-    x, h = stream.through(norm)
+    x, h = norm.add_forward(x, pending)
     return x, linear(h)
 
 
-def norm_then_project_in_epilogue(norm: RMSNorm, stream: Residual, linear: nn.Module,
-                                  epilogue) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(the stream, projection, in_epilogue): norm_then_project, and where
+def norm_then_project_in_epilogue(norm: RMSNorm, x: torch.Tensor, pending: torch.Tensor | None,
+                                  linear: nn.Module, epilogue
+                                  ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(x + pending, projection, in_epilogue): norm_then_project, and where
     the projection's GEMV can end with `epilogue` (None: not asked; a
     gemv_cuda epilogue, asked only of a projection with
     QuantLinear.epilogue_applies) that op done in it, in_epilogue True. The
     norm then runs in the same GEMV's prologue where forward_normed can
     (TANDEM_NORM_PROLOGUE=1), else its own launch."""
-    x, pending = stream.x, stream.pending
     if epilogue is None or not linear.epilogue_applies(x, epilogue):
-        return (*norm_then_project(norm, stream, linear), False)
+        return (*norm_then_project(norm, x, pending, linear), False)
     fused = linear.forward_normed(x, pending, norm.weight, norm.eps, norm.zero_centered,
-                                  epilogue=epilogue) \
-        if use_fused(x) and stream.normed_for(norm) is None else None
+                                  epilogue=epilogue) if use_fused(x) else None
     if fused is not None:
         return (*fused, True)
-    x, h = stream.through(norm)
+    x, h = norm.add_forward(x, pending)
     return x, linear.forward_in_epilogue(h, epilogue), True
 
 
@@ -582,13 +479,12 @@ def run_layers(layers, x, batch, cache, rotary, cos_sin, final_norm: RMSNorm,
     """x through `layers` then `final_norm`, each residual add fused into the
     norm after it. `streams`: layer indices whose residual stream (after that
     layer) to keep, filled in place; the add it costs is paid only there."""
-    stream = Residual(x)
+    pending = None
     for i, layer in enumerate(layers):
-        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        stream = layer.forward_deferred(stream, batch, cache, rotary, cos_sin, next_norm)
+        x, pending = layer.forward_deferred(x, pending, batch, cache, rotary, cos_sin)
         if streams is not None and i in streams:
-            streams[i] = stream.value()
-    return stream.through(final_norm)[1]
+            streams[i] = x + pending
+    return final_norm.add_forward(x, pending)[1]
 
 
 class Backbone(nn.Module):

@@ -5,14 +5,12 @@ spills. NVRTC compiles without a device; this takes it from the
 then LD_LIBRARY_PATH=DIR/nvidia/cu13/lib), so a kernel edit is checked before
 it costs device time.
 
-    python scripts/nvrtc_builds.py            # the 27B's projections, each epilogue
+    python scripts/nvrtc_builds.py            # the 27B's projections
 """
 from __future__ import annotations
 
 import ctypes
 import sys
-
-import torch
 
 from engine.quant import gemv_cuda
 from engine.quant.gemv_cuda import build_options, picked_plan, plan_for
@@ -36,24 +34,16 @@ def compile_sm90(options: tuple[str, ...], nvrtc: ctypes.CDLL) -> tuple[int, str
 
 def _cases():
     """(name, options): the 27B's one-row projections on the H200's plans,
-    plain and with the epilogue each takes in a decode step."""
-    w32 = torch.zeros(5120, dtype=torch.float32)
-
-    def add_norm(n):
-        row = torch.zeros(1, n, dtype=torch.bfloat16)
-        return gemv_cuda.AddNormEpilogue(row, w32[:n], 1e-6, True, row.clone(),
-                                         torch.zeros(1, dtype=torch.int32))
-
+    with and without the next tiles asked of L2 before the wait."""
     shapes = {"gate_up": (34816, 5120), "down": (5120, 17408), "out": (5120, 6144),
               "in_proj": (16480, 5120)}
     for name, (n, k) in shapes.items():
         plan = picked_plan(n, k, "NVIDIA H200")
-        yield name, build_options(plan, 256, True, False, True)
-        if name in ("down", "out"):
-            yield f"{name} + add_norm", build_options(plan, 256, True, False, True,
-                                                      epilogue=add_norm(n))
-    yield "tests' 3200 x 768 + add_norm", build_options(
-        plan_for(768, rows=2, blocks_per_sm=1), 256, True, False, True, epilogue=add_norm(3200))
+        for early in (0, 1):
+            yield f"{name}, early L2 tiles {early}", build_options(
+                plan, 256, True, False, True, early_l2_tiles=early)
+    yield "tests' 3001 x 768, one row a tile", build_options(
+        plan_for(768, rows=1, blocks_per_sm=1), 256, True, False, True, early_l2_tiles=2)
 
 
 def main() -> int:

@@ -493,7 +493,7 @@ def test_the_norm_prologue_switch_is_off_by_default_and_cpu_layers_take_the_norm
     """norm_then_project on the CPU (or with the switch off) is the norm then
     the projection, bit for bit."""
     from engine.fused import reference
-    from engine.model import RMSNorm, Residual, norm_then_project
+    from engine.model import RMSNorm, norm_then_project
     from engine.quant.linear import NORM_PROLOGUE_ENV
 
     monkeypatch.setenv(NORM_PROLOGUE_ENV, "1")
@@ -507,7 +507,7 @@ def test_the_norm_prologue_switch_is_off_by_default_and_cpu_layers_take_the_norm
     with torch.inference_mode():
         s, normed = reference.add_rms_norm(x, pending, norm.weight, 1e-6, True)
         for projection in (linear, quantized):
-            residual, projected = norm_then_project(norm, Residual(x, pending), projection)
+            residual, projected = norm_then_project(norm, x, pending, projection)
             assert torch.equal(residual, s) and torch.equal(projected, projection(normed))
 
 
@@ -519,7 +519,7 @@ def test_a_layer_norm_in_the_gemv_prologue_matches_the_norm_launch(with_pending,
     agrees with the norm kernel then the GEMV: the residual bitwise, the
     projection within the output's rounding."""
     from engine.loader import load_model
-    from engine.model import Residual, norm_then_project
+    from engine.model import norm_then_project
     from engine.quant.linear import NORM_PROLOGUE_ENV
 
     loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
@@ -533,9 +533,9 @@ def test_a_layer_norm_in_the_gemv_prologue_matches_the_norm_launch(with_pending,
     calls = _recorded_prologues(monkeypatch)
     with torch.inference_mode():
         monkeypatch.setenv(NORM_PROLOGUE_ENV, "0")
-        residual_apart, projected_apart = norm_then_project(norm, Residual(x, pending), first)
+        residual_apart, projected_apart = norm_then_project(norm, x, pending, first)
         monkeypatch.setenv(NORM_PROLOGUE_ENV, "1")
-        residual, projected = norm_then_project(norm, Residual(x, pending), first)
+        residual, projected = norm_then_project(norm, x, pending, first)
     assert calls and calls[-1] is not None  # the prologue ran
     assert torch.equal(residual, residual_apart)
     _assert_close(projected, projected_apart.float().cpu())
@@ -713,7 +713,7 @@ def test_a_gdn_gated_norm_in_the_gemv_prologue_matches_the_norm_launch(monkeypat
 
 
 @pytest.mark.parametrize("prologue", [None, "norm", "silu", "gated"])
-@pytest.mark.parametrize("epilogue", [None, "conv", "silu_mul", "add_norm"])
+@pytest.mark.parametrize("epilogue", [None, "conv", "silu_mul"])
 def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue, epilogue):
     """An undefined macro reads as 0 in #if, silently: every name the source
     tests in #if / #elif gets a -D from build_options, whatever the prologue
@@ -728,8 +728,7 @@ def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue, e
                  "gated": GatedNormPrologue(torch.randn(1, 512, dtype=torch.bfloat16), w, 1e-6)}
     options = build_options(plan_for(5120), 256, True, False, True, prologues[prologue],
                             epilogue={None: None, "conv": _conv_epilogue(64, 4, 2)[0],
-                                      "silu_mul": gemv_cuda.SiluMulEpilogue(),
-                                      "add_norm": _add_norm_epilogue(64)}[epilogue])
+                                      "silu_mul": gemv_cuda.SiluMulEpilogue()}[epilogue])
     defined = {o[2:].split("=")[0] for o in options if o.startswith("-D")}
     source = gemv_cuda.SOURCE.read_text()
     tested = {name for line in re.findall(r"^#\s*(?:el)?if\s+(.*)$", source, re.M)
@@ -807,7 +806,7 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     """GatedDeltaNet.project on the CPU is the norm then in_proj, bit for
     bit, and says the conv is still to run; a bad switch value names itself."""
     from engine.loader import load_model
-    from engine.model import Residual, norm_then_project
+    from engine.model import norm_then_project
     from engine.quant.linear import CONV_EPILOGUE_ENV
 
     _assert_on_by_default_and_a_bad_value_named(monkeypatch, CONV_EPILOGUE_ENV)
@@ -817,9 +816,8 @@ def test_the_conv_epilogue_switch_is_on_by_default_and_cpu_layers_take_the_conv_
     x, pending = torch.randn(1, k), torch.randn(1, k)
     with torch.inference_mode():
         residual, projected, convolved = layer.linear_attn.project(
-            layer.input_layernorm, Residual(x, pending), None, None)
-        expected = norm_then_project(layer.input_layernorm, Residual(x, pending),
-                                     layer.linear_attn.in_proj)
+            layer.input_layernorm, x, pending, None, None)
+        expected = norm_then_project(layer.input_layernorm, x, pending, layer.linear_attn.in_proj)
     assert convolved is False
     assert torch.equal(residual, expected[0]) and torch.equal(projected, expected[1])
     assert not layer.linear_attn.in_proj.epilogue_applies(x, _conv_epilogue(64, 4, 2)[0])
@@ -855,7 +853,7 @@ def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_pl
     from engine.cache import CacheShape, PagedKVCache
     from engine.kv import make_format
     from engine.loader import load_model
-    from engine.model import Residual, norm_then_project, norm_then_project_in_epilogue
+    from engine.model import norm_then_project, norm_then_project_in_epilogue
 
     loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
     layer = next(layer for layer in loaded.model.model.layers if layer.is_linear)
@@ -863,17 +861,16 @@ def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_pl
     x, pending = torch.randn(1, in_proj.in_features), torch.randn(1, in_proj.in_features)
     epilogue, marker, seen = object(), torch.full((1, 3), 7.0), []
     with torch.inference_mode():
-        residual, plain = norm_then_project(norm, Residual(x, pending), in_proj)
-        got = norm_then_project_in_epilogue(norm, Residual(x, pending), in_proj, None)
+        residual, plain = norm_then_project(norm, x, pending, in_proj)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, None)
         assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
-        # the CPU: no epilogue
-        got = norm_then_project_in_epilogue(norm, Residual(x, pending), in_proj, epilogue)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, epilogue)  # the CPU: no
         assert got[0].equal(residual) and got[1].equal(plain) and got[2] is False
 
         monkeypatch.setattr(in_proj, "epilogue_applies", lambda x, e: e is epilogue, raising=False)
         monkeypatch.setattr(in_proj, "forward_in_epilogue",
                             lambda h, e: seen.append((h, e)) or marker, raising=False)
-        got = norm_then_project_in_epilogue(norm, Residual(x, pending), in_proj, epilogue)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, epilogue)
         assert got[0].equal(residual) and got[1] is marker and got[2] is True
         assert seen[0][1] is epilogue and torch.equal(in_proj(seen[0][0]), plain)  # normed row
 
@@ -881,7 +878,7 @@ def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_pl
         monkeypatch.setattr(in_proj, "forward_normed",
                             lambda x_, p, w, eps, zc, epilogue=None:
                             (residual, marker) if epilogue is not None else None, raising=False)
-        got = norm_then_project_in_epilogue(norm, Residual(x, pending), in_proj, epilogue)
+        got = norm_then_project_in_epilogue(norm, x, pending, in_proj, epilogue)
         assert got[0] is residual and got[1] is marker and got[2] is True and len(seen) == 1
         monkeypatch.undo()
 
@@ -893,7 +890,7 @@ def test_a_projection_with_an_epilogue_is_the_norm_then_the_fused_call_or_the_pl
         monkeypatch.setattr(in_proj, "epilogue_applies", lambda x, e: True, raising=False)
         monkeypatch.setattr(in_proj, "forward_in_epilogue",
                             lambda h, e: seen.append((h, e)) or marker, raising=False)
-        got = mixer.project(norm, Residual(x, pending), batch, cache)
+        got = mixer.project(norm, x, pending, batch, cache)
     assert got[1] is marker and got[2] is True
     conv = seen[-1][1]
     assert conv.windows is cache.conv_window(mixer.layer)
@@ -1012,29 +1009,24 @@ def _prompt_then_four_steps(loaded):
 
 
 @needs_gpu
-@pytest.mark.parametrize("switch", ["TANDEM_CONV_EPILOGUE", "TANDEM_SILU_EPILOGUE",
-                                    "TANDEM_NORM_EPILOGUE"])
+@pytest.mark.parametrize("switch", ["TANDEM_CONV_EPILOGUE", "TANDEM_SILU_EPILOGUE"])
 def test_decode_steps_with_an_epilogue_match_the_ops_own_launch(switch, monkeypatch):
     """The tiny Qwen3.5 in int4 on the GPU, a prompt then four decode steps
     on two caches: with the switch on, every GDN layer's decode conv runs in
     in_proj's GEMV (TANDEM_CONV_EPILOGUE), or every layer's MLP activation
-    in gate_up's (TANDEM_SILU_EPILOGUE), or every layer's two residual adds
-    and the norms after them in the last blocks of its mixer's out
-    projection and its down projection (TANDEM_NORM_EPILOGUE), as recorded;
-    the logits, the argmax, the conv windows and the recurrent states agree
-    with the op's own launch (the switch at 0) within bf16 rounding."""
+    in gate_up's (TANDEM_SILU_EPILOGUE), as recorded; the logits, the
+    argmax, the conv windows and the recurrent states agree with the op's
+    own launch (the switch at 0) within bf16 rounding."""
     from engine.loader import load_model
-    from engine.quant.linear import CONV_EPILOGUE_ENV, NORM_EPILOGUE_ENV, SILU_EPILOGUE_ENV
+    from engine.quant.linear import CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV
 
     loaded = load_model("tiny-qwen3.5", device="cuda", weights="int4", progress=False)
     model = loaded.model
     kind, layers = {CONV_EPILOGUE_ENV: (gemv_cuda.ConvEpilogue,
                                         sum(layer.is_linear for layer in model.model.layers)),
-                    SILU_EPILOGUE_ENV: (gemv_cuda.SiluMulEpilogue, len(model.model.layers)),
-                    NORM_EPILOGUE_ENV: (gemv_cuda.AddNormEpilogue,
-                                        2 * len(model.model.layers))}[switch]
-    for other in {CONV_EPILOGUE_ENV, SILU_EPILOGUE_ENV, NORM_EPILOGUE_ENV} - {switch}:
-        monkeypatch.setenv(other, "0")
+                    SILU_EPILOGUE_ENV: (gemv_cuda.SiluMulEpilogue, len(model.model.layers))}[switch]
+    other = SILU_EPILOGUE_ENV if switch == CONV_EPILOGUE_ENV else CONV_EPILOGUE_ENV
+    monkeypatch.setenv(other, "0")
     epilogues = []
     real = gemv_cuda.gemv_cuda
     monkeypatch.setattr(gemv_cuda, "gemv_cuda",
@@ -1142,7 +1134,7 @@ def test_the_silu_epilogue_takes_even_tiles_dividing_n_without_a_ring_and_its_sw
     """Its plans, its switch, and MLP.project on the CPU: the norm then
     gate_up bit for bit, the activation still to launch."""
     from engine.loader import load_model
-    from engine.model import Residual, norm_then_project
+    from engine.model import norm_then_project
     from engine.quant.gemv_cuda import SiluMulEpilogue
     from engine.quant.linear import SILU_EPILOGUE_ENV
 
@@ -1156,9 +1148,9 @@ def test_the_silu_epilogue_takes_even_tiles_dividing_n_without_a_ring_and_its_sw
     k = layer.mlp.gate_up_proj.quant.in_features
     x, pending = torch.randn(1, k), torch.randn(1, k)
     with torch.inference_mode():
-        residual, projected, activated = layer.mlp.project(layer.post_attention_layernorm,
-                                                           Residual(x, pending))
-        expected = norm_then_project(layer.post_attention_layernorm, Residual(x, pending),
+        residual, projected, activated = layer.mlp.project(layer.post_attention_layernorm, x,
+                                                           pending)
+        expected = norm_then_project(layer.post_attention_layernorm, x, pending,
                                      layer.mlp.gate_up_proj)
         assert not layer.mlp.gate_up_proj.epilogue_applies(x, SiluMulEpilogue())   # the CPU
     assert activated is False
@@ -1372,173 +1364,12 @@ def test_a_small_stack_frame_launches_and_a_spill_does_not(local_bytes, ok):
     assert gemv_cuda.launchable(local_bytes) is ok
 
 
-# ------------------------------------- the residual add + norm in the last block
-
-
-def _add_norm_epilogue(n, zero_centered=True, weight_dtype=torch.float32, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    residual = (torch.randn(1, n, generator=g) * 4).to(torch.bfloat16).to(device)
-    weight = (torch.randn(n, generator=g) * 0.1).to(weight_dtype).to(device)
-    residual_out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=device)
-    arrivals = torch.zeros(1, dtype=torch.int32, device=device)
-    return gemv_cuda.AddNormEpilogue(residual, weight, 1e-6, zero_centered, residual_out,
-                                     arrivals)
-
-
-def test_the_norm_epilogue_refuses_what_the_kernel_cannot_take_and_is_off_by_default(
-        monkeypatch):
-    from dataclasses import replace
-
-    from engine.quant.linear import NORM_EPILOGUE_ENV, epilogue_wanted
-
-    _assert_switch(monkeypatch, NORM_EPILOGUE_ENV, epilogue_wanted, default=False)
-    epilogue = _add_norm_epilogue(64)
-    x, out = torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 64, dtype=torch.bfloat16)
-    assert epilogue.flags() == {"ADD_NORM": 1, "OUT_GROUPS": 2, "ZC": 1, "W_F32": 1}
-    assert len(epilogue.operands(x, 64, out)) == 4
-    with pytest.raises(ValueError, match="Llama-style norm epilogue needs a bf16 weight"):
-        replace(epilogue, zero_centered=False)
-    with pytest.raises(ValueError, match="one int32 element"):
-        replace(epilogue, arrivals=torch.zeros(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        _add_norm_epilogue(48).operands(x, 48, out[:, :48])
-    with pytest.raises(ValueError, match="residual must be a contiguous"):
-        epilogue.operands(x, 96, out)
-    with pytest.raises(ValueError, match="must not alias the output"):
-        epilogue.operands(x, 64, epilogue.residual_out)
-    with pytest.raises(ValueError, match="bf16"):
-        replace(epilogue, residual=epilogue.residual.float()).operands(x, 64, out)
-
-
-def test_layers_whose_projections_do_the_add_and_norm_give_the_plain_logits(monkeypatch):
-    """The model's plumbing on the CPU, with every quantized projection
-    before a norm (each mixer's out projection, each down projection)
-    standing in for its GEMV's epilogue by the reference ops: two calls a
-    layer, each for the norm that runs next (the last layer's: the final
-    norm), and the logits bit for bit those of the plain path."""
-    from engine.batch import ForwardBatch, SequenceInput
-    from engine.cache import CacheShape, PagedKVCache
-    from engine.fused import reference
-    from engine.kv import make_format
-    from engine.loader import load_model
-    from engine.quant.linear import QuantLinear
-
-    loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
-    model, layers = loaded.model, loaded.model.model.layers
-
-    def logits():
-        cache = PagedKVCache(loaded.config, CacheShape(4, 16, 2), "cpu",
-                             make_format("bf16", dtype=torch.float32))
-        with torch.inference_mode():
-            model(ForwardBatch.build([SequenceInput((5, 9, 200), 0, (0,), 1)], 16, "cpu"),
-                  cache)
-            return model(ForwardBatch.build([SequenceInput((7,), 3, (0,), 1)], 16, "cpu"), cache)
-
-    plain = logits()
-    norms_by_weight = {}
-    calls = []
-
-    def then_norm(self, a, residual, weight, eps, zc):
-        calls.append((self, norms_by_weight[weight.data_ptr()]))
-        return reference.add_rms_norm(residual, self(a), weight, eps, zc)
-
-    for i, layer in enumerate(layers):
-        norms_by_weight[layer.input_layernorm.weight.data_ptr()] = ("input", i)
-        norms_by_weight[layer.post_attention_layernorm.weight.data_ptr()] = ("post", i)
-    norms_by_weight[model.model.norm.weight.data_ptr()] = ("final", len(layers))
-    monkeypatch.setattr("engine.model.norm_epilogue_applies",
-                        lambda linear, x: isinstance(linear, QuantLinear) and x.shape[0] == 1)
-    monkeypatch.setattr(QuantLinear, "forward_then_norm", then_norm)
-    fused = logits()
-    assert torch.equal(fused, plain)
-    expected = []
-    for i, layer in enumerate(layers):
-        mixer = layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
-        expected += [(mixer, ("post", i)),
-                     (layer.mlp.down_proj, ("input", i + 1) if i + 1 < len(layers)
-                      else ("final", len(layers)))]
-    assert calls == expected
-
-
-def _assert_within_a_bf16_ulp(got, expected, share=0.01):
-    """Elementwise at most one bf16 ulp apart, and at most `share` of them apart at all:
-    two kernels' fp32 sums of s^2 may round rstd otherwise."""
-    assert not got.isnan().any()
-    got, expected = got.float(), expected.float()
-    ulp = torch.exp2(torch.floor(torch.log2(expected.abs().clamp_min(1e-30))) - 7)
-    apart = (got - expected).abs()
-    assert (apart <= ulp).all(), (apart / ulp).max()
-    assert (apart > 0).float().mean() <= share
-
-
-@needs_gpu
-@pytest.mark.parametrize("n, k, rows, flush, blocks_per_sm", [
-    (5120, 6144, 4, 1, 0), (5120, 17408, 4, 16, 0), (3200, 768, 2, 1, 1), (256, 1024, 4, 8, 1)])
-@pytest.mark.parametrize("zero_centered, weight_dtype", [
-    (True, torch.float32), (True, torch.bfloat16), (False, torch.bfloat16)])
-def test_the_norm_epilogue_gives_add_rms_norm_of_the_gemv(n, k, rows, flush, blocks_per_sm,
-                                                          zero_centered, weight_dtype):
-    """The last block's add + RMSNorm against engine/fused's add_rms_norm of
-    the plain GEMV's output: the new stream bitwise, the norm within a bf16
-    ulp; twice, so the counter the last block re-zeroes serves the second
-    launch. The 27B's attn o / gdn out (6144) and down (17408, flush 16)
-    shapes, and grids of several tiles a block, several groups a thread."""
-    from engine.fused import load_kernels
-
-    qt = _quant(n, k, seed=n + k, device="cuda")
-    x = _activation(k, seed=k)
-    plan = plan_for(k, rows=rows, flush=flush, blocks_per_sm=blocks_per_sm)
-    epilogue = _add_norm_epilogue(n, zero_centered, weight_dtype, device="cuda", seed=n)
-    stream, normed = load_kernels().add_rms_norm(epilogue.residual, _run(qt, x, plan),
-                                                 epilogue.weight, 1e-6, zero_centered)
-    for _ in range(2):
-        epilogue.residual_out.fill_(float("nan"))
-        out = torch.full((1, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-        got = gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, epilogue=epilogue)
-        torch.cuda.synchronize()
-        assert got.data_ptr() == out.data_ptr()
-        assert torch.equal(epilogue.residual_out, stream)
-        _assert_within_a_bf16_ulp(got, normed)
-        assert epilogue.arrivals.item() == 0
-
-
-@needs_gpu
-def test_the_norm_epilogue_replays_in_a_cuda_graph_with_the_next_gemv_under_pdl():
-    """A GEMV ending in the add + norm, then a GEMV of its output, both with
-    PDL, captured and replayed three times into NaN-poisoned outputs: each
-    replay bitwise the eager run (the last block's sums do not depend on
-    which block arrives last)."""
-    a, b = _quant(1024, 768, seed=5, device="cuda"), _quant(300, 1024, seed=6, device="cuda")
-    x = _activation(768, seed=7)
-    epilogue = _add_norm_epilogue(1024, device="cuda", seed=8)
-    normed = torch.empty(1, 1024, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(1, 300, dtype=torch.bfloat16, device="cuda")
-
-    def both():
-        gemv_cuda.gemv_cuda(x, a, out=normed, pdl=True, epilogue=epilogue)
-        gemv_cuda.gemv_cuda(normed, b, out=out, pdl=True)
-
-    both()
-    torch.cuda.synchronize()
-    eager = (epilogue.residual_out.clone(), normed.clone(), out.clone())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        both()
-    for _ in range(3):
-        for t in (epilogue.residual_out, normed, out):
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(g, e) for g, e in zip((epilogue.residual_out, normed, out), eager))
-    assert epilogue.arrivals.item() == 0
-
-
 # ------------------------------------------- the next tiles into L2 before the wait
 
 
-def test_the_early_l2_tiles_switch_is_off_by_default_and_names_a_bad_value(monkeypatch):
+def test_the_early_l2_tiles_switch_is_one_by_default_and_names_a_bad_value(monkeypatch):
     monkeypatch.delenv(gemv_cuda.EARLY_L2_TILES_ENV, raising=False)
-    assert gemv_cuda.early_l2_tiles() == 0
+    assert gemv_cuda.early_l2_tiles() == 1
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
     assert gemv_cuda.early_l2_tiles() == 2
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "9")

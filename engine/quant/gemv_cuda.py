@@ -290,7 +290,7 @@ Prologue = NormPrologue | SiluPrologue | GatedNormPrologue
 
 # The kernel's epilogue flags and their values when no epilogue asks for them
 _EPILOGUE_FLAGS = {"CONV": 0, "CONV_K": 0, "CONV_W_F32": 0, "CONV_WIN_F32": 0,
-                   "SILU_MUL": 0, "ADD_NORM": 0, "OUT_GROUPS": 0}
+                   "SILU_MUL": 0}
 
 
 class _ConvStep(ctypes.Structure):
@@ -378,60 +378,7 @@ class SiluMulEpilogue:
         return plan.rows % 2 == 0 and n % plan.rows == 0 and plan.stages == 0
 
 
-@dataclass(frozen=True)
-class AddNormEpilogue:
-    """The residual add and the RMSNorm after the GEMV, done by its last
-    block (q4_gemv.cu, ADD_NORM): with y the GEMV's output, round(residual
-    + y) goes to residual_out and the GEMV returns RMSNorm of it, both as
-    engine/fused's add_rms_norm(residual, y) stores them (its rstd may
-    round an fp32 ulp otherwise: the two kernels sum s^2 in other orders).
-    residual, residual_out [1, N] bf16 (residual_out may be residual
-    itself, not the output); weight [N], bf16, or fp32 for a zero-centred
-    norm; arrivals: an int32 counter of one element, zero before the
-    launch, which the last block leaves zero again (so one counter serves
-    every launch of a stream, graph replays included)."""
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    zero_centered: bool
-    residual_out: torch.Tensor
-    arrivals: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.weight.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"the norm weight must be bf16 or fp32, got {self.weight.dtype}")
-        if self.weight.dtype == torch.float32 and not self.zero_centered:
-            # engine/fused's Llama norm stores fp32 then, which this GEMV does not take
-            raise ValueError("a Llama-style norm epilogue needs a bf16 weight")
-        if self.arrivals.dtype != torch.int32 or self.arrivals.numel() != 1:
-            raise ValueError(f"arrivals must be one int32 element, got "
-                             f"{tuple(self.arrivals.shape)} {self.arrivals.dtype}")
-
-    def flags(self) -> dict[str, int]:
-        return {"ADD_NORM": 1, "OUT_GROUPS": self.residual.numel() // GROUP,
-                "ZC": int(self.zero_centered), "W_F32": int(self.weight.dtype == torch.float32)}
-
-    def operands(self, x: torch.Tensor, n: int, out: torch.Tensor) -> list:
-        """(pending, norm_w, eps, residual_out) as the kernel takes them."""
-        if n % GROUP:
-            raise ValueError(f"the norm epilogue takes N a multiple of {GROUP}, got {n}")
-        for name, t in (("residual", self.residual), ("weight", self.weight),
-                        ("residual_out", self.residual_out)):
-            if t.numel() != n or not t.is_contiguous() or t.device != x.device \
-                    or t.data_ptr() % 16:
-                raise ValueError(f"the norm epilogue's {name} must be a contiguous, 16-byte "
-                                 f"aligned tensor of {n} elements on {x.device}")
-        if self.residual.dtype != torch.bfloat16 or self.residual_out.dtype != torch.bfloat16:
-            raise ValueError("residual and residual_out must be bf16")
-        if self.residual_out.data_ptr() == out.data_ptr():
-            raise ValueError("residual_out must not alias the output: the last block "
-                             "rewrites it with the norm")
-        if self.arrivals.device != x.device:
-            raise ValueError(f"arrivals must be on {x.device}, got {self.arrivals.device}")
-        return [self.residual, self.weight, float(self.eps), self.residual_out]
-
-
-Epilogue = ConvEpilogue | SiluMulEpilogue | AddNormEpilogue
+Epilogue = ConvEpilogue | SiluMulEpilogue
 
 L2_REGIONS = 5  # q4_gemv.cu's L2Regions: a QuantTensor's qweight, d, sc, dmin, m
 
@@ -607,10 +554,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     (RMSNorm(x (+ pending))), SiluPrologue (x the [1, 2K] gate_up row),
     GatedNormPrologue (GDN's gated norm); with an epilogue, the op after
     it done on its output rows: ConvEpilogue (GDN's conv step),
-    SiluMulEpilogue (the MLP's activation: the output is [1, N / 2]),
-    AddNormEpilogue (the residual add and the norm after a mixer or an
-    MLP: the output is the norm's, the new stream goes to its
-    residual_out); with
+    SiluMulEpilogue (the MLP's activation: the output is [1, N / 2]); with
     l2_prefetch, the next weight's leading rows asked of L2 at the end
     (sm_90 on; elsewhere ignored). Unset, the plan is picked_plan's and PDL is on where
     engine/pdl.py turns it on."""
@@ -640,16 +584,12 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     elif not _fits_out(out, x, width):
         raise ValueError(f"out must be a contiguous [1, {width}] {x.dtype} tensor, "
                          f"got {tuple(out.shape)} {out.dtype}")
-    adds_norm = isinstance(epilogue, AddNormEpilogue)
-    if adds_norm and prologue is not None:
-        raise ValueError("the norm epilogue takes no prologue: both use the kernel's "
-                         "pending, norm_w and residual_out")
     if prologue is not None:
         prologue_args = prologue.operands(x, k)
     elif x.shape[-1] != k:
         raise ValueError(f"x must be a [1, {k}] row, got {tuple(x.shape)}")
     else:
-        prologue_args = epilogue.operands(x, n, out) if adds_norm else [x, x, 0.0, x]
+        prologue_args = [x, x, 0.0, x]
     conv_step = epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
     if l2_prefetch is not None and (not l2_prefetch.ranges or
                                     torch.cuda.get_device_capability(device)[0] < 9):
@@ -688,8 +628,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
             [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
-             l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step,
-             epilogue.arrivals if adds_norm else out], pdl)
+             l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step], pdl)
     return out
 
 
@@ -710,11 +649,13 @@ EARLY_L2_TILES_ENV = "TANDEM_GEMV_EARLY_L2_TILES"
 def early_l2_tiles() -> int:
     """How many tiles past its first each block asks L2 for before the
     dependent-launch wait (q4_gemv.cu, EARLY_L2_TILES; sm_90's bulk
-    prefetch): TANDEM_GEMV_EARLY_L2_TILES, 0 (none) until timed. Read per
-    call, in a CUDA graph at capture."""
+    prefetch): TANDEM_GEMV_EARLY_L2_TILES, 1 by default (the H100's int4
+    27B step 6.40-6.41 -> 6.33-6.34 ms in four alternating rounds, 2: no
+    better; 2026-12-06), 0 for none. Read per call, in a CUDA graph at
+    capture."""
     from engine.switches import one_of
 
-    return one_of(EARLY_L2_TILES_ENV, 0, (0, 1, 2, 3, 4))
+    return one_of(EARLY_L2_TILES_ENV, 1, (0, 1, 2, 3, 4))
 
 
 def wanted() -> bool:

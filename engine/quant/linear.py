@@ -80,7 +80,6 @@ class QuantLinear(_QuantHolder):
         # (the projection that runs next, bytes of it to read ahead) or None:
         # a tuple, so that nn.Module does not adopt the other module as a child
         self._read_ahead: tuple[QuantLinear, int] | None = None
-        self._arrivals: torch.Tensor | None = None   # see _arrivals_on
 
     def read_ahead(self, following: "QuantLinear | None", budget_bytes: int) -> None:
         """After this projection's one-row CUDA GEMV, ask L2 for the first
@@ -194,50 +193,6 @@ class QuantLinear(_QuantHolder):
         return gemv_cuda.gemv_cuda(x, self.quant, epilogue=epilogue,
                                    l2_prefetch=self._l2_prefetch())
 
-    def norm_epilogue_applies(self, residual: torch.Tensor) -> bool:
-        """Whether this projection's GEMV may do the residual add and the norm
-        after it (forward_then_norm) for the stream `residual`: one row on a
-        GPU, no bias, TANDEM_NORM_EPILOGUE on. forward_then_norm may still
-        decline (operands the kernel does not take)."""
-        return (self.bias is None and residual.is_cuda and residual.shape[0] == 1
-                and epilogue_wanted(NORM_EPILOGUE_ENV))
-
-    def forward_then_norm(self, a: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float, zero_centered: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """add_rms_norm(residual, self(a)) of one row, i.e. (residual +
-        self(a), rms_norm(residual + self(a))), with the add and the norm in
-        the CUDA GEMV's last block (gemv_cuda.AddNormEpilogue,
-        TANDEM_NORM_EPILOGUE); or None where that does not apply (the
-        switch, a bias, operands the kernel does not take)."""
-        if not a.is_cuda or not self.norm_epilogue_applies(residual):
-            return None
-        from engine.quant import gemv_cuda
-
-        if not gemv_cuda.runs(a, self.quant) or residual.shape != (1, self.out_features):
-            return None
-        residual_out = torch.empty_like(residual)
-        out = torch.empty_like(residual)
-        try:  # the epilogue's own checks: weight dtype, N, alignment
-            epilogue = gemv_cuda.AddNormEpilogue(residual, weight, eps, zero_centered,
-                                                 residual_out, self._arrivals_on(a.device))
-            epilogue.operands(a, self.out_features, out)
-        except ValueError:  # e.g. a Llama norm's fp32 weight: the norm's launch
-            return None
-        return residual_out, gemv_cuda.gemv_cuda(a, self.quant, out=out, epilogue=epilogue,
-                                                 l2_prefetch=self._l2_prefetch())
-
-    def _arrivals_on(self, device: torch.device) -> torch.Tensor:
-        """This projection's arrival counter for the norm epilogue (zero
-        between launches: the last block re-zeroes it), made on first use.
-        Its own, not one a process shares, so that projections on other
-        streams never count into each other's."""
-        counter = self._arrivals
-        if counter is None or counter.device != device:
-            counter = torch.zeros(1, dtype=torch.int32, device=device)
-            self._arrivals = counter
-        return counter
-
     def _prologue_may_run(self, x: torch.Tensor, switch: str) -> bool:
         return self.bias is None and x.is_cuda and prologue_wanted(switch)
 
@@ -269,14 +224,9 @@ def prologue_wanted(switch: str) -> bool:
 
 CONV_EPILOGUE_ENV = "TANDEM_CONV_EPILOGUE"
 SILU_EPILOGUE_ENV = "TANDEM_SILU_EPILOGUE"
-NORM_EPILOGUE_ENV = "TANDEM_NORM_EPILOGUE"
-# (what 1 does, what 0 does, the default)
-_EPILOGUES = {CONV_EPILOGUE_ENV: ("GDN's conv in in_proj's GEMV epilogue", "a conv launch",
-                                  True),
+_EPILOGUES = {CONV_EPILOGUE_ENV: ("GDN's conv in in_proj's GEMV epilogue", "a conv launch"),
               SILU_EPILOGUE_ENV: ("the MLP activation in gate_up's GEMV epilogue",
-                                  "an activation launch", True),
-              NORM_EPILOGUE_ENV: ("the residual add + norm in the last block of the GEMV "
-                                  "before it", "a norm launch", False)}
+                                  "an activation launch")}
 
 
 def epilogue_wanted(switch: str) -> bool:
@@ -285,14 +235,12 @@ def epilogue_wanted(switch: str) -> bool:
     MLP's activation), asked by QuantLinear.epilogue_applies. Both on
     by default: on an H100 (12-05/06) the int4 step 7.21-7.22 ms against
     7.30-7.32 with the conv's, 7.23-7.25 against 7.27-7.29 adding the
-    activation's; 0 gives the op its own launch. TANDEM_NORM_EPILOGUE (the
-    residual add + norm after a mixer's or the MLP's last projection,
-    QuantLinear.forward_then_norm): off until timed. Read per call; in a
-    CUDA graph, at capture."""
+    activation's; 0 gives the op its own launch. Read per call; in a CUDA
+    graph, at capture."""
     from engine.switches import on_off
 
-    on, off, default = _EPILOGUES[switch]
-    return on_off(switch, default, on=on, off=off)
+    on, off = _EPILOGUES[switch]
+    return on_off(switch, True, on=on, off=off)
 
 
 L2_PREFETCH_ENV = "TANDEM_GEMV_L2_PREFETCH_MB"

@@ -84,16 +84,6 @@
 // engine/fused's silu_mul stores it, to out[j]: the output is N / 2 wide and
 // the activation's launch goes away. N a multiple of ROWS, ROWS even, the
 // register pipeline (a ring stage copies contiguous rows).
-// ADD_NORM=1 (the residual add and the RMSNorm after a projection that
-// ends a mixer or an MLP, in its epilogue): `pending` is the residual stream
-// r, norm_w the next norm's weight. Each block stores its rows of y as the
-// plain GEMV does, then counts itself in at `arrivals`; the last block to
-// arrive reads all of y back from L2, stores s = round(r + y) into
-// residual_out and RMSNorm(s) into out (in place of y), rounded as
-// engine/fused's add_rms_norm stores them, and re-zeroes the counter for
-// the next launch. The norm needs every row, which only the last block
-// sees complete: the norm's launch, and the hop from the GEMV's end to it,
-// go away for a tail of one block. OUT_GROUPS: N / 32.
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
@@ -102,8 +92,7 @@
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
 // CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
-// SILU_MUL; ADD_NORM with OUT_GROUPS (and ZC, W_F32 as NORM's), without a
-// prologue; at most one of CONV, SILU_MUL and ADD_NORM.
+// SILU_MUL; at most one of CONV and SILU_MUL.
 
 typedef unsigned short u16;
 
@@ -263,7 +252,7 @@ __device__ __forceinline__ XSlice quantize_group(const unsigned (&raw)[16]) {
     return s;
 }
 
-#if NORM || GATED || ADD_NORM
+#if NORM || GATED
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)float_bf16(lo) | ((unsigned)float_bf16(hi) << 16);
 }
@@ -347,23 +336,27 @@ __device__ __forceinline__ void gated_group(unsigned (&raw)[16], const unsigned 
 }
 #endif
 
-#if NORM || ADD_NORM
-// raw += add, each sum rounded to bf16 as a store would leave it
-__device__ __forceinline__ void add_group(unsigned (&raw)[16], const unsigned (&add)[16]) {
+#if NORM
+// s = round(x + pending) for group g (stored by block 0), its sum of squares
+__device__ __forceinline__ float residual_group(const u16* __restrict__ x,
+                                                const u16* __restrict__ pending,
+                                                u16* __restrict__ residual_out, int g,
+                                                unsigned (&raw)[16]) {
+    load_group(x, g, raw);
+#if HAS_PENDING
+    unsigned add[16];
+    load_group(pending, g, add);
 #pragma unroll
     for (int i = 0; i < 16; ++i)
         raw[i] = pack_bf16(bf16_float(raw[i] & 0xFFFF) + bf16_float(add[i] & 0xFFFF),
                            bf16_float(raw[i] >> 16) + bf16_float(add[i] >> 16));
-}
-
-__device__ __forceinline__ void store_group(u16* __restrict__ dst, int g,
-                                            const unsigned (&raw)[16]) {
-    uint4* v = reinterpret_cast<uint4*>(dst + g * 32);
+    if (blockIdx.x == 0) {
+        uint4* dst = reinterpret_cast<uint4*>(residual_out + g * 32);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = uint4{raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]};
-}
-
-__device__ __forceinline__ float group_squares(const unsigned (&raw)[16]) {
+        for (int i = 0; i < 4; ++i)
+            dst[i] = uint4{raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]};
+    }
+#endif
     float squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -371,21 +364,6 @@ __device__ __forceinline__ float group_squares(const unsigned (&raw)[16]) {
         squares += lo * lo + hi * hi;
     }
     return squares;
-}
-
-// rsqrt(mean square + eps) of the row whose threads hold `squares` each, in
-// the same order in every thread and block (a barrier: every thread calls it)
-__device__ __forceinline__ float row_rstd(float squares, float (&squares_of_warp)[THREADS / 32],
-                                          int n, float eps) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
-    if ((threadIdx.x & 31) == 0) squares_of_warp[threadIdx.x >> 5] = squares;
-    __syncthreads();
-    float row_squares = 0.0f;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) row_squares += squares_of_warp[w];
-    return rsqrtf(row_squares / (float)n + eps);
 }
 
 // RMSNorm(s) of a group as bf16 words, as engine/fused's kernel rounds it
@@ -405,105 +383,6 @@ __device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned
         }
         raw[i] = pack_bf16(v[0], v[1]);
     }
-}
-#endif
-
-#if NORM
-// s = round(x + pending) for group g (stored by block 0), its sum of squares
-__device__ __forceinline__ float residual_group(const u16* __restrict__ x,
-                                                const u16* __restrict__ pending,
-                                                u16* __restrict__ residual_out, int g,
-                                                unsigned (&raw)[16]) {
-    load_group(x, g, raw);
-#if HAS_PENDING
-    unsigned add[16];
-    load_group(pending, g, add);
-    add_group(raw, add);
-    if (blockIdx.x == 0) store_group(residual_out, g, raw);
-#endif
-    return group_squares(raw);
-}
-#endif
-
-#if ADD_NORM
-constexpr int OUT_SLOTS = (OUT_GROUPS + THREADS - 1) / THREADS;
-
-// before the wait, from one block: the residual stream and the norm weight
-// into L2, where the last block's reads find them (no kernel right before
-// writes either: the stream comes from the norm before this one, with a
-// GEMV or more between)
-__device__ __forceinline__ void prefetch_norm_operands(const u16* residual, const void* norm_w) {
-    constexpr int LINE = 128;
-    constexpr int STREAM_LINES = OUT_GROUPS * 32 * 2 / LINE;
-    constexpr int WEIGHT_LINES = OUT_GROUPS * 32 * (W_F32 ? 4 : 2) / LINE;
-    for (int i = threadIdx.x; i < STREAM_LINES + WEIGHT_LINES; i += THREADS) {
-        const char* p = i < STREAM_LINES
-            ? reinterpret_cast<const char*>(residual) + i * LINE
-            : static_cast<const char*>(norm_w) + (i - STREAM_LINES) * LINE;
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-    }
-}
-
-// Whether this block is the grid's last to finish its rows. Every thread
-// fences its own stores of y before the barrier, so the count a block adds
-// orders all of them (the CUDA threadFenceReduction pattern).
-__device__ __forceinline__ bool last_to_arrive(unsigned* arrivals) {
-    __shared__ unsigned ticket;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) ticket = atomicAdd(arrivals, 1u);
-    __syncthreads();
-    const bool last = ticket == gridDim.x - 1;
-    if (last) __threadfence();
-    return last;
-}
-
-// The last block: s = round(r + y) into residual_out and RMSNorm(s) into out
-// (y's own buffer: each thread reads its groups before it rewrites them), as
-// engine/fused's add_rms_norm stores them; y is read through L2 (.cg), where
-// the other blocks' stores are
-__device__ __forceinline__ void add_norm_rows(u16* __restrict__ out, const u16* __restrict__ residual,
-                                              const norm_w_t* __restrict__ norm_w, float eps,
-                                              u16* __restrict__ residual_out, unsigned* arrivals) {
-    __shared__ float squares_of_warp[THREADS / 32];
-    unsigned raw[OUT_SLOTS][16];
-    float squares = 0.0f;
-#pragma unroll
-    for (int j = 0; j < OUT_SLOTS; ++j) {
-        const int g = threadIdx.x + j * THREADS;
-        if (OUT_SLOTS * THREADS == OUT_GROUPS || g < OUT_GROUPS) {
-            const uint4* y = reinterpret_cast<const uint4*>(out + g * 32);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const uint4 v = __ldcg(y + i);
-                raw[j][4 * i] = v.x; raw[j][4 * i + 1] = v.y;
-                raw[j][4 * i + 2] = v.z; raw[j][4 * i + 3] = v.w;
-            }
-            unsigned stream[16];
-            load_group(residual, g, stream);
-            add_group(raw[j], stream);
-            store_group(residual_out, g, raw[j]);
-            squares += group_squares(raw[j]);
-        }
-    }
-    const float rstd = row_rstd(squares, squares_of_warp, OUT_GROUPS * 32, eps);
-#pragma unroll
-    for (int j = 0; j < OUT_SLOTS; ++j) {
-        const int g = threadIdx.x + j * THREADS;
-        if (OUT_SLOTS * THREADS == OUT_GROUPS || g < OUT_GROUPS) {
-            unsigned weight[W_WORDS];
-            const uint4* w = reinterpret_cast<const uint4*>(norm_w + g * 32);
-#pragma unroll
-            for (int i = 0; i < W_VECS; ++i) {
-                const uint4 v = w[i];
-                weight[4 * i] = v.x; weight[4 * i + 1] = v.y;
-                weight[4 * i + 2] = v.z; weight[4 * i + 3] = v.w;
-            }
-            normed_group(raw[j], weight, rstd);
-            store_group(out, g, raw[j]);
-        }
-    }
-    if (threadIdx.x == 0) *arrivals = 0u;   // every block has counted itself in
 }
 #endif
 
@@ -776,7 +655,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                u16* __restrict__ out, int n_rows,
                const u16* __restrict__ pending, const void* __restrict__ norm_w,
                float eps, u16* __restrict__ residual_out, const L2Regions prefetch,
-               const ConvStep conv, unsigned* __restrict__ arrivals) {
+               const ConvStep conv) {
     __shared__ float partial[FLUSH][ROWS][WARPS];
 #if NORM
     __shared__ float squares_of_warp[WARPS];
@@ -831,9 +710,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                 prefetch_tile_l2(index + e * gridDim.x, n_rows, qw, d, sc, dmin, m);
     }
 #endif
-#if ADD_NORM
-    if (blockIdx.x == 0) prefetch_norm_operands(pending, norm_w);
-#endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
@@ -880,7 +756,15 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             squares += residual_group(x, pending, residual_out, g, raw[j]);
         }
     }
-    const float rstd = row_rstd(squares, squares_of_warp, GROUPS * 32, eps);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+    if (lane == 0) squares_of_warp[warp] = squares;
+    __syncthreads();
+    float row_squares = 0.0f;   // the same order in every thread and block
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) row_squares += squares_of_warp[w];
+    const float rstd = rsqrtf(row_squares / (float)(GROUPS * 32) + eps);
 #endif
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) {
@@ -989,10 +873,5 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     }
 #if L2_PREFETCH
     if (threadIdx.x == 0) prefetch_share(prefetch);
-#endif
-#if ADD_NORM
-    if (last_to_arrive(arrivals))
-        add_norm_rows(out, pending, static_cast<const norm_w_t*>(norm_w), eps, residual_out,
-                      arrivals);
 #endif
 }

@@ -7,6 +7,19 @@
 #     then the fused step's critical path, and what removing the norms,
 #     attention, the KV write, q/k norm + rotary or the output gate would
 #     save at most (bench.ablate_step over the headline's bf16 KV at 256)
+#     (18:36, H100: tree 6.50 ms twice, ebe4577 6.62 twice, fusions off 6.53
+#     twice; removing every norm saves at most 0.198 ms, attention 0.093,
+#     the KV write and q/k norm + rotary nothing)
+#   bash scripts/sessions/device_next59.sh epilogue  (carry .whl): the GEMV
+#     tests, then the step by default, with the norm in the last block of the
+#     GEMV before it (TANDEM_NORM_EPILOGUE, since removed: the variable now
+#     does nothing) and with 1 / 2 tiles into L2 before the wait
+#     (TANDEM_GEMV_EARLY_L2_TILES), alternating; the epilogue's critical path
+#     (19:41, H100: default 6.40-6.41, epilogue 6.63-6.65, early 1 6.34, early
+#     2 6.34-6.35; 19:45: 34 passed, the epilogue's graph test failed; 19:50,
+#     two more rounds: default 6.41, early 1 6.33)
+#   bash scripts/sessions/device_next59.sh readahead  (carry .whl; not run):
+#     TANDEM_GEMV_L2_PREFETCH_MB at 0, 4, 8, 16 on top of the early tiles
 set -uo pipefail
 call=${1:?h200, epilogue or readahead}
 source scripts/device_env.sh
