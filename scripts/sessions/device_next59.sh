@@ -15,8 +15,8 @@
 #     GEMV before it (TANDEM_NORM_EPILOGUE, since removed: the variable now
 #     does nothing) and with 1 / 2 tiles into L2 before the wait
 #     (TANDEM_GEMV_EARLY_L2_TILES), alternating; the epilogue's critical path
-#     (19:41, H100: default 6.40-6.41, epilogue 6.63-6.65, early 1 6.34, early
-#     2 6.34-6.35; 19:45: 34 passed, the epilogue's graph test failed; 19:50,
+#     (19:42, H100: default 6.40-6.41, epilogue 6.63-6.65, early 1 6.34, early
+#     2 6.34-6.35; 19:46: 34 passed, the epilogue's graph test failed; 19:48,
 #     two more rounds: default 6.41, early 1 6.33)
 #   bash scripts/sessions/device_next59.sh readahead  (carry .whl; not run):
 #     TANDEM_GEMV_L2_PREFETCH_MB at 0, 4, 8, 16 on top of the early tiles
