@@ -18,6 +18,8 @@
 #     (19:42, H100: default 6.40-6.41, epilogue 6.63-6.65, early 1 6.34, early
 #     2 6.34-6.35; 19:46: 34 passed, the epilogue's graph test failed; 19:48,
 #     two more rounds: default 6.41, early 1 6.33)
+#   (since 19:48 the h200 call also times TANDEM_GEMV_EARLY_L2_TILES=0 against
+#     the default 1: the next session's first call on an H200)
 #   bash scripts/sessions/device_next59.sh readahead  (carry .whl; not run):
 #     TANDEM_GEMV_L2_PREFETCH_MB at 0, 4, 8, 16 on top of the early tiles
 set -uo pipefail
@@ -38,6 +40,7 @@ case "$call" in
       step_27b s${round}_a_tree
       base s${round}_b_base
       TANDEM_NORM_ROPE_PAIR=0 TANDEM_COMBINE_GATE=0 step_27b s${round}_c_apart
+      TANDEM_GEMV_EARLY_L2_TILES=0 step_27b s${round}_d_no_early_tiles
     done
     step_cols s
     critical critical
