@@ -13,7 +13,7 @@ import ctypes
 import sys
 
 from engine.quant import gemv_cuda
-from engine.quant.gemv_cuda import build_options, picked_plan, plan_for
+from engine.quant.gemv_cuda import CARD_PLANS, build_options, picked_plan, plan_for
 
 
 def compile_sm90(options: tuple[str, ...], nvrtc: ctypes.CDLL) -> tuple[int, str]:
@@ -33,14 +33,14 @@ def compile_sm90(options: tuple[str, ...], nvrtc: ctypes.CDLL) -> tuple[int, str
 
 
 def _cases():
-    """(name, options): the 27B's one-row projections on the H200's plans,
-    with and without the next tiles asked of L2 before the wait."""
-    shapes = {"gate_up": (34816, 5120), "down": (5120, 17408), "out": (5120, 6144),
-              "in_proj": (16480, 5120)}
-    for name, (n, k) in shapes.items():
-        plan = picked_plan(n, k, "NVIDIA H200")
+    """(name, options): the H200's card plans for the 27B's shapes, and
+    plan_for's for its out projections (gdn out, attn o: 5120 x 6144), with
+    and without the next tile asked of L2 before the wait."""
+    card = "NVIDIA H200"
+    for n, k in [*CARD_PLANS[card], (5120, 6144)]:
+        plan = picked_plan(n, k, card)
         for early in (0, 1):
-            yield f"{name}, early L2 tiles {early}", build_options(
+            yield f"{n} x {k}, early L2 tiles {early}", build_options(
                 plan, 256, True, False, True, early_l2_tiles=early)
     yield "tests' 3001 x 768, one row a tile", build_options(
         plan_for(768, rows=1, blocks_per_sm=1), 256, True, False, True, early_l2_tiles=2)

@@ -591,16 +591,16 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     else:
         prologue_args = [x, x, 0.0, x]
     conv_step = epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
-    if l2_prefetch is not None and (not l2_prefetch.ranges or
-                                    torch.cuda.get_device_capability(device)[0] < 9):
-        l2_prefetch = None  # the bulk prefetch is sm_90's
+    bulk_prefetch = torch.cuda.get_device_capability(device)[0] >= 9   # sm_90's
+    if l2_prefetch is not None and (not l2_prefetch.ranges or not bulk_prefetch):
+        l2_prefetch = None
     if plan.stages and not bulk_copyable(plan, qt):
         plan = _without_ring(plan, given, f"bulk copies need N a multiple of its rows and "
                                           f"whole 16-byte arrays a stage, which "
                                           f"{qt.describe()} lacks: use stages=0")
     d_fp32 = qt.d.dtype == torch.float32
 
-    early = early_l2_tiles() if torch.cuda.get_device_capability(device)[0] >= 9 else 0
+    early = early_l2_tiles() if bulk_prefetch else 0
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,

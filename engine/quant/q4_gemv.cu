@@ -404,28 +404,9 @@ __device__ __forceinline__ void activated_group(const u16* __restrict__ gate_up,
 }
 #endif
 
-#if L2_PREFETCH
-// this block's share of each range, in 16-byte multiples: a bulk prefetch
-// into L2 (sm_90), which nothing waits for
-__device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
-#pragma unroll
-    for (int i = 0; i < L2_REGIONS; ++i) {
-        const unsigned bytes = regions.bytes[i];
-        const unsigned share = (bytes + gridDim.x * 16u - 1u) / (gridDim.x * 16u) * 16u;
-        const unsigned first = blockIdx.x * share;
-        if (share == 0u || first >= bytes) continue;
-        const unsigned size = min(share, bytes - first);
-        asm volatile("{ .reg .u64 a;\n"
-                     "  cvta.to.global.u64 a, %0;\n"
-                     "  cp.async.bulk.prefetch.L2.global [a], %1; }"
-                     :: "l"(regions.base[i] + first), "r"(size) : "memory");
-    }
-}
-#endif
-
-#if EARLY_L2_TILES
-// the whole 16-byte units of [base, base + bytes): the bulk prefetch takes
-// 16-byte aligned ranges only
+#if L2_PREFETCH || EARLY_L2_TILES
+// the whole 16-byte units of [base, base + bytes) asked of L2 (sm_90's bulk
+// prefetch, which takes 16-byte aligned ranges only and nothing waits for)
 __device__ __forceinline__ void prefetch_range_l2(const void* base, long long bytes) {
     const unsigned long long lo = ((unsigned long long)base + 15ull) & ~15ull;
     const unsigned long long hi = ((unsigned long long)base + (unsigned long long)bytes) & ~15ull;
@@ -435,7 +416,23 @@ __device__ __forceinline__ void prefetch_range_l2(const void* base, long long by
                      "  cp.async.bulk.prefetch.L2.global [a], %1; }"
                      :: "l"(lo), "r"((unsigned)(hi - lo)) : "memory");
 }
+#endif
 
+#if L2_PREFETCH
+// this block's share of each range, in 16-byte multiples
+__device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
+#pragma unroll
+    for (int i = 0; i < L2_REGIONS; ++i) {
+        const unsigned bytes = regions.bytes[i];
+        const unsigned share = (bytes + gridDim.x * 16u - 1u) / (gridDim.x * 16u) * 16u;
+        const unsigned first = blockIdx.x * share;
+        if (share == 0u || first >= bytes) continue;
+        prefetch_range_l2(regions.base[i] + first, min(share, bytes - first));
+    }
+}
+#endif
+
+#if EARLY_L2_TILES
 // tile `index`'s rows of every array into L2; one thread issues it
 __device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
                                                  const uint4* __restrict__ qw,
