@@ -13,7 +13,8 @@ import ctypes
 import sys
 
 from engine.quant import gemv_cuda
-from engine.quant.gemv_cuda import CARD_PLANS, build_options, picked_plan, plan_for
+from engine.quant.gemv_cuda import (CARD_PLANS, SiluMulEpilogue, build_options, picked_plan,
+                                    plan_for)
 
 
 def compile_sm90(options: tuple[str, ...], nvrtc: ctypes.CDLL) -> tuple[int, str]:
@@ -35,13 +36,21 @@ def compile_sm90(options: tuple[str, ...], nvrtc: ctypes.CDLL) -> tuple[int, str
 def _cases():
     """(name, options): the H200's card plans for the 27B's shapes, and
     plan_for's for its out projections (gdn out, attn o: 5120 x 6144), with
-    and without the next tile asked of L2 before the wait."""
+    and without the next tile asked of L2 before the wait; gate_up (its
+    widest shape) also with its SiLU epilogue, whose tile is two ranges."""
     card = "NVIDIA H200"
     for n, k in [*CARD_PLANS[card], (5120, 6144)]:
         plan = picked_plan(n, k, card)
         for early in (0, 1):
             yield f"{n} x {k}, early L2 tiles {early}", build_options(
                 plan, 256, True, False, True, early_l2_tiles=early)
+    n, k = max((shape for shape in CARD_PLANS[card]   # gate_up (the lm_head's plan has a ring)
+                if SiluMulEpilogue.fits(picked_plan(*shape, card), shape[0])),
+               key=lambda shape: shape[0])
+    plan = picked_plan(n, k, card)
+    for early in (0, 1):
+        yield f"{n} x {k} with the SiLU epilogue, early L2 tiles {early}", build_options(
+            plan, 256, True, False, True, epilogue=SiluMulEpilogue(), early_l2_tiles=early)
     yield "tests' 3001 x 768, one row a tile", build_options(
         plan_for(768, rows=1, blocks_per_sm=1), 256, True, False, True, early_l2_tiles=2)
 

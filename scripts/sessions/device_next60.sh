@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# 12-06 (sixth session): the early L2 tiles for gate_up's SiLU epilogue, and
+# the out projections' plans inside the step.
+#   bash scripts/sessions/device_next60.sh tiles  (carry .whl): the GEMV tests
+#     of the early tiles, the read-ahead and the SiLU epilogue (the review
+#     mend dd0aeb6 and gate_up's two-range tile), then the int4 27B step of
+#     this tree against BASE (8c0af64: early tiles without gate_up) and with
+#     TANDEM_GEMV_EARLY_L2_TILES=0, alternating (ROUNDS, 2); the critical path
+#   bash scripts/sessions/device_next60.sh outplans  (carry .whl): the step
+#     with the out projections (gdn out, attn o: 5120 x 6144, plan_for's rows
+#     4 and flush 1 on every card) at other rows and flushes through a plans
+#     file (TANDEM_GEMV_CUDA_PLANS), alternating (ROUNDS, 2)
+set -uo pipefail
+call=${1:?tiles or outplans}
+source scripts/device_env.sh
+base() {  # base NAME: BASE's step, from its worktree
+  [ -d /tmp/base ] || git worktree add -f /tmp/base "${BASE:-8c0af64}" > /dev/null 2>&1
+  (cd /tmp/base && OUT=$OUT PYTHONPATH=/tmp/base:/tmp/site step_27b "$1")
+}
+critical() {  # critical NAME: the fused step's critical path, bf16 KV at 256 tokens
+  STEP_TAIL=0 step "$1" 200 python3 -m bench.profile_step --weights int4 \
+    --kv-format bf16 --context 256 --critical-path --top 40
+  sed -n '/critical path/,$p' "$OUT/$1.log" | head -30
+}
+out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM]: the step, 5120 x 6144 at that plan
+  local file=/tmp/plans_$1.json
+  echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}}}" > "$file"
+  TANDEM_GEMV_CUDA_PLANS=$file step_27b "$1"
+}
+case "$call" in
+  tiles)
+    STEP_TAIL=6 step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
+      -k "early_l2 or tiles_asked or l2_prefetch or read_ahead or silu_epilogue"
+    for round in $(seq "${ROUNDS:-2}"); do
+      step_27b t${round}_a_tree
+      base t${round}_b_base
+      TANDEM_GEMV_EARLY_L2_TILES=0 step_27b t${round}_c_no_early
+    done
+    step_cols t
+    critical critical ;;
+  outplans)
+    for round in $(seq "${ROUNDS:-2}"); do
+      step_27b o${round}_a_default
+      out_plan o${round}_b_r4f4 4 4
+      out_plan o${round}_c_r2f8 2 8
+      out_plan o${round}_d_r3f8 3 8
+      out_plan o${round}_e_r5f4 5 4
+      out_plan o${round}_f_r8f2 8 2
+      out_plan o${round}_g_r4f8b2 4 8 2
+    done
+    step_cols o ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
