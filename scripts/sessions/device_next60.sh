@@ -9,7 +9,12 @@
 #   bash scripts/sessions/device_next60.sh outplans  (carry .whl): the step
 #     with the out projections (gdn out, attn o: 5120 x 6144, plan_for's rows
 #     4 and flush 1 on every card) at other rows and flushes through a plans
-#     file (TANDEM_GEMV_CUDA_PLANS), alternating (ROUNDS, 2)
+#     file (TANDEM_GEMV_CUDA_PLANS), alternating (ROUNDS, 2). At 78 registers
+#     the plain build runs four 192-thread blocks an SM, 528 on 132 SMs: 4 rows
+#     make 1,280 tiles, 2.42 a block, so a quarter of the blocks take a third
+#     tile; 5 rows (1,024 tiles), 2 (2,560) and 1 (5,120) come out even within
+#     3%, as do 4 rows at two blocks an SM (gdn out's gated build runs two
+#     an SM anyway)
 set -uo pipefail
 call=${1:?tiles or outplans}
 source scripts/device_env.sh
@@ -42,11 +47,10 @@ case "$call" in
     for round in $(seq "${ROUNDS:-2}"); do
       step_27b o${round}_a_default
       out_plan o${round}_b_r4f4 4 4
-      out_plan o${round}_c_r2f8 2 8
-      out_plan o${round}_d_r3f8 3 8
-      out_plan o${round}_e_r5f4 5 4
-      out_plan o${round}_f_r8f2 8 2
-      out_plan o${round}_g_r4f8b2 4 8 2
+      out_plan o${round}_c_r5f2 5 2
+      out_plan o${round}_d_r2f5 2 5
+      out_plan o${round}_e_r1f10 1 10
+      out_plan o${round}_f_r4f4b2 4 4 2
     done
     step_cols o ;;
   *) echo "unknown call $call"; exit 2 ;;
