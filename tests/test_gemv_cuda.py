@@ -1377,18 +1377,31 @@ def test_the_early_l2_tiles_switch_is_one_by_default_and_names_a_bad_value(monke
         gemv_cuda.early_l2_tiles()
 
 
+def test_the_stream_l2_switch_is_off_by_default_and_names_a_bad_value(monkeypatch):
+    monkeypatch.delenv(gemv_cuda.STREAM_L2_ENV, raising=False)
+    assert gemv_cuda.stream_l2() is False
+    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, "1")
+    assert gemv_cuda.stream_l2() is True
+    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, "yes")
+    with pytest.raises(ValueError, match=gemv_cuda.STREAM_L2_ENV):
+        gemv_cuda.stream_l2()
+
+
 @needs_gpu
+@pytest.mark.parametrize("stream", ["0", "1"])
 @pytest.mark.parametrize("n, k, rows, blocks_per_sm", [(5120, 6144, 4, 0), (3001, 768, 1, 1),
                                                        (2000, 1056, 2, 1)])
-def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_sm, monkeypatch):
+def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_sm, stream,
+                                                         monkeypatch):
     """A prefetch binds no value: the GEMV with each block's next two tiles
-    asked of L2 before the wait is bitwise the one without, over grids of
-    several tiles a block, a last tile past N and scale arrays whose tile
-    ranges start off 16-byte boundaries (the prefetch takes their whole
-    16-byte units only)."""
+    asked of L2 before the wait (and, streaming, two tiles ahead through
+    the loop) is bitwise the one without, over grids of several tiles a
+    block, a last tile past N and scale arrays whose tile ranges start off
+    16-byte boundaries (the prefetch takes their whole 16-byte units only)."""
     qt = _quant(n, k, seed=n, device="cuda")
     x = _activation(k, seed=k)
     plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
+    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, stream)
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
     plain = _run(qt, x, plan, pdl=True)
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
@@ -1398,18 +1411,21 @@ def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_
 
 
 @needs_gpu
+@pytest.mark.parametrize("stream", ["0", "1"])
 @pytest.mark.parametrize("rows, blocks_per_sm", [(2, 1), (4, 1), (8, 0)])
 def test_silu_epilogue_tiles_asked_of_l2_before_the_wait_change_no_bit(rows, blocks_per_sm,
-                                                                       monkeypatch):
+                                                                       stream, monkeypatch):
     """gate_up's tile is two ranges (its gate rows and the up rows N / 2
-    further on): asking both of L2 before the wait binds no value either,
-    so the epilogue's output is bitwise the one without."""
+    further on): asking both of L2 before the wait (and through the loop)
+    binds no value either, so the epilogue's output is bitwise the one
+    without."""
     from engine.quant.gemv_cuda import SiluMulEpilogue
 
     n, k = 3000, 768
     qt = _quant(n, k, seed=93, device="cuda")
     x = _activation(k, seed=94)
     plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
+    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, stream)
 
     def activated() -> torch.Tensor:
         out = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")

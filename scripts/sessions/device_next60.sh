@@ -5,7 +5,9 @@
 #     of the early tiles, the read-ahead and the SiLU epilogue (the review
 #     mend dd0aeb6 and gate_up's two-range tile), then the int4 27B step of
 #     this tree against BASE (8c0af64: early tiles without gate_up) and with
-#     TANDEM_GEMV_EARLY_L2_TILES=0, alternating (ROUNDS, 2); the critical path
+#     TANDEM_GEMV_EARLY_L2_TILES=0, and with the early tiles' distance (1, 2)
+#     kept ahead through the loop (TANDEM_GEMV_STREAM_L2=1), alternating
+#     (ROUNDS, 2); the critical path
 #   bash scripts/sessions/device_next60.sh outplans  (carry .whl): the step
 #     with the out projections (gdn out, attn o: 5120 x 6144, plan_for's rows
 #     4 and flush 1 on every card) at other rows and flushes through a plans
@@ -35,11 +37,13 @@ out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM]: the step, 5120 x 6144 
 case "$call" in
   tiles)
     STEP_TAIL=6 step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
-      -k "early_l2 or tiles_asked or l2_prefetch or read_ahead or silu_epilogue"
+      -k "early_l2 or tiles_asked or l2_prefetch or read_ahead or silu_epilogue or stream"
     for round in $(seq "${ROUNDS:-2}"); do
       step_27b t${round}_a_tree
       base t${round}_b_base
       TANDEM_GEMV_EARLY_L2_TILES=0 step_27b t${round}_c_no_early
+      TANDEM_GEMV_STREAM_L2=1 step_27b t${round}_d_stream1
+      TANDEM_GEMV_STREAM_L2=1 TANDEM_GEMV_EARLY_L2_TILES=2 step_27b t${round}_e_stream2
     done
     step_cols t
     critical critical ;;
