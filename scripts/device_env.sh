@@ -80,3 +80,15 @@ train_from_head() {  # train_from_head LIMIT BUDGET LR [ARGS...]: train-mtp on t
   grep -v "train-mtp: step" "$OUT/train.log" > "$OUT/train_short.log"
   cp /tmp/new_head.safetensors "$OUT/"
 }
+
+step_27b_at() {  # step_27b_at REV NAME: REV's int4 27B step, from a worktree of it in /tmp/rev_REV
+  local tree=/tmp/rev_$1
+  [ -d "$tree" ] || git worktree add -f "$tree" "$1" > /dev/null 2>&1
+  (cd "$tree" && OUT=$OUT PYTHONPATH=$tree:/tmp/site step_27b "$2")
+}
+
+critical_path() {  # critical_path NAME: the fused step's critical path, bf16 KV at 256 tokens
+  STEP_TAIL=0 step "$1" 200 python3 -m bench.profile_step --weights int4 \
+    --kv-format bf16 --context 256 --critical-path --top 40
+  sed -n '/critical path/,$p' "$OUT/$1.log" | head -30
+}

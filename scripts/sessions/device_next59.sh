@@ -25,15 +25,7 @@
 set -uo pipefail
 call=${1:?h200, epilogue or readahead}
 source scripts/device_env.sh
-base() {  # base NAME: BASE's step (default ebe4577), from its worktree
-  [ -d /tmp/base ] || git worktree add -f /tmp/base "${BASE:-ebe4577}" > /dev/null 2>&1
-  (cd /tmp/base && OUT=$OUT PYTHONPATH=/tmp/base:/tmp/site step_27b "$1")
-}
-critical() {  # critical NAME: the fused step's critical path, bf16 KV at 256 tokens
-  STEP_TAIL=0 step "$1" 200 python3 -m bench.profile_step --weights int4 \
-    --kv-format bf16 --context 256 --critical-path --top 40
-  sed -n '/critical path/,$p' "$OUT/$1.log" | head -30
-}
+base() { step_27b_at "${BASE:-ebe4577}" "$1"; }  # BASE's step, from its worktree
 case "$call" in
   h200)
     for round in $(seq "${ROUNDS:-2}"); do
@@ -43,7 +35,7 @@ case "$call" in
       TANDEM_GEMV_EARLY_L2_TILES=0 step_27b s${round}_d_no_early_tiles
     done
     step_cols s
-    critical critical
+    critical_path critical
     STEP_TAIL=16 step ablate 250 python3 -m bench.ablate_step --weights int4 --kv-format bf16 \
       --context 256 --rounds 2 --ablations none rms_norm attention kv_write norm_rope ;;
   epilogue)
@@ -56,7 +48,7 @@ case "$call" in
       TANDEM_GEMV_EARLY_L2_TILES=2 step_27b e${round}_d_early2
     done
     step_cols e
-    TANDEM_NORM_EPILOGUE=1 critical critical_epilogue ;;
+    TANDEM_NORM_EPILOGUE=1 critical_path critical_epilogue ;;
   readahead)
     for round in $(seq "${ROUNDS:-1}"); do
       for mb in 0 4 8 16; do

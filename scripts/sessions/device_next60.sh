@@ -20,15 +20,7 @@
 set -uo pipefail
 call=${1:?tiles or outplans}
 source scripts/device_env.sh
-base() {  # base NAME: BASE's step, from its worktree
-  [ -d /tmp/base ] || git worktree add -f /tmp/base "${BASE:-8c0af64}" > /dev/null 2>&1
-  (cd /tmp/base && OUT=$OUT PYTHONPATH=/tmp/base:/tmp/site step_27b "$1")
-}
-critical() {  # critical NAME: the fused step's critical path, bf16 KV at 256 tokens
-  STEP_TAIL=0 step "$1" 200 python3 -m bench.profile_step --weights int4 \
-    --kv-format bf16 --context 256 --critical-path --top 40
-  sed -n '/critical path/,$p' "$OUT/$1.log" | head -30
-}
+base() { step_27b_at "${BASE:-8c0af64}" "$1"; }  # BASE's step, from its worktree
 out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM]: the step, 5120 x 6144 at that plan
   local file=/tmp/plans_$1.json
   echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}}}" > "$file"
@@ -46,7 +38,7 @@ case "$call" in
       TANDEM_GEMV_STREAM_L2=1 TANDEM_GEMV_EARLY_L2_TILES=2 step_27b t${round}_e_stream2
     done
     step_cols t
-    critical critical ;;
+    critical_path critical ;;
   outplans)
     for round in $(seq "${ROUNDS:-2}"); do
       step_27b o${round}_a_default
