@@ -5,9 +5,10 @@
 #     of the early tiles, the read-ahead and the SiLU epilogue (the review
 #     mend dd0aeb6 and gate_up's two-range tile), then the int4 27B step of
 #     this tree against BASE (8c0af64: early tiles without gate_up) and with
-#     TANDEM_GEMV_EARLY_L2_TILES=0, and with the early tiles' distance (1, 2)
-#     kept ahead through the loop (TANDEM_GEMV_STREAM_L2=1), alternating
-#     (ROUNDS, 2); the critical path
+#     the early tiles' distance kept ahead through the loop
+#     (TANDEM_GEMV_STREAM_L2=1), alternating (ROUNDS, 2); then, while device
+#     time lasts, one round of the tree, streamed at distance 2 and without
+#     early tiles, and the critical path
 #   bash scripts/sessions/device_next60.sh outplans  (carry .whl): the step
 #     with the out projections (gdn out, attn o: 5120 x 6144, plan_for's rows
 #     4 and flush 1 on every card) at other rows and flushes through a plans
@@ -33,11 +34,13 @@ case "$call" in
     for round in $(seq "${ROUNDS:-2}"); do
       step_27b t${round}_a_tree
       base t${round}_b_base
-      TANDEM_GEMV_EARLY_L2_TILES=0 step_27b t${round}_c_no_early
-      TANDEM_GEMV_STREAM_L2=1 step_27b t${round}_d_stream1
-      TANDEM_GEMV_STREAM_L2=1 TANDEM_GEMV_EARLY_L2_TILES=2 step_27b t${round}_e_stream2
+      TANDEM_GEMV_STREAM_L2=1 step_27b t${round}_c_stream1
     done
     step_cols t
+    step_27b u_a_tree   # the rest while device time lasts
+    TANDEM_GEMV_STREAM_L2=1 TANDEM_GEMV_EARLY_L2_TILES=2 step_27b u_b_stream2
+    TANDEM_GEMV_EARLY_L2_TILES=0 step_27b u_c_no_early
+    step_cols u
     critical_path critical ;;
   outplans)
     for round in $(seq "${ROUNDS:-2}"); do
