@@ -1408,33 +1408,3 @@ def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_
     early = _run(qt, x, plan, pdl=True)
     torch.cuda.synchronize()
     assert torch.equal(early, plain)
-
-
-@needs_gpu
-@pytest.mark.parametrize("stream", ["0", "1"])
-@pytest.mark.parametrize("rows, blocks_per_sm", [(2, 1), (4, 1), (8, 0)])
-def test_silu_epilogue_tiles_asked_of_l2_before_the_wait_change_no_bit(rows, blocks_per_sm,
-                                                                       stream, monkeypatch):
-    """gate_up's tile is two ranges (its gate rows and the up rows N / 2
-    further on): asking both of L2 before the wait (and through the loop)
-    binds no value either, so the epilogue's output is bitwise the one
-    without."""
-    from engine.quant.gemv_cuda import SiluMulEpilogue
-
-    n, k = 3000, 768
-    qt = _quant(n, k, seed=93, device="cuda")
-    x = _activation(k, seed=94)
-    plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
-    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, stream)
-
-    def activated() -> torch.Tensor:
-        out = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
-        return gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
-                                   epilogue=SiluMulEpilogue()).cpu()
-
-    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
-    plain = activated()
-    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
-    early = activated()
-    assert not plain.isnan().any()
-    assert torch.equal(early, plain)

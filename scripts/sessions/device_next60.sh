@@ -5,6 +5,9 @@
 #     of the early tiles, the read-ahead and the SiLU epilogue (the review
 #     mend dd0aeb6 and gate_up's two-range tile), then the int4 27B step of
 #     this tree against BASE (8c0af64: early tiles without gate_up) and with
+#     (run it from a checkout of the branch silu-early, which asks gate_up's
+#     two ranges: main leaves gate_up out, so there the first pair is one
+#     kernel twice)
 #     the early tiles' distance kept ahead through the loop
 #     (TANDEM_GEMV_STREAM_L2=1), alternating (ROUNDS, 2); then, while device
 #     time lasts, one round of the tree, streamed at distance 2 and without
