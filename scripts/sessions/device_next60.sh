@@ -2,16 +2,14 @@
 # 12-06 (sixth session): the early L2 tiles for gate_up's SiLU epilogue, and
 # the out projections' plans inside the step.
 #   bash scripts/sessions/device_next60.sh tiles  (carry .whl): the GEMV tests
-#     of the early tiles, the read-ahead and the SiLU epilogue (the review
-#     mend dd0aeb6 and gate_up's two-range tile), then the int4 27B step of
-#     this tree against BASE (8c0af64: early tiles without gate_up) and with
-#     (run it from a checkout of the branch silu-early, which asks gate_up's
-#     two ranges: main leaves gate_up out, so there the first pair is one
-#     kernel twice)
-#     the early tiles' distance kept ahead through the loop
+#     of the early tiles, the read-ahead, the SiLU epilogue and the streamed
+#     tiles, then the int4 27B step of this tree against BASE (8c0af64) and
+#     with the early tiles' distance kept ahead through the loop
 #     (TANDEM_GEMV_STREAM_L2=1), alternating (ROUNDS, 2); then, while device
 #     time lasts, one round of the tree, streamed at distance 2 and without
-#     early tiles, and the critical path
+#     early tiles, and the critical path. Run it from a checkout of the
+#     branch silu-early, which asks gate_up's two ranges early: on main the
+#     tree and BASE build the same kernels
 #   bash scripts/sessions/device_next60.sh outplans  (carry .whl): the step
 #     with the out projections (gdn out, attn o: 5120 x 6144, plan_for's rows
 #     4 and flush 1 on every card) at other rows and flushes through a plans
