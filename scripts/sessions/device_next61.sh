@@ -2,8 +2,9 @@
 # 12-07 (first session): everything the GEMV work of 12-06 left untimed, in
 # one call from main (a start costs more than the call; few starts succeed).
 #   bash scripts/sessions/device_next61.sh all  (carry .whl):
-#     1. the GEMV GPU tests of gate_up's early tiles (branch silu-early,
-#        SILU, from its worktree) and of main's early / streamed tiles;
+#     1. the GEMV GPU tests of the early and streamed tiles, gate_up's too,
+#        from a worktree of the branch silu-early (SILU), whose kernel is
+#        main's with gate_up's tiles added;
 #     2. the int4 27B step, alternating (ROUNDS, 2): main, SILU (gate_up's
 #        early tiles too), main streamed (TANDEM_GEMV_STREAM_L2=1);
 #     3. one run each of: the out projections (5120 x 6144) at other plans
@@ -29,7 +30,6 @@ case "$call" in
   all)
     git worktree add -f "/tmp/rev_$SILU" "$SILU" > /dev/null 2>&1
     (cd "/tmp/rev_$SILU" && PYTHONPATH="/tmp/rev_$SILU:/tmp/site" gemv_tests tests_silu)
-    gemv_tests tests_main
     for round in $(seq "${ROUNDS:-2}"); do
       step_27b t${round}_a_main
       silu t${round}_b_silu
