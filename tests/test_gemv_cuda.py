@@ -1390,7 +1390,7 @@ def test_the_stream_l2_switch_is_off_by_default_and_names_a_bad_value(monkeypatc
 @needs_gpu
 @pytest.mark.parametrize("stream", ["0", "1"])
 @pytest.mark.parametrize("n, k, rows, blocks_per_sm", [(5120, 6144, 4, 0), (3001, 768, 1, 1),
-                                                       (2000, 1056, 2, 1)])
+                                                       (2000, 1280, 2, 1)])
 def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_sm, stream,
                                                          monkeypatch):
     """A prefetch binds no value: the GEMV with each block's next two tiles
