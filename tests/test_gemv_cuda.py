@@ -1282,14 +1282,18 @@ def test_the_read_ahead_chain_follows_the_order_a_decode_step_calls_the_projecti
     assert all(m._read_ahead is None for m in quant)
 
 
-def test_the_read_ahead_switch_names_itself_and_is_off_by_default(monkeypatch):
+def test_the_read_ahead_switch_names_itself_and_reads_4mb_ahead_by_default(monkeypatch):
     from engine.loader import load_model
     from engine.quant.linear import L2_PREFETCH_ENV, QuantLinear, adopt_read_ahead
 
     model = load_model("tiny-qwen3.5", weights="q4_k_m", progress=False).model
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
+    assert adopt_read_ahead(model) > 0
+    assert {m._read_ahead[1] for m in quant if m._read_ahead is not None} == {4 << 20}
+    monkeypatch.setenv(L2_PREFETCH_ENV, "0")
     assert adopt_read_ahead(model) == 0
-    assert all(m._read_ahead is None for m in model.modules() if isinstance(m, QuantLinear))
+    assert all(m._read_ahead is None for m in quant)
     monkeypatch.setenv(L2_PREFETCH_ENV, "12")
     with pytest.raises(ValueError, match=L2_PREFETCH_ENV):
         adopt_read_ahead(model)
@@ -1407,4 +1411,34 @@ def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
     early = _run(qt, x, plan, pdl=True)
     torch.cuda.synchronize()
+    assert torch.equal(early, plain)
+
+
+@needs_gpu
+@pytest.mark.parametrize("stream", ["0", "1"])
+@pytest.mark.parametrize("rows, blocks_per_sm", [(2, 1), (4, 1), (8, 0)])
+def test_silu_epilogue_tiles_asked_of_l2_before_the_wait_change_no_bit(rows, blocks_per_sm,
+                                                                       stream, monkeypatch):
+    """gate_up's tile is two ranges (its gate rows and the up rows N / 2
+    further on): asking both of L2 before the wait (and through the loop)
+    binds no value either, so the epilogue's output is bitwise the one
+    without."""
+    from engine.quant.gemv_cuda import SiluMulEpilogue
+
+    n, k = 3000, 768
+    qt = _quant(n, k, seed=93, device="cuda")
+    x = _activation(k, seed=94)
+    plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
+    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, stream)
+
+    def activated() -> torch.Tensor:
+        out = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return gemv_cuda.gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
+                                   epilogue=SiluMulEpilogue()).cpu()
+
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
+    plain = activated()
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
+    early = activated()
+    assert not plain.isnan().any()
     assert torch.equal(early, plain)

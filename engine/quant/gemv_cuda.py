@@ -666,8 +666,9 @@ def stream_l2() -> bool:
     """Whether each tile of the loop also asks L2 for the block's tile
     TANDEM_GEMV_EARLY_L2_TILES past the one its registers load next
     (q4_gemv.cu, STREAM_L2), keeping that many tiles a block in flight
-    beyond the registers' one: TANDEM_GEMV_STREAM_L2, off by default (not
-    yet timed). Nothing without early tiles. Read per call, in a CUDA graph
+    beyond the registers' one: TANDEM_GEMV_STREAM_L2, off by default (the
+    H100's int4 step 6.48 against 6.44 ms, 2026-12-07; aimed at the H200,
+    not yet timed there). Nothing without early tiles. Read per call, in a CUDA graph
     at capture."""
     from engine.switches import on_off
 

@@ -262,12 +262,15 @@ def read_ahead_chain(projections: Sequence[nn.Module], budget_bytes: int) -> int
 
 def adopt_read_ahead(model: nn.Module) -> int:
     """read_ahead_chain over a GPU model's decode projections with
-    TANDEM_GEMV_L2_PREFETCH_MB megabytes (read at load; 0, the default
-    until the H200 has timed it, links nothing)."""
+    TANDEM_GEMV_L2_PREFETCH_MB megabytes (read at load; 0 unlinks them all).
+    4 by default: on an H100 (12-07) the int4 step 6.37-6.40 ms against
+    6.43-6.44 without, in nine pairs; 8 and 16 MB lose (6.46-6.47, 6.67).
+    Not yet timed on an H200 since its runs steadied (BENCHMARKS.md
+    2026-12-07)."""
     from engine.switches import one_of
 
-    megabytes = one_of(L2_PREFETCH_ENV, 0, L2_PREFETCH_CHOICES)
-    if not megabytes or not hasattr(model, "decode_projections"):
+    megabytes = one_of(L2_PREFETCH_ENV, 4, L2_PREFETCH_CHOICES)
+    if not hasattr(model, "decode_projections"):
         return 0
     return read_ahead_chain(model.decode_projections(), megabytes << 20)
 

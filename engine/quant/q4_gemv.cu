@@ -43,12 +43,12 @@
 //     L2 (one bulk prefetch an array, sm_90) for its next E tiles, the ones
 //     its first tile's registers do not hold, so that DRAM streams them
 //     while the kernel before finishes; after the wait those loads hit L2.
+//     SILU_MUL's tile is two ranges (its gate rows, and the up rows N / 2
+//     further on): both are asked.
 //   * STREAM_L2=1 (with EARLY_L2_TILES=E): each tile of the loop also asks
 //     L2 for the block's tile E past the one its registers load next, so
 //     that DRAM keeps E tiles a block in flight beyond what registers hold
 //     (the H200 needs more bytes in flight than the H100 for its bandwidth).
-//     Like the early tiles, not for SILU_MUL, whose tile is two ranges (the
-//     branch silu-early asks both; not yet run on a GPU).
 // (A tile queue, blocks taking their tiles from an atomic counter so that
 // the grid ends together, lost 2-17 us on every 27B shape in two sweeps and
 // was removed: BENCHMARKS.md 2026-12-04 21:16.)
@@ -439,21 +439,41 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 #endif
 
 #if EARLY_L2_TILES
-// tile `index`'s rows of every array into L2; one thread issues it
-__device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
+// rows [first, first + rows) of every array into L2
+__device__ __forceinline__ void prefetch_rows_l2(long long first, long long rows,
                                                  const uint4* __restrict__ qw,
                                                  const scale_t* __restrict__ d,
                                                  const signed char* __restrict__ sc,
                                                  const scale_t* __restrict__ dmin,
                                                  const signed char* __restrict__ m) {
-    const long long first = (long long)index * ROWS;
-    const long long rows = min((long long)ROWS, (long long)n_rows - first);
     prefetch_range_l2(qw + first * GROUPS, rows * GROUPS * 16);
     prefetch_range_l2(sc + first * GROUPS, rows * GROUPS);
     prefetch_range_l2(d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #if ASYM
     prefetch_range_l2(m + first * GROUPS, rows * GROUPS);
     prefetch_range_l2(dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+#endif
+}
+
+// tile `index`'s rows into L2 (SILU_MUL's tile is two ranges: gate rows,
+// then the up rows n_rows / 2 further on, as tile_row lays them out);
+// one thread issues it
+__device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
+                                                 const uint4* __restrict__ qw,
+                                                 const scale_t* __restrict__ d,
+                                                 const signed char* __restrict__ sc,
+                                                 const scale_t* __restrict__ dmin,
+                                                 const signed char* __restrict__ m) {
+#if SILU_MUL
+    constexpr int HALF = ROWS / 2;
+    const long long half_rows = n_rows / 2;
+    const long long first = (long long)index * HALF;
+    const long long rows = min((long long)HALF, half_rows - first);
+    prefetch_rows_l2(first, rows, qw, d, sc, dmin, m);
+    prefetch_rows_l2(half_rows + first, rows, qw, d, sc, dmin, m);
+#else
+    const long long first = (long long)index * ROWS;
+    prefetch_rows_l2(first, min((long long)ROWS, (long long)n_rows - first), qw, d, sc, dmin, m);
 #endif
 }
 #endif
@@ -705,8 +725,8 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             stash_norm_weight(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
     }
 #endif
-#if EARLY_L2_TILES && !STAGES && !SILU_MUL
-    if (threadIdx.x == 0) {   // SILU_MUL's tiles are two ranges: not asked
+#if EARLY_L2_TILES && !STAGES
+    if (threadIdx.x == 0) {
 #pragma unroll
         for (int e = 1; e <= EARLY_L2_TILES; ++e)
             if (index + e * (int)gridDim.x < tiles)
@@ -827,7 +847,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
         if (following < tiles)
             load_tile(next, following, n_rows, qw, d, sc, dmin, m);
-#if STREAM_L2 && EARLY_L2_TILES && !SILU_MUL
+#if STREAM_L2 && EARLY_L2_TILES
         {   // the tile E past the one registers now load: L2 stays E tiles ahead
             const int ahead = following + EARLY_L2_TILES * (int)gridDim.x;
             if (threadIdx.x == 0 && ahead < tiles)
