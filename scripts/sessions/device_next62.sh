@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# 12-07 (second session): today's defaults on an H200, whose last step is
+# 5.30-5.32 ms (12-06 08:25-08:45) and which has not run the early tiles,
+# the read-ahead since its runs steadied, or the streamed tiles.
+#   bash scripts/sessions/device_next62.sh h200  (carry .whl): the GEMV GPU
+#     tests of the early, streamed and read-ahead paths; then the int4 27B
+#     step alternating (ROUNDS, 3): this tree, without the read-ahead
+#     (TANDEM_GEMV_L2_PREFETCH_MB=0), BASE (def1aa3: neither the read-ahead
+#     nor gate_up's early tiles), streamed (TANDEM_GEMV_STREAM_L2=1, built
+#     for this card's bandwidth; it lost on an H100), no early tiles; then
+#     read-ahead 8 MB once and the critical path
+#     (12-07 02:13-02:27, H100: tree 6.36-6.38 ms, no read-ahead 6.46,
+#     def1aa3 6.43-6.44, streamed 6.48, read-ahead 8 MB 6.46-6.47)
+set -uo pipefail
+call=${1:?h200}
+source scripts/device_env.sh
+base() { step_27b_at "${BASE:-def1aa3}" "$1"; }  # BASE's step, from its worktree
+case "$call" in
+  h200)
+    STEP_TAIL=6 step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
+      -k "early_l2 or tiles_asked or l2_prefetch or read_ahead or silu_epilogue or stream"
+    for round in $(seq "${ROUNDS:-3}"); do
+      step_27b h${round}_a_tree
+      TANDEM_GEMV_L2_PREFETCH_MB=0 step_27b h${round}_b_no_read_ahead
+      base h${round}_c_base
+      TANDEM_GEMV_STREAM_L2=1 step_27b h${round}_d_stream
+      TANDEM_GEMV_EARLY_L2_TILES=0 step_27b h${round}_e_no_early
+    done
+    TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b h9_read_ahead_8mb
+    step_cols h
+    critical_path critical ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
