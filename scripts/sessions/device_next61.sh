@@ -12,6 +12,9 @@
 #        read-ahead at 4 / 8 / 16 MB (TANDEM_GEMV_L2_PREFETCH_MB), streamed at
 #        distance 2, no early tiles; then main once more;
 #     4. the step's critical path.
+#   (12-07 02:13, H100, 280 s: main 6.44, SILU 6.46-6.47, streamed 6.48,
+#     read-ahead 4 MB 6.38; the tests' 2000 x 1056 case failed in QuantTensor,
+#     not the kernel, and runs at K = 1280 since. BENCHMARKS.md 2026-12-07)
 set -uo pipefail
 call=${1:?all}
 source scripts/device_env.sh
