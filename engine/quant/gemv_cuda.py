@@ -668,8 +668,8 @@ def stream_l2() -> bool:
     (q4_gemv.cu, STREAM_L2), keeping that many tiles a block in flight
     beyond the registers' one: TANDEM_GEMV_STREAM_L2, off by default (the
     H100's int4 step 6.48 against 6.44 ms, 2026-12-07; aimed at the H200,
-    not yet timed there). Nothing without early tiles. Read per call, in a CUDA graph
-    at capture."""
+    not yet timed there). Nothing without early tiles. Read per call, in a
+    CUDA graph at capture."""
     from engine.switches import on_off
 
     return on_off(STREAM_L2_ENV, False, on="keep the early tiles' distance ahead in L2 "
