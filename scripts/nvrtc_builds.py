@@ -37,17 +37,19 @@ def _cases():
     """(name, options): the H200's card plans for the 27B's shapes, and
     plan_for's for its out projections (gdn out, attn o: 5120 x 6144), with
     and without the next tile asked of L2 before the wait; gate_up (its
-    widest shape) also with its SiLU epilogue, and the out projections with
-    the early tiles' distance kept ahead through the loop."""
+    widest shape) also with its SiLU epilogue, whose early tiles are two
+    ranges; it and the out projections also with the early tiles' distance
+    kept ahead through the loop."""
     card = "NVIDIA H200"
     for n, k in [*CARD_PLANS[card], (5120, 6144)]:
         plan = picked_plan(n, k, card)
         for early in (0, 1):
             yield f"{n} x {k}, early L2 tiles {early}", build_options(
                 plan, 256, True, False, True, early_l2_tiles=early)
-    yield "gate_up 34816 x 5120 with the SiLU epilogue", build_options(
-        picked_plan(34816, 5120, card), 256, True, False, True, epilogue=SiluMulEpilogue(),
-        early_l2_tiles=1)
+    for stream in (False, True):
+        yield f"gate_up 34816 x 5120 with the SiLU epilogue, streamed {int(stream)}", \
+            build_options(picked_plan(34816, 5120, card), 256, True, False, True,
+                          epilogue=SiluMulEpilogue(), early_l2_tiles=1, stream_l2=stream)
     yield "5120 x 6144, early L2 tiles 1, streamed", build_options(
         plan_for(6144), 256, True, False, True, early_l2_tiles=1, stream_l2=True)
     yield "tests' 3001 x 768, one row a tile", build_options(

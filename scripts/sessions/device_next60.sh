@@ -23,11 +23,6 @@ set -uo pipefail
 call=${1:?tiles or outplans}
 source scripts/device_env.sh
 base() { step_27b_at "${BASE:-8c0af64}" "$1"; }  # BASE's step, from its worktree
-out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM]: the step, 5120 x 6144 at that plan
-  local file=/tmp/plans_$1.json
-  echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}}}" > "$file"
-  TANDEM_GEMV_CUDA_PLANS=$file step_27b "$1"
-}
 case "$call" in
   tiles)
     STEP_TAIL=6 step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \

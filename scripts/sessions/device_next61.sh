@@ -20,11 +20,6 @@ call=${1:?all}
 source scripts/device_env.sh
 SILU=${SILU:-8cf787c}   # the branch silu-early
 silu() { step_27b_at "$SILU" "$1"; }
-out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM]: the step, 5120 x 6144 at that plan
-  local file=/tmp/plans_$1.json
-  echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}}}" > "$file"
-  TANDEM_GEMV_CUDA_PLANS=$file step_27b "$1"
-}
 gemv_tests() {  # gemv_tests NAME: the early / streamed / SiLU-epilogue GEMV tests of the cwd's tree
   STEP_TAIL=6 step "$1" 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
     -k "early_l2 or tiles_asked or l2_prefetch or read_ahead or silu_epilogue or stream"
