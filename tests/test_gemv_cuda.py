@@ -1301,6 +1301,49 @@ def test_the_read_ahead_switch_names_itself_and_reads_4mb_ahead_by_default(monke
     assert adopt_read_ahead(model) > 0
 
 
+def test_the_links_into_a_mixers_out_projection_take_their_own_budget(monkeypatch):
+    """TANDEM_GEMV_L2_PREFETCH_MIXER_MB sets the read-ahead of the links into
+    each layer's out_proj / o_proj (the mixer's first projection reads its
+    last ahead) and nothing else; unset, they take the chain's budget."""
+    from engine.loader import load_model
+    from engine.quant.linear import (L2_PREFETCH_ENV, L2_PREFETCH_MIXER_ENV, QuantLinear,
+                                     adopt_read_ahead)
+
+    model = load_model("tiny-qwen3.5", weights="q4_k_m", progress=False).model
+    outs = model.mixer_out_projections()
+    assert len(outs) == len(model.model.layers)
+    assert {type(layer.self_attn if not layer.is_linear else layer.linear_attn).__name__
+            for layer in model.model.layers} == {"GatedDeltaNet", "Attention"}
+    order = model.decode_projections()
+    # the mixer's first projection runs just before its last
+    assert all(order[order.index(o) - 1] in (layer.linear_attn.in_proj if layer.is_linear
+                                             else layer.self_attn.qkv_proj,)
+               for o, layer in zip(outs, model.model.layers))
+
+    def budgets():
+        return {(id(m._read_ahead[0]) in {id(o) for o in outs}, m._read_ahead[1])
+                for m in order if isinstance(m, QuantLinear) and m._read_ahead is not None}
+
+    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
+    monkeypatch.delenv(L2_PREFETCH_MIXER_ENV, raising=False)
+    adopt_read_ahead(model)
+    assert budgets() == {(True, 4 << 20), (False, 4 << 20)}
+    monkeypatch.setenv(L2_PREFETCH_MIXER_ENV, "24")
+    adopt_read_ahead(model)
+    assert budgets() == {(True, 24 << 20), (False, 4 << 20)}
+    monkeypatch.setenv(L2_PREFETCH_ENV, "0")
+    linked = adopt_read_ahead(model)
+    assert budgets() == {(True, 24 << 20)}
+    assert linked == sum(isinstance(order[order.index(o) - 1], QuantLinear) for o in outs) > 0
+    monkeypatch.setenv(L2_PREFETCH_MIXER_ENV, "0")
+    monkeypatch.setenv(L2_PREFETCH_ENV, "8")
+    adopt_read_ahead(model)
+    assert budgets() == {(False, 8 << 20)}
+    monkeypatch.setenv(L2_PREFETCH_MIXER_ENV, "20")
+    with pytest.raises(ValueError, match=L2_PREFETCH_MIXER_ENV):
+        adopt_read_ahead(model)
+
+
 @needs_gpu
 @pytest.mark.parametrize("pdl", [False, True])
 def test_a_gemv_that_reads_the_next_weight_ahead_gives_the_same_bits(pdl):

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# 12-07 (third session): today's defaults on an H200 (device_next62.sh's
+# call, never run: no H200 came) and the read-ahead into the mixers' out
+# projections (TANDEM_GEMV_L2_PREFETCH_MIXER_MB, new).
+#   bash scripts/sessions/device_next63.sh h200  (carry .whl):
+#     1. the GEMV GPU tests of the early, streamed and read-ahead paths;
+#     2. the int4 27B step alternating (ROUNDS, 3): this tree, without the
+#        read-ahead (TANDEM_GEMV_L2_PREFETCH_MB=0), BASE (def1aa3: neither
+#        the read-ahead nor gate_up's early tiles), streamed
+#        (TANDEM_GEMV_STREAM_L2=1), the whole out projection read ahead
+#        across the mixer (MIXER_MB=24: its ~17 MB) and 16 MB of it;
+#     3. once: no early tiles, read-ahead 8 MB, mixer 24 MB streamed, mixer
+#        24 MB with no other link (MB=0);
+#     4. the critical path of this tree and with MIXER_MB=24.
+#   (12-07 02:13-02:27, H100: tree 6.36-6.38 ms, no read-ahead 6.46,
+#   def1aa3 6.43-6.44, streamed 6.48, read-ahead 8 MB 6.46-6.47)
+set -uo pipefail
+call=${1:?h200}
+source scripts/device_env.sh
+base() { step_27b_at "${BASE:-def1aa3}" "$1"; }  # BASE's step, from its worktree
+case "$call" in
+  h200)
+    STEP_TAIL=6 step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
+      -k "early_l2 or tiles_asked or l2_prefetch or read_ahead or silu_epilogue or stream or mixer"
+    for round in $(seq "${ROUNDS:-3}"); do
+      step_27b h${round}_a_tree
+      TANDEM_GEMV_L2_PREFETCH_MB=0 step_27b h${round}_b_no_read_ahead
+      base h${round}_c_base
+      TANDEM_GEMV_STREAM_L2=1 step_27b h${round}_d_stream
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b h${round}_e_mixer24
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=16 step_27b h${round}_f_mixer16
+    done
+    TANDEM_GEMV_EARLY_L2_TILES=0 step_27b h9_no_early
+    TANDEM_GEMV_L2_PREFETCH_MB=8 step_27b h9_read_ahead_8mb
+    TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 TANDEM_GEMV_STREAM_L2=1 step_27b h9_mixer24_stream
+    TANDEM_GEMV_L2_PREFETCH_MB=0 TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b h9_mixer24_only
+    step_cols h
+    critical_path critical
+    TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 critical_path critical_mixer24 ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
