@@ -12,6 +12,10 @@
 #     3. once: no early tiles, read-ahead 8 MB, mixer 24 MB streamed, mixer
 #        24 MB with no other link (MB=0);
 #     4. the critical path of this tree and with MIXER_MB=24.
+#   bash scripts/sessions/device_next63.sh h100: the mixer's read-ahead alone
+#     on whatever card comes (today's defaults ran on an H100 at 02:13):
+#     alternating (ROUNDS, 3) this tree, MIXER_MB=24, 16, 8; once 24 with
+#     no other link; both critical paths.
 #   (12-07 02:13-02:27, H100: tree 6.36-6.38 ms, no read-ahead 6.46,
 #   def1aa3 6.43-6.44, streamed 6.48, read-ahead 8 MB 6.46-6.47)
 set -uo pipefail
@@ -35,6 +39,17 @@ case "$call" in
     TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 TANDEM_GEMV_STREAM_L2=1 step_27b h9_mixer24_stream
     TANDEM_GEMV_L2_PREFETCH_MB=0 TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b h9_mixer24_only
     step_cols h
+    critical_path critical
+    TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 critical_path critical_mixer24 ;;
+  h100)
+    for round in $(seq "${ROUNDS:-3}"); do
+      step_27b m${round}_a_tree
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b m${round}_b_mixer24
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=16 step_27b m${round}_c_mixer16
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=8 step_27b m${round}_d_mixer8
+    done
+    TANDEM_GEMV_L2_PREFETCH_MB=0 TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b m9_mixer24_only
+    step_cols m
     critical_path critical
     TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 critical_path critical_mixer24 ;;
   *) echo "unknown call $call"; exit 2 ;;
