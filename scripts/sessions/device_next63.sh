@@ -12,6 +12,7 @@
 #     3. once: no early tiles, read-ahead 8 MB, mixer 24 MB streamed, mixer
 #        24 MB with no other link (MB=0);
 #     4. the critical path of this tree and with MIXER_MB=24.
+#   auto: h200 on an H200, else h100.
 #   bash scripts/sessions/device_next63.sh h100: the mixer's read-ahead alone
 #     on whatever card comes (today's defaults ran on an H100 at 02:13):
 #     alternating (ROUNDS, 3) this tree, MIXER_MB=24, 16, 8; once 24 with
@@ -22,6 +23,10 @@ set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
 base() { step_27b_at "${BASE:-def1aa3}" "$1"; }  # BASE's step, from its worktree
+if [ "$call" = auto ]; then   # what came: the H200 call on an H200, else the H100 one
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && call=h200 || call=h100
+  echo "call: $call"
+fi
 case "$call" in
   h200)
     STEP_TAIL=6 step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
