@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # 12-07 (third session): today's defaults on an H200 (device_next62.sh's
-# call, never run: no H200 came) and the read-ahead into the mixers' out
+# call, which this replaces: it never ran, no H200 came) and the read-ahead into the mixers' out
 # projections (TANDEM_GEMV_L2_PREFETCH_MIXER_MB, new).
 #   bash scripts/sessions/device_next63.sh h200  (carry .whl):
 #     1. the GEMV GPU tests of the early, streamed and read-ahead paths;
