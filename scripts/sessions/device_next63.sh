@@ -12,7 +12,8 @@
 #     3. once: no early tiles, read-ahead 8 MB, mixer 24 MB streamed, mixer
 #        24 MB with no other link (MB=0);
 #     4. the critical path of this tree and with MIXER_MB=24.
-#   auto: h200 on an H200, else h100.
+#   auto: h200 on an H200, else h100; lean: lean_h200 or lean_h100, the
+#     same comparisons in two rounds (ROUNDS), no tests, one critical path.
 #   bash scripts/sessions/device_next63.sh h100: the mixer's read-ahead alone
 #     on whatever card comes (today's defaults ran on an H100 at 02:13):
 #     alternating (ROUNDS, 3) this tree, MIXER_MB=24, 16, 8; once 24 with
@@ -23,8 +24,9 @@ set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
 base() { step_27b_at "${BASE:-def1aa3}" "$1"; }  # BASE's step, from its worktree
-if [ "$call" = auto ]; then   # what came: the H200 call on an H200, else the H100 one
-  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && call=h200 || call=h100
+if [ "$call" = auto ] || [ "$call" = lean ]; then   # what came: the H200 call on an H200
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && card=h200 || card=h100
+  [ "$call" = lean ] && call=lean_$card || call=$card
   echo "call: $call"
 fi
 case "$call" in
@@ -45,6 +47,25 @@ case "$call" in
     TANDEM_GEMV_L2_PREFETCH_MB=0 TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b h9_mixer24_only
     step_cols h
     critical_path critical
+    TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 critical_path critical_mixer24 ;;
+  lean_h200)   # what a short budget allows: no tests, one critical path
+    for round in $(seq "${ROUNDS:-2}"); do
+      step_27b l${round}_a_tree
+      TANDEM_GEMV_L2_PREFETCH_MB=0 step_27b l${round}_b_no_read_ahead
+      base l${round}_c_base
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b l${round}_d_mixer24
+      TANDEM_GEMV_STREAM_L2=1 step_27b l${round}_e_stream
+    done
+    step_cols l
+    TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 critical_path critical_mixer24 ;;
+  lean_h100)
+    for round in $(seq "${ROUNDS:-2}"); do
+      step_27b l${round}_a_tree
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 step_27b l${round}_b_mixer24
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=16 step_27b l${round}_c_mixer16
+      TANDEM_GEMV_L2_PREFETCH_MIXER_MB=8 step_27b l${round}_d_mixer8
+    done
+    step_cols l
     TANDEM_GEMV_L2_PREFETCH_MIXER_MB=24 critical_path critical_mixer24 ;;
   h100)
     for round in $(seq "${ROUNDS:-3}"); do
