@@ -601,15 +601,6 @@ class CausalLM(nn.Module):
             order += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
         return order
 
-    def mixer_out_projections(self) -> list[nn.Module]:
-        """Each decoder layer's mixer's last projection (GDN's out_proj,
-        attention's o_proj): the weights a step reads after its longest
-        stretch of small kernels (the recurrence, or the KV write, attention
-        and combine), while DRAM idles; the read-ahead chain may give the
-        links into them a larger budget (adopt_read_ahead)."""
-        return [layer.linear_attn.out_proj if layer.is_linear else layer.self_attn.o_proj
-                for layer in self.model.layers]
-
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, all_logits: bool = False,
                 return_hidden: bool = False,

@@ -38,20 +38,16 @@ def _cases():
     plan_for's for its out projections (gdn out, attn o: 5120 x 6144), with
     and without the next tile asked of L2 before the wait; gate_up (its
     widest shape) also with its SiLU epilogue, whose early tiles are two
-    ranges; it and the out projections also with the early tiles' distance
-    kept ahead through the loop."""
+    ranges."""
     card = "NVIDIA H200"
     for n, k in [*CARD_PLANS[card], (5120, 6144)]:
         plan = picked_plan(n, k, card)
         for early in (0, 1):
             yield f"{n} x {k}, early L2 tiles {early}", build_options(
                 plan, 256, True, False, True, early_l2_tiles=early)
-    for stream in (False, True):
-        yield f"gate_up 34816 x 5120 with the SiLU epilogue, streamed {int(stream)}", \
-            build_options(picked_plan(34816, 5120, card), 256, True, False, True,
-                          epilogue=SiluMulEpilogue(), early_l2_tiles=1, stream_l2=stream)
-    yield "5120 x 6144, early L2 tiles 1, streamed", build_options(
-        plan_for(6144), 256, True, False, True, early_l2_tiles=1, stream_l2=True)
+    yield "gate_up 34816 x 5120 with the SiLU epilogue", build_options(
+        picked_plan(34816, 5120, card), 256, True, False, True,
+        epilogue=SiluMulEpilogue(), early_l2_tiles=1)
     yield "tests' 3001 x 768, one row a tile", build_options(
         plan_for(768, rows=1, blocks_per_sm=1), 256, True, False, True, early_l2_tiles=2)
 

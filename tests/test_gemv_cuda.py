@@ -1301,49 +1301,6 @@ def test_the_read_ahead_switch_names_itself_and_reads_4mb_ahead_by_default(monke
     assert adopt_read_ahead(model) > 0
 
 
-def test_the_links_into_a_mixers_out_projection_take_their_own_budget(monkeypatch):
-    """TANDEM_GEMV_L2_PREFETCH_MIXER_MB sets the read-ahead of the links into
-    each layer's out_proj / o_proj (the mixer's first projection reads its
-    last ahead) and nothing else; unset, they take the chain's budget."""
-    from engine.loader import load_model
-    from engine.quant.linear import (L2_PREFETCH_ENV, L2_PREFETCH_MIXER_ENV, QuantLinear,
-                                     adopt_read_ahead)
-
-    model = load_model("tiny-qwen3.5", weights="q4_k_m", progress=False).model
-    outs = model.mixer_out_projections()
-    assert len(outs) == len(model.model.layers)
-    assert {type(layer.self_attn if not layer.is_linear else layer.linear_attn).__name__
-            for layer in model.model.layers} == {"GatedDeltaNet", "Attention"}
-    order = model.decode_projections()
-    # the mixer's first projection runs just before its last
-    assert all(order[order.index(o) - 1] in (layer.linear_attn.in_proj if layer.is_linear
-                                             else layer.self_attn.qkv_proj,)
-               for o, layer in zip(outs, model.model.layers))
-
-    def budgets():
-        return {(id(m._read_ahead[0]) in {id(o) for o in outs}, m._read_ahead[1])
-                for m in order if isinstance(m, QuantLinear) and m._read_ahead is not None}
-
-    monkeypatch.delenv(L2_PREFETCH_ENV, raising=False)
-    monkeypatch.delenv(L2_PREFETCH_MIXER_ENV, raising=False)
-    adopt_read_ahead(model)
-    assert budgets() == {(True, 4 << 20), (False, 4 << 20)}
-    monkeypatch.setenv(L2_PREFETCH_MIXER_ENV, "24")
-    adopt_read_ahead(model)
-    assert budgets() == {(True, 24 << 20), (False, 4 << 20)}
-    monkeypatch.setenv(L2_PREFETCH_ENV, "0")
-    linked = adopt_read_ahead(model)
-    assert budgets() == {(True, 24 << 20)}
-    assert linked == sum(isinstance(order[order.index(o) - 1], QuantLinear) for o in outs) > 0
-    monkeypatch.setenv(L2_PREFETCH_MIXER_ENV, "0")
-    monkeypatch.setenv(L2_PREFETCH_ENV, "8")
-    adopt_read_ahead(model)
-    assert budgets() == {(False, 8 << 20)}
-    monkeypatch.setenv(L2_PREFETCH_MIXER_ENV, "20")
-    with pytest.raises(ValueError, match=L2_PREFETCH_MIXER_ENV):
-        adopt_read_ahead(model)
-
-
 @needs_gpu
 @pytest.mark.parametrize("pdl", [False, True])
 def test_a_gemv_that_reads_the_next_weight_ahead_gives_the_same_bits(pdl):
@@ -1424,31 +1381,19 @@ def test_the_early_l2_tiles_switch_is_one_by_default_and_names_a_bad_value(monke
         gemv_cuda.early_l2_tiles()
 
 
-def test_the_stream_l2_switch_is_off_by_default_and_names_a_bad_value(monkeypatch):
-    monkeypatch.delenv(gemv_cuda.STREAM_L2_ENV, raising=False)
-    assert gemv_cuda.stream_l2() is False
-    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, "1")
-    assert gemv_cuda.stream_l2() is True
-    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, "yes")
-    with pytest.raises(ValueError, match=gemv_cuda.STREAM_L2_ENV):
-        gemv_cuda.stream_l2()
-
-
 @needs_gpu
-@pytest.mark.parametrize("stream", ["0", "1"])
 @pytest.mark.parametrize("n, k, rows, blocks_per_sm", [(5120, 6144, 4, 0), (3001, 768, 1, 1),
                                                        (2000, 1280, 2, 1)])
-def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_sm, stream,
+def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_sm,
                                                          monkeypatch):
     """A prefetch binds no value: the GEMV with each block's next two tiles
-    asked of L2 before the wait (and, streaming, two tiles ahead through
-    the loop) is bitwise the one without, over grids of several tiles a
-    block, a last tile past N and scale arrays whose tile ranges start off
-    16-byte boundaries (the prefetch takes their whole 16-byte units only)."""
+    asked of L2 before the wait is bitwise the one without, over grids of
+    several tiles a block, a last tile past N and scale arrays whose tile
+    ranges start off 16-byte boundaries (the prefetch takes their whole
+    16-byte units only)."""
     qt = _quant(n, k, seed=n, device="cuda")
     x = _activation(k, seed=k)
     plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
-    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, stream)
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
     plain = _run(qt, x, plan, pdl=True)
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
@@ -1458,21 +1403,18 @@ def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_
 
 
 @needs_gpu
-@pytest.mark.parametrize("stream", ["0", "1"])
 @pytest.mark.parametrize("rows, blocks_per_sm", [(2, 1), (4, 1), (8, 0)])
 def test_silu_epilogue_tiles_asked_of_l2_before_the_wait_change_no_bit(rows, blocks_per_sm,
-                                                                       stream, monkeypatch):
+                                                                       monkeypatch):
     """gate_up's tile is two ranges (its gate rows and the up rows N / 2
-    further on): asking both of L2 before the wait (and through the loop)
-    binds no value either, so the epilogue's output is bitwise the one
-    without."""
+    further on): asking both of L2 before the wait binds no value either,
+    so the epilogue's output is bitwise the one without."""
     from engine.quant.gemv_cuda import SiluMulEpilogue
 
     n, k = 3000, 768
     qt = _quant(n, k, seed=93, device="cuda")
     x = _activation(k, seed=94)
     plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
-    monkeypatch.setenv(gemv_cuda.STREAM_L2_ENV, stream)
 
     def activated() -> torch.Tensor:
         out = torch.full((1, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -430,7 +430,7 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
                   pdl: bool, prologue: Prologue | None = None,
                   l2_prefetch: bool = False,
                   epilogue: Epilogue | None = None,
-                  early_l2_tiles: int = 0, stream_l2: bool = False) -> tuple[str, ...]:
+                  early_l2_tiles: int = 0) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
              **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
@@ -439,7 +439,6 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
             f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
             f"-DL2_PREFETCH={int(l2_prefetch)}", f"-DEARLY_L2_TILES={early_l2_tiles}",
-            f"-DSTREAM_L2={int(stream_l2)}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -602,12 +601,10 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     d_fp32 = qt.d.dtype == torch.float32
 
     early = early_l2_tiles() if bulk_prefetch else 0
-    stream = early > 0 and stream_l2()
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
-                                       prologue, l2_prefetch is not None, epilogue, early,
-                                       stream),
+                                       prologue, l2_prefetch is not None, epilogue, early),
                          device, plan.threads,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
@@ -647,33 +644,18 @@ def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:
 CUDA_ENV = "TANDEM_GEMV_CUDA"
 PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
 EARLY_L2_TILES_ENV = "TANDEM_GEMV_EARLY_L2_TILES"
-STREAM_L2_ENV = "TANDEM_GEMV_STREAM_L2"
 
 
 def early_l2_tiles() -> int:
     """How many tiles past its first each block asks L2 for before the
     dependent-launch wait (q4_gemv.cu, EARLY_L2_TILES; sm_90's bulk
-    prefetch): TANDEM_GEMV_EARLY_L2_TILES, 1 by default (the H100's int4
-    27B step 6.40-6.41 -> 6.33-6.34 ms in four alternating rounds, 2: no
-    better; 2026-12-06), 0 for none. Read per call, in a CUDA graph at
-    capture."""
+    prefetch): TANDEM_GEMV_EARLY_L2_TILES, 1 by default (the int4 27B
+    step: H100 6.40-6.41 -> 6.33-6.34 ms in four alternating rounds, 2: no
+    better, 2026-12-06; H200 5.27-5.28 -> 5.10 ms, 2: 5.15, 2026-12-07), 0
+    for none. Read per call, in a CUDA graph at capture."""
     from engine.switches import one_of
 
     return one_of(EARLY_L2_TILES_ENV, 1, (0, 1, 2, 3, 4))
-
-
-def stream_l2() -> bool:
-    """Whether each tile of the loop also asks L2 for the block's tile
-    TANDEM_GEMV_EARLY_L2_TILES past the one its registers load next
-    (q4_gemv.cu, STREAM_L2), keeping that many tiles a block in flight
-    beyond the registers' one: TANDEM_GEMV_STREAM_L2, off by default (the
-    H100's int4 step 6.48 against 6.44 ms, 2026-12-07; aimed at the H200,
-    not yet timed there). Nothing without early tiles. Read per call, in a
-    CUDA graph at capture."""
-    from engine.switches import on_off
-
-    return on_off(STREAM_L2_ENV, False, on="keep the early tiles' distance ahead in L2 "
-                                           "through the loop", off="early tiles only")
 
 
 def wanted() -> bool:

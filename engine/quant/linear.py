@@ -20,7 +20,7 @@ like the merged nn.Linear.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -245,46 +245,34 @@ def epilogue_wanted(switch: str) -> bool:
 
 L2_PREFETCH_ENV = "TANDEM_GEMV_L2_PREFETCH_MB"
 L2_PREFETCH_CHOICES = (0, 4, 8, 16, 24, 32, 48)
-# The read-ahead into a mixer's out projection (GDN's out_proj, attention's
-# o_proj): DRAM idles longest before it (the recurrence, or the KV write,
-# attention and combine: 5-25 us), and its weight (~17 MB at the 27B's 4-bit
-# shape) fits L2 whole. Unset: as TANDEM_GEMV_L2_PREFETCH_MB.
-L2_PREFETCH_MIXER_ENV = "TANDEM_GEMV_L2_PREFETCH_MIXER_MB"
 
 
-def read_ahead_chain(projections: Sequence[nn.Module], budget_bytes: int,
-                     budget_into: Mapping[int, int] | None = None) -> int:
+def read_ahead_chain(projections: Sequence[nn.Module], budget_bytes: int) -> int:
     """Each QuantLinear of `projections` (in the order they run) reads ahead
-    `budget_bytes` of the next one when that is a QuantLinear too, or
-    `budget_into[id(next)]` where that names it; returns how many do. 0
-    bytes unlinks a link."""
-    budget_into = budget_into or {}
+    `budget_bytes` of the next one when that is a QuantLinear too; returns
+    how many do. 0 bytes unlinks them all."""
     linked = 0
     for current, following in zip(projections, [*projections[1:], None]):
         if isinstance(current, QuantLinear):
             quant_next = following if isinstance(following, QuantLinear) else None
-            budget = budget_into.get(id(following), budget_bytes)
-            current.read_ahead(quant_next, budget)
-            linked += quant_next is not None and budget > 0
+            current.read_ahead(quant_next, budget_bytes)
+            linked += quant_next is not None and budget_bytes > 0
     return linked
 
 
 def adopt_read_ahead(model: nn.Module) -> int:
     """read_ahead_chain over a GPU model's decode projections with
-    TANDEM_GEMV_L2_PREFETCH_MB megabytes (read at load; 0 unlinks them all),
-    and TANDEM_GEMV_L2_PREFETCH_MIXER_MB into each mixer's out projection.
+    TANDEM_GEMV_L2_PREFETCH_MB megabytes (read at load; 0 unlinks them all).
     4 by default: on an H100 (12-07) the int4 step 6.37-6.40 ms against
-    6.43-6.44 without, in nine pairs; 8 and 16 MB everywhere lose (6.46-6.47,
-    6.67). Not yet timed on an H200 since its runs steadied (BENCHMARKS.md
-    2026-12-07)."""
+    6.43-6.44 without, in nine pairs; 8 and 16 MB lose (6.46-6.47, 6.67).
+    On the H200 level (5.10-5.11 against 5.08-5.10 ms, four pairs;
+    BENCHMARKS.md 2026-12-07)."""
     from engine.switches import one_of
 
     megabytes = one_of(L2_PREFETCH_ENV, 4, L2_PREFETCH_CHOICES)
-    into_mixer_out = one_of(L2_PREFETCH_MIXER_ENV, megabytes, L2_PREFETCH_CHOICES)
     if not hasattr(model, "decode_projections"):
         return 0
-    budget_into = {id(m): into_mixer_out << 20 for m in model.mixer_out_projections()}
-    return read_ahead_chain(model.decode_projections(), megabytes << 20, budget_into)
+    return read_ahead_chain(model.decode_projections(), megabytes << 20)
 
 
 class QuantEmbedding(_QuantHolder):

@@ -45,10 +45,6 @@
 //     while the kernel before finishes; after the wait those loads hit L2.
 //     SILU_MUL's tile is two ranges (its gate rows, and the up rows N / 2
 //     further on): both are asked.
-//   * STREAM_L2=1 (with EARLY_L2_TILES=E): each tile of the loop also asks
-//     L2 for the block's tile E past the one its registers load next, so
-//     that DRAM keeps E tiles a block in flight beyond what registers hold
-//     (the H200 needs more bytes in flight than the H100 for its bandwidth).
 // (A tile queue, blocks taking their tiles from an atomic counter so that
 // the grid ends together, lost 2-17 us on every 27B shape in two sweeps and
 // was removed: BENCHMARKS.md 2026-12-04 21:16.)
@@ -94,7 +90,7 @@
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
-// L2_PREFETCH, EARLY_L2_TILES, STREAM_L2, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
+// L2_PREFETCH, EARLY_L2_TILES, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
 // CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
@@ -847,13 +843,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
         if (following < tiles)
             load_tile(next, following, n_rows, qw, d, sc, dmin, m);
-#if STREAM_L2 && EARLY_L2_TILES
-        {   // the tile E past the one registers now load: L2 stays E tiles ahead
-            const int ahead = following + EARLY_L2_TILES * (int)gridDim.x;
-            if (threadIdx.x == 0 && ahead < tiles)
-                prefetch_tile_l2(ahead, n_rows, qw, d, sc, dmin, m);
-        }
-#endif
 #endif
         float acc[ROWS];
 #pragma unroll

@@ -20,6 +20,12 @@
 #     no other link; both critical paths.
 #   (12-07 02:13-02:27, H100: tree 6.36-6.38 ms, no read-ahead 6.46,
 #   def1aa3 6.43-6.44, streamed 6.48, read-ahead 8 MB 6.46-6.47)
+#   (12-07 05:21-05:28, H200, `lean` and two calls by hand on the warm
+#   machine: tree 5.10-5.11 ms, no read-ahead 5.08-5.10, def1aa3 5.11-5.13,
+#   mixer 24 MB 5.22-5.23, 8 MB 5.13-5.14, streamed 5.21-5.23, early tiles 2
+#   5.15, 0 5.27-5.28. The mixer switch and the streamed tiles were removed
+#   after it, so `h200`, `h100` and `lean` no longer run as written.
+#   BENCHMARKS.md 2026-12-07, third session.)
 set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
