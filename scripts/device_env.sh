@@ -93,9 +93,11 @@ critical_path() {  # critical_path NAME: the fused step's critical path, bf16 KV
   sed -n '/critical path/,$p' "$OUT/$1.log" | head -30
 }
 
-out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM]: the int4 27B step with the out
-  # projections (gdn out, attn o: 5120 x 6144) at that plan, through a plans file
-  local file=/tmp/plans_$1.json
-  echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}}}" > "$file"
+out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM [EARLY]]: the int4 27B step with the
+  # out projections (gdn out, attn o: 5120 x 6144) at that plan (EARLY: its own early
+  # tile count), through a plans file
+  local file=/tmp/plans_$1.json early=""
+  [ -n "${5:-}" ] && early=", \"early_tiles\": $5"
+  echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}$early}}" > "$file"
   TANDEM_GEMV_CUDA_PLANS=$file step_27b "$1"
 }

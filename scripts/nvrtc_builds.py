@@ -48,6 +48,8 @@ def _cases():
     yield "gate_up 34816 x 5120 with the SiLU epilogue", build_options(
         picked_plan(34816, 5120, card), 256, True, False, True,
         epilogue=SiluMulEpilogue(), early_l2_tiles=1)
+    yield "5120 x 6144, early L2 tiles 3 (its plan's own)", build_options(
+        plan_for(6144, early_tiles=3), 256, True, False, True, early_l2_tiles=3)
     yield "tests' 3001 x 768, one row a tile", build_options(
         plan_for(768, rows=1, blocks_per_sm=1), 256, True, False, True, early_l2_tiles=2)
 

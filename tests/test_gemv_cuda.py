@@ -135,6 +135,33 @@ def test_a_plans_file_picks_per_shape_and_other_shapes_get_the_default(tmp_path,
     assert picked_plan(5120, 6144) == written
 
 
+def test_a_plan_may_carry_its_own_early_tile_count(tmp_path, monkeypatch):
+    """A plans file's early_tiles (a block walking 2-3 tiles may want all of
+    them asked of L2 before the wait) beats the switch for its shape only;
+    a plan without one follows TANDEM_GEMV_EARLY_L2_TILES, and a count the
+    kernel does not take is refused with the choices."""
+    import json
+
+    from engine.quant.gemv_cuda import plan_early_tiles
+
+    path = tmp_path / "plans.json"
+    path.write_text(json.dumps({"5120,6144": {"rows": 4, "flush": 1, "early_tiles": 3},
+                                "5120,17408": {"rows": 4, "flush": 16}}))
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(path))
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
+    out, down = picked_plan(5120, 6144), picked_plan(5120, 17408)
+    assert out == plan_for(6144, early_tiles=3) and down.early_tiles is None
+    assert (plan_early_tiles(out), plan_early_tiles(down)) == (3, 0)
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
+    assert (plan_early_tiles(out), plan_early_tiles(down)) == (3, 2)
+    monkeypatch.setenv(gemv_cuda.PLANS_ENV, str(tmp_path / "again.json"))
+    (tmp_path / "again.json").write_text(json.dumps({"5120,6144": out.spec()}))
+    assert out.spec()["early_tiles"] == 3 and picked_plan(5120, 6144) == out
+    assert "early_tiles" not in down.spec()      # files stay as they were without one
+    with pytest.raises(ValueError, match="early_tiles must be None"):
+        plan_for(6144, early_tiles=5)
+
+
 @pytest.mark.parametrize("k, stage", [(5120, 11840), (17408, 40256), (6144, 14208)])
 def test_a_ring_stage_holds_a_tiles_codes_and_scales(k, stage):
     """The 27B's Q4_K shapes at 4 rows: 4 x K/2 bytes of codes, 4 x K/32 of
@@ -1398,8 +1425,11 @@ def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_
     plain = _run(qt, x, plan, pdl=True)
     monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "2")
     early = _run(qt, x, plan, pdl=True)
+    monkeypatch.setenv(gemv_cuda.EARLY_L2_TILES_ENV, "0")
+    own = _run(qt, x, plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm, early_tiles=4),
+               pdl=True)   # the plan's count, past the last tile of most blocks
     torch.cuda.synchronize()
-    assert torch.equal(early, plain)
+    assert torch.equal(early, plain) and torch.equal(own, plain)
 
 
 @needs_gpu

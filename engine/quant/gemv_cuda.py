@@ -45,6 +45,7 @@ _DEFAULT_SHARED_BYTES = 48 * 1024
 _MAX_SHARED_BYTES = 227 * 1024
 _FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1   # a build's static shared memory (cuda.h)
 MAX_STAGES = 8
+EARLY_L2_TILES_CHOICES = (0, 1, 2, 3, 4)   # tiles past its first a block asks L2 for early
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,10 @@ class CudaGemvPlan:
     pair (1: every tile; q4_gemv.cu, FLUSH); stages: 0, each thread loads
     its next tile into registers, or the tiles come through a ring of that
     many shared-memory stages filled by bulk copies (q4_gemv.cu, STAGES;
-    only where bulk_copyable holds)."""
+    only where bulk_copyable holds); early_tiles: how many tiles past its
+    first each block asks L2 for before the dependent-launch wait (None:
+    TANDEM_GEMV_EARLY_L2_TILES's count; a block that walks only 2-3 tiles,
+    as the out projections' do, may want all of them asked early)."""
     rows: int
     slots: int
     threads: int
@@ -65,6 +69,7 @@ class CudaGemvPlan:
     blocks_per_sm: int = 0
     flush: int = 1
     stages: int = 0
+    early_tiles: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.slots < 1 or self.groups < 1:
@@ -81,12 +86,16 @@ class CudaGemvPlan:
                              f"(a thread sums each held row): {self}")
         if not 0 <= self.stages <= MAX_STAGES:
             raise ValueError(f"stages must be 0 (registers) or 1..{MAX_STAGES}: {self}")
+        if self.early_tiles is not None and self.early_tiles not in EARLY_L2_TILES_CHOICES:
+            raise ValueError(f"early_tiles must be None (the switch's) or one of "
+                             f"{EARLY_L2_TILES_CHOICES}: {self}")
 
     def spec(self) -> dict:
         """The choices a plans file records (plan_for rebuilds the plan from
         them and K: groups and threads follow)."""
-        return {"rows": self.rows, "slots": self.slots, "blocks_per_sm": self.blocks_per_sm,
+        spec = {"rows": self.rows, "slots": self.slots, "blocks_per_sm": self.blocks_per_sm,
                 "flush": self.flush, "stages": self.stages}
+        return spec if self.early_tiles is None else {**spec, "early_tiles": self.early_tiles}
 
     def stage_bytes(self, superblock: int, asymmetric: bool, d_fp32: bool) -> int:
         """One ring stage (q4_gemv.cu STAGE_BYTES): a tile's words, sc and d,
@@ -108,7 +117,7 @@ class CudaGemvPlan:
 
 
 def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_per_sm: int = 0,
-             flush: int = 1, stages: int = 0) -> CudaGemvPlan:
+             flush: int = 1, stages: int = 0, early_tiles: int | None = None) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
     slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
@@ -130,7 +139,8 @@ def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_
         raise ValueError(f"no thread count up to {MAX_THREADS} covers K = {k} "
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
-                        blocks_per_sm=blocks_per_sm, flush=flush, stages=stages)
+                        blocks_per_sm=blocks_per_sm, flush=flush, stages=stages,
+                        early_tiles=early_tiles)
 
 
 def bulk_copyable(plan: CudaGemvPlan, qt: QuantTensor) -> bool:
@@ -600,7 +610,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                                           f"{qt.describe()} lacks: use stages=0")
     d_fp32 = qt.d.dtype == torch.float32
 
-    early = early_l2_tiles() if bulk_prefetch else 0
+    early = plan_early_tiles(plan) if bulk_prefetch else 0
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
@@ -646,6 +656,12 @@ PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
 EARLY_L2_TILES_ENV = "TANDEM_GEMV_EARLY_L2_TILES"
 
 
+def plan_early_tiles(plan: CudaGemvPlan) -> int:
+    """The tiles past its first each block of `plan` asks L2 for before the
+    wait: the plan's own count, else the switch's (early_l2_tiles)."""
+    return early_l2_tiles() if plan.early_tiles is None else plan.early_tiles
+
+
 def early_l2_tiles() -> int:
     """How many tiles past its first each block asks L2 for before the
     dependent-launch wait (q4_gemv.cu, EARLY_L2_TILES; sm_90's bulk
@@ -655,7 +671,7 @@ def early_l2_tiles() -> int:
     for none. Read per call, in a CUDA graph at capture."""
     from engine.switches import one_of
 
-    return one_of(EARLY_L2_TILES_ENV, 1, (0, 1, 2, 3, 4))
+    return one_of(EARLY_L2_TILES_ENV, 1, EARLY_L2_TILES_CHOICES)
 
 
 def wanted() -> bool:
@@ -693,7 +709,8 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
         plans[(n, k)] = plan_for(k, rows=int(spec["rows"]), slots=spec.get("slots"),
                                  blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
                                  flush=int(spec.get("flush", 1)),  # older files lack them
-                                 stages=int(spec.get("stages", 0)))
+                                 stages=int(spec.get("stages", 0)),
+                                 early_tiles=spec.get("early_tiles"))
     return plans
 
 
