@@ -16,8 +16,9 @@
 #        (TANDEM_GATED_PROLOGUE=1), the out projections (5120 x 6144, whose
 #        blocks walk 2-3 tiles and which sat at 6.7 us against a 4.3 floor
 #        with their weight already in L2) asking all their tiles of L2
-#        before the wait (their plan's early_tiles 2 and 3; the switch's 2
-#        for every shape lost, 5.15 against 5.10 ms);
+#        before the wait (4 rows a tile, 528 blocks: early_tiles 2 covers
+#        all; 2 rows, ~4 tiles a block: 3 does), where the switch's 2 for
+#        every shape lost (5.15 against 5.10 ms);
 #     3. the critical path with the sweep's plans.
 set -uo pipefail
 call=${1:?h200}
@@ -35,7 +36,7 @@ case "$call" in
       TANDEM_NORM_PROLOGUE=1 step_27b p${round}_c_norm_prologue
       TANDEM_GATED_PROLOGUE=1 step_27b p${round}_d_gated_prologue
       out_plan p${round}_e_out_early2 4 1 0 2
-      out_plan p${round}_f_out_early3 4 1 0 3
+      out_plan p${round}_f_out_r2_early3 2 1 0 3
     done
     step_cols p
     TANDEM_GEMV_CUDA_PLANS=/tmp/plans_h200.json critical_path critical_swept ;;
