@@ -161,6 +161,16 @@ struct Group {        // one row's group of 32 codes and its scales, as loaded
     scale_t d, dmin;
 };
 
+// one projection's arrays (engine/quant/tensor.py's layout), as every tile
+// helper reads them; the kernel's parameters, gathered
+struct Weight {
+    const uint4* __restrict__ qw;
+    const scale_t* __restrict__ d;
+    const signed char* __restrict__ sc;
+    const scale_t* __restrict__ dmin;
+    const signed char* __restrict__ m;
+};
+
 struct XSlice {       // one group of x as int8 codes, even k and odd k apart
     int even[4], odd[4];
     float scale, code_sum_scaled;
@@ -188,11 +198,7 @@ __device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
 }
 
 __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
-                                          const uint4* __restrict__ qw,
-                                          const scale_t* __restrict__ d,
-                                          const signed char* __restrict__ sc,
-                                          const scale_t* __restrict__ dmin,
-                                          const signed char* __restrict__ m) {
+                                          const Weight& weights) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const long long n = tile_row(index, r, n_rows);
@@ -201,12 +207,15 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
             const int g = threadIdx.x + j * THREADS;
             Group& e = tile[r][j];
             if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
-                e.words = load_streamed(qw + n * GROUPS + g);
-                e.sc = sc[n * GROUPS + g];
-                e.d = d[n * (GROUPS / GPS) + g / GPS];
+                e.words = load_streamed(weights.qw + n * GROUPS + g);
+                // __ldg: the early tiles' prefetch takes these pointers into
+                // an asm with a memory clobber, after which nvcc no longer
+                // proves them read-only and the scales lost ld.global.nc
+                e.sc = __ldg(weights.sc + n * GROUPS + g);
+                e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
 #if ASYM
-                e.m = m[n * GROUPS + g];
-                e.dmin = dmin[n * (GROUPS / GPS) + g / GPS];
+                e.m = __ldg(weights.m + n * GROUPS + g);
+                e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
 #endif
             } else {
                 clear_group(e);
@@ -437,39 +446,27 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 #if EARLY_L2_TILES
 // rows [first, first + rows) of every array into L2
 __device__ __forceinline__ void prefetch_rows_l2(long long first, long long rows,
-                                                 const uint4* __restrict__ qw,
-                                                 const scale_t* __restrict__ d,
-                                                 const signed char* __restrict__ sc,
-                                                 const scale_t* __restrict__ dmin,
-                                                 const signed char* __restrict__ m) {
-    prefetch_range_l2(qw + first * GROUPS, rows * GROUPS * 16);
-    prefetch_range_l2(sc + first * GROUPS, rows * GROUPS);
-    prefetch_range_l2(d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+                                                 const Weight& weights) {
+    prefetch_range_l2(weights.qw + first * GROUPS, rows * GROUPS * 16);
+    prefetch_range_l2(weights.sc + first * GROUPS, rows * GROUPS);
+    prefetch_range_l2(weights.d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #if ASYM
-    prefetch_range_l2(m + first * GROUPS, rows * GROUPS);
-    prefetch_range_l2(dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+    prefetch_range_l2(weights.m + first * GROUPS, rows * GROUPS);
+    prefetch_range_l2(weights.dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #endif
 }
 
-// tile `index`'s rows into L2 (SILU_MUL's tile is two ranges: gate rows,
-// then the up rows n_rows / 2 further on, as tile_row lays them out);
-// one thread issues it
+// tile `index`'s rows into L2 (SILU_MUL's tile is two ranges, its gate rows
+// and its up rows, where tile_row puts them); one thread issues it
 __device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
-                                                 const uint4* __restrict__ qw,
-                                                 const scale_t* __restrict__ d,
-                                                 const signed char* __restrict__ sc,
-                                                 const scale_t* __restrict__ dmin,
-                                                 const signed char* __restrict__ m) {
+                                                 const Weight& weights) {
 #if SILU_MUL
-    constexpr int HALF = ROWS / 2;
-    const long long half_rows = n_rows / 2;
-    const long long first = (long long)index * HALF;
-    const long long rows = min((long long)HALF, half_rows - first);
-    prefetch_rows_l2(first, rows, qw, d, sc, dmin, m);
-    prefetch_rows_l2(half_rows + first, rows, qw, d, sc, dmin, m);
+    constexpr int HALF = ROWS / 2;   // N is a multiple of ROWS: both halves whole
+    prefetch_rows_l2(tile_row(index, 0, n_rows), HALF, weights);
+    prefetch_rows_l2(tile_row(index, HALF, n_rows), HALF, weights);
 #else
     const long long first = (long long)index * ROWS;
-    prefetch_rows_l2(first, min((long long)ROWS, (long long)n_rows - first), qw, d, sc, dmin, m);
+    prefetch_rows_l2(first, min((long long)ROWS, (long long)n_rows - first), weights);
 #endif
 }
 #endif
@@ -528,20 +525,16 @@ __device__ __forceinline__ void bulk_copy(unsigned char* dst, const void* src, u
 
 // tile `index` into `stage`; `full` completes once its bytes have landed
 __device__ __forceinline__ void fill_stage(unsigned char* stage, unsigned long long* full,
-                                           int index, const uint4* __restrict__ qw,
-                                           const scale_t* __restrict__ d,
-                                           const signed char* __restrict__ sc,
-                                           const scale_t* __restrict__ dmin,
-                                           const signed char* __restrict__ m) {
+                                           int index, const Weight& weights) {
     const long long row = (long long)index * ROWS;
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                  :: "r"(shared_address(full)), "r"((unsigned)STAGE_BYTES) : "memory");
-    bulk_copy(stage, qw + row * GROUPS, WORD_BYTES, full);
-    bulk_copy(stage + SC_AT, sc + row * GROUPS, SC_BYTES, full);
-    bulk_copy(stage + D_AT, d + row * (GROUPS / GPS), D_BYTES, full);
+    bulk_copy(stage, weights.qw + row * GROUPS, WORD_BYTES, full);
+    bulk_copy(stage + SC_AT, weights.sc + row * GROUPS, SC_BYTES, full);
+    bulk_copy(stage + D_AT, weights.d + row * (GROUPS / GPS), D_BYTES, full);
 #if ASYM
-    bulk_copy(stage + M_AT, m + row * GROUPS, SC_BYTES, full);
-    bulk_copy(stage + DMIN_AT, dmin + row * (GROUPS / GPS), D_BYTES, full);
+    bulk_copy(stage + M_AT, weights.m + row * GROUPS, SC_BYTES, full);
+    bulk_copy(stage + DMIN_AT, weights.dmin + row * (GROUPS / GPS), D_BYTES, full);
 #endif
 }
 
@@ -679,6 +672,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if NORM
     __shared__ float squares_of_warp[WARPS];
 #endif
+    const Weight weights{qw, d, sc, dmin, m};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tiles = (n_rows + ROWS - 1) / ROWS;
     int index = blockIdx.x;
@@ -698,14 +692,13 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #pragma unroll
         for (int s = 0; s < STAGES; ++s)
             if (index + s * (int)gridDim.x < tiles)
-                fill_stage(ring + s * STAGE_BYTES, &full[s], index + s * gridDim.x,
-                           qw, d, sc, dmin, m);
+                fill_stage(ring + s * STAGE_BYTES, &full[s], index + s * gridDim.x, weights);
     }
     int taken = 0;            // tiles this block has read from the ring
 #else
     Group next[ROWS][SLOTS];
     if (index < tiles)
-        load_tile(next, index, n_rows, qw, d, sc, dmin, m);
+        load_tile(next, index, n_rows, weights);
 #endif
 #if NORM || GATED
     __shared__ uint4 weight_stash[W_VECS][SLOTS * THREADS];
@@ -726,7 +719,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #pragma unroll
         for (int e = 1; e <= EARLY_L2_TILES; ++e)
             if (index + e * (int)gridDim.x < tiles)
-                prefetch_tile_l2(index + e * gridDim.x, n_rows, qw, d, sc, dmin, m);
+                prefetch_tile_l2(index + e * gridDim.x, n_rows, weights);
     }
 #endif
 #if PDL
@@ -832,7 +825,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             const int refill = index + STAGES * (int)gridDim.x;
             if (threadIdx.x == 0 && refill < tiles) {
                 barrier_wait(&empty[s], parity);
-                fill_stage(stage, &full[s], refill, qw, d, sc, dmin, m);
+                fill_stage(stage, &full[s], refill, weights);
             }
             ++taken;
         }
@@ -842,7 +835,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #pragma unroll
             for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
         if (following < tiles)
-            load_tile(next, following, n_rows, qw, d, sc, dmin, m);
+            load_tile(next, following, n_rows, weights);
 #endif
         float acc[ROWS];
 #pragma unroll
