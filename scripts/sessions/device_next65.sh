@@ -17,26 +17,49 @@
 #        (TANDEM_NORM_PROLOGUE=1 / TANDEM_GATED_PROLOGUE=1), the out
 #        projections at early tiles 2 (4 rows) and 3 (2 rows);
 #     3. the critical path with this tree's defaults.
+#   bash scripts/sessions/device_next65.sh lean  (~4 min, when device time is
+#     short): the GPU tests of the tiles, no sweep, and two rounds of the
+#     tree, 393d2e1's kernel, the two prologues and the out projections at
+#     early tiles 2.
 set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
+
+tree_and_head_kernel() {  # tree_and_head_kernel ROUND: the step with this tree's kernel,
+  # then with 393d2e1's (each process reads the kernel source from disk)
+  step_27b p$1_a_tree
+  cp .device/q4_gemv_head.cu engine/quant/q4_gemv.cu
+  step_27b p$1_b_head_kernel
+  cp /tmp/q4_tree.cu engine/quant/q4_gemv.cu
+}
+
+prologues_and_out_early() {  # prologues_and_out_early ROUND
+  TANDEM_NORM_PROLOGUE=1 step_27b p$1_d_norm_prologue
+  TANDEM_GATED_PROLOGUE=1 step_27b p$1_e_gated_prologue
+  out_plan p$1_f_out_early2 4 1 0 2
+}
+
+cp engine/quant/q4_gemv.cu /tmp/q4_tree.cu
 case "$call" in
   h200)
-    cp engine/quant/q4_gemv.cu /tmp/q4_tree.cu
     STEP_TAIL=6 step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py
     STEP_TAIL=30 step sweep 240 python3 -m bench.gemv_cuda --only down "gdn out" --rows 2 4 8 \
       --plans-out /tmp/plans_h200.json --json "$OUT/sweep.json"
     cat /tmp/plans_h200.json
     for round in $(seq "${ROUNDS:-2}"); do
-      step_27b p${round}_a_tree
-      cp .device/q4_gemv_head.cu engine/quant/q4_gemv.cu
-      step_27b p${round}_b_head_kernel
-      cp /tmp/q4_tree.cu engine/quant/q4_gemv.cu
+      tree_and_head_kernel "$round"
       TANDEM_GEMV_CUDA_PLANS=/tmp/plans_h200.json step_27b p${round}_c_swept
-      TANDEM_NORM_PROLOGUE=1 step_27b p${round}_d_norm_prologue
-      TANDEM_GATED_PROLOGUE=1 step_27b p${round}_e_gated_prologue
-      out_plan p${round}_f_out_early2 4 1 0 2
+      prologues_and_out_early "$round"
       out_plan p${round}_g_out_r2_early3 2 1 0 3
+    done
+    step_cols p
+    critical_path critical_tree ;;
+  lean)
+    STEP_TAIL=6 step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
+      -k "tiles_asked or early or matches_the_reference or silu_epilogue"
+    for round in 1 2; do
+      tree_and_head_kernel "$round"
+      prologues_and_out_early "$round"
     done
     step_cols p
     critical_path critical_tree ;;
