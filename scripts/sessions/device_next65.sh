@@ -17,6 +17,9 @@
 #        (TANDEM_NORM_PROLOGUE=1 / TANDEM_GATED_PROLOGUE=1), the out
 #        projections at early tiles 2 (4 rows) and 3 (2 rows);
 #     3. the critical path with this tree's defaults.
+#   bash scripts/sessions/device_next65.sh prologues  (carry .whl; ~1.5 min): the
+#     step's critical path with the norm prologue, then with the gated one, to
+#     set beside the tree's (both lost on the H100 at 07:45: where the time goes)
 #   bash scripts/sessions/device_next65.sh lean  (~4 min, when device time is
 #     short): the GPU tests of the tiles, no sweep, and two rounds of the
 #     tree, 393d2e1's kernel, the two prologues and the out projections at
@@ -54,6 +57,12 @@ case "$call" in
     done
     step_cols p
     critical_path critical_tree ;;
+  prologues)
+    TANDEM_NORM_PROLOGUE=1 critical_path critical_norm_prologue
+    TANDEM_GATED_PROLOGUE=1 critical_path critical_gated_prologue
+    for f in critical_norm_prologue critical_gated_prologue; do
+      echo "== $f"; sed -n '/by kind/,/^step /p' "$OUT/$f.log"
+    done ;;
   lean)
     STEP_TAIL=6 step tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_cuda.py \
       -k "tiles_asked or early or matches_the_reference or silu_epilogue"
