@@ -17,9 +17,11 @@
 #        (TANDEM_NORM_PROLOGUE=1 / TANDEM_GATED_PROLOGUE=1), the out
 #        projections at early tiles 2 (4 rows) and 3 (2 rows);
 #     3. the critical path with this tree's defaults.
-#   bash scripts/sessions/device_next65.sh prologues  (carry .whl; ~1.5 min): the
-#     step's critical path with the norm prologue, then with the gated one, to
-#     set beside the tree's (both lost on the H100 at 07:45: where the time goes)
+#   bash scripts/sessions/device_next65.sh prologues  (carry .whl; ~2 min): the
+#     norm and gated prologues apart against fused, graph-timed alone
+#     (bench.gemv_cuda --norm --gated), then the step's critical path with
+#     each, to set beside the tree's (both lost on the H100 at 07:45: where
+#     the time goes)
 #   bash scripts/sessions/device_next65.sh lean  (~4 min, when device time is
 #     short): the GPU tests of the tiles, no sweep, and two rounds of the
 #     tree, 393d2e1's kernel, the two prologues and the out projections at
@@ -58,6 +60,8 @@ case "$call" in
     step_cols p
     critical_path critical_tree ;;
   prologues)
+    STEP_TAIL=12 step prologue_pairs 120 python3 -m bench.gemv_cuda --only gate_up "gdn in_proj" \
+      "attn qkv" "gdn out" --rows 4 --norm --gated
     TANDEM_NORM_PROLOGUE=1 critical_path critical_norm_prologue
     TANDEM_GATED_PROLOGUE=1 critical_path critical_gated_prologue
     for f in critical_norm_prologue critical_gated_prologue; do
