@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The next H200 call (written 12-07, fourth session). device_next64.sh's plan,
-# which never ran (no machine came), plus one kernel A/B:
+# which never ran (no machine came), plus one kernel A/B. `h200` ran on an
+# H100 at 07:45 (asked for as nvidia-h200; BENCHMARKS.md 2026-12-07, every
+# variant level or lost): an H200 still owes it, `prologues` never ran.
 #   bash scripts/sessions/device_next65.sh h200  (carry .whl .device; ~7-9 min)
 # The A/B: with early L2 tiles on (the default since 12-07) every build loaded
 # the scales (sc, d, m, dmin) with plain ld.global, not ld.global.nc: the
