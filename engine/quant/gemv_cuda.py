@@ -750,7 +750,9 @@ CARD_PLANS: dict[str, dict[tuple[int, int], tuple[int, int]]] = {
 }
 
 
-def _card_plan(card: str | None, n: int, k: int) -> CudaGemvPlan | None:
+def card_plan(card: str | None, n: int, k: int) -> CudaGemvPlan | None:
+    """CARD_PLANS' plan for (N, K) on `card` (a CUDA device name), as
+    plan_for builds it; None where the table has none."""
     found = CARD_PLANS.get(card or "", {}).get((n, k))
     if found is None:
         return None
@@ -777,7 +779,7 @@ def picked_plan(n: int, k: int, card: str | None = None) -> CudaGemvPlan:
         if found is not None:
             return found
     if os.environ.get(STAGES_ENV, "") == "":
-        found = _card_plan(card, n, k)
+        found = card_plan(card, n, k)
         if found is not None:
             return found
     return plan_for(k, rows=DEFAULT_ROWS, stages=default_stages())

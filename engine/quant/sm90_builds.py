@@ -20,7 +20,7 @@ import torch
 
 from engine.quant import gemv_cuda
 from engine.quant.gemv_cuda import (CARD_PLANS, ConvEpilogue, GatedNormPrologue, NormPrologue,
-                                    SiluMulEpilogue, SiluPrologue, build_options, picked_plan,
+                                    SiluMulEpilogue, SiluPrologue, build_options, card_plan,
                                     plan_for)
 
 ARCH = "sm_90"
@@ -123,7 +123,9 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
     epilogues on by default, one early tile, the read-ahead), each also
     without the early tiles, and the three prologues behind their switches."""
     def options(n, k, early=1, prologue=None, epilogue=None, plan=None):
-        return build_options(plan or picked_plan(n, k, card), SUPERBLOCK, True, False, True,
+        # the table's plan, not picked_plan's: no switch of the environment moves the cases
+        plan = plan or card_plan(card, n, k) or plan_for(k)
+        return build_options(plan, SUPERBLOCK, True, False, True,
                              prologue=prologue, l2_prefetch=True, epilogue=epilogue,
                              early_l2_tiles=early)
 
