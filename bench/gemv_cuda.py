@@ -16,7 +16,9 @@ reads, so the step's A/B (`TANDEM_GEMV_CUDA=1 python -m bench.quant
 --decode-steps 16`) runs what the sweep chose. --norm also times, on the
 shapes that follow a norm (gate_up, gdn in_proj, attn qkv), engine/fused's
 add_rms_norm launch then the GEMV against the GEMV doing the norm in its
-prologue (gemv_cuda.NormPrologue); --silu the same for down and the MLP's
+prologue (gemv_cuda.NormPrologue), and beside them the GEMV alone and the
+prologue without the pending residual (what every block's second read of
+a row costs); --silu the same for down and the MLP's
 silu_mul, --gated for gdn out and GDN's gated norm. --read-ahead times
 two GEMVs in the step's order with the small kernels between them (stood in
 for by tiny elementwise launches), plain against the first reading the
@@ -61,6 +63,7 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
 
     copies = _copies(fmt, n, k, device)
     kernels = load_kernels()
+    extra = {}
     out = torch.empty(1, n, dtype=torch.bfloat16, device=device)
     plan = plan_for(k, rows=4)
     if prologue == "norm":
@@ -75,6 +78,15 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
         def fused(qt):
             gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
                       prologue=NormPrologue(weight, 1e-6, True, pending, residual))
+
+        def fused_without_pending(qt):   # what reading pending in every block costs
+            gemv_cuda(x, qt, out=out, plan=plan, pdl=True,
+                      prologue=NormPrologue(weight, 1e-6, True))
+
+        def plain(qt):                   # the GEMV alone: what either adds to it
+            gemv_cuda(x, qt, out=out, plan=plan, pdl=True)
+
+        extra = {"plain": plain, "fused_without_pending": fused_without_pending}
     elif prologue == "gated":   # the 27B's GDN: 48 heads of 128
         x, gate = (torch.randn(1, k // 128, 128, device=device, dtype=torch.bfloat16)
                    for _ in range(2))
@@ -98,10 +110,10 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
             gemv_cuda(gate_up, qt, out=out, plan=plan, pdl=True, prologue=SiluPrologue())
 
     timed = {label: _time_graph([(lambda qt=copies[i % len(copies)]: fn(qt)) for i in range(16)])
-             for label, fn in (("apart", apart), ("fused", fused))}
+             for label, fn in {"apart": apart, "fused": fused, **extra}.items()}
     del copies
     return {"matrix": name, "prologue": prologue, "N": n, "K": k,
-            "apart_us": timed["apart"] * 1e6, "fused_us": timed["fused"] * 1e6}
+            **{f"{label}_us": seconds * 1e6 for label, seconds in timed.items()}}
 
 
 # (first, second, small kernels between them in a 27B step): GDN's conv,
@@ -256,10 +268,13 @@ def main(argv: list[str] | None = None) -> int:
                           "per_step": per_step})
     if norms:
         print_table("the op before the GEMV and the GEMV, apart against the GEMV's prologue, us",
-                    ["matrix", "prologue", "N", "K", "apart", "fused", "saved ms/step"],
+                    ["matrix", "prologue", "N", "K", "apart", "fused", "saved ms/step",
+                     "GEMV alone", "fused, no pending"],
                     [[r["matrix"], r["prologue"], r["N"], r["K"], f"{r['apart_us']:.1f}",
                       f"{r['fused_us']:.1f}",
-                      f"{(r['apart_us'] - r['fused_us']) * r['per_step'] / 1e3:.2f}"]
+                      f"{(r['apart_us'] - r['fused_us']) * r['per_step'] / 1e3:.2f}",
+                      *(f"{r[key]:.1f}" if key in r else "-"
+                        for key in ("plain_us", "fused_without_pending_us"))]
                      for r in norms])
     aheads = []
     if args.read_ahead is not None:

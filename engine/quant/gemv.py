@@ -817,6 +817,22 @@ def gemv_x8_reference(x: torch.Tensor, qt: QuantTensor) -> torch.Tensor:
     return x_dq @ qt.dequantize(torch.float32).t()
 
 
+def normed_gemv_x8_reference(s: torch.Tensor, weight: torch.Tensor, eps: float,
+                             zero_centered: bool, qt: QuantTensor) -> torch.Tensor:
+    """The CUDA GEMV's norm prologue in PyTorch (fp32): RMSNorm(s) times the
+    weight with the row's rstd deferred. x's int8 codes are taken of
+    s * (1 + w) (Qwen3.5's zero-centred norm) or w * s (Llama's), rounded to
+    bf16, and rstd = rsqrt(mean(s^2) + eps) scales the finished products:
+    one factor common to every group, it moves no code. (The norm's own
+    launch rounds s * rstd to bf16 before the GEMV quantizes it, so the two
+    differ by a code here and there, not in accuracy.)"""
+    sf = s.float()
+    w = weight.float()
+    weighted = (sf * (1.0 + w) if zero_centered else w * sf).to(torch.bfloat16)
+    rstd = torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)
+    return gemv_x8_reference(weighted.float(), qt) * rstd
+
+
 @triton.jit
 def _sum_splits_if_last(part_ptr, final_ptr, counter_ptr, tile, part_offs, final_offs, ok,
                         stride_ps, SPLIT_K: tl.constexpr, parts):

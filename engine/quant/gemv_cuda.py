@@ -203,8 +203,10 @@ class NormPrologue:
     """The add_rms_norm before the GEMV, done in its prologue
     (engine/fused/reference.py's add_rms_norm, or rms_norm without pending):
     x is the residual stream; with pending, round(x + pending) is stored into
-    residual_out (which must not alias x or pending) and normed; the GEMV
-    multiplies the norm's bf16 output, as if the norm kernel had run."""
+    residual_out (which must not alias x or pending) and normed. The row's
+    rstd is deferred to the flush (gemv.normed_gemv_x8_reference): x's int8
+    codes are taken before it, so they may differ from the norm launch's by
+    one here and there, at the same accuracy."""
     weight: torch.Tensor
     eps: float
     zero_centered: bool

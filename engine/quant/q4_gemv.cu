@@ -55,11 +55,17 @@
 // m int8 [N, K/32]; d and dmin [N, K/S], fp16 or fp32 (D_F32).
 // NORM=1 (the add_rms_norm prologue): x is the residual stream and the
 // kernel first computes s = round(x + pending) (HAS_PENDING), stores s into
-// residual_out from block 0, and multiplies RMSNorm(s) instead of x, rounded
-// to bf16 as engine/fused's norm kernel stores it (ZC: Qwen3.5's
-// zero-centred (1 + w) in fp32; else Llama's w * round(x^); the weight bf16
-// or fp32, W_F32). Every block covers all of K, so its own reduction of s^2
-// gives the row's norm: the norm's launch goes away.
+// residual_out from block 0, and multiplies RMSNorm(s) instead of x (ZC:
+// Qwen3.5's zero-centred s * rstd * (1 + w); else Llama's w * s * rstd; the
+// weight bf16 or fp32, W_F32), so the norm's launch goes away. The row's
+// rstd is deferred to the flush: it is one factor common to every group of
+// x, so a group's int8 codes of s * (1 + w) (or w * s) are those of the
+// normed row, and rstd multiplies the finished sums instead of x's scales.
+// Every block covers all of K, so its own s^2 gives the row's norm; its
+// warps publish their sums before the tile loop and the flush's barrier
+// makes them visible, so the prologue has no barrier of its own and holds
+// no group of s across one. (Not bitwise the norm's launch: that rounds
+// s * rstd to bf16 before the GEMV quantizes it, this rounds s * (1 + w).)
 // GATED=1 (GDN's output norm in the prologue of its out projection): x is
 // the recurrence's output [heads x head_dim], `pending` the gate z, norm_w
 // the [head_dim] weight; each head's HEAD_GROUPS groups sit on consecutive
@@ -377,9 +383,10 @@ __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
     return squares;
 }
 
-// RMSNorm(s) of a group as bf16 words, as engine/fused's kernel rounds it
-__device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned (&weight)[W_WORDS],
-                                             float rstd) {
+// a group of RMSNorm(s) before its rstd, as bf16 words: s * (1 + w) (ZC)
+// or w * s; rstd, common to the whole row, scales the sums at the flush
+__device__ __forceinline__ void weighted_group(unsigned (&raw)[16],
+                                               const unsigned (&weight)[W_WORDS]) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
         float v[2] = {bf16_float(raw[i] & 0xFFFF), bf16_float(raw[i] >> 16)};
@@ -387,13 +394,22 @@ __device__ __forceinline__ void normed_group(unsigned (&raw)[16], const unsigned
         for (int half = 0; half < 2; ++half) {
             const float w = weight_at(weight, 2 * i + half);
 #if ZC
-            v[half] = v[half] * rstd * (1.0f + w);
+            v[half] = v[half] * (1.0f + w);
 #else
-            v[half] = w * rounded_bf16(v[half] * rstd);
+            v[half] = w * v[half];
 #endif
         }
         raw[i] = pack_bf16(v[0], v[1]);
     }
+}
+
+// the row's rstd from its warps' sums of s^2, in warp order: the same in
+// every thread and block
+__device__ __forceinline__ float row_rstd(const float* squares_of_warp, float eps) {
+    float squares = 0.0f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) squares += squares_of_warp[w];
+    return rsqrtf(squares / (float)(GROUPS * 32) + eps);
 }
 #endif
 
@@ -651,6 +667,17 @@ __device__ __forceinline__ float warp_total(const float (&partial)[FLUSH][ROWS][
     return total;
 }
 
+// what the flushed sums are multiplied by: NORM's deferred rstd, read from
+// its warps' sums of s^2 (`squares`, published before the tile loop and
+// visible after the flush's barrier); else 1
+__device__ __forceinline__ float flush_scale(const float* squares, float eps) {
+#if NORM
+    return row_rstd(squares, eps);
+#else
+    return 1.0f;
+#endif
+}
+
 // GATED asks for two blocks an SM: left alone ptxas gave it 140 registers.
 // It takes 112 then and spills nothing, yet the driver still runs two
 // 192-thread blocks an SM, not three (H200 12-04 21:40: the occupancy query
@@ -671,6 +698,9 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     __shared__ float partial[FLUSH][ROWS][WARPS];
 #if NORM
     __shared__ float squares_of_warp[WARPS];
+    const float* const norm_squares = squares_of_warp;
+#else
+    const float* const norm_squares = nullptr;
 #endif
     const Weight weights{qw, d, sc, dmin, m};
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -759,34 +789,18 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
     }
 #endif
 #if NORM
-    unsigned raw[SLOTS][16];
     float squares = 0.0f;
-#pragma unroll
-    for (int j = 0; j < SLOTS; ++j) {
-        const int g = threadIdx.x + j * THREADS;
-        if (SLOTS * THREADS == GROUPS || g < GROUPS) {
-            squares += residual_group(x, pending, residual_out, g, raw[j]);
-        }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
-    if (lane == 0) squares_of_warp[warp] = squares;
-    __syncthreads();
-    float row_squares = 0.0f;   // the same order in every thread and block
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) row_squares += squares_of_warp[w];
-    const float rstd = rsqrtf(row_squares / (float)(GROUPS * 32) + eps);
 #endif
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) {
         const int g = threadIdx.x + j * THREADS;
         if (SLOTS * THREADS == GROUPS || g < GROUPS) {
 #if NORM
-            unsigned weight[W_WORDS];   // this thread's own stash: no barrier needed
+            unsigned raw[16], weight[W_WORDS];   // this thread's own stash: no barrier needed
+            squares += residual_group(x, pending, residual_out, g, raw);
             stashed_norm_weight(weight_stash, j, weight);
-            normed_group(raw[j], weight, rstd);
-            xs[j] = quantize_group(raw[j]);
+            weighted_group(raw, weight);
+            xs[j] = quantize_group(raw);
 #elif GATED
             unsigned weight[W_WORDS];
             stashed_norm_weight(weight_stash, j, weight);
@@ -805,6 +819,13 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             xs[j] = XSlice{{0, 0, 0, 0}, {0, 0, 0, 0}, 0.0f, 0.0f};
         }
     }
+#if NORM
+    // read only after the first flush's barrier: published without one here
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+    if (lane == 0) squares_of_warp[warp] = squares;
+#endif
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
@@ -855,8 +876,10 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             __syncthreads();
             if (threadIdx.x < held * HALF) {
                 const int t = threadIdx.x / HALF, r = threadIdx.x % HALF;
-                const float gate = rounded_bf16(warp_total(partial, t, r));   // as the plain
-                const float up = rounded_bf16(warp_total(partial, t, r + HALF));  // GEMV stores them
+                const float scale = flush_scale(norm_squares, eps);
+                // rounded as the plain GEMV stores them
+                const float gate = rounded_bf16(warp_total(partial, t, r) * scale);
+                const float up = rounded_bf16(warp_total(partial, t, r + HALF) * scale);
                 const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
                 out[(first_held + t * (int)gridDim.x) * HALF + r] = float_bf16(act * up);
             }
@@ -870,7 +893,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #endif
             __syncthreads();
             if (threadIdx.x < held * ROWS) {
-                float total = warp_total(partial, t, r);
+                float total = warp_total(partial, t, r) * flush_scale(norm_squares, eps);
 #if CONV
                 if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), conv_dst);
 #endif

@@ -25,7 +25,7 @@ from engine.quant.gemv_cuda import (CARD_PLANS, ConvEpilogue, GatedNormPrologue,
 
 ARCH = "sm_90"
 OUT_PROJ = (5120, 6144)        # gdn out and attn o: plan_for's, no card plan
-GATE_UP, DOWN, GDN_IN = (34816, 5120), (5120, 17408), (16480, 5120)
+GATE_UP, DOWN, GDN_IN, ATTN_QKV = (34816, 5120), (5120, 17408), (16480, 5120), (14336, 5120)
 SUPERBLOCK = 256               # Q4_K's
 
 
@@ -121,7 +121,8 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
     """(name, options) of the builds the 27B's int4 decode step launches on
     `card` (its CARD_PLANS, plan_for's for the out projections; the
     epilogues on by default, one early tile, the read-ahead), each also
-    without the early tiles, and the three prologues behind their switches."""
+    without the early tiles, and the three prologues behind their switches
+    (the norm's on every projection after a layer norm)."""
     def options(n, k, early=1, prologue=None, epilogue=None, plan=None):
         # the table's plan, not picked_plan's: no switch of the environment moves the cases
         plan = plan or card_plan(card, n, k) or plan_for(k)
@@ -137,10 +138,14 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
             cases.append((name, options(n, k, early, epilogue=epilogues.get((n, k)))))
     weight = torch.zeros(5120, dtype=torch.bfloat16)
     residual = torch.zeros(1, 5120, dtype=torch.bfloat16)
+    norm = NormPrologue(weight, 1e-6, True, residual, residual.clone())
+    # TANDEM_NORM_PROLOGUE=1's builds: every projection after a layer norm
+    cases += [(f"{card}: {name} with the norm prologue{tail}",
+               options(*shape, prologue=norm, epilogue=epilogues.get(shape)))
+              for name, shape, tail in (("gate_up", GATE_UP, " and the SiLU epilogue"),
+                                        ("gdn in_proj", GDN_IN, " and the conv epilogue"),
+                                        ("attn qkv", ATTN_QKV, ""))]
     cases += [
-        (f"{card}: gate_up with the norm prologue and the SiLU epilogue",
-         options(*GATE_UP, prologue=NormPrologue(weight, 1e-6, True, residual, residual.clone()),
-                 epilogue=SiluMulEpilogue())),
         (f"{card}: down with the SiLU prologue", options(*DOWN, prologue=SiluPrologue())),
         (f"{card}: gdn out with the gated norm prologue",
          options(*OUT_PROJ, prologue=GatedNormPrologue(torch.zeros(1, 6144, dtype=torch.bfloat16),
