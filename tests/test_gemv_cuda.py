@@ -807,6 +807,22 @@ def test_every_flag_the_kernel_tests_is_defined_by_the_build_options(prologue, e
     assert len([o for o in options if o.startswith("-D")]) == len(defined)  # each once
 
 
+def test_a_ring_build_has_one_key_whatever_early_tiles_are_asked():
+    """The ring fills its stages before the wait and the kernel ignores
+    EARLY_L2_TILES under STAGES, so its options name 0 early tiles: asking
+    for one no longer compiles the same binary twice. The register
+    pipeline keeps the count it is given."""
+    from engine.quant.gemv_cuda import build_options
+
+    def options(plan, early):
+        return build_options(plan, 256, True, False, True, early_l2_tiles=early)
+
+    ring = plan_for(5120, stages=3)
+    assert options(ring, 1) == options(ring, 0)
+    assert "-DEARLY_L2_TILES=0" in options(ring, 2)
+    assert "-DEARLY_L2_TILES=2" in options(plan_for(5120), 2)
+
+
 # ------------------------------------------------- GDN's conv in in_proj's epilogue
 
 

@@ -443,9 +443,12 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
                   l2_prefetch: bool = False,
                   epilogue: Epilogue | None = None,
                   early_l2_tiles: int = 0) -> tuple[str, ...]:
-    """The kernel's compile-time constants as NVRTC -D options."""
+    """The kernel's compile-time constants as NVRTC -D options. A ring
+    (stages > 0) fills its stages before the wait and takes no early tiles,
+    so its options say 0 whatever was asked: one binary, one key."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
              **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
+    early_l2_tiles = 0 if plan.stages else early_l2_tiles
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
