@@ -21,6 +21,8 @@
 #     model-level prologue test after `verify` (10:00) failed it on int8 noise; two
 #     rounds of the tree / the deferred prologue / each with the out projections at 3
 #     blocks an SM; the two critical paths again, the tree's first.
+#   bash scripts/sessions/device_next66.sh h200  (carry .whl .device; ~4 min, on an H200
+#     only: what it owes; on an H100 everything in it has been timed)
 #   bash scripts/sessions/device_next66.sh verify  (carry .whl .device; ~2 min): `main`
 #     ran on an H100 at 09:52 and two of its tests failed on the new numerics
 #     (a code moved; the tests now take the prologue's own reference and the
@@ -85,6 +87,18 @@ case "$call" in
     step_cols w
     critical_path critical_tree
     TANDEM_NORM_PROLOGUE=1 critical_path critical_norm_deferred ;;
+  h200)  # the A/Bs an H200 still owes (~4 min), steps only: the tree, the deferred
+    # prologue, the out projections at 3 blocks an SM (H100 10:12: 6.27 against 6.28-6.29),
+    # both, 393d2e1's kernel; then the tree's critical path
+    for r in 1 2; do
+      step_27b h${r}_a_tree
+      TANDEM_NORM_PROLOGUE=1 step_27b h${r}_b_norm_deferred
+      out_plan h${r}_c_out3 4 1 3
+      TANDEM_NORM_PROLOGUE=1 out_plan h${r}_d_norm_out3 4 1 3
+      with_kernel .device/q4_gemv_head.cu h${r}_e_393d2e1
+    done
+    step_cols h
+    critical_path critical_tree ;;
   lean)
     norm_pairs
     round 1
