@@ -88,7 +88,7 @@ case "$call" in
     critical_path critical_tree
     TANDEM_NORM_PROLOGUE=1 critical_path critical_norm_deferred ;;
   h200)  # the A/Bs an H200 still owes (~4 min), steps only: the tree, the deferred
-    # prologue, the out projections at 3 blocks an SM (H100 10:12: 6.27 against 6.28-6.29),
+    # prologue, the out projections at 3 blocks an SM (H100 10:12-10:28: level, five pairs),
     # both, 393d2e1's kernel; then the tree's critical path. An H100 has timed all of it:
     # there the call stops at once, to save the device time
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: nothing owed here"; exit 3; }
