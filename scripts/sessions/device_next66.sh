@@ -22,7 +22,8 @@
 #     rounds of the tree / the deferred prologue / each with the out projections at 3
 #     blocks an SM; the two critical paths again, the tree's first.
 #   bash scripts/sessions/device_next66.sh h200  (carry .whl .device; ~4 min, on an H200
-#     only: what it owes; on an H100 everything in it has been timed)
+#     only: what it owes; on an H100 everything in it has been timed; ROUNDS=1
+#     CRITICAL=0 for ~1.5 min)
 #   bash scripts/sessions/device_next66.sh verify  (carry .whl .device; ~2 min): `main`
 #     ran on an H100 at 09:52 and two of its tests failed on the new numerics
 #     (a code moved; the tests now take the prologue's own reference and the
@@ -92,7 +93,7 @@ case "$call" in
     # both, 393d2e1's kernel; then the tree's critical path. An H100 has timed all of it:
     # there the call stops at once, to save the device time
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: nothing owed here"; exit 3; }
-    for r in 1 2; do
+    for r in $(seq "${ROUNDS:-2}"); do
       step_27b h${r}_a_tree
       TANDEM_NORM_PROLOGUE=1 step_27b h${r}_b_norm_deferred
       out_plan h${r}_c_out3 4 1 3
@@ -100,7 +101,7 @@ case "$call" in
       with_kernel .device/q4_gemv_head.cu h${r}_e_393d2e1
     done
     step_cols h
-    critical_path critical_tree ;;
+    [ "${CRITICAL:-1}" = "0" ] || critical_path critical_tree ;;
   lean)
     norm_pairs
     round 1
