@@ -3,7 +3,7 @@ on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
-        [--read-ahead [MB ...]] [--stages [N ...]]
+        [--headers] [--read-ahead [MB ...]] [--stages [N ...]]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: twice the slots (at the
@@ -19,7 +19,10 @@ add_rms_norm launch then the GEMV against the GEMV doing the norm in its
 prologue (gemv_cuda.NormPrologue), and beside them the GEMV alone and the
 prologue without the pending residual (what every block's second read of
 a row costs); --silu the same for down and the MLP's
-silu_mul, --gated for gdn out and GDN's gated norm. --read-ahead times
+silu_mul, --gated for gdn out and GDN's gated norm. --headers times each
+shape reading llama.cpp's Q4_K block headers (QuantTensor.q4_k_headers,
+q4_gemv.cu's Q4K_HEADER: 2.7% fewer bytes, two loads a group instead of
+five) against the four scale arrays. --read-ahead times
 two GEMVs in the step's order with the small kernels between them (stood in
 for by tiny elementwise launches), plain against the first reading the
 second's leading 8, 16 or 32 MB into L2 (gemv_cuda.L2Prefetch). GPU only.
@@ -114,6 +117,39 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
     del copies
     return {"matrix": name, "prologue": prologue, "N": n, "K": k,
             **{f"{label}_us": seconds * 1e6 for label, seconds in timed.items()}}
+
+
+def headers_pair(name: str, n: int, k: int, fmt, device, bandwidth: float) -> dict:
+    """The shape's plan (its ring, if any, set aside: the headers take the
+    register pipeline) reading the four scale arrays against reading
+    QuantTensor.q4_k_headers() (q4_gemv.cu's Q4K_HEADER: 144 bytes a
+    superblock instead of 148, two loads a group instead of five),
+    graph-timed, each with its bytes' floor at the copy bandwidth."""
+    from dataclasses import replace
+
+    from engine.quant.gemv_cuda import card_name, gemv_cuda, picked_plan
+
+    copies = _copies(fmt, n, k, device)
+    headers = [qt.q4_k_headers() for qt in copies]
+    plan = replace(picked_plan(n, k, card_name(device.index or 0)), stages=0)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    out = torch.empty(1, n, dtype=x.dtype, device=device)
+
+    def chain(with_headers: bool) -> float:
+        def call(i):
+            qt = copies[i % len(copies)]
+            h = headers[i % len(copies)] if with_headers else None
+            return lambda: gemv_cuda(x, qt, out=out, plan=plan, pdl=True, headers=h)
+        return _time_graph([call(i) for i in range(16)])
+
+    arrays_bytes = copies[0].nbytes
+    headers_bytes = copies[0].qweight.nbytes + headers[0].nbytes
+    timed = {"arrays": chain(False), "headers": chain(True)}
+    del copies, headers
+    return {"matrix": name, "N": n, "K": k, "plan": plan.spec(),
+            "arrays_us": timed["arrays"] * 1e6, "headers_us": timed["headers"] * 1e6,
+            "arrays_floor_us": arrays_bytes / bandwidth * 1e6,
+            "headers_floor_us": headers_bytes / bandwidth * 1e6}
 
 
 # (first, second, small kernels between them in a 27B step): GDN's conv,
@@ -224,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time down's SiLU prologue against a silu_mul launch and the GEMV")
     p.add_argument("--gated", action="store_true",
                    help="also time gdn out's gated norm prologue against its launch and the GEMV")
+    p.add_argument("--headers", action="store_true",
+                   help="also time each shape reading Q4_K block headers against the four "
+                        "scale arrays (the Q4K_HEADER experiment)")
     p.add_argument("--read-ahead", type=int, nargs="*", metavar="MB",
                    help="also time GEMV pairs with the first reading the second ahead "
                         "(MB each; none given: 8 16 32)")
@@ -276,6 +315,21 @@ def main(argv: list[str] | None = None) -> int:
                       *(f"{r[key]:.1f}" if key in r else "-"
                         for key in ("plain_us", "fused_without_pending_us"))]
                      for r in norms])
+    pairs = []
+    if args.headers:
+        for name, fmt, n, k, per_step in model_shapes():
+            if fmt.name == "Q4_K" and (per_step or name == "lm_head") \
+                    and (not args.only or name in args.only):
+                pairs.append({**headers_pair(name, n, k, fmt, device, bandwidth),
+                              "per_step": per_step or 1})
+        print_table("the four scale arrays against Q4_K block headers, us",
+                    ["matrix", "N", "K", "arrays", "headers", "arrays floor", "headers floor",
+                     "saved ms/step"],
+                    [[r["matrix"], r["N"], r["K"], f"{r['arrays_us']:.1f}",
+                      f"{r['headers_us']:.1f}", f"{r['arrays_floor_us']:.1f}",
+                      f"{r['headers_floor_us']:.1f}",
+                      f"{(r['arrays_us'] - r['headers_us']) * r['per_step'] / 1e3:.3f}"]
+                     for r in pairs])
     aheads = []
     if args.read_ahead is not None:
         shapes = {name: (name, fmt, n, k) for name, fmt, n, k, _ in model_shapes()
@@ -294,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results, "norm": norms,
-                       "read_ahead": aheads}, f, indent=1)
+                       "headers": pairs, "read_ahead": aheads}, f, indent=1)
     return 0
 
 

@@ -92,6 +92,13 @@
 // engine/fused's silu_mul stores it, to out[j]: the output is N / 2 wide and
 // the activation's launch goes away. N a multiple of ROWS, ROWS even, the
 // register pipeline (a ring stage copies contiguous rows).
+// Q4K_HEADER=1 (an experiment, bench.gemv_cuda --headers): the scales come
+// as llama.cpp's Q4_K block header, one 16-byte word a superblock of 8
+// groups (d, dmin fp16, then the 12 bytes of 6-bit sc and m), passed as
+// `d`; sc, m and dmin are not read. 144 bytes a superblock instead of 148
+// (-2.7%), and a group's tile entry is two loads, not five. Its sc and m are
+// unpacked at the dot (group_dot), so the loads stay in flight as before.
+// Q4_K only (GPS 8, ASYM), the register pipeline only (no STAGES).
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
@@ -161,17 +168,26 @@ __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     return v;
 }
 
+#if Q4K_HEADER
+static_assert(GPS == 8 && ASYM && !D_F32 && !STAGES,
+              "Q4_K headers: superblocks of 8 groups, fp16 d and dmin, the register pipeline");
+struct Group {        // one row's group of 32 codes and its superblock's header
+    uint4 words;
+    uint4 header;     // d | dmin << 16, then the 12 scale bytes
+};
+#else
 struct Group {        // one row's group of 32 codes and its scales, as loaded
     uint4 words;
     int sc, m;
     scale_t d, dmin;
 };
+#endif
 
 // one projection's arrays (engine/quant/tensor.py's layout), as every tile
 // helper reads them; the kernel's parameters, gathered
 struct Weight {
     const uint4* __restrict__ qw;
-    const scale_t* __restrict__ d;
+    const scale_t* __restrict__ d;      // Q4K_HEADER: the headers, one uint4 a superblock
     const signed char* __restrict__ sc;
     const scale_t* __restrict__ dmin;
     const signed char* __restrict__ m;
@@ -180,16 +196,23 @@ struct Weight {
 struct XSlice {       // one group of x as int8 codes, even k and odd k apart
     int even[4], odd[4];
     float scale, code_sum_scaled;
+#if Q4K_HEADER
+    int in_superblock;  // the group's place among its superblock's 8 (its sc and m)
+#endif
 };
 
 // an idle thread's group: it adds nothing to the row
 __device__ __forceinline__ void clear_group(Group& e) {
     e.words = uint4{0u, 0u, 0u, 0u};
+#if Q4K_HEADER
+    e.header = uint4{0u, 0u, 0u, 0u};   // d = dmin = 0
+#else
     e.sc = 0;
     e.d = 0;
 #if ASYM
     e.m = 0;
     e.dmin = 0;
+#endif
 #endif
 }
 
@@ -214,6 +237,10 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
             Group& e = tile[r][j];
             if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
                 e.words = load_streamed(weights.qw + n * GROUPS + g);
+#if Q4K_HEADER
+                e.header = __ldg(reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS)
+                                 + g / GPS);
+#else
                 // __ldg: the early tiles' prefetch takes these pointers into
                 // an asm with a memory clobber, after which nvcc no longer
                 // proves them read-only and the scales lost ld.global.nc
@@ -222,6 +249,7 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
 #if ASYM
                 e.m = __ldg(weights.m + n * GROUPS + g);
                 e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
+#endif
 #endif
             } else {
                 clear_group(e);
@@ -464,11 +492,16 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 __device__ __forceinline__ void prefetch_rows_l2(long long first, long long rows,
                                                  const Weight& weights) {
     prefetch_range_l2(weights.qw + first * GROUPS, rows * GROUPS * 16);
+#if Q4K_HEADER
+    prefetch_range_l2(reinterpret_cast<const uint4*>(weights.d) + first * (GROUPS / GPS),
+                      rows * (GROUPS / GPS) * 16);
+#else
     prefetch_range_l2(weights.sc + first * GROUPS, rows * GROUPS);
     prefetch_range_l2(weights.d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #if ASYM
     prefetch_range_l2(weights.m + first * GROUPS, rows * GROUPS);
     prefetch_range_l2(weights.dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+#endif
 #endif
 }
 
@@ -640,6 +673,20 @@ __device__ __forceinline__ float conv_channel(const ConvStep& conv, const ConvTa
 }
 #endif
 
+#if Q4K_HEADER
+// group j's (of 8) 6-bit sc and m from a Q4_K header's 12 scale bytes s
+// (header words y, z, w): j < 4: s[j] & 63, s[j + 4] & 63; else the low four
+// bits from s[j + 4] (sc low nibble, m high) and the top two from s[j - 4]
+// (sc) and s[j] (m), as llama.cpp's get_scale_min_k4
+__device__ __forceinline__ void header_scale_min(const uint4& h, int j, int& sc, int& m) {
+    const unsigned shift = 8u * (unsigned)(j & 3);
+    const unsigned lo_sc = (h.y >> shift) & 0xFFu, lo_m = (h.z >> shift) & 0xFFu;
+    const unsigned mix = (h.w >> shift) & 0xFFu;
+    sc = (int)(j < 4 ? lo_sc & 63u : (mix & 0x0Fu) | ((lo_sc >> 6) << 4));
+    m = (int)(j < 4 ? lo_m & 63u : (mix >> 4) | ((lo_m >> 6) << 4));
+}
+#endif
+
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
     const unsigned w[4] = {e.words.x, e.words.y, e.words.z, e.words.w};
@@ -648,9 +695,21 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
         dot = dp4a((int)(w[i] & 0x0F0F0F0Fu), x.even[i], dot);
         dot = dp4a((int)((w[i] >> 4) & 0x0F0F0F0Fu), x.odd[i], dot);
     }
-    float part = (float)dot * (scale_float(e.d) * (float)e.sc) * x.scale;
+#if Q4K_HEADER
+    int sc, m;
+    header_scale_min(e.header, x.in_superblock, sc, m);
+    const scale_t d = (scale_t)(e.header.x & 0xFFFFu), dmin = (scale_t)(e.header.x >> 16);
+#else
+    const int sc = e.sc;
+    const scale_t d = e.d;
 #if ASYM
-    part -= scale_float(e.dmin) * (float)e.m * x.code_sum_scaled;
+    const int m = e.m;
+    const scale_t dmin = e.dmin;
+#endif
+#endif
+    float part = (float)dot * (scale_float(d) * (float)sc) * x.scale;
+#if ASYM
+    part -= scale_float(dmin) * (float)m * x.code_sum_scaled;
 #endif
     return part;
 }
@@ -816,8 +875,11 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             xs[j] = quantize_group(group_raw);
 #endif
         } else {
-            xs[j] = XSlice{{0, 0, 0, 0}, {0, 0, 0, 0}, 0.0f, 0.0f};
+            xs[j] = XSlice{};   // zero codes and scales: an idle slot adds nothing
         }
+#if Q4K_HEADER
+        xs[j].in_superblock = g % GPS;
+#endif
     }
 #if NORM
     // read only after the first flush's barrier: published without one here

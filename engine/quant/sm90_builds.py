@@ -121,14 +121,15 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
     """(name, options) of the builds the 27B's int4 decode step launches on
     `card` (its CARD_PLANS, plan_for's for the out projections; the
     epilogues on by default, one early tile, the read-ahead), each also
-    without the early tiles, and the three prologues behind their switches
-    (the norm's on every projection after a layer norm)."""
-    def options(n, k, early=1, prologue=None, epilogue=None, plan=None):
+    without the early tiles, the three prologues behind their switches
+    (the norm's on every projection after a layer norm), and the Q4_K
+    header experiment."""
+    def options(n, k, early=1, prologue=None, epilogue=None, plan=None, headers=False):
         # the table's plan, not picked_plan's: no switch of the environment moves the cases
         plan = plan or card_plan(card, n, k) or plan_for(k)
         return build_options(plan, SUPERBLOCK, True, False, True,
                              prologue=prologue, l2_prefetch=True, epilogue=epilogue,
-                             early_l2_tiles=early)
+                             early_l2_tiles=early, q4k_header=headers)
 
     epilogues = {GATE_UP: SiluMulEpilogue(), GDN_IN: _conv_epilogue()}
     cases = []
@@ -154,6 +155,11 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
         (f"{card}: gdn out with its own early tile count 3",
          options(*OUT_PROJ, early=3, plan=plan_for(OUT_PROJ[1], early_tiles=3))),
     ]
+    # the Q4K_HEADER experiment (bench.gemv_cuda --headers) on the shapes it times
+    cases += [(f"{card}: {name} with Q4_K headers",
+               options(*shape, epilogue=epilogues.get(shape), headers=True))
+              for name, shape in (("gate_up", GATE_UP), ("down", DOWN), ("gdn in_proj", GDN_IN),
+                                  ("gdn out", OUT_PROJ))]
     return cases
 
 

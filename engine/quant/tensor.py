@@ -127,6 +127,24 @@ class QuantTensor:
         return {"qweight": self.qweight, "d": self.d, "sc": self.sc, "dmin": self.dmin,
                 "m": self.m}
 
+    def q4_k_headers(self) -> torch.Tensor:
+        """This Q4_K weight's scales as llama.cpp's block headers, [N, K/256,
+        16] uint8: d and dmin (fp16 bytes), then the 12 bytes of the eight
+        groups' 6-bit sc and m (pack_k_scales). Lossless: the values the
+        separate arrays hold. The CUDA GEMV's Q4K_HEADER experiment reads them
+        (144 bytes a superblock with the codes, against the arrays' 148)."""
+        if not (self.bits == 4 and self.group == 32 and self.superblock == 256
+                and self.asymmetric and self.d.dtype == torch.float16):
+            raise ValueError(f"Q4_K headers need 4-bit groups of 32 in superblocks of 256 "
+                             f"with fp16 d and dmin and a minimum: {self.describe()}")
+        if int(self.sc.min()) < 0 or int(self.m.min()) < 0 \
+                or int(self.sc.max()) > 63 or int(self.m.max()) > 63:
+            raise ValueError("Q4_K headers hold 6-bit sc and m (0..63)")
+        n, blocks = self.d.shape
+        halves = [t.contiguous().view(torch.uint8).reshape(n, blocks, 2) for t in (self.d, self.dmin)]
+        scales = pack_k_scales(self.sc.reshape(n, blocks, 8), self.m.reshape(n, blocks, 8))
+        return torch.cat([*halves, scales], dim=-1).contiguous()
+
     # ---------------------------------------------------------- reference
 
     def codes(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -272,3 +290,16 @@ def _block_of(perm: torch.Tensor, width: int) -> int:
 def _gcd(a: int, b: int) -> int:
     import math
     return math.gcd(a, b)
+
+
+def pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Eight 6-bit (sc, m) pairs [..., 8] -> the 12 scale bytes of a
+    Q4_K / Q5_K block [..., 12] uint8, llama.cpp's layout (the inverse of its
+    get_scale_min_k4, engine/weights/ggml.py's _k_scales): bytes 0-3 the low
+    six bits of sc 0-3 under the top two of sc 4-7, bytes 4-7 the same for
+    m, bytes 8-11 sc 4-7's low nibble under m 4-7's."""
+    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
+    low_sc = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    low_m = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    mixed = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return torch.cat([low_sc, low_m, mixed], dim=-1)

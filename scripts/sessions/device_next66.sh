@@ -24,6 +24,8 @@
 #   bash scripts/sessions/device_next66.sh h200  (carry .whl .device; ~4 min, on an H200
 #     only: what it owes; on an H100 everything in it has been timed; ROUNDS=1
 #     CRITICAL=0 for ~1.5 min)
+#   bash scripts/sessions/device_next66.sh headers  (carry .whl; ~3-5 min, either card):
+#     the Q4_K header experiment's GPU tests and bench.gemv_cuda --headers
 #   bash scripts/sessions/device_next66.sh verify  (carry .whl .device; ~2 min): `main`
 #     ran on an H100 at 09:52 and two of its tests failed on the new numerics
 #     (a code moved; the tests now take the prologue's own reference and the
@@ -102,6 +104,12 @@ case "$call" in
     done
     step_cols h
     [ "${CRITICAL:-1}" = "0" ] || critical_path critical_tree ;;
+  headers)  # the Q4_K header experiment (built 12-07 10:45, never run on a GPU): its GPU
+    # tests, then every shape reading the headers against the four scale arrays
+    STEP_TAIL=6 step tests 150 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gemv_cuda.py \
+      -k "headers"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
+    STEP_TAIL=16 step headers 300 python3 -m bench.gemv_cuda --rows 4 --headers ;;
   lean)
     norm_pairs
     round 1
