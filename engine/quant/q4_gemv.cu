@@ -107,7 +107,7 @@
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
 // CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
-// SILU_MUL; at most one of CONV and SILU_MUL.
+// SILU_MUL; at most one of CONV and SILU_MUL; Q4K_HEADER.
 
 typedef unsigned short u16;
 
