@@ -660,7 +660,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
 def _check_headers(headers: torch.Tensor, qt: QuantTensor) -> None:
     """Q4_K headers as qt.q4_k_headers() makes them, on qt's device, 16-byte aligned."""
     n, k = qt.shape
-    if not (qt.superblock == 256 and qt.asymmetric and qt.d.dtype == torch.float16):
+    if not qt.q4_k_layout:
         raise ValueError(f"Q4_K headers need a Q4_K weight, got {qt.describe()}")
     if (headers.shape != (n, k // 256, 16) or headers.dtype != torch.uint8
             or not headers.is_contiguous() or headers.device != qt.qweight.device

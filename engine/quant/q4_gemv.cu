@@ -430,15 +430,6 @@ __device__ __forceinline__ void weighted_group(unsigned (&raw)[16],
         raw[i] = pack_bf16(v[0], v[1]);
     }
 }
-
-// the row's rstd from its warps' sums of s^2, in warp order: the same in
-// every thread and block
-__device__ __forceinline__ float row_rstd(const float* squares_of_warp, float eps) {
-    float squares = 0.0f;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) squares += squares_of_warp[w];
-    return rsqrtf(squares / (float)(GROUPS * 32) + eps);
-}
 #endif
 
 #if SILU
@@ -726,12 +717,16 @@ __device__ __forceinline__ float warp_total(const float (&partial)[FLUSH][ROWS][
     return total;
 }
 
-// what the flushed sums are multiplied by: NORM's deferred rstd, read from
-// its warps' sums of s^2 (`squares`, published before the tile loop and
-// visible after the flush's barrier); else 1
+// what the flushed sums are multiplied by: NORM's deferred rstd, from its
+// warps' sums of s^2 (`squares`, published before the tile loop and visible
+// after the flush's barrier) added in warp order, the same in every thread
+// and block; else 1
 __device__ __forceinline__ float flush_scale(const float* squares, float eps) {
 #if NORM
-    return row_rstd(squares, eps);
+    float row = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) row += squares[w];
+    return rsqrtf(row / (float)(GROUPS * 32) + eps);
 #else
     return 1.0f;
 #endif

@@ -127,14 +127,20 @@ class QuantTensor:
         return {"qweight": self.qweight, "d": self.d, "sc": self.sc, "dmin": self.dmin,
                 "m": self.m}
 
+    @property
+    def q4_k_layout(self) -> bool:
+        """Q4_K's shape of layout: 4-bit groups of 32 in superblocks of 256
+        with fp16 d and dmin and a minimum (what q4_k_headers packs)."""
+        return (self.bits == 4 and self.group == 32 and self.superblock == 256
+                and self.asymmetric and self.d.dtype == torch.float16)
+
     def q4_k_headers(self) -> torch.Tensor:
         """This Q4_K weight's scales as llama.cpp's block headers, [N, K/256,
         16] uint8: d and dmin (fp16 bytes), then the 12 bytes of the eight
         groups' 6-bit sc and m (pack_k_scales). Lossless: the values the
         separate arrays hold. The CUDA GEMV's Q4K_HEADER experiment reads them
         (144 bytes a superblock with the codes, against the arrays' 148)."""
-        if not (self.bits == 4 and self.group == 32 and self.superblock == 256
-                and self.asymmetric and self.d.dtype == torch.float16):
+        if not self.q4_k_layout:
             raise ValueError(f"Q4_K headers need 4-bit groups of 32 in superblocks of 256 "
                              f"with fp16 d and dmin and a minimum: {self.describe()}")
         if int(self.sc.min()) < 0 or int(self.m.min()) < 0 \
