@@ -2,8 +2,8 @@
 on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
-    python -m bench.gemv_cuda [--rows 1 2 4 8] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
-        [--headers] [--read-ahead [MB ...]] [--stages [N ...]]
+    python -m bench.gemv_cuda [--rows 1 2 4 8] [--only NAME ...] [--no-sweep] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
+        [--headers] [--read-ahead [MB ...]] [--stages [N ...]] [--copies [C ...]]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: twice the slots (at the
@@ -22,7 +22,10 @@ a row costs); --silu the same for down and the MLP's
 silu_mul, --gated for gdn out and GDN's gated norm. --headers times each
 shape reading llama.cpp's Q4_K block headers (QuantTensor.q4_k_headers,
 q4_gemv.cu's Q4K_HEADER: 2.7% fewer bytes, two loads a group instead of
-five) against the four scale arrays. --read-ahead times
+five) against the four scale arrays. --copies times each shape's plan (its
+ring set aside) with each thread keeping C tiles in flight through its own
+cp.async copies (q4_gemv.cu's COPY_TILES), at its rows and at 2 and 8
+rows, against the register pipeline's one tile. --read-ahead times
 two GEMVs in the step's order with the small kernels between them (stood in
 for by tiny elementwise launches), plain against the first reading the
 second's leading 8, 16 or 32 MB into L2 (gemv_cuda.L2Prefetch). GPU only.
@@ -152,6 +155,30 @@ def headers_pair(name: str, n: int, k: int, fmt, device, bandwidth: float) -> di
             "headers_floor_us": headers_bytes / bandwidth * 1e6}
 
 
+def copies_row(name: str, n: int, k: int, fmt, device, bandwidth: float,
+               counts: list[int]) -> dict:
+    """The shape's plan (ring aside) through the register pipeline against
+    the same plan, and at 2 and 8 rows, with each thread's copies of C
+    tiles for each C in `counts`, graph-timed; spilling builds are inf."""
+    from dataclasses import replace
+
+    from engine.quant.gemv_cuda import card_name, picked_plan, plan_for
+
+    copies = _copies(fmt, n, k, device)
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    base = replace(picked_plan(n, k, card_name(device.index or 0)), stages=0, copies=0)
+    timed = {"registers": _time_cuda(x, copies, base)}
+    for c in counts:
+        for rows in dict.fromkeys([base.rows, 2, 8]):
+            plan = plan_for(k, rows=rows, slots=base.slots, blocks_per_sm=base.blocks_per_sm,
+                            flush=min(base.flush, max(1, base.threads // rows)), copies=c)
+            timed[f"r{rows} c{c}"] = _time_cuda(x, copies, plan)
+    floor = (copies[0].nbytes + k * 2 + n * 2) / bandwidth
+    del copies
+    return {"matrix": name, "N": n, "K": k, "plan": base.spec(), "floor_us": floor * 1e6,
+            "us": {key: seconds * 1e6 for key, seconds in timed.items()}}
+
+
 # (first, second, small kernels between them in a 27B step): GDN's conv,
 # recurrence and gated norm; an add_rms_norm; the MLP's activation
 READ_AHEAD_PAIRS = (("gdn in_proj", "gdn out", 3), ("gdn out", "gate_up", 1),
@@ -249,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--only", nargs="+", help="matrix names as bench.quant prints them")
+    p.add_argument("--no-sweep", action="store_true",
+                   help="skip the plan sweep: only the comparisons asked for")
     p.add_argument("--plans-out", help="write the best plan per shape (TANDEM_GEMV_CUDA_PLANS)")
     p.add_argument("--json", help="write every timing")
     p.add_argument("--stages", type=int, nargs="*",
@@ -263,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--headers", action="store_true",
                    help="also time each shape reading Q4_K block headers against the four "
                         "scale arrays (the Q4K_HEADER experiment)")
+    p.add_argument("--copies", type=int, nargs="*", metavar="C",
+                   help="also time each shape with each thread's copies of C tiles in flight "
+                        "(none given: 2 3 4)")
     p.add_argument("--read-ahead", type=int, nargs="*", metavar="MB",
                    help="also time GEMV pairs with the first reading the second ahead "
                         "(MB each; none given: 8 16 32)")
@@ -277,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fmt, n, k, per_step in model_shapes():
         if fmt.name != "Q4_K" or not (per_step or name == "lm_head"):
             continue
-        if args.only and name not in args.only:
+        if (args.only and name not in args.only) or args.no_sweep:
             continue
         stages = [] if args.stages is None else args.stages or [2, 3, 4, 6]
         r = sweep_shape(name, n, k, fmt, args.rows, bandwidth, device, stages)
@@ -285,18 +317,19 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"{name}: triton {r['triton_us']:.1f} us, cuda {r['cuda_us']:.1f} us "
               f"({r['best']}), floor {r['floor_us']:.1f}", file=sys.stderr, flush=True)
-    print_table("one-row Q4_K GEMV: Triton (picked) against the CUDA kernel (best plan), us",
-                ["matrix", "N", "K", "triton", "of floor", "registers", "cuda", "of floor",
-                 "plan"],
-                [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
-                  f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['registers_us']:.1f}",
-                  f"{r['cuda_us']:.1f}", f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
-                  "r{rows} s{slots} t{threads} b{blocks_per_sm} f{flush} st{stages}".format(
-                      **r["best"])]
-                 for r in results])
-    for key in ("triton_us", "registers_us", "cuda_us", "floor_us"):
-        total = sum(r["per_step"] * r[key] for r in results)
-        print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
+    if results:
+        print_table("one-row Q4_K GEMV: Triton (picked) against the CUDA kernel (best plan), us",
+                    ["matrix", "N", "K", "triton", "of floor", "registers", "cuda", "of floor",
+                     "plan"],
+                    [[r["matrix"], r["N"], r["K"], f"{r['triton_us']:.1f}",
+                      f"{100 * r['floor_us'] / r['triton_us']:.0f}%", f"{r['registers_us']:.1f}",
+                      f"{r['cuda_us']:.1f}", f"{100 * r['floor_us'] / r['cuda_us']:.0f}%",
+                      "r{rows} s{slots} t{threads} b{blocks_per_sm} f{flush} st{stages}".format(
+                          **r["best"])]
+                     for r in results])
+        for key in ("triton_us", "registers_us", "cuda_us", "floor_us"):
+            total = sum(r["per_step"] * r[key] for r in results)
+            print(f"27B step GEMVs ({key[:-3]}): {total / 1e3:.2f} ms")
     norms = []
     wanted = {**({m: "norm" for m in ("gate_up", "gdn in_proj", "attn qkv")} if args.norm else {}),
               **({"down": "silu"} if args.silu else {}),
@@ -330,6 +363,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['headers_floor_us']:.1f}",
                       f"{(r['arrays_us'] - r['headers_us']) * r['per_step'] / 1e3:.3f}"]
                      for r in pairs])
+    if args.copies is not None:
+        rows = [copies_row(name, n, k, fmt, device, bandwidth, args.copies or [2, 3, 4])
+                for name, fmt, n, k, per_step in model_shapes()
+                if fmt.name == "Q4_K" and (per_step or name == "lm_head")
+                and (not args.only or name in args.only)]
+        keys = list(rows[0]["us"]) if rows else []
+        print_table("the register pipeline against each thread's copies of C tiles "
+                    "(rRows cC), us (% of floor)", ["matrix", "N", "K", "floor", *keys],
+                    [[r["matrix"], r["N"], r["K"], f"{r['floor_us']:.1f}",
+                      *(f"{r['us'][key]:.1f} ({100 * r['floor_us'] / r['us'][key]:.0f}%)"
+                        for key in keys)] for r in rows])
     aheads = []
     if args.read_ahead is not None:
         shapes = {name: (name, fmt, n, k) for name, fmt, n, k, _ in model_shapes()
