@@ -42,17 +42,20 @@ from bench.quant import (_copies, _copy_bandwidth, _time_gemv, _time_graph, mode
                          print_table)
 
 
-def _time_cuda(x, copies, plan) -> float:
+def _time_cuda(x, copies, plan, headers=None) -> float:
     """Seconds a call, or inf for a plan whose build spills (never launched:
-    gemv_cuda.SpillingPlan)."""
+    gemv_cuda.SpillingPlan); with `headers` (one a copy), each reads its
+    Q4_K headers."""
     from engine.quant.gemv_cuda import SpillingPlan, gemv_cuda
 
     out = torch.empty(1, copies[0].out_features, dtype=x.dtype, device=x.device)
+    heads = headers or [None] * len(copies)
     try:
-        gemv_cuda(x, copies[0], out=out, plan=plan, pdl=True)
+        gemv_cuda(x, copies[0], out=out, plan=plan, pdl=True, headers=heads[0])
     except SpillingPlan:
         return float("inf")
-    fns = [(lambda qt=copies[i % len(copies)]: gemv_cuda(x, qt, out=out, plan=plan, pdl=True))
+    fns = [(lambda i=i: gemv_cuda(x, copies[i % len(copies)], out=out, plan=plan, pdl=True,
+                                  headers=heads[i % len(copies)]))
            for i in range(16)]
     return _time_graph(fns)
 
@@ -156,10 +159,12 @@ def headers_pair(name: str, n: int, k: int, fmt, device, bandwidth: float) -> di
 
 
 def copies_row(name: str, n: int, k: int, fmt, device, bandwidth: float,
-               counts: list[int]) -> dict:
+               counts: list[int], with_headers: bool = False) -> dict:
     """The shape's plan (ring aside) through the register pipeline against
     the same plan, and at 2 and 8 rows, with each thread's copies of C
-    tiles for each C in `counts`, graph-timed; spilling builds are inf."""
+    tiles for each C in `counts`, graph-timed; spilling builds are inf.
+    with_headers: also the plan reading Q4_K headers, through registers and
+    through the copies."""
     from dataclasses import replace
 
     from engine.quant.gemv_cuda import card_name, picked_plan, plan_for
@@ -173,6 +178,12 @@ def copies_row(name: str, n: int, k: int, fmt, device, bandwidth: float,
             plan = plan_for(k, rows=rows, slots=base.slots, blocks_per_sm=base.blocks_per_sm,
                             flush=min(base.flush, max(1, base.threads // rows)), copies=c)
             timed[f"r{rows} c{c}"] = _time_cuda(x, copies, plan)
+    if with_headers:   # the Q4_K headers through the copies: one 16-byte copy for the scales
+        headers = [qt.q4_k_headers() for qt in copies]
+        timed["headers"] = _time_cuda(x, copies, base, headers)
+        for c in counts:
+            timed[f"headers c{c}"] = _time_cuda(x, copies, replace(base, copies=c), headers)
+        del headers
     floor = (copies[0].nbytes + k * 2 + n * 2) / bandwidth
     del copies
     return {"matrix": name, "N": n, "K": k, "plan": base.spec(), "floor_us": floor * 1e6,
@@ -364,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{(r['arrays_us'] - r['headers_us']) * r['per_step'] / 1e3:.3f}"]
                      for r in pairs])
     if args.copies is not None:
-        rows = [copies_row(name, n, k, fmt, device, bandwidth, args.copies or [2, 3, 4])
+        rows = [copies_row(name, n, k, fmt, device, bandwidth, args.copies or [2, 3, 4],
+                           args.headers)
                 for name, fmt, n, k, per_step in model_shapes()
                 if fmt.name == "Q4_K" and (per_step or name == "lm_head")
                 and (not args.only or name in args.only)]

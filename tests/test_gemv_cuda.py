@@ -491,7 +491,8 @@ def test_copies_past_a_blocks_shared_memory_run_fewer_and_copies_refuse_a_norm_p
     """down's 544 threads at 4 rows hold 3 tiles of copies, not 6: a plan
     asking 6 runs what fits (bitwise the same); a plan given its own copies
     with the norm prologue (whose weight stash waits on every copy) is
-    refused before any launch, and the switch's count leaves it alone."""
+    refused before any launch, and the switch's count leaves it alone; Q4_K
+    headers through the copies give the arrays' bits."""
     from engine.quant.gemv_cuda import COPY_TILES_ENV, NormPrologue
 
     qt = _quant(133, 17408, seed=41, device="cuda")
@@ -506,6 +507,14 @@ def test_copies_past_a_blocks_shared_memory_run_fewer_and_copies_refuse_a_norm_p
     plain = gemv_cuda.gemv_cuda(x, qt, plan=plan_for(17408), prologue=norm)
     monkeypatch.setenv(COPY_TILES_ENV, "3")
     assert torch.equal(gemv_cuda.gemv_cuda(x, qt, plan=plan_for(17408), prologue=norm), plain)
+    for n, k in ((133, 17408), (301, 6144)):
+        qt = _quant(n, k, seed=n, device="cuda")
+        x = _activation(k, seed=k)
+        headers = qt.q4_k_headers()
+        for rows in (1, 4):
+            assert torch.equal(
+                gemv_cuda.gemv_cuda(x, qt, plan=plan_for(k, rows=rows, copies=3), headers=headers),
+                _run(qt, x, plan_for(k, rows=rows, copies=0)))
 
 
 @needs_gpu

@@ -126,7 +126,8 @@ class CudaGemvPlan:
     def copy_bytes(self, copies: int, asymmetric: bool) -> int:
         """The shared memory `copies` tiles of each thread's copies take
         (q4_gemv.cu's CopyRing): a 16-byte word and a 4-byte word for each
-        scale array (sc, d, and m, dmin when asymmetric) an entry."""
+        scale array (sc, d, and m, dmin when asymmetric) an entry; a Q4_K
+        header (asymmetric) takes the four words' 16 bytes."""
         return copies * self.rows * self.slots * self.threads * (16 + 4 * (4 if asymmetric else 2))
 
     def tiles(self, n: int) -> int:
@@ -649,7 +650,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     d_fp32 = qt.d.dtype == torch.float32
 
     early = plan_early_tiles(plan) if bulk_prefetch else 0
-    copies = _copy_tiles(plan, given, prologue, headers)
+    copies = _copy_tiles(plan, given, prologue)
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
@@ -702,17 +703,16 @@ def _check_headers(headers: torch.Tensor, qt: QuantTensor) -> None:
                          f"got {tuple(headers.shape)} {headers.dtype} on {headers.device}")
 
 
-def _copy_tiles(plan: CudaGemvPlan, given: bool, prologue: Prologue | None,
-                headers: torch.Tensor | None) -> int:
+def _copy_tiles(plan: CudaGemvPlan, given: bool, prologue: Prologue | None) -> int:
     """The tiles each thread of `plan` keeps in flight through cp.async
-    (plan_copy_tiles), 0 where the build cannot take them: a ring plan,
-    Q4_K headers, the norm prologues (whose weight stash waits on every copy
-    of the thread). A plan given with its own count there is refused."""
+    (plan_copy_tiles), 0 where the build cannot take them: a ring plan, the
+    norm prologues (whose weight stash waits on every copy of the thread).
+    A plan given with its own count there is refused."""
     copies = 0 if plan.stages else plan_copy_tiles(plan)
-    if copies and (headers is not None or isinstance(prologue, (NormPrologue, GatedNormPrologue))):
+    if copies and isinstance(prologue, (NormPrologue, GatedNormPrologue)):
         if given and plan.copies:
-            raise ValueError(f"plan {plan.spec()}: the threads' copies take neither Q4_K "
-                             f"headers nor a norm prologue: use copies=0")
+            raise ValueError(f"plan {plan.spec()}: the threads' copies take no norm "
+                             f"prologue: use copies=0")
         copies = 0
     return copies
 

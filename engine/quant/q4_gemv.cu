@@ -623,16 +623,18 @@ __device__ __forceinline__ void read_stage(Group (&tile)[ROWS][SLOTS],
 #endif
 
 #if COPY_TILES
-static_assert(COPY_TILES >= 2 && !STAGES && !Q4K_HEADER && !NORM && !GATED,
-              "the copy ring: 2 or more tiles, not with a bulk-copy ring, Q4_K headers or "
-              "the norm prologues (their weight stash waits on every copy of the thread)");
+static_assert(COPY_TILES >= 2 && !STAGES && !NORM && !GATED,
+              "the copy ring: 2 or more tiles, not with a bulk-copy ring or the norm "
+              "prologues (their weight stash waits on every copy of the thread)");
 // A stage holds one tile's entries of this thread: entry (r, j) of stage s at
 // [s][r][j][thread] (consecutive threads, consecutive words: no bank
 // conflicts), the 16-byte words first, then for each scale array the
 // 4-byte word that holds the entry's scale ([s][array][r][j][thread]): a
 // cp.async moves 4, 8 or 16 bytes, so a byte or an fp16 comes with its
-// neighbours and is picked out on the read.
-constexpr int SCALE_ARRAYS = ASYM ? 4 : 2;   // sc, d (, m, dmin)
+// neighbours and is picked out on the read. Q4K_HEADER: the entry's
+// superblock header in the four scale words' place, as [stage][entry]
+// 16-byte words.
+constexpr int SCALE_ARRAYS = ASYM || Q4K_HEADER ? 4 : 2;   // sc, d (, m, dmin)
 constexpr int STAGE_ENTRIES = ROWS * SLOTS * THREADS;
 
 struct CopyRing {
@@ -677,12 +679,19 @@ __device__ __forceinline__ void copy_tile(const CopyRing& ring, int stage, int i
                 const int at = stage * STAGE_ENTRIES + entry_at(r, j);
                 unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES + entry_at(r, j);
                 copy_16(ring.words + at, weights.qw + n * GROUPS + g);
+#if Q4K_HEADER
+                // [stage][entry] 16-byte headers; .cg like the codes: the 8
+                // threads of a superblock ask one header, which L2 serves together
+                copy_16(reinterpret_cast<uint4*>(ring.scales) + at,
+                        reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS) + g / GPS);
+#else
                 copy_4(scales, word_holding(weights.sc + n * GROUPS + g));
                 copy_4(scales + STAGE_ENTRIES, word_holding(weights.d + n * (GROUPS / GPS) + g / GPS));
 #if ASYM
                 copy_4(scales + 2 * STAGE_ENTRIES, word_holding(weights.m + n * GROUPS + g));
                 copy_4(scales + 3 * STAGE_ENTRIES,
                        word_holding(weights.dmin + n * (GROUPS / GPS) + g / GPS));
+#endif
 #endif
             }
         }
@@ -722,12 +731,17 @@ __device__ __forceinline__ void read_copied_tile(Group (&tile)[ROWS][SLOTS], con
                 const unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES
                                          + entry_at(r, j);
                 e.words = ring.words[stage * STAGE_ENTRIES + entry_at(r, j)];
+#if Q4K_HEADER
+                e.header = reinterpret_cast<const uint4*>(ring.scales)[stage * STAGE_ENTRIES
+                                                                         + entry_at(r, j)];
+#else
                 e.sc = (signed char)(scales[0] >> shift_in_word(weights.sc + n * GROUPS + g));
                 e.d = scale_in_word(scales[STAGE_ENTRIES], weights.d + n * (GROUPS / GPS) + g / GPS);
 #if ASYM
                 e.m = (signed char)(scales[2 * STAGE_ENTRIES] >> shift_in_word(weights.m + n * GROUPS + g));
                 e.dmin = scale_in_word(scales[3 * STAGE_ENTRIES],
                                        weights.dmin + n * (GROUPS / GPS) + g / GPS);
+#endif
 #endif
             } else {
                 clear_group(e);
