@@ -236,36 +236,45 @@ __device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
 #endif
 }
 
-__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
-                                          const Weight& weights) {
+// whether slot j's group g is one of K's (folds away when no thread idles)
+__device__ __forceinline__ bool live_group(int g) { return SLOTS * THREADS == GROUPS || g < GROUPS; }
+
+// visit(r, j, n, g) for each of this thread's entries of tile `index`: row r
+// (weight row n), slot j (group g)
+template <typename Visit>
+__device__ __forceinline__ void each_entry(int index, int n_rows, Visit&& visit) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const long long n = tile_row(index, r, n_rows);
 #pragma unroll
-        for (int j = 0; j < SLOTS; ++j) {
-            const int g = threadIdx.x + j * THREADS;
-            Group& e = tile[r][j];
-            if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
-                e.words = load_streamed(weights.qw + n * GROUPS + g);
-#if Q4K_HEADER
-                e.header = __ldg(reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS)
-                                 + g / GPS);
-#else
-                // __ldg: the early tiles' prefetch takes these pointers into
-                // an asm with a memory clobber, after which nvcc no longer
-                // proves them read-only and the scales lost ld.global.nc
-                e.sc = __ldg(weights.sc + n * GROUPS + g);
-                e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
-#if ASYM
-                e.m = __ldg(weights.m + n * GROUPS + g);
-                e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
-#endif
-#endif
-            } else {
-                clear_group(e);
-            }
-        }
+        for (int j = 0; j < SLOTS; ++j) visit(r, j, n, (int)threadIdx.x + j * THREADS);
     }
+}
+
+__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
+                                          const Weight& weights) {
+    each_entry(index, n_rows, [&](int r, int j, long long n, int g) {
+        Group& e = tile[r][j];
+        if (live_group(g)) {
+            e.words = load_streamed(weights.qw + n * GROUPS + g);
+#if Q4K_HEADER
+            e.header = __ldg(reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS)
+                             + g / GPS);
+#else
+            // __ldg: the early tiles' prefetch takes these pointers into
+            // an asm with a memory clobber, after which nvcc no longer
+            // proves them read-only and the scales lost ld.global.nc
+            e.sc = __ldg(weights.sc + n * GROUPS + g);
+            e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
+#if ASYM
+            e.m = __ldg(weights.m + n * GROUPS + g);
+            e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
+#endif
+#endif
+        } else {
+            clear_group(e);
+        }
+    });
 }
 
 // a group's 32 bf16 values as 16 words, k = 2i in the low half of word i
@@ -669,33 +678,27 @@ __device__ __forceinline__ int entry_at(int r, int j) { return (r * SLOTS + j) *
 // this thread's entries of tile `index` into `stage` (no commit: the caller's)
 __device__ __forceinline__ void copy_tile(const CopyRing& ring, int stage, int index, int n_rows,
                                           const Weight& weights) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const long long n = tile_row(index, r, n_rows);
-#pragma unroll
-        for (int j = 0; j < SLOTS; ++j) {
-            const int g = threadIdx.x + j * THREADS;
-            if (SLOTS * THREADS == GROUPS || g < GROUPS) {
-                const int at = stage * STAGE_ENTRIES + entry_at(r, j);
-                unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES + entry_at(r, j);
-                copy_16(ring.words + at, weights.qw + n * GROUPS + g);
+    each_entry(index, n_rows, [&](int r, int j, long long n, int g) {
+        if (live_group(g)) {
+            const int at = stage * STAGE_ENTRIES + entry_at(r, j);
+            unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES + entry_at(r, j);
+            copy_16(ring.words + at, weights.qw + n * GROUPS + g);
 #if Q4K_HEADER
-                // [stage][entry] 16-byte headers; .cg like the codes: the 8
-                // threads of a superblock ask one header, which L2 serves together
-                copy_16(reinterpret_cast<uint4*>(ring.scales) + at,
-                        reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS) + g / GPS);
+            // [stage][entry] 16-byte headers; .cg like the codes: the 8
+            // threads of a superblock ask one header, which L2 serves together
+            copy_16(reinterpret_cast<uint4*>(ring.scales) + at,
+                    reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS) + g / GPS);
 #else
-                copy_4(scales, word_holding(weights.sc + n * GROUPS + g));
-                copy_4(scales + STAGE_ENTRIES, word_holding(weights.d + n * (GROUPS / GPS) + g / GPS));
+            copy_4(scales, word_holding(weights.sc + n * GROUPS + g));
+            copy_4(scales + STAGE_ENTRIES, word_holding(weights.d + n * (GROUPS / GPS) + g / GPS));
 #if ASYM
-                copy_4(scales + 2 * STAGE_ENTRIES, word_holding(weights.m + n * GROUPS + g));
-                copy_4(scales + 3 * STAGE_ENTRIES,
-                       word_holding(weights.dmin + n * (GROUPS / GPS) + g / GPS));
+            copy_4(scales + 2 * STAGE_ENTRIES, word_holding(weights.m + n * GROUPS + g));
+            copy_4(scales + 3 * STAGE_ENTRIES,
+                   word_holding(weights.dmin + n * (GROUPS / GPS) + g / GPS));
 #endif
 #endif
-            }
         }
-    }
+    });
 }
 
 __device__ __forceinline__ void commit_copies() {
@@ -720,34 +723,28 @@ __device__ __forceinline__ scale_t scale_in_word(unsigned word, const scale_t* p
 __device__ __forceinline__ void read_copied_tile(Group (&tile)[ROWS][SLOTS], const CopyRing& ring,
                                                  int stage, int index, int n_rows,
                                                  const Weight& weights) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const long long n = tile_row(index, r, n_rows);
-#pragma unroll
-        for (int j = 0; j < SLOTS; ++j) {
-            const int g = threadIdx.x + j * THREADS;
-            Group& e = tile[r][j];
-            if (SLOTS * THREADS == GROUPS || g < GROUPS) {
-                const unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES
-                                         + entry_at(r, j);
-                e.words = ring.words[stage * STAGE_ENTRIES + entry_at(r, j)];
+    each_entry(index, n_rows, [&](int r, int j, long long n, int g) {
+        Group& e = tile[r][j];
+        if (live_group(g)) {
+            const unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES
+                                     + entry_at(r, j);
+            e.words = ring.words[stage * STAGE_ENTRIES + entry_at(r, j)];
 #if Q4K_HEADER
-                e.header = reinterpret_cast<const uint4*>(ring.scales)[stage * STAGE_ENTRIES
-                                                                         + entry_at(r, j)];
+            e.header = reinterpret_cast<const uint4*>(ring.scales)[stage * STAGE_ENTRIES
+                                                                     + entry_at(r, j)];
 #else
-                e.sc = (signed char)(scales[0] >> shift_in_word(weights.sc + n * GROUPS + g));
-                e.d = scale_in_word(scales[STAGE_ENTRIES], weights.d + n * (GROUPS / GPS) + g / GPS);
+            e.sc = (signed char)(scales[0] >> shift_in_word(weights.sc + n * GROUPS + g));
+            e.d = scale_in_word(scales[STAGE_ENTRIES], weights.d + n * (GROUPS / GPS) + g / GPS);
 #if ASYM
-                e.m = (signed char)(scales[2 * STAGE_ENTRIES] >> shift_in_word(weights.m + n * GROUPS + g));
-                e.dmin = scale_in_word(scales[3 * STAGE_ENTRIES],
-                                       weights.dmin + n * (GROUPS / GPS) + g / GPS);
+            e.m = (signed char)(scales[2 * STAGE_ENTRIES] >> shift_in_word(weights.m + n * GROUPS + g));
+            e.dmin = scale_in_word(scales[3 * STAGE_ENTRIES],
+                                   weights.dmin + n * (GROUPS / GPS) + g / GPS);
 #endif
 #endif
-            } else {
-                clear_group(e);
-            }
+        } else {
+            clear_group(e);
         }
-    }
+    });
 }
 #endif
 
