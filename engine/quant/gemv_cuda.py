@@ -517,7 +517,9 @@ def _compiled(options: tuple[str, ...], device: int, threads: int,
         ctypes.byref(local), _FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.func), "cuFuncGetAttribute")
     if static.value + shared_bytes > _MAX_SHARED_BYTES:   # never launched (gemv_cuda)
         return _Compiled(kernel.func, kernel, 0, local.value, shared_bytes, fits_shared=False)
-    if shared_bytes > _DEFAULT_SHARED_BYTES:
+    if static.value + shared_bytes > _DEFAULT_SHARED_BYTES:
+        # past 48 KB a block, static and dynamic together, the launch must opt in
+        # (a 48 KB copy ring beside 96 bytes of static arrays failed without it)
         _check(driver.cuFuncSetAttribute(kernel.func, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          ctypes.c_int(shared_bytes)), "cuFuncSetAttribute")
     resident = ctypes.c_int(0)

@@ -29,5 +29,24 @@ case "$call" in
       TANDEM_GEMV_COPY_TILES=3 step_27b c${r}_c_copies3
     done
     step_cols c ;;
+  fix)  # after `copies` (12:23, H100): 48 KB rings launched without the opt-in (fixed), the
+    # headers 2x slower, 3 tiles of copies 8.35 ms against 6.40: tests, the bench per shape, and
+    # Nsight Compute on gate_up's and down's variants (what limits the kernel: loads in
+    # flight, L1 wavefronts, or issue)
+    STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gemv_cuda.py \
+      -k "copies or copy_tiles"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -10
+    STEP_TAIL=14 step copies 200 python3 -m bench.gemv_cuda --no-sweep --copies 2 3 --headers \
+      --only gate_up down "gdn out"
+    for shape in gate_up down; do
+      for v in arrays headers copies3; do
+        STEP_TAIL=0 step "ncu_${shape}_$v" 100 ncu --clock-control none --kernel-name tandem_q4_gemv \
+          --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
+          --section WarpStateStats --section MemoryWorkloadAnalysis --section InstructionStats \
+          --section LaunchStats python3 scripts/sessions/gemv_variant.py $shape $v
+        grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|Achieved Occupancy|Registers Per|Dynamic Shared|Stall|Issued Ipc|Issue Slots Busy|Executed Ipc|L1/TEX Cache Throughput|One or More|Block Limit" \
+          "$OUT/ncu_${shape}_$v.log" | head -24
+      done
+    done ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
