@@ -36,9 +36,9 @@ case "$call" in
     STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gemv_cuda.py \
       -k "copies or copy_tiles"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -10
-    STEP_TAIL=14 step copies 200 python3 -m bench.gemv_cuda --no-sweep --copies 2 3 --headers \
+    STEP_TAIL=8 step copies 200 python3 -m bench.gemv_cuda --no-sweep --copies 2 3 \
       --only gate_up down "gdn out"
-    for shape in gate_up down; do
+    for shape in gate_up; do
       for v in arrays headers copies3; do
         STEP_TAIL=0 step "ncu_${shape}_$v" 100 ncu --clock-control none --kernel-name tandem_q4_gemv \
           --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
