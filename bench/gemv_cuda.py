@@ -3,7 +3,7 @@ on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--only NAME ...] [--no-sweep] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
-        [--headers] [--read-ahead [MB ...]] [--stages [N ...]] [--copies [C ...]]
+        [--read-ahead [MB ...]] [--stages [N ...]] [--copies [C ...]]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: twice the slots (at the
@@ -19,10 +19,7 @@ add_rms_norm launch then the GEMV against the GEMV doing the norm in its
 prologue (gemv_cuda.NormPrologue), and beside them the GEMV alone and the
 prologue without the pending residual (what every block's second read of
 a row costs); --silu the same for down and the MLP's
-silu_mul, --gated for gdn out and GDN's gated norm. --headers times each
-shape reading llama.cpp's Q4_K block headers (QuantTensor.q4_k_headers,
-q4_gemv.cu's Q4K_HEADER: 2.7% fewer bytes, two loads a group instead of
-five) against the four scale arrays. --copies times each shape's plan (its
+silu_mul, --gated for gdn out and GDN's gated norm. --copies times each shape's plan (its
 ring set aside) with each thread keeping C tiles in flight through its own
 cp.async copies (q4_gemv.cu's COPY_TILES), at its rows and at 2 and 8
 rows, against the register pipeline's one tile. --read-ahead times
@@ -42,20 +39,17 @@ from bench.quant import (_copies, _copy_bandwidth, _time_gemv, _time_graph, mode
                          print_table)
 
 
-def _time_cuda(x, copies, plan, headers=None) -> float:
+def _time_cuda(x, copies, plan) -> float:
     """Seconds a call, or inf for a plan whose build spills (never launched:
-    gemv_cuda.SpillingPlan); with `headers` (one a copy), each reads its
-    Q4_K headers."""
+    gemv_cuda.SpillingPlan)."""
     from engine.quant.gemv_cuda import SpillingPlan, gemv_cuda
 
     out = torch.empty(1, copies[0].out_features, dtype=x.dtype, device=x.device)
-    heads = headers or [None] * len(copies)
     try:
-        gemv_cuda(x, copies[0], out=out, plan=plan, pdl=True, headers=heads[0])
+        gemv_cuda(x, copies[0], out=out, plan=plan, pdl=True)
     except SpillingPlan:
         return float("inf")
-    fns = [(lambda i=i: gemv_cuda(x, copies[i % len(copies)], out=out, plan=plan, pdl=True,
-                                  headers=heads[i % len(copies)]))
+    fns = [(lambda qt=copies[i % len(copies)]: gemv_cuda(x, qt, out=out, plan=plan, pdl=True))
            for i in range(16)]
     return _time_graph(fns)
 
@@ -125,46 +119,11 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
             **{f"{label}_us": seconds * 1e6 for label, seconds in timed.items()}}
 
 
-def headers_pair(name: str, n: int, k: int, fmt, device, bandwidth: float) -> dict:
-    """The shape's plan (its ring, if any, set aside: the headers take the
-    register pipeline) reading the four scale arrays against reading
-    QuantTensor.q4_k_headers() (q4_gemv.cu's Q4K_HEADER: 144 bytes a
-    superblock instead of 148, two loads a group instead of five),
-    graph-timed, each with its bytes' floor at the copy bandwidth."""
-    from dataclasses import replace
-
-    from engine.quant.gemv_cuda import card_name, gemv_cuda, picked_plan
-
-    copies = _copies(fmt, n, k, device)
-    headers = [qt.q4_k_headers() for qt in copies]
-    plan = replace(picked_plan(n, k, card_name(device.index or 0)), stages=0)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-    out = torch.empty(1, n, dtype=x.dtype, device=device)
-
-    def chain(with_headers: bool) -> float:
-        def call(i):
-            qt = copies[i % len(copies)]
-            h = headers[i % len(copies)] if with_headers else None
-            return lambda: gemv_cuda(x, qt, out=out, plan=plan, pdl=True, headers=h)
-        return _time_graph([call(i) for i in range(16)])
-
-    arrays_bytes = copies[0].nbytes
-    headers_bytes = copies[0].qweight.nbytes + headers[0].nbytes
-    timed = {"arrays": chain(False), "headers": chain(True)}
-    del copies, headers
-    return {"matrix": name, "N": n, "K": k, "plan": plan.spec(),
-            "arrays_us": timed["arrays"] * 1e6, "headers_us": timed["headers"] * 1e6,
-            "arrays_floor_us": arrays_bytes / bandwidth * 1e6,
-            "headers_floor_us": headers_bytes / bandwidth * 1e6}
-
-
 def copies_row(name: str, n: int, k: int, fmt, device, bandwidth: float,
-               counts: list[int], with_headers: bool = False) -> dict:
+               counts: list[int]) -> dict:
     """The shape's plan (ring aside) through the register pipeline against
     the same plan, and at 2 and 8 rows, with each thread's copies of C
-    tiles for each C in `counts`, graph-timed; spilling builds are inf.
-    with_headers: also the plan reading Q4_K headers, through registers and
-    through the copies."""
+    tiles for each C in `counts`, graph-timed; spilling builds are inf."""
     from dataclasses import replace
 
     from engine.quant.gemv_cuda import card_name, picked_plan, plan_for
@@ -178,12 +137,6 @@ def copies_row(name: str, n: int, k: int, fmt, device, bandwidth: float,
             plan = plan_for(k, rows=rows, slots=base.slots, blocks_per_sm=base.blocks_per_sm,
                             flush=min(base.flush, max(1, base.threads // rows)), copies=c)
             timed[f"r{rows} c{c}"] = _time_cuda(x, copies, plan)
-    if with_headers:   # the Q4_K headers through the copies: one 16-byte copy for the scales
-        headers = [qt.q4_k_headers() for qt in copies]
-        timed["headers"] = _time_cuda(x, copies, base, headers)
-        for c in counts:
-            timed[f"headers c{c}"] = _time_cuda(x, copies, replace(base, copies=c), headers)
-        del headers
     floor = (copies[0].nbytes + k * 2 + n * 2) / bandwidth
     del copies
     return {"matrix": name, "N": n, "K": k, "plan": base.spec(), "floor_us": floor * 1e6,
@@ -300,9 +253,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time down's SiLU prologue against a silu_mul launch and the GEMV")
     p.add_argument("--gated", action="store_true",
                    help="also time gdn out's gated norm prologue against its launch and the GEMV")
-    p.add_argument("--headers", action="store_true",
-                   help="also time each shape reading Q4_K block headers against the four "
-                        "scale arrays (the Q4K_HEADER experiment)")
     p.add_argument("--copies", type=int, nargs="*", metavar="C",
                    help="also time each shape with each thread's copies of C tiles in flight "
                         "(none given: 2 3 4)")
@@ -359,24 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                       *(f"{r[key]:.1f}" if key in r else "-"
                         for key in ("plain_us", "fused_without_pending_us"))]
                      for r in norms])
-    pairs = []
-    if args.headers:
-        for name, fmt, n, k, per_step in model_shapes():
-            if fmt.name == "Q4_K" and (per_step or name == "lm_head") \
-                    and (not args.only or name in args.only):
-                pairs.append({**headers_pair(name, n, k, fmt, device, bandwidth),
-                              "per_step": per_step or 1})
-        print_table("the four scale arrays against Q4_K block headers, us",
-                    ["matrix", "N", "K", "arrays", "headers", "arrays floor", "headers floor",
-                     "saved ms/step"],
-                    [[r["matrix"], r["N"], r["K"], f"{r['arrays_us']:.1f}",
-                      f"{r['headers_us']:.1f}", f"{r['arrays_floor_us']:.1f}",
-                      f"{r['headers_floor_us']:.1f}",
-                      f"{(r['arrays_us'] - r['headers_us']) * r['per_step'] / 1e3:.3f}"]
-                     for r in pairs])
     if args.copies is not None:
-        rows = [copies_row(name, n, k, fmt, device, bandwidth, args.copies or [2, 3, 4],
-                           args.headers)
+        rows = [copies_row(name, n, k, fmt, device, bandwidth, args.copies or [2, 3, 4])
                 for name, fmt, n, k, per_step in model_shapes()
                 if fmt.name == "Q4_K" and (per_step or name == "lm_head")
                 and (not args.only or name in args.only)]
@@ -404,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bandwidth_GBps": bandwidth / 1e9, "shapes": results, "norm": norms,
-                       "headers": pairs, "read_ahead": aheads}, f, indent=1)
+                       "read_ahead": aheads}, f, indent=1)
     return 0
 
 

@@ -323,74 +323,6 @@ def test_cuda_gemv_matches_the_reference(n, k, rows, kind):
     _assert_close(_run(qt, x, plan_for(k, rows=rows)), _expected(x, qt))
 
 
-# ----------------------------------------- the Q4_K header experiment (Q4K_HEADER)
-
-
-def test_q4_k_headers_are_llama_cpp_blocks_the_gguf_package_dequantizes_to_the_weight():
-    """QuantTensor.q4_k_headers() beside the codes in llama.cpp's nibble
-    order is a Q4_K block the gguf package (an oracle we did not write)
-    dequantizes to exactly qt.dequantize(); and engine/weights/ggml.py's
-    reader unpacks pack_k_scales back to sc and m."""
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    from engine.quant.tensor import pack_k_scales
-    from engine.weights.ggml import _k_scales
-
-    qt = _quant(6, 768, seed=3)
-    qt = type(qt).from_codes(qt.codes(), 4, qt.d, torch.randint(0, 64, qt.sc.shape),
-                             qt.dmin, torch.randint(0, 64, qt.m.shape))   # the full 6 bits
-    headers = qt.q4_k_headers()
-    assert headers.shape == (6, 3, 16) and headers.dtype == torch.uint8
-    codes = qt.codes().reshape(6, 3, 4, 2, 32).to(torch.uint8)   # chunk c: groups 2c, 2c + 1
-    qs = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).reshape(6, 3, 128)
-    blocks = torch.cat([headers, qs], dim=-1).reshape(6, 3 * 144).numpy()
-    expected = qt.dequantize(torch.float32).numpy()
-    np.testing.assert_array_equal(dequantize(blocks, GGMLQuantizationType.Q4_K), expected)
-    sc, m = _k_scales(pack_k_scales(qt.sc.reshape(-1, 8), qt.m.reshape(-1, 8)).numpy())
-    assert np.array_equal(sc, qt.sc.reshape(-1, 8).numpy()) and \
-        np.array_equal(m, qt.m.reshape(-1, 8).numpy())
-
-
-def test_q4_k_headers_refuse_what_is_not_q4_k():
-    with pytest.raises(ValueError, match="superblocks of 256"):
-        _quant(4, 256, superblock=32).q4_k_headers()
-    with pytest.raises(ValueError, match="superblocks of 256"):
-        _quant(4, 256, asym=False).q4_k_headers()
-    with pytest.raises(ValueError, match="6-bit"):
-        qt = _quant(4, 256)
-        type(qt).from_codes(qt.codes(), 4, qt.d, qt.sc + 64, qt.dmin, qt.m).q4_k_headers()
-
-
-@needs_gpu
-@pytest.mark.parametrize("n, k", [(37, 768), (133, 17408), (70, 5120)])
-@pytest.mark.parametrize("rows", [2, 4])
-@pytest.mark.parametrize("early", [0, 1])
-def test_a_gemv_reading_q4_k_headers_gives_the_arrays_bits(n, k, rows, early, monkeypatch):
-    """The same sc, m, d and dmin reach the same dot in the same order, so
-    the headers' output is bitwise the four arrays' (K 768: idle threads;
-    N 37 and 133: a last tile past N); with the SiLU epilogue too."""
-    from engine.quant.gemv_cuda import EARLY_L2_TILES_ENV, SiluMulEpilogue
-
-    monkeypatch.setenv(EARLY_L2_TILES_ENV, str(early))
-    qt = _quant(n, k, superblock=256, seed=n + k + rows, device="cuda")
-    x = _activation(k, seed=k + rows)
-    plan = plan_for(k, rows=rows)
-    headers = qt.q4_k_headers()
-    plain = gemv_cuda.gemv_cuda(x, qt, plan=plan)
-    assert torch.equal(gemv_cuda.gemv_cuda(x, qt, plan=plan, headers=headers), plain)
-    _assert_close(plain, _expected(x, qt))
-    if n % rows == 0:
-        activated = gemv_cuda.gemv_cuda(x, qt, plan=plan, epilogue=SiluMulEpilogue())
-        assert torch.equal(gemv_cuda.gemv_cuda(x, qt, plan=plan, epilogue=SiluMulEpilogue(),
-                                               headers=headers), activated)
-    with pytest.raises(ValueError, match="uint8"):
-        gemv_cuda.gemv_cuda(x, qt, plan=plan, headers=headers.float())
-    with pytest.raises(ValueError, match="register pipeline"):
-        gemv_cuda.gemv_cuda(x, qt, plan=plan_for(k, stages=2), headers=headers)
-
-
 @needs_gpu
 @pytest.mark.parametrize("n, k, superblock", [(64, 5120, 256), (256, 17408, 256),
                                               (96, 6144, 256), (40, 1024, 32)])
@@ -491,8 +423,7 @@ def test_copies_past_a_blocks_shared_memory_run_fewer_and_copies_refuse_a_norm_p
     """down's 544 threads at 4 rows hold 3 tiles of copies, not 6: a plan
     asking 6 runs what fits (bitwise the same); a plan given its own copies
     with the norm prologue (whose weight stash waits on every copy) is
-    refused before any launch, and the switch's count leaves it alone; Q4_K
-    headers through the copies give the arrays' bits."""
+    refused before any launch, and the switch's count leaves it alone."""
     from engine.quant.gemv_cuda import COPY_TILES_ENV, NormPrologue
 
     qt = _quant(133, 17408, seed=41, device="cuda")
@@ -507,14 +438,7 @@ def test_copies_past_a_blocks_shared_memory_run_fewer_and_copies_refuse_a_norm_p
     plain = gemv_cuda.gemv_cuda(x, qt, plan=plan_for(17408), prologue=norm)
     monkeypatch.setenv(COPY_TILES_ENV, "3")
     assert torch.equal(gemv_cuda.gemv_cuda(x, qt, plan=plan_for(17408), prologue=norm), plain)
-    for n, k in ((133, 17408), (301, 6144)):
-        qt = _quant(n, k, seed=n, device="cuda")
-        x = _activation(k, seed=k)
-        headers = qt.q4_k_headers()
-        for rows in (1, 4):
-            assert torch.equal(
-                gemv_cuda.gemv_cuda(x, qt, plan=plan_for(k, rows=rows, copies=3), headers=headers),
-                _run(qt, x, plan_for(k, rows=rows, copies=0)))
+
 
 
 @needs_gpu

@@ -126,8 +126,7 @@ class CudaGemvPlan:
     def copy_bytes(self, copies: int, asymmetric: bool) -> int:
         """The shared memory `copies` tiles of each thread's copies take
         (q4_gemv.cu's CopyRing): a 16-byte word and a 4-byte word for each
-        scale array (sc, d, and m, dmin when asymmetric) an entry; a Q4_K
-        header (asymmetric) takes the four words' 16 bytes."""
+        scale array (sc, d, and m, dmin when asymmetric) an entry."""
         return copies * self.rows * self.slots * self.threads * (16 + 4 * (4 if asymmetric else 2))
 
     def tiles(self, n: int) -> int:
@@ -466,8 +465,7 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
                   pdl: bool, prologue: Prologue | None = None,
                   l2_prefetch: bool = False,
                   epilogue: Epilogue | None = None,
-                  early_l2_tiles: int = 0, q4k_header: bool = False,
-                  copy_tiles: int = 0) -> tuple[str, ...]:
+                  early_l2_tiles: int = 0, copy_tiles: int = 0) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options. A ring
     (stages > 0) or the threads' copies (copy_tiles > 0) fill their first
     tiles before the wait and take no early tiles, so their options say 0
@@ -480,7 +478,7 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
             f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
             f"-DL2_PREFETCH={int(l2_prefetch)}", f"-DEARLY_L2_TILES={early_l2_tiles}",
-            f"-DQ4K_HEADER={int(q4k_header)}", f"-DCOPY_TILES={copy_tiles}",
+            f"-DCOPY_TILES={copy_tiles}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -592,8 +590,7 @@ def _launch(compiled: _Compiled, grid: int, threads: int, args: list, pdl: bool)
 def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
               plan: CudaGemvPlan | None = None, pdl: bool | None = None,
               prologue: Prologue | None = None, l2_prefetch: L2Prefetch | None = None,
-              epilogue: Epilogue | None = None,
-              headers: torch.Tensor | None = None) -> torch.Tensor:
+              epilogue: Epilogue | None = None) -> torch.Tensor:
     """x [1, K] bf16 @ w.T -> [1, N] bf16 (takes() must hold); with a
     prologue, the op before the GEMV done first inside it: NormPrologue
     (RMSNorm(x (+ pending))), SiluPrologue (x the [1, 2K] gate_up row),
@@ -602,9 +599,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     SiluMulEpilogue (the MLP's activation: the output is [1, N / 2]); with
     l2_prefetch, the next weight's leading rows asked of L2 at the end
     (sm_90 on; elsewhere ignored). Unset, the plan is picked_plan's and PDL is on where
-    engine/pdl.py turns it on. `headers` (an experiment, bench.gemv_cuda
-    --headers): qt.q4_k_headers(), read in place of qt's four scale arrays
-    (q4_gemv.cu's Q4K_HEADER; the register pipeline only)."""
+    engine/pdl.py turns it on."""
     if not takes(x, qt, None):
         raise ValueError(f"the CUDA GEMV takes one contiguous bf16 row on a GPU against "
                          f"4-bit groups of 32 with no bias; got x {tuple(x.shape)} "
@@ -641,10 +636,6 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     bulk_prefetch = torch.cuda.get_device_capability(device)[0] >= 9   # sm_90's
     if l2_prefetch is not None and (not l2_prefetch.ranges or not bulk_prefetch):
         l2_prefetch = None
-    if headers is not None:
-        _check_headers(headers, qt)
-        if plan.stages:
-            plan = _without_ring(plan, given, "Q4_K headers take the register pipeline")
     if plan.stages and not bulk_copyable(plan, qt):
         plan = _without_ring(plan, given, f"bulk copies need N a multiple of its rows and "
                                           f"whole 16-byte arrays a stage, which "
@@ -657,7 +648,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
                                        prologue, l2_prefetch is not None, epilogue, early,
-                                       headers is not None, copies),
+                                       copies),
                          device, plan.threads,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32)
                          + plan.copy_bytes(copies, qt.asymmetric))
@@ -685,38 +676,10 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     dmin = qt.dmin if qt.asymmetric else qt.d
     m = qt.m if qt.asymmetric else qt.sc
-    d = qt.d if headers is None else headers   # the kernel reads the headers through d
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
-            [x, qt.qweight, d, qt.sc, dmin, m, out, n, *prologue_args,
+            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
              l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step], pdl)
     return out
-
-
-def _check_headers(headers: torch.Tensor, qt: QuantTensor) -> None:
-    """Q4_K headers as qt.q4_k_headers() makes them, on qt's device, 16-byte aligned."""
-    n, k = qt.shape
-    if not qt.q4_k_layout:
-        raise ValueError(f"Q4_K headers need a Q4_K weight, got {qt.describe()}")
-    if (headers.shape != (n, k // 256, 16) or headers.dtype != torch.uint8
-            or not headers.is_contiguous() or headers.device != qt.qweight.device
-            or headers.data_ptr() % 16):
-        raise ValueError(f"headers must be a contiguous 16-byte aligned [{n}, {k // 256}, 16] "
-                         f"uint8 tensor on {qt.qweight.device} (QuantTensor.q4_k_headers()), "
-                         f"got {tuple(headers.shape)} {headers.dtype} on {headers.device}")
-
-
-def _copy_tiles(plan: CudaGemvPlan, given: bool, prologue: Prologue | None) -> int:
-    """The tiles each thread of `plan` keeps in flight through cp.async
-    (plan_copy_tiles), 0 where the build cannot take them: a ring plan, the
-    norm prologues (whose weight stash waits on every copy of the thread).
-    A plan given with its own count there is refused."""
-    copies = 0 if plan.stages else plan_copy_tiles(plan)
-    if copies and isinstance(prologue, (NormPrologue, GatedNormPrologue)):
-        if given and plan.copies:
-            raise ValueError(f"plan {plan.spec()}: the threads' copies take no norm "
-                             f"prologue: use copies=0")
-        copies = 0
-    return copies
 
 
 def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:

@@ -100,24 +100,20 @@
 // engine/fused's silu_mul stores it, to out[j]: the output is N / 2 wide and
 // the activation's launch goes away. N a multiple of ROWS, ROWS even, the
 // register pipeline (a ring stage copies contiguous rows).
-// Q4K_HEADER=1 (an experiment, bench.gemv_cuda --headers): the scales come
-// as llama.cpp's Q4_K block header, one 16-byte word a superblock of 8
-// groups (d, dmin fp16, then the 12 bytes of 6-bit sc and m), passed as
-// `d`; sc, m and dmin are not read. 144 bytes a superblock instead of 148
-// (-2.7%), and a group's tile entry is two loads, not five. Its sc and m are
-// unpacked at the dot (group_dot), so the loads stay in flight as before.
-// Q4_K only (GPS 8, ASYM), the register pipeline only (no STAGES).
+// (Reading llama.cpp's Q4_K block header, one 16-byte word a superblock,
+// in place of the four scale arrays ran twice as slow on every 27B shape on
+// an H100 for 2.7% fewer bytes, and was removed: BENCHMARKS.md 2026-12-07
+// 12:23.)
 // Compile-time: ROWS, SLOTS, THREADS, GROUPS (K/32), GPS (groups per
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
-// COPY_TILES (0: none; else 2 or more, without STAGES, Q4K_HEADER, NORM or
-// GATED),
+// COPY_TILES (0: none; else 2 or more, without STAGES, NORM or GATED),
 // L2_PREFETCH, EARLY_L2_TILES, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
 // CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
-// SILU_MUL; at most one of CONV and SILU_MUL; Q4K_HEADER.
+// SILU_MUL; at most one of CONV and SILU_MUL.
 
 typedef unsigned short u16;
 
@@ -178,26 +174,17 @@ __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
     return v;
 }
 
-#if Q4K_HEADER
-static_assert(GPS == 8 && ASYM && !D_F32 && !STAGES,
-              "Q4_K headers: superblocks of 8 groups, fp16 d and dmin, the register pipeline");
-struct Group {        // one row's group of 32 codes and its superblock's header
-    uint4 words;
-    uint4 header;     // d | dmin << 16, then the 12 scale bytes
-};
-#else
 struct Group {        // one row's group of 32 codes and its scales, as loaded
     uint4 words;
     int sc, m;
     scale_t d, dmin;
 };
-#endif
 
 // one projection's arrays (engine/quant/tensor.py's layout), as every tile
 // helper reads them; the kernel's parameters, gathered
 struct Weight {
     const uint4* __restrict__ qw;
-    const scale_t* __restrict__ d;      // Q4K_HEADER: the headers, one uint4 a superblock
+    const scale_t* __restrict__ d;
     const signed char* __restrict__ sc;
     const scale_t* __restrict__ dmin;
     const signed char* __restrict__ m;
@@ -206,23 +193,16 @@ struct Weight {
 struct XSlice {       // one group of x as int8 codes, even k and odd k apart
     int even[4], odd[4];
     float scale, code_sum_scaled;
-#if Q4K_HEADER
-    int in_superblock;  // the group's place among its superblock's 8 (its sc and m)
-#endif
 };
 
 // an idle thread's group: it adds nothing to the row
 __device__ __forceinline__ void clear_group(Group& e) {
     e.words = uint4{0u, 0u, 0u, 0u};
-#if Q4K_HEADER
-    e.header = uint4{0u, 0u, 0u, 0u};   // d = dmin = 0
-#else
     e.sc = 0;
     e.d = 0;
 #if ASYM
     e.m = 0;
     e.dmin = 0;
-#endif
 #endif
 }
 
@@ -257,10 +237,6 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
         Group& e = tile[r][j];
         if (live_group(g)) {
             e.words = load_streamed(weights.qw + n * GROUPS + g);
-#if Q4K_HEADER
-            e.header = __ldg(reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS)
-                             + g / GPS);
-#else
             // __ldg: the early tiles' prefetch takes these pointers into
             // an asm with a memory clobber, after which nvcc no longer
             // proves them read-only and the scales lost ld.global.nc
@@ -269,7 +245,6 @@ __device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index,
 #if ASYM
             e.m = __ldg(weights.m + n * GROUPS + g);
             e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
-#endif
 #endif
         } else {
             clear_group(e);
@@ -502,16 +477,11 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 __device__ __forceinline__ void prefetch_rows_l2(long long first, long long rows,
                                                  const Weight& weights) {
     prefetch_range_l2(weights.qw + first * GROUPS, rows * GROUPS * 16);
-#if Q4K_HEADER
-    prefetch_range_l2(reinterpret_cast<const uint4*>(weights.d) + first * (GROUPS / GPS),
-                      rows * (GROUPS / GPS) * 16);
-#else
     prefetch_range_l2(weights.sc + first * GROUPS, rows * GROUPS);
     prefetch_range_l2(weights.d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #if ASYM
     prefetch_range_l2(weights.m + first * GROUPS, rows * GROUPS);
     prefetch_range_l2(weights.dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
-#endif
 #endif
 }
 
@@ -640,10 +610,8 @@ static_assert(COPY_TILES >= 2 && !STAGES && !NORM && !GATED,
 // conflicts), the 16-byte words first, then for each scale array the
 // 4-byte word that holds the entry's scale ([s][array][r][j][thread]): a
 // cp.async moves 4, 8 or 16 bytes, so a byte or an fp16 comes with its
-// neighbours and is picked out on the read. Q4K_HEADER: the entry's
-// superblock header in the four scale words' place, as [stage][entry]
-// 16-byte words.
-constexpr int SCALE_ARRAYS = ASYM || Q4K_HEADER ? 4 : 2;   // sc, d (, m, dmin)
+// neighbours and is picked out on the read.
+constexpr int SCALE_ARRAYS = ASYM ? 4 : 2;   // sc, d (, m, dmin)
 constexpr int STAGE_ENTRIES = ROWS * SLOTS * THREADS;
 
 struct CopyRing {
@@ -683,19 +651,12 @@ __device__ __forceinline__ void copy_tile(const CopyRing& ring, int stage, int i
             const int at = stage * STAGE_ENTRIES + entry_at(r, j);
             unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES + entry_at(r, j);
             copy_16(ring.words + at, weights.qw + n * GROUPS + g);
-#if Q4K_HEADER
-            // [stage][entry] 16-byte headers; .cg like the codes: the 8
-            // threads of a superblock ask one header, which L2 serves together
-            copy_16(reinterpret_cast<uint4*>(ring.scales) + at,
-                    reinterpret_cast<const uint4*>(weights.d) + n * (GROUPS / GPS) + g / GPS);
-#else
             copy_4(scales, word_holding(weights.sc + n * GROUPS + g));
             copy_4(scales + STAGE_ENTRIES, word_holding(weights.d + n * (GROUPS / GPS) + g / GPS));
 #if ASYM
             copy_4(scales + 2 * STAGE_ENTRIES, word_holding(weights.m + n * GROUPS + g));
             copy_4(scales + 3 * STAGE_ENTRIES,
                    word_holding(weights.dmin + n * (GROUPS / GPS) + g / GPS));
-#endif
 #endif
         }
     });
@@ -729,17 +690,12 @@ __device__ __forceinline__ void read_copied_tile(Group (&tile)[ROWS][SLOTS], con
             const unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES
                                      + entry_at(r, j);
             e.words = ring.words[stage * STAGE_ENTRIES + entry_at(r, j)];
-#if Q4K_HEADER
-            e.header = reinterpret_cast<const uint4*>(ring.scales)[stage * STAGE_ENTRIES
-                                                                     + entry_at(r, j)];
-#else
             e.sc = (signed char)(scales[0] >> shift_in_word(weights.sc + n * GROUPS + g));
             e.d = scale_in_word(scales[STAGE_ENTRIES], weights.d + n * (GROUPS / GPS) + g / GPS);
 #if ASYM
             e.m = (signed char)(scales[2 * STAGE_ENTRIES] >> shift_in_word(weights.m + n * GROUPS + g));
             e.dmin = scale_in_word(scales[3 * STAGE_ENTRIES],
                                    weights.dmin + n * (GROUPS / GPS) + g / GPS);
-#endif
 #endif
         } else {
             clear_group(e);
@@ -802,19 +758,6 @@ __device__ __forceinline__ float conv_channel(const ConvStep& conv, const ConvTa
 }
 #endif
 
-#if Q4K_HEADER
-// group j's (of 8) 6-bit sc and m from a Q4_K header's 12 scale bytes s
-// (header words y, z, w): j < 4: s[j] & 63, s[j + 4] & 63; else the low four
-// bits from s[j + 4] (sc low nibble, m high) and the top two from s[j - 4]
-// (sc) and s[j] (m), as llama.cpp's get_scale_min_k4
-__device__ __forceinline__ void header_scale_min(const uint4& h, int j, int& sc, int& m) {
-    const unsigned shift = 8u * (unsigned)(j & 3);
-    const unsigned lo_sc = (h.y >> shift) & 0xFFu, lo_m = (h.z >> shift) & 0xFFu;
-    const unsigned mix = (h.w >> shift) & 0xFFu;
-    sc = (int)(j < 4 ? lo_sc & 63u : (mix & 0x0Fu) | ((lo_sc >> 6) << 4));
-    m = (int)(j < 4 ? lo_m & 63u : (mix >> 4) | ((lo_m >> 6) << 4));
-}
-#endif
 
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
@@ -824,17 +767,11 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
         dot = dp4a((int)(w[i] & 0x0F0F0F0Fu), x.even[i], dot);
         dot = dp4a((int)((w[i] >> 4) & 0x0F0F0F0Fu), x.odd[i], dot);
     }
-#if Q4K_HEADER
-    int sc, m;
-    header_scale_min(e.header, x.in_superblock, sc, m);
-    const scale_t d = (scale_t)(e.header.x & 0xFFFFu), dmin = (scale_t)(e.header.x >> 16);
-#else
     const int sc = e.sc;
     const scale_t d = e.d;
 #if ASYM
     const int m = e.m;
     const scale_t dmin = e.dmin;
-#endif
 #endif
     float part = (float)dot * (scale_float(d) * (float)sc) * x.scale;
 #if ASYM
@@ -1021,9 +958,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         } else {
             xs[j] = XSlice{};   // zero codes and scales: an idle slot adds nothing
         }
-#if Q4K_HEADER
-        xs[j].in_superblock = g % GPS;
-#endif
     }
 #if NORM
     // read only after the first flush's barrier: published without one here

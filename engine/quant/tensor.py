@@ -127,30 +127,6 @@ class QuantTensor:
         return {"qweight": self.qweight, "d": self.d, "sc": self.sc, "dmin": self.dmin,
                 "m": self.m}
 
-    @property
-    def q4_k_layout(self) -> bool:
-        """Q4_K's shape of layout: 4-bit groups of 32 in superblocks of 256
-        with fp16 d and dmin and a minimum (what q4_k_headers packs)."""
-        return (self.bits == 4 and self.group == 32 and self.superblock == 256
-                and self.asymmetric and self.d.dtype == torch.float16)
-
-    def q4_k_headers(self) -> torch.Tensor:
-        """This Q4_K weight's scales as llama.cpp's block headers, [N, K/256,
-        16] uint8: d and dmin (fp16 bytes), then the 12 bytes of the eight
-        groups' 6-bit sc and m (pack_k_scales). Lossless: the values the
-        separate arrays hold. The CUDA GEMV's Q4K_HEADER experiment reads them
-        (144 bytes a superblock with the codes, against the arrays' 148)."""
-        if not self.q4_k_layout:
-            raise ValueError(f"Q4_K headers need 4-bit groups of 32 in superblocks of 256 "
-                             f"with fp16 d and dmin and a minimum: {self.describe()}")
-        if int(self.sc.min()) < 0 or int(self.m.min()) < 0 \
-                or int(self.sc.max()) > 63 or int(self.m.max()) > 63:
-            raise ValueError("Q4_K headers hold 6-bit sc and m (0..63)")
-        n, blocks = self.d.shape
-        halves = [t.contiguous().view(torch.uint8).reshape(n, blocks, 2) for t in (self.d, self.dmin)]
-        scales = pack_k_scales(self.sc.reshape(n, blocks, 8), self.m.reshape(n, blocks, 8))
-        return torch.cat([*halves, scales], dim=-1).contiguous()
-
     # ---------------------------------------------------------- reference
 
     def codes(self, dtype: torch.dtype = torch.int32) -> torch.Tensor:
