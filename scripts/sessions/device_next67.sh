@@ -10,7 +10,8 @@
 #     0. the GPU tests of the copies and of the Q4_K headers (never run);
 #     1. bench.gemv_cuda --no-sweep --copies 2 3 4 --headers: every shape, its
 #        plan through registers against 2-4 tiles of copies at 4, 2 and 8 rows,
-#        and the header experiment;
+#        and the header experiment (ran 12:23 on an H100; the headers were
+#        removed after it, so this call no longer runs as written);
 #     2. the int4 27B step, two rounds: the tree, TANDEM_GEMV_COPY_TILES=2, =3.
 #   then on an H200 only: device_next66.sh h200 (ROUNDS=1 CRITICAL=0; carry .device)
 set -uo pipefail
@@ -29,17 +30,16 @@ case "$call" in
       TANDEM_GEMV_COPY_TILES=3 step_27b c${r}_c_copies3
     done
     step_cols c ;;
-  fix)  # after `copies` (12:23, H100): 48 KB rings launched without the opt-in (fixed), the
-    # headers 2x slower, 3 tiles of copies 8.35 ms against 6.40: tests, the bench per shape, and
-    # Nsight Compute on gate_up's and down's variants (what limits the kernel: loads in
-    # flight, L1 wavefronts, or issue)
+  fix)  # after `copies` (12:23, H100): 48 KB rings launched without the opt-in (fixed), 3
+    # tiles of copies 8.35 ms against 6.40: tests, the bench per shape, and Nsight Compute on
+    # gate_up through registers and through 3 tiles of copies (~4 min)
     STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gemv_cuda.py \
       -k "copies or copy_tiles"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -10
     STEP_TAIL=8 step copies 200 python3 -m bench.gemv_cuda --no-sweep --copies 2 3 \
       --only gate_up down "gdn out"
     for shape in gate_up; do
-      for v in arrays headers copies3; do
+      for v in arrays copies3; do
         STEP_TAIL=0 step "ncu_${shape}_$v" 100 ncu --clock-control none --kernel-name tandem_q4_gemv \
           --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
           --section WarpStateStats --section MemoryWorkloadAnalysis --section InstructionStats \

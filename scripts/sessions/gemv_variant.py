@@ -1,6 +1,6 @@
 """One 27B GEMV shape run many times in one variant, for Nsight Compute
-(device_next67.sh ncu): arrays (the register pipeline), headers (Q4_K
-headers), copiesC (each thread's copies of C tiles), headers_copiesC.
+(device_next67.sh fix): arrays (the register pipeline), copiesC (each
+thread's copies of C tiles).
 
     python scripts/sessions/gemv_variant.py gate_up copies3
 """
@@ -18,11 +18,9 @@ fmt, n, k = next((f, n, k) for m, f, n, k, _ in model_shapes() if m == name and 
 weights = _copies(fmt, n, k, device)
 copies = int(variant.rsplit("copies", 1)[1]) if "copies" in variant else 0
 plan = replace(picked_plan(n, k, card_name(0)), stages=0, copies=copies)
-headers = [qt.q4_k_headers() for qt in weights] if variant.startswith("headers") else None
 x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
 out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
 for i in range(40):
-    gemv_cuda(x, weights[i % len(weights)], out=out, plan=plan, pdl=True,
-              headers=headers[i % len(weights)] if headers else None)
+    gemv_cuda(x, weights[i % len(weights)], out=out, plan=plan, pdl=True)
 torch.cuda.synchronize()
 print(name, variant, plan.spec())
