@@ -31,22 +31,21 @@ case "$call" in
     done
     step_cols c ;;
   fix)  # after `copies` (12:23, H100): 48 KB rings launched without the opt-in (fixed), 3
-    # tiles of copies 8.35 ms against 6.40: tests, the bench per shape, and Nsight Compute on
-    # gate_up through registers and through 3 tiles of copies (~4 min)
-    STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gemv_cuda.py \
-      -k "copies or copy_tiles"
-    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -10
-    STEP_TAIL=8 step copies 200 python3 -m bench.gemv_cuda --no-sweep --copies 2 3 \
+    # tiles of copies 8.35 ms against 6.40. Lean (the session's device time nearly spent):
+    # the bench per shape first, Nsight Compute on gate_up through registers and through 3
+    # tiles of copies, then the tests (~3 min)
+    STEP_TAIL=8 step copies 100 python3 -m bench.gemv_cuda --no-sweep --copies 2 3 \
       --only gate_up down "gdn out"
-    for shape in gate_up; do
-      for v in arrays copies3; do
-        STEP_TAIL=0 step "ncu_${shape}_$v" 100 ncu --clock-control none --kernel-name tandem_q4_gemv \
-          --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
-          --section WarpStateStats --section MemoryWorkloadAnalysis --section InstructionStats \
-          --section LaunchStats python3 scripts/sessions/gemv_variant.py $shape $v
-        grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|Achieved Occupancy|Registers Per|Dynamic Shared|Stall|Issued Ipc|Issue Slots Busy|Executed Ipc|L1/TEX Cache Throughput|One or More|Block Limit" \
-          "$OUT/ncu_${shape}_$v.log" | head -24
-      done
-    done ;;
+    for v in arrays copies3; do
+      STEP_TAIL=0 step "ncu_gate_up_$v" 60 ncu --clock-control none --kernel-name tandem_q4_gemv \
+        --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats \
+        python3 scripts/sessions/gemv_variant.py gate_up $v
+      grep -E "Duration|DRAM Throughput|L1/TEX Hit|Achieved Occupancy|Registers Per|Dynamic Shared|Stall|Issue Slots Busy|L1/TEX Cache Throughput|Block Limit|Warp Cycles Per Issued" \
+        "$OUT/ncu_gate_up_$v.log" | head -20
+    done
+    STEP_TAIL=4 step tests 60 python3 -m pytest -q -p no:cacheprovider -rf tests/test_gemv_cuda.py \
+      -k "copies or copy_tiles"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -10 ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
