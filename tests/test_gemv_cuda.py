@@ -964,6 +964,28 @@ def test_the_copy_tiles_switch_is_off_by_default_a_plans_own_count_wins_and_a_ba
         plan_copy_tiles(plan_for(5120))
 
 
+def test_the_copies_a_launch_takes_none_under_a_ring_or_a_norm_prologue(monkeypatch):
+    """_copy_tiles, which every launch calls (its loss from the module went
+    unseen on the CPU once, 12-07, and failed every GPU launch): the plan's
+    or the switch's count; none for a ring plan or beside a norm prologue,
+    whose weight stash waits on every copy; a plan given its own count
+    there is refused."""
+    from engine.quant.gemv_cuda import COPY_TILES_ENV, GatedNormPrologue, NormPrologue, _copy_tiles
+
+    monkeypatch.setenv(COPY_TILES_ENV, "3")
+    norm = NormPrologue(torch.ones(5120, dtype=torch.bfloat16), 1e-6, True)
+    gated = GatedNormPrologue(torch.zeros(1, 512, dtype=torch.bfloat16),
+                              torch.ones(128, dtype=torch.bfloat16), 1e-6)
+    assert _copy_tiles(plan_for(5120), given=False, prologue=None) == 3
+    assert _copy_tiles(plan_for(5120, copies=2), given=True, prologue=None) == 2
+    assert _copy_tiles(plan_for(5120, stages=3), given=False, prologue=None) == 0
+    assert _copy_tiles(plan_for(5120), given=True, prologue=norm) == 0
+    assert _copy_tiles(plan_for(5120), given=False, prologue=gated) == 0
+    assert _copy_tiles(plan_for(5120), given=False, prologue=gemv_cuda.SiluPrologue()) == 3
+    with pytest.raises(ValueError, match="copies=0"):
+        _copy_tiles(plan_for(5120, copies=2), given=True, prologue=norm)
+
+
 def test_the_copies_shared_memory_is_a_word_and_a_scale_word_per_array_an_entry():
     """q4_gemv.cu's CopyRing: [C][rows][slots][threads] 16-byte words, then
     one 4-byte word per scale array; down's 544 threads hold 3 tiles of 4

@@ -682,6 +682,20 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     return out
 
 
+def _copy_tiles(plan: CudaGemvPlan, given: bool, prologue: Prologue | None) -> int:
+    """The tiles each thread of `plan` keeps in flight through cp.async
+    (plan_copy_tiles), 0 where the build cannot take them: a ring plan, the
+    norm prologues (whose weight stash waits on every copy of the thread).
+    A plan given with its own count there is refused."""
+    copies = 0 if plan.stages else plan_copy_tiles(plan)
+    if copies and isinstance(prologue, (NormPrologue, GatedNormPrologue)):
+        if given and plan.copies:
+            raise ValueError(f"plan {plan.spec()}: the threads' copies take no norm "
+                             f"prologue: use copies=0")
+        copies = 0
+    return copies
+
+
 def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:
     """A ring plan the weight or the build cannot take: refused when the
     caller gave it, else (a plans file's, the default's) the register
