@@ -3,7 +3,7 @@ on the 27B's one-row Q4_K shapes, timed like bench.quant (a CUDA graph of
 back-to-back calls, weight copies cycled past L2, PDL on as in the step):
 
     python -m bench.gemv_cuda [--rows 1 2 4 8] [--only NAME ...] [--no-sweep] [--plans-out FILE] [--json FILE] [--norm] [--silu] [--gated]
-        [--read-ahead [MB ...]] [--stages [N ...]] [--copies [C ...]]
+        [--read-ahead [MB ...]] [--stages [N ...]]
 
 First every rows-per-tile at the plan's own slots and a full persistent
 grid, then, for each shape's best: twice the slots (at the
@@ -19,10 +19,7 @@ add_rms_norm launch then the GEMV against the GEMV doing the norm in its
 prologue (gemv_cuda.NormPrologue), and beside them the GEMV alone and the
 prologue without the pending residual (what every block's second read of
 a row costs); --silu the same for down and the MLP's
-silu_mul, --gated for gdn out and GDN's gated norm. --copies times each shape's plan (its
-ring set aside) with each thread keeping C tiles in flight through its own
-cp.async copies (q4_gemv.cu's COPY_TILES), at its rows and at 2 and 8
-rows, against the register pipeline's one tile. --read-ahead times
+silu_mul, --gated for gdn out and GDN's gated norm. --read-ahead times
 two GEMVs in the step's order with the small kernels between them (stood in
 for by tiny elementwise launches), plain against the first reading the
 second's leading 8, 16 or 32 MB into L2 (gemv_cuda.L2Prefetch). GPU only.
@@ -117,30 +114,6 @@ def prologue_pair(name: str, n: int, k: int, fmt, device, prologue: str) -> dict
     del copies
     return {"matrix": name, "prologue": prologue, "N": n, "K": k,
             **{f"{label}_us": seconds * 1e6 for label, seconds in timed.items()}}
-
-
-def copies_row(name: str, n: int, k: int, fmt, device, bandwidth: float,
-               counts: list[int]) -> dict:
-    """The shape's plan (ring aside) through the register pipeline against
-    the same plan, and at 2 and 8 rows, with each thread's copies of C
-    tiles for each C in `counts`, graph-timed; spilling builds are inf."""
-    from dataclasses import replace
-
-    from engine.quant.gemv_cuda import card_name, picked_plan, plan_for
-
-    copies = _copies(fmt, n, k, device)
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-    base = replace(picked_plan(n, k, card_name(device.index or 0)), stages=0, copies=0)
-    timed = {"registers": _time_cuda(x, copies, base)}
-    for c in counts:
-        for rows in dict.fromkeys([base.rows, 2, 8]):
-            plan = plan_for(k, rows=rows, slots=base.slots, blocks_per_sm=base.blocks_per_sm,
-                            flush=min(base.flush, max(1, base.threads // rows)), copies=c)
-            timed[f"r{rows} c{c}"] = _time_cuda(x, copies, plan)
-    floor = (copies[0].nbytes + k * 2 + n * 2) / bandwidth
-    del copies
-    return {"matrix": name, "N": n, "K": k, "plan": base.spec(), "floor_us": floor * 1e6,
-            "us": {key: seconds * 1e6 for key, seconds in timed.items()}}
 
 
 # (first, second, small kernels between them in a 27B step): GDN's conv,
@@ -253,9 +226,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time down's SiLU prologue against a silu_mul launch and the GEMV")
     p.add_argument("--gated", action="store_true",
                    help="also time gdn out's gated norm prologue against its launch and the GEMV")
-    p.add_argument("--copies", type=int, nargs="*", metavar="C",
-                   help="also time each shape with each thread's copies of C tiles in flight "
-                        "(none given: 2 3 4)")
     p.add_argument("--read-ahead", type=int, nargs="*", metavar="MB",
                    help="also time GEMV pairs with the first reading the second ahead "
                         "(MB each; none given: 8 16 32)")
@@ -309,17 +279,6 @@ def main(argv: list[str] | None = None) -> int:
                       *(f"{r[key]:.1f}" if key in r else "-"
                         for key in ("plain_us", "fused_without_pending_us"))]
                      for r in norms])
-    if args.copies is not None:
-        rows = [copies_row(name, n, k, fmt, device, bandwidth, args.copies or [2, 3, 4])
-                for name, fmt, n, k, per_step in model_shapes()
-                if fmt.name == "Q4_K" and (per_step or name == "lm_head")
-                and (not args.only or name in args.only)]
-        keys = list(rows[0]["us"]) if rows else []
-        print_table("the register pipeline against each thread's copies of C tiles "
-                    "(rRows cC), us (% of floor)", ["matrix", "N", "K", "floor", *keys],
-                    [[r["matrix"], r["N"], r["K"], f"{r['floor_us']:.1f}",
-                      *(f"{r['us'][key]:.1f} ({100 * r['floor_us'] / r['us'][key]:.0f}%)"
-                        for key in keys)] for r in rows])
     aheads = []
     if args.read_ahead is not None:
         shapes = {name: (name, fmt, n, k) for name, fmt, n, k, _ in model_shapes()

@@ -46,7 +46,6 @@ _MAX_SHARED_BYTES = 227 * 1024
 _FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1   # a build's static shared memory (cuda.h)
 MAX_STAGES = 8
 EARLY_L2_TILES_CHOICES = (0, 1, 2, 3, 4)   # tiles past its first a block asks L2 for early
-COPY_TILES_CHOICES = (0, 2, 3, 4, 5, 6)   # tiles a thread keeps in flight through cp.async
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,7 @@ class CudaGemvPlan:
     only where bulk_copyable holds); early_tiles: how many tiles past its
     first each block asks L2 for before the dependent-launch wait (None:
     TANDEM_GEMV_EARLY_L2_TILES's count; a block that walks only 2-3 tiles,
-    as the out projections' do, may want all of them asked early);
-    copies: how many tiles each thread keeps in flight through its own
-    cp.async copies into shared memory (q4_gemv.cu, COPY_TILES; 0: the
-    register pipeline's one tile ahead; None: TANDEM_GEMV_COPY_TILES's
-    count; a ring plan takes none)."""
+    as the out projections' do, may want all of them asked early)."""
     rows: int
     slots: int
     threads: int
@@ -75,7 +70,6 @@ class CudaGemvPlan:
     flush: int = 1
     stages: int = 0
     early_tiles: int | None = None
-    copies: int | None = None
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.slots < 1 or self.groups < 1:
@@ -95,12 +89,6 @@ class CudaGemvPlan:
         if self.early_tiles is not None and self.early_tiles not in EARLY_L2_TILES_CHOICES:
             raise ValueError(f"early_tiles must be None (the switch's) or one of "
                              f"{EARLY_L2_TILES_CHOICES}: {self}")
-        if self.copies is not None and self.copies not in COPY_TILES_CHOICES:
-            raise ValueError(f"copies must be None (the switch's) or one of "
-                             f"{COPY_TILES_CHOICES}: {self}")
-        if self.copies and self.stages:
-            raise ValueError(f"a plan takes its tiles through the bulk-copy ring (stages) or "
-                             f"through each thread's copies, not both: {self}")
 
     def spec(self) -> dict:
         """The choices a plans file records (plan_for rebuilds the plan from
@@ -109,8 +97,6 @@ class CudaGemvPlan:
                 "flush": self.flush, "stages": self.stages}
         if self.early_tiles is not None:
             spec["early_tiles"] = self.early_tiles
-        if self.copies is not None:
-            spec["copies"] = self.copies
         return spec
 
     def stage_bytes(self, superblock: int, asymmetric: bool, d_fp32: bool) -> int:
@@ -123,12 +109,6 @@ class CudaGemvPlan:
     def ring_bytes(self, superblock: int, asymmetric: bool, d_fp32: bool) -> int:
         return self.stages * self.stage_bytes(superblock, asymmetric, d_fp32)
 
-    def copy_bytes(self, copies: int, asymmetric: bool) -> int:
-        """The shared memory `copies` tiles of each thread's copies take
-        (q4_gemv.cu's CopyRing): a 16-byte word and a 4-byte word for each
-        scale array (sc, d, and m, dmin when asymmetric) an entry."""
-        return copies * self.rows * self.slots * self.threads * (16 + 4 * (4 if asymmetric else 2))
-
     def tiles(self, n: int) -> int:
         return -(-n // self.rows)
 
@@ -139,8 +119,7 @@ class CudaGemvPlan:
 
 
 def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_per_sm: int = 0,
-             flush: int = 1, stages: int = 0, early_tiles: int | None = None,
-             copies: int | None = None) -> CudaGemvPlan:
+             flush: int = 1, stages: int = 0, early_tiles: int | None = None) -> CudaGemvPlan:
     """The fewest slots whose thread count is a whole number of warps that
     covers K's groups with the least idle threads (K = 5120: 160 threads x 1
     slot; 17408: 544 x 1; 6144: 192 x 1), or `slots` given."""
@@ -163,7 +142,7 @@ def plan_for(k: int, rows: int = DEFAULT_ROWS, slots: int | None = None, blocks_
                          f"with {slots} slots")
     return CudaGemvPlan(rows=rows, slots=best[1], threads=best[2], groups=groups,
                         blocks_per_sm=blocks_per_sm, flush=flush, stages=stages,
-                        early_tiles=early_tiles, copies=copies)
+                        early_tiles=early_tiles)
 
 
 def bulk_copyable(plan: CudaGemvPlan, qt: QuantTensor) -> bool:
@@ -465,20 +444,18 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
                   pdl: bool, prologue: Prologue | None = None,
                   l2_prefetch: bool = False,
                   epilogue: Epilogue | None = None,
-                  early_l2_tiles: int = 0, copy_tiles: int = 0) -> tuple[str, ...]:
+                  early_l2_tiles: int = 0) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options. A ring
-    (stages > 0) or the threads' copies (copy_tiles > 0) fill their first
-    tiles before the wait and take no early tiles, so their options say 0
-    whatever was asked: one binary, one key."""
+    (stages > 0) fills its stages before the wait and takes no early tiles,
+    so its options say 0 whatever was asked: one binary, one key."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
              **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
-    early_l2_tiles = 0 if plan.stages or copy_tiles else early_l2_tiles
+    early_l2_tiles = 0 if plan.stages else early_l2_tiles
     return (f"-DROWS={plan.rows}", f"-DSLOTS={plan.slots}", f"-DTHREADS={plan.threads}",
             f"-DGROUPS={plan.groups}", f"-DGPS={superblock // GROUP}",
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
             f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
             f"-DL2_PREFETCH={int(l2_prefetch)}", f"-DEARLY_L2_TILES={early_l2_tiles}",
-            f"-DCOPY_TILES={copy_tiles}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -517,7 +494,7 @@ def _compiled(options: tuple[str, ...], device: int, threads: int,
         return _Compiled(kernel.func, kernel, 0, local.value, shared_bytes, fits_shared=False)
     if static.value + shared_bytes > _DEFAULT_SHARED_BYTES:
         # past 48 KB a block, static and dynamic together, the launch must opt in
-        # (a 48 KB copy ring beside 96 bytes of static arrays failed without it)
+        # (a 48 KB ring beside 96 bytes of static arrays failed without it, 12-07)
         _check(driver.cuFuncSetAttribute(kernel.func, _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          ctypes.c_int(shared_bytes)), "cuFuncSetAttribute")
     resident = ctypes.c_int(0)
@@ -643,22 +620,14 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     d_fp32 = qt.d.dtype == torch.float32
 
     early = plan_early_tiles(plan) if bulk_prefetch else 0
-    copies = _copy_tiles(plan, given, prologue)
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
-                                       prologue, l2_prefetch is not None, epilogue, early,
-                                       copies),
+                                       prologue, l2_prefetch is not None, epilogue, early),
                          device, plan.threads,
-                         plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32)
-                         + plan.copy_bytes(copies, qt.asymmetric))
+                         plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
     compiled = build(plan)
-    while not compiled.fits_shared and copies:
-        # fewer tiles in flight where the block cannot hold them (down's 544
-        # threads hold 3 at 4 rows a tile); none below 2
-        copies = copies - 1 if copies > 2 else 0
-        compiled = build(plan)
     if not compiled.fits_shared:
         plan = _without_ring(plan, given, f"its ring of {compiled.shared_bytes} bytes and the "
                                           f"build's static arrays pass the {_MAX_SHARED_BYTES} "
@@ -682,20 +651,6 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
     return out
 
 
-def _copy_tiles(plan: CudaGemvPlan, given: bool, prologue: Prologue | None) -> int:
-    """The tiles each thread of `plan` keeps in flight through cp.async
-    (plan_copy_tiles), 0 where the build cannot take them: a ring plan, the
-    norm prologues (whose weight stash waits on every copy of the thread).
-    A plan given with its own count there is refused."""
-    copies = 0 if plan.stages else plan_copy_tiles(plan)
-    if copies and isinstance(prologue, (NormPrologue, GatedNormPrologue)):
-        if given and plan.copies:
-            raise ValueError(f"plan {plan.spec()}: the threads' copies take no norm "
-                             f"prologue: use copies=0")
-        copies = 0
-    return copies
-
-
 def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:
     """A ring plan the weight or the build cannot take: refused when the
     caller gave it, else (a plans file's, the default's) the register
@@ -708,32 +663,12 @@ def _without_ring(plan: CudaGemvPlan, given: bool, why: str) -> CudaGemvPlan:
 CUDA_ENV = "TANDEM_GEMV_CUDA"
 PLANS_ENV = "TANDEM_GEMV_CUDA_PLANS"
 EARLY_L2_TILES_ENV = "TANDEM_GEMV_EARLY_L2_TILES"
-COPY_TILES_ENV = "TANDEM_GEMV_COPY_TILES"
 
 
 def plan_early_tiles(plan: CudaGemvPlan) -> int:
     """The tiles past its first each block of `plan` asks L2 for before the
     wait: the plan's own count, else the switch's (early_l2_tiles)."""
     return early_l2_tiles() if plan.early_tiles is None else plan.early_tiles
-
-
-def plan_copy_tiles(plan: CudaGemvPlan) -> int:
-    """The tiles each thread of `plan` keeps in flight through its own
-    copies: the plan's own count, else the switch's (copy_tiles)."""
-    return copy_tiles() if plan.copies is None else plan.copies
-
-
-def copy_tiles() -> int:
-    """TANDEM_GEMV_COPY_TILES: how many tiles each thread of a register
-    plan keeps in flight through cp.async copies into shared memory
-    (q4_gemv.cu, COPY_TILES), 0 (the default: the register pipeline's one
-    tile ahead) or 2-6. Built for the H200, whose GEMVs reach 81% of their
-    floor in the step where the H100's reach ~96%: one tile ahead a thread
-    is too few bytes in flight for its bandwidth. Untimed. Read per call, in
-    a CUDA graph at capture."""
-    from engine.switches import one_of
-
-    return one_of(COPY_TILES_ENV, 0, COPY_TILES_CHOICES)
 
 
 def early_l2_tiles() -> int:
@@ -784,8 +719,7 @@ def _plans_file(path: str) -> dict[tuple[int, int], CudaGemvPlan]:
                                  blocks_per_sm=int(spec.get("blocks_per_sm", 0)),
                                  flush=int(spec.get("flush", 1)),  # older files lack them
                                  stages=int(spec.get("stages", 0)),
-                                 early_tiles=spec.get("early_tiles"),
-                                 copies=spec.get("copies"))
+                                 early_tiles=spec.get("early_tiles"))
     return plans
 
 

@@ -39,14 +39,10 @@
 //     frees its stage (an `empty` mbarrier) as soon as it has read the
 //     stage into registers, and thread 0 refills it with the block's tile
 //     STAGES ahead.
-//   * COPY_TILES=C >= 2: each thread copies its own entries of the block's
-//     next C tiles into shared memory (cp.async, one commit group a tile)
-//     and reads back only what it copied, so no barrier or mbarrier is
-//     needed: C tiles in flight a thread for the registers of one. The
-//     bulk-copy ring above lost on every shape but lm_head, its start and
-//     its one issuing thread costing ~3 us on the 6-us shapes (2026-12-05);
-//     this ring has neither. The scales come as the aligned 4-byte words
-//     that hold them (a cp.async moves 4, 8 or 16 bytes).
+//   (Each thread cp.async-copying its own entries of its next 2-3 tiles into
+//   shared memory, no barrier needed, lost 27-38% on every shape on an
+//   H100: L1 80% busy, each byte crossing it twice, and three blocks an SM
+//   for the copies' shared memory; removed, BENCHMARKS.md 2026-12-07 13:40.)
 //   * EARLY_L2_TILES=E > 0: before griddepcontrol.wait each block also asks
 //     L2 (one bulk prefetch an array, sm_90) for its next E tiles, the ones
 //     its first tile's registers do not hold, so that DRAM streams them
@@ -108,7 +104,6 @@
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
-// COPY_TILES (0: none; else 2 or more, without STAGES, NORM or GATED),
 // L2_PREFETCH, EARLY_L2_TILES, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
@@ -500,14 +495,6 @@ __device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
 }
 #endif
 
-#if STAGES || COPY_TILES
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-    unsigned s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-    return s;
-}
-#endif
-
 #if STAGES
 // A stage: the tile's ROWS rows of words, then of sc, d (and m, dmin), each
 // contiguous in global memory from row index * ROWS on
@@ -525,6 +512,12 @@ constexpr int STAGE_BYTES = D_AT + D_BYTES;
 #endif
 static_assert(SC_BYTES % 16 == 0 && D_BYTES % 16 == 0,
               "a bulk copy moves whole 16-byte units: gemv_cuda.bulk_copyable refuses this plan");
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    unsigned s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
 
 __device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;"
@@ -601,108 +594,6 @@ __device__ __forceinline__ void read_stage(Group (&tile)[ROWS][SLOTS],
 }
 #endif
 
-#if COPY_TILES
-static_assert(COPY_TILES >= 2 && !STAGES && !NORM && !GATED,
-              "the copy ring: 2 or more tiles, not with a bulk-copy ring or the norm "
-              "prologues (their weight stash waits on every copy of the thread)");
-// A stage holds one tile's entries of this thread: entry (r, j) of stage s at
-// [s][r][j][thread] (consecutive threads, consecutive words: no bank
-// conflicts), the 16-byte words first, then for each scale array the
-// 4-byte word that holds the entry's scale ([s][array][r][j][thread]): a
-// cp.async moves 4, 8 or 16 bytes, so a byte or an fp16 comes with its
-// neighbours and is picked out on the read.
-constexpr int SCALE_ARRAYS = ASYM ? 4 : 2;   // sc, d (, m, dmin)
-constexpr int STAGE_ENTRIES = ROWS * SLOTS * THREADS;
-
-struct CopyRing {
-    uint4* words;        // [COPY_TILES][STAGE_ENTRIES]
-    unsigned* scales;    // [COPY_TILES][SCALE_ARRAYS][STAGE_ENTRIES]
-};
-
-__device__ __forceinline__ void copy_16(void* dst, const void* src) {
-    // .cg: L2 only, the weights are read once
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                 :: "r"(shared_address(dst)), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void copy_4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
-                 :: "r"(shared_address(dst)), "l"(src) : "memory");
-}
-
-// the aligned 4-byte word holding *p (within p's allocation: those are
-// 256-byte aligned), and where in it *p starts, in bits
-template <typename T>
-__device__ __forceinline__ const unsigned* word_holding(const T* p) {
-    return reinterpret_cast<const unsigned*>(reinterpret_cast<unsigned long long>(p) & ~3ull);
-}
-template <typename T>
-__device__ __forceinline__ unsigned shift_in_word(const T* p) {
-    return 8u * (unsigned)(reinterpret_cast<unsigned long long>(p) & 3ull);
-}
-
-__device__ __forceinline__ int entry_at(int r, int j) { return (r * SLOTS + j) * THREADS + threadIdx.x; }
-
-// this thread's entries of tile `index` into `stage` (no commit: the caller's)
-__device__ __forceinline__ void copy_tile(const CopyRing& ring, int stage, int index, int n_rows,
-                                          const Weight& weights) {
-    each_entry(index, n_rows, [&](int r, int j, long long n, int g) {
-        if (live_group(g)) {
-            const int at = stage * STAGE_ENTRIES + entry_at(r, j);
-            unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES + entry_at(r, j);
-            copy_16(ring.words + at, weights.qw + n * GROUPS + g);
-            copy_4(scales, word_holding(weights.sc + n * GROUPS + g));
-            copy_4(scales + STAGE_ENTRIES, word_holding(weights.d + n * (GROUPS / GPS) + g / GPS));
-#if ASYM
-            copy_4(scales + 2 * STAGE_ENTRIES, word_holding(weights.m + n * GROUPS + g));
-            copy_4(scales + 3 * STAGE_ENTRIES,
-                   word_holding(weights.dmin + n * (GROUPS / GPS) + g / GPS));
-#endif
-        }
-    });
-}
-
-__device__ __forceinline__ void commit_copies() {
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// every copy group but the newest COPY_TILES - 1 has landed: the oldest tile's
-__device__ __forceinline__ void wait_oldest_tile() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(COPY_TILES - 1) : "memory");
-}
-
-__device__ __forceinline__ scale_t scale_in_word(unsigned word, const scale_t* p) {
-#if D_F32
-    return __uint_as_float(word);
-#else
-    return (scale_t)(word >> shift_in_word(p));
-#endif
-}
-
-// this thread's entries of tile `index` from `stage`, as load_tile gives them;
-// only the thread's own copies are read, so its wait suffices (no barrier)
-__device__ __forceinline__ void read_copied_tile(Group (&tile)[ROWS][SLOTS], const CopyRing& ring,
-                                                 int stage, int index, int n_rows,
-                                                 const Weight& weights) {
-    each_entry(index, n_rows, [&](int r, int j, long long n, int g) {
-        Group& e = tile[r][j];
-        if (live_group(g)) {
-            const unsigned* scales = ring.scales + stage * SCALE_ARRAYS * STAGE_ENTRIES
-                                     + entry_at(r, j);
-            e.words = ring.words[stage * STAGE_ENTRIES + entry_at(r, j)];
-            e.sc = (signed char)(scales[0] >> shift_in_word(weights.sc + n * GROUPS + g));
-            e.d = scale_in_word(scales[STAGE_ENTRIES], weights.d + n * (GROUPS / GPS) + g / GPS);
-#if ASYM
-            e.m = (signed char)(scales[2 * STAGE_ENTRIES] >> shift_in_word(weights.m + n * GROUPS + g));
-            e.dmin = scale_in_word(scales[3 * STAGE_ENTRIES],
-                                   weights.dmin + n * (GROUPS / GPS) + g / GPS);
-#endif
-        } else {
-            clear_group(e);
-        }
-    });
-}
-#endif
 
 #if CONV
 #if CONV_WIN_F32
@@ -854,17 +745,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                 fill_stage(ring + s * STAGE_BYTES, &full[s], index + s * gridDim.x, weights);
     }
     int taken = 0;            // tiles this block has read from the ring
-#elif COPY_TILES
-    extern __shared__ __align__(16) unsigned char ring[];
-    const CopyRing copies{reinterpret_cast<uint4*>(ring),
-                          reinterpret_cast<unsigned*>(ring + COPY_TILES * STAGE_ENTRIES * 16)};
-#pragma unroll
-    for (int c = 0; c < COPY_TILES; ++c) {   // weights: no kernel writes them, so before the wait
-        if (index + c * (int)gridDim.x < tiles)
-            copy_tile(copies, c, index + c * gridDim.x, n_rows, weights);
-        commit_copies();   // empty groups too: the wait counts groups
-    }
-    int taken = 0;            // tiles this block has read from the ring
 #else
     Group next[ROWS][SLOTS];
     if (index < tiles)
@@ -884,7 +764,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             stash_norm_weight(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
     }
 #endif
-#if EARLY_L2_TILES && !STAGES && !COPY_TILES
+#if EARLY_L2_TILES && !STAGES
     if (threadIdx.x == 0) {
 #pragma unroll
         for (int e = 1; e <= EARLY_L2_TILES; ++e)
@@ -990,10 +870,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             }
             ++taken;
         }
-#elif COPY_TILES
-        const int stage = taken % COPY_TILES;
-        wait_oldest_tile();
-        read_copied_tile(tile, copies, stage, index, n_rows, weights);
 #else
 #pragma unroll
         for (int r = 0; r < ROWS; ++r)
@@ -1013,15 +889,6 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
                 acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
             if (lane == 0) partial[held][r][warp] = acc[r];
         }
-#if COPY_TILES
-        {   // the stage's entries are in registers that the dots above have read, so
-            // (in-order issue) its refill cannot land on them before they are read
-            const int refill = index + COPY_TILES * (int)gridDim.x;
-            if (refill < tiles) copy_tile(copies, stage, refill, n_rows, weights);
-            commit_copies();
-            ++taken;
-        }
-#endif
         ++held;
         if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
 #if SILU_MUL

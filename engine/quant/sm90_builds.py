@@ -122,14 +122,13 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
     `card` (its CARD_PLANS, plan_for's for the out projections; the
     epilogues on by default, one early tile, the read-ahead), each also
     without the early tiles, the three prologues behind their switches
-    (the norm's on every projection after a layer norm), and 2 and 3 tiles
-    of each thread's copies."""
-    def options(n, k, early=1, prologue=None, epilogue=None, plan=None, copies=0):
+    (the norm's on every projection after a layer norm)."""
+    def options(n, k, early=1, prologue=None, epilogue=None, plan=None):
         # the table's plan, not picked_plan's: no switch of the environment moves the cases
         plan = plan or card_plan(card, n, k) or plan_for(k)
         return build_options(plan, SUPERBLOCK, True, False, True,
                              prologue=prologue, l2_prefetch=True, epilogue=epilogue,
-                             early_l2_tiles=early, copy_tiles=copies)
+                             early_l2_tiles=early)
 
     epilogues = {GATE_UP: SiluMulEpilogue(), GDN_IN: _conv_epilogue()}
     cases = []
@@ -155,11 +154,6 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
         (f"{card}: gdn out with its own early tile count 3",
          options(*OUT_PROJ, early=3, plan=plan_for(OUT_PROJ[1], early_tiles=3))),
     ]
-    # TANDEM_GEMV_COPY_TILES's builds on the register plans (lm_head's H200 ring takes none)
-    cases += [(f"{card}: {n} x {k} with {copies} tiles of copies",
-               options(n, k, epilogue=epilogues.get((n, k)), copies=copies))
-              for n, k in [*CARD_PLANS[card], OUT_PROJ]
-              if not (card_plan(card, n, k) or plan_for(k)).stages for copies in (2, 3)]
     return cases
 
 

@@ -14,6 +14,9 @@
 #        removed after it, so this call no longer runs as written);
 #     2. the int4 27B step, two rounds: the tree, TANDEM_GEMV_COPY_TILES=2, =3.
 #   then on an H200 only: device_next66.sh h200 (ROUNDS=1 CRITICAL=0; carry .device)
+# Both calls ran (12-07 12:23 and 13:39-13:41, H100s); the copies and the Q4_K headers lost and
+# were removed after them (BENCHMARKS.md 2026-12-07 13:40), so this script no longer runs as
+# written: a record of what ran. `fix` used scripts/sessions/gemv_variant.py (removed with them).
 set -uo pipefail
 call=${1:?copies}
 source scripts/device_env.sh
