@@ -211,40 +211,31 @@ __device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
 #endif
 }
 
-// whether slot j's group g is one of K's (folds away when no thread idles)
-__device__ __forceinline__ bool live_group(int g) { return SLOTS * THREADS == GROUPS || g < GROUPS; }
-
-// visit(r, j, n, g) for each of this thread's entries of tile `index`: row r
-// (weight row n), slot j (group g)
-template <typename Visit>
-__device__ __forceinline__ void each_entry(int index, int n_rows, Visit&& visit) {
+__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
+                                          const Weight& weights) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const long long n = tile_row(index, r, n_rows);
 #pragma unroll
-        for (int j = 0; j < SLOTS; ++j) visit(r, j, n, (int)threadIdx.x + j * THREADS);
-    }
-}
-
-__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
-                                          const Weight& weights) {
-    each_entry(index, n_rows, [&](int r, int j, long long n, int g) {
-        Group& e = tile[r][j];
-        if (live_group(g)) {
-            e.words = load_streamed(weights.qw + n * GROUPS + g);
-            // __ldg: the early tiles' prefetch takes these pointers into
-            // an asm with a memory clobber, after which nvcc no longer
-            // proves them read-only and the scales lost ld.global.nc
-            e.sc = __ldg(weights.sc + n * GROUPS + g);
-            e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
+        for (int j = 0; j < SLOTS; ++j) {
+            const int g = threadIdx.x + j * THREADS;
+            Group& e = tile[r][j];
+            if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
+                e.words = load_streamed(weights.qw + n * GROUPS + g);
+                // __ldg: the early tiles' prefetch takes these pointers into
+                // an asm with a memory clobber, after which nvcc no longer
+                // proves them read-only and the scales lost ld.global.nc
+                e.sc = __ldg(weights.sc + n * GROUPS + g);
+                e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
 #if ASYM
-            e.m = __ldg(weights.m + n * GROUPS + g);
-            e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
+                e.m = __ldg(weights.m + n * GROUPS + g);
+                e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
 #endif
-        } else {
-            clear_group(e);
+            } else {
+                clear_group(e);
+            }
         }
-    });
+    }
 }
 
 // a group's 32 bf16 values as 16 words, k = 2i in the low half of word i
@@ -594,7 +585,6 @@ __device__ __forceinline__ void read_stage(Group (&tile)[ROWS][SLOTS],
 }
 #endif
 
-
 #if CONV
 #if CONV_WIN_F32
 typedef float window_t;
@@ -648,7 +638,6 @@ __device__ __forceinline__ float conv_channel(const ConvStep& conv, const ConvTa
     return acc / (1.0f + __expf(-acc));
 }
 #endif
-
 
 __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
     int dot = 0;
