@@ -368,7 +368,8 @@ def test_a_ring_within_48_kb_beside_static_arrays_past_it_launches():
     """K = 5120 at 4 stages is a 47,360-byte ring, under the 48 KB a block
     has without opting in, but the norm prologue's weight stash (10 KB of
     static arrays) takes the block past it: the opt-in must count both (it
-    counted the ring alone until 12-07, and such a launch failed with
+    counted the dynamic bytes alone until 12-07, when a 48 KB copy ring
+    beside 96 bytes of static arrays failed to launch with
     CUDA_ERROR_INVALID_VALUE). Bitwise the register pipeline's output."""
     from engine.quant.gemv_cuda import NormPrologue
 
