@@ -7,9 +7,6 @@ and comparing with the original weights."""
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from engine.quant.tensor import pack_k_scales
 
 QK_K = 256
 
@@ -20,8 +17,12 @@ def _round(x: np.ndarray) -> np.ndarray:
 
 def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     """8 six-bit (sc, m) pairs -> the 12 scale bytes (inverse of get_scale_min)."""
-    return pack_k_scales(torch.from_numpy(sc.astype(np.uint8)),
-                         torch.from_numpy(m.astype(np.uint8))).numpy()
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((m[:, 4:8] & 0x0F) << 4)
+    return out
 
 
 def _asymmetric_superblocks(w: np.ndarray, qmax: int):

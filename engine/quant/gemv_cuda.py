@@ -95,9 +95,7 @@ class CudaGemvPlan:
         them and K: groups and threads follow)."""
         spec = {"rows": self.rows, "slots": self.slots, "blocks_per_sm": self.blocks_per_sm,
                 "flush": self.flush, "stages": self.stages}
-        if self.early_tiles is not None:
-            spec["early_tiles"] = self.early_tiles
-        return spec
+        return spec if self.early_tiles is None else {**spec, "early_tiles": self.early_tiles}
 
     def stage_bytes(self, superblock: int, asymmetric: bool, d_fp32: bool) -> int:
         """One ring stage (q4_gemv.cu STAGE_BYTES): a tile's words, sc and d,

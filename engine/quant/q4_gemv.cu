@@ -647,15 +647,9 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
         dot = dp4a((int)(w[i] & 0x0F0F0F0Fu), x.even[i], dot);
         dot = dp4a((int)((w[i] >> 4) & 0x0F0F0F0Fu), x.odd[i], dot);
     }
-    const int sc = e.sc;
-    const scale_t d = e.d;
+    float part = (float)dot * (scale_float(e.d) * (float)e.sc) * x.scale;
 #if ASYM
-    const int m = e.m;
-    const scale_t dmin = e.dmin;
-#endif
-    float part = (float)dot * (scale_float(d) * (float)sc) * x.scale;
-#if ASYM
-    part -= scale_float(dmin) * (float)m * x.code_sum_scaled;
+    part -= scale_float(e.dmin) * (float)e.m * x.code_sum_scaled;
 #endif
     return part;
 }

@@ -272,16 +272,3 @@ def _block_of(perm: torch.Tensor, width: int) -> int:
 def _gcd(a: int, b: int) -> int:
     import math
     return math.gcd(a, b)
-
-
-def pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Eight 6-bit (sc, m) pairs [..., 8] -> the 12 scale bytes of a
-    Q4_K / Q5_K block [..., 12] uint8, llama.cpp's layout (the inverse of its
-    get_scale_min_k4, engine/weights/ggml.py's _k_scales): bytes 0-3 the low
-    six bits of sc 0-3 under the top two of sc 4-7, bytes 4-7 the same for
-    m, bytes 8-11 sc 4-7's low nibble under m 4-7's."""
-    sc, m = sc.to(torch.uint8), m.to(torch.uint8)
-    low_sc = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
-    low_m = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
-    mixed = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
-    return torch.cat([low_sc, low_m, mixed], dim=-1)
