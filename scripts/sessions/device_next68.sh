@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The next device call (written 12-07, seventh session): the GEMV's release of
+# the next kernel moved from after its prologue to its last tile
+# (TANDEM_GEMV_LATE_RELEASE=1, q4_gemv.cu LATE_RELEASE), alone and with the
+# norm prologue. Why: with the norm prologue the GEMV after an out projection
+# follows it directly, is released right after the out projection's prologue,
+# and its blocks load 5-10 MB of first and early tiles while the out
+# projection (2-3 tiles a block) still streams; the out projections lost ~1 us
+# each beside the prologue on an H100 (10:28). Released at the last tile, those
+# loads meet only the tail. On an H200 the call also times what it owes (the
+# deferred norm prologue and the out projections at 3 blocks an SM have never
+# run there).
+#   bash scripts/sessions/device_next68.sh main  (carry .whl; ~5 min; ROUNDS=1 ~3)
+#     0. the GPU tests of the late release and of the 48 KB opt-in (never run);
+#     1. the int4 27B step alternating (ROUNDS, 2): the tree; the norm prologue;
+#        the late release; both; both with the out projections at 3 blocks an SM;
+#     2. CRITICAL=1 (default): the critical path with both, then the tree's.
+set -uo pipefail
+call=${1:?main}
+source scripts/device_env.sh
+
+round() {  # round N
+  step_27b r$1_a_tree
+  TANDEM_NORM_PROLOGUE=1 step_27b r$1_b_norm
+  TANDEM_GEMV_LATE_RELEASE=1 step_27b r$1_c_late
+  TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 step_27b r$1_d_norm_late
+  TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 out_plan r$1_e_norm_late_out3 4 1 3
+}
+
+case "$call" in
+  main)
+    STEP_TAIL=6 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf \
+      tests/test_gemv_cuda.py -k "late_release or 48_kb or norm_prologue"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
+    for r in $(seq "${ROUNDS:-2}"); do round "$r"; done
+    step_cols r
+    if [ "${CRITICAL:-1}" != "0" ]; then
+      TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 critical_path critical_norm_late
+      critical_path critical_tree
+    fi ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
