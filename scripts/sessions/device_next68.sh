@@ -10,11 +10,14 @@
 # loads meet only the tail. On an H200 the call also times what it owes (the
 # deferred norm prologue and the out projections at 3 blocks an SM have never
 # run there).
-#   bash scripts/sessions/device_next68.sh main  (carry .whl; ~5 min; ROUNDS=1 ~3)
-#     0. the GPU tests of the late release and of the 48 KB opt-in (never run);
+# Also new: GDN's gated output norm as the fused recurrence's last op
+# (TANDEM_GDN_NORM_IN_RECURRENCE=1: one 16-warp program a value head instead
+# of four of 32 columns, and no norm launch: 48 hops of ~0.9 us a step).
+#   bash scripts/sessions/device_next68.sh main  (carry .whl; ~6 min; ROUNDS=1 ~4)
+#     0. the GPU tests of both and of the 48 KB opt-in (never run);
 #     1. the int4 27B step alternating (ROUNDS, 2): the tree; the norm prologue;
-#        the late release; both; both with the out projections at 3 blocks an SM;
-#     2. CRITICAL=1 (default): the critical path with both, then the tree's.
+#        the late release; both; the norm in the recurrence; all three;
+#     2. CRITICAL=1 (default 0): the critical path with all three, then the tree's.
 set -uo pipefail
 call=${1:?main}
 source scripts/device_env.sh
@@ -24,18 +27,22 @@ round() {  # round N
   TANDEM_NORM_PROLOGUE=1 step_27b r$1_b_norm
   TANDEM_GEMV_LATE_RELEASE=1 step_27b r$1_c_late
   TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 step_27b r$1_d_norm_late
-  TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 out_plan r$1_e_norm_late_out3 4 1 3
+  TANDEM_GDN_NORM_IN_RECURRENCE=1 step_27b r$1_f_recur
+  TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 TANDEM_GDN_NORM_IN_RECURRENCE=1 \
+    step_27b r$1_g_all
 }
 
 case "$call" in
   main)
-    STEP_TAIL=6 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf \
-      tests/test_gemv_cuda.py -k "late_release or 48_kb or norm_prologue"
+    STEP_TAIL=6 step tests 240 python3 -m pytest -q -p no:cacheprovider -rf \
+      tests/test_gemv_cuda.py tests/test_gdn_kernels.py \
+      -k "late_release or 48_kb or norm_prologue or gated_norm or model_matches"
     grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
     for r in $(seq "${ROUNDS:-2}"); do round "$r"; done
     step_cols r
-    if [ "${CRITICAL:-1}" != "0" ]; then
-      TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 critical_path critical_norm_late
+    if [ "${CRITICAL:-0}" != "0" ]; then
+      TANDEM_NORM_PROLOGUE=1 TANDEM_GEMV_LATE_RELEASE=1 TANDEM_GDN_NORM_IN_RECURRENCE=1 \
+        critical_path critical_all
       critical_path critical_tree
     fi ;;
   *) echo "unknown call $call"; exit 2 ;;
