@@ -67,20 +67,6 @@ def use_fused_path(x: torch.Tensor, batch) -> bool:
     return gdn_kernels.fits(batch.attention.max_new_tokens)
 
 
-NORM_IN_RECURRENCE_ENV = "TANDEM_GDN_NORM_IN_RECURRENCE"
-
-
-def norm_in_recurrence() -> bool:
-    """Whether the fused recurrence ends with GDN's gated output norm (one
-    program a value head, 16 warps: gdn_kernels.GatedNorm), which saves the
-    norm's launch: TANDEM_GDN_NORM_IN_RECURRENCE=1, off by default
-    (untimed). Read per call, in a CUDA graph at capture."""
-    from engine.switches import on_off
-
-    return on_off(NORM_IN_RECURRENCE_ENV, False, on="the gated norm in the recurrence",
-                  off="the gated norm's own launch")
-
-
 def fused_conv(mixed, windows, weight, offsets, positions, state_slots, write_slots,
                max_new_tokens: int) -> torch.Tensor:
     """Conv + SiLU of each sequence's new tokens; see gdn_kernels.conv_step."""
@@ -91,16 +77,13 @@ def fused_conv(mixed, windows, weight, offsets, positions, state_slots, write_sl
 
 
 def fused_recurrence(q, k, v, a, b, a_log, dt_bias, states, offsets, positions, state_slots,
-                     write_slots, max_new_tokens: int, gated_norm=None) -> torch.Tensor:
+                     write_slots, max_new_tokens: int) -> torch.Tensor:
     """The gated delta rule with g/beta from the raw a/b projections; see
-    gdn_kernels.recurrence_step. gated_norm: (z, weight, eps), GDN's output
-    norm done as the step's last op."""
+    gdn_kernels.recurrence_step."""
     from engine import gdn_kernels
 
-    norm = gdn_kernels.GatedNorm(*gated_norm) if gated_norm is not None else None
     return gdn_kernels.recurrence_step(q, k, v, a, b, a_log, dt_bias, states, offsets,
-                                       positions, state_slots, write_slots, max_new_tokens,
-                                       gated_norm=norm)
+                                       positions, state_slots, write_slots, max_new_tokens)
 
 
 def decode_conv(mixed: torch.Tensor, windows: torch.Tensor, slots: torch.Tensor,

@@ -35,15 +35,13 @@ engine/gdn.py, the CPU path, which stays the ground truth.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from engine.gdn import causal_conv1d, l2_normalize, recurrent_gated_delta_rule
-from engine.kv.kernels import _bf16_bits, _load_dense, _store_dense
+from engine.kv.kernels import _load_dense, _store_dense
 from engine.kv.kernels import as_kernel_dense as _as_kernel
 from engine.pdl import pdl_launch, pdl_prologue
 from engine.switches import on_off, one_of
@@ -56,7 +54,10 @@ MAX_TOKENS = 8  # new tokens per sequence these kernels take (verify is k+1 <= 5
 # there; the A/B overrides below found no width faster on the H200 (conv
 # 64/128/256, columns 16/32/64: every rk4 step within 0.1 ms, 2026-12-03
 # 16:30, BENCHMARKS.md). Any width computes the same values (programs own
-# disjoint channels or columns).
+# disjoint channels or columns). (GDN's gated output norm as the
+# recurrence's last op, one 16-warp program a whole head so that it sees the
+# head's row, lost 0.06 ms of the int4 step on an H100 against four programs
+# of 32 columns and the norm's own launch: 12-07 15:17.)
 CONV_BLOCK_ENV = "TANDEM_GDN_CONV_BLOCK"
 BLOCK_V_ENV = "TANDEM_GDN_BLOCK_V"
 
@@ -362,52 +363,20 @@ def conv_chunk_reference(mixed, windows, weight, offsets, slots, fresh) -> torch
 # ---------------------------------------------------------- recurrence step
 
 
-@triton.jit
-def _as_stored(values, BF16_BITS: tl.constexpr, DT: tl.constexpr):
-    """fp32 values as a store in the output's dtype would leave them: bf16
-    rounded to nearest even (_bf16_bits), any other dtype by its cast."""
-    if BF16_BITS:
-        return (_bf16_bits(values) << 16).to(tl.float32, bitcast=True)
-    else:
-        return values.to(DT).to(tl.float32)
-
-
-@triton.jit
-def _gated_norm(o, z_ptr, z_offsets, w, dv_ok, eps, DV: tl.constexpr, X_BF16: tl.constexpr,
-                Z_BF16: tl.constexpr, ROUND: tl.constexpr, DT: tl.constexpr):
-    """GDN's output norm of one head's o [BLOCK_V], as engine/fused's
-    gated_rms_norm computes it from the stored o: round(w * round(o * rstd))
-    (the outer rounding only where the weight's dtype promotes to o's:
-    ROUND) times SiLU(z) in fp32."""
-    stored = tl.where(dv_ok, _as_stored(o, X_BF16, DT), 0.0)
-    rstd = tl.rsqrt(tl.sum(stored * stored, axis=0) / DV + eps)
-    y = w * _as_stored(stored * rstd, X_BF16, DT)
-    if ROUND:
-        y = _as_stored(y, X_BF16, DT)
-    z = _load_dense(z_ptr, z_offsets, dv_ok, Z_BF16)
-    return y * (z / (1.0 + tl.exp(-z)))
-
-
-@triton.jit(do_not_specialize_on_alignment=(*_SCALAR_POINTERS, "a_ptr", "b_ptr", "z_ptr"))
+@triton.jit(do_not_specialize_on_alignment=(*_SCALAR_POINTERS, "a_ptr", "b_ptr"))
 def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_stride,
                             a_log_ptr, dt_bias_ptr, states_ptr, out_ptr,
                             offsets_ptr, positions_ptr, in_slots_ptr, write_slots_ptr,
-                            scale, z_ptr, z_stride_t, z_stride_h, norm_w_ptr, eps,
+                            scale,
                             HV: tl.constexpr, GROUPS: tl.constexpr, DK: tl.constexpr,
                             DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
                             MAX_T: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
                             A_LOG_BF16: tl.constexpr, DT_BF16: tl.constexpr,
-                            STATE_EARLY: tl.constexpr, GATED_NORM: tl.constexpr,
-                            Z_BF16: tl.constexpr, W_BF16: tl.constexpr, ROUND: tl.constexpr,
-                            PDL: tl.constexpr):
+                            STATE_EARLY: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, value head, block of value columns): the state tile
     [DK, BLOCK_V] stays in registers across the sequence's tokens. It is read
     before the first write, so a write slot equal to the input slot is safe;
     no other program reads or writes this tile of these slots.
-
-    GATED_NORM (BLOCK_V covers DV: one program a head): the output is GDN's
-    gated output norm of o (_gated_norm) instead of o, which saves the
-    norm's launch; z_ptr the gate, norm_w_ptr the [DV] weight.
 
     STATE_EARLY: the tile is loaded before the dependent-launch wait, while
     the kernel before (in_proj's GEMV or the conv) still runs. No kernel of
@@ -436,8 +405,6 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
     head_base = head * DK * DV
     state = tl.load(states_ptr + slot * state_size + head_base + tile,
                     mask=tile_ok & warm & live, other=0.0)
-    if GATED_NORM:   # no kernel writes the weight: read before the wait
-        norm_w = _load_dense(norm_w_ptr, dv, dv_ok, W_BF16)
     if STATE_EARLY:
         pdl_prologue(PDL)
     # g = -exp(A_log) * softplus(a + dt_bias) in fp32 (softplus linear past 20, as torch's)
@@ -461,10 +428,6 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
             delta = (v - predicted) * beta
             state = state + k[:, None] * delta[None, :]
             o = tl.sum(state * q[:, None], axis=0)
-            if GATED_NORM:
-                o = _gated_norm(o, z_ptr, row * z_stride_t + head * z_stride_h + dv, norm_w,
-                                dv_ok, eps, DV, X_BF16, Z_BF16, ROUND,
-                                out_ptr.dtype.element_ty)
             _store_dense(out_ptr, row * HV * DV + head * DV + dv, o, dv_ok, X_BF16)
             dst = tl.load(write_slots_ptr + row)
             if dst >= 0:
@@ -472,39 +435,16 @@ def _recurrence_step_kernel(q_ptr, k_ptr, v_ptr, row_stride, a_ptr, b_ptr, gate_
                          mask=tile_ok)
 
 
-@dataclass(frozen=True)
-class GatedNorm:
-    """GDN's output norm as recurrence_step's last op: gate z [T, Hv, Dv]
-    (a view of in_proj's output is fine: unit stride along Dv), the [Dv]
-    weight and eps."""
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    def __post_init__(self) -> None:
-        if self.z.dim() != 3 or self.z.stride(-1) != 1:
-            raise ValueError(f"GatedNorm: z must be [T, heads, head_dim] with unit stride along "
-                             f"head_dim, got {tuple(self.z.shape)} strides {self.z.stride()}")
-        if self.weight.shape != (self.z.shape[-1],):
-            raise ValueError(f"GatedNorm: the weight must be [{self.z.shape[-1]}], got "
-                             f"{tuple(self.weight.shape)}")
-        if not self.eps > 0:
-            raise ValueError(f"GatedNorm: eps must be > 0, got {self.eps}")
-
-
 def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                     b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                     states: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor,
                     in_slots: torch.Tensor, write_slots: torch.Tensor, max_tokens: int,
-                    block_v: int | None = None, out: torch.Tensor | None = None,
-                    gated_norm: GatedNorm | None = None) -> torch.Tensor:
+                    block_v: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """q, k [T, Hk, Dk] and v [T, Hv, Dv] (views of one [T, C] conv output are
     fine: one row stride for all three); a, b [T, Hv] the raw projections;
     a_log, dt_bias [Hv]; states [S, Hv, Dk, Dv] fp32 contiguous, updated at
     the write slots; in_slots -1 skips a padding sequence (rows left as they
-    are). Returns o [T, Hv, Dv] in v's dtype (into `out` if given); with
-    gated_norm, GDN's output norm of o instead (one program a head, so that
-    it sees the head's whole row: block_v is then Dv's)."""
+    are). Returns o [T, Hv, Dv] in v's dtype (into `out` if given)."""
     _check_fits(max_tokens)
     tokens, heads, dv = v.shape
     dk = k.shape[-1]
@@ -522,72 +462,26 @@ def recurrence_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
         raise ValueError("recurrence_step: states must be contiguous fp32")
     if out is None:
         out = torch.empty(tokens, heads, dv, dtype=v.dtype, device=v.device)
-    if gated_norm is not None:
-        if gated_norm.z.shape != v.shape:
-            raise ValueError(f"recurrence_step: the gate must be v's shape {tuple(v.shape)}, "
-                             f"got {tuple(gated_norm.z.shape)}")
-        block_v = triton.next_power_of_2(dv)
-    elif block_v is None:
+    if block_v is None:
         block_v = recurrence_block_v(dv)
     (q_, x_bf16), (k_, _), (v_, _) = map(_as_kernel, (q, k, v))
     (a_, g_bf16), (b_, _) = map(_as_kernel, (a, b))
     (a_log_, a_log_bf16), (dt_bias_, dt_bf16) = map(_as_kernel, (a_log, dt_bias))
-    dk_pad = triton.next_power_of_2(dk)
-    norm = _gated_norm_operands(gated_norm, v)
     grid = (in_slots.shape[0], heads, triton.cdiv(dv, block_v))
     _recurrence_step_kernel[grid](
         q_, k_, v_, row_stride, a_, b_, a.stride(0), a_log_, dt_bias_, states,
-        _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5, *norm["args"],
-        HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=dk_pad,
+        _as_kernel(out)[0], offsets, positions, in_slots, write_slots, dk ** -0.5,
+        HV=heads, GROUPS=heads // k.shape[1], DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
         BLOCK_V=block_v, MAX_T=_bucket(max_tokens), X_BF16=x_bf16, G_BF16=g_bf16,
         A_LOG_BF16=a_log_bf16, DT_BF16=dt_bf16, STATE_EARLY=recurrence_state_early(),
-        **norm["flags"], num_warps=_state_warps(dk_pad, block_v), **pdl_launch(v.device))
+        **pdl_launch(v.device))
     return out
 
 
-def _state_warps(dk_pad: int, block_v: int) -> int:
-    """Warps a recurrence program spreads its [DK, BLOCK_V] fp32 state over:
-    4 up to 32 values a thread (the 27B's 128 x 32 tiles: 116 registers on
-    sm_90), more for a whole head's 128 x 128 (at 4 warps ptxas spills 504
-    bytes a thread, at 8 it takes 254 registers, at 16 128: 16)."""
-    return min(16, max(4, dk_pad * block_v // (32 * 32)))
-
-
-def _gated_norm_operands(gated_norm: GatedNorm | None, v: torch.Tensor) -> dict:
-    """The kernel's gated-norm arguments and flags (unused placeholders
-    without one)."""
-    if gated_norm is None:
-        return {"args": (v, 0, 0, v, 1.0),
-                "flags": {"GATED_NORM": False, "Z_BF16": False, "W_BF16": False,
-                          "ROUND": False}}
-    z, z_bf16 = _as_kernel(gated_norm.z)
-    weight, w_bf16 = _as_kernel(gated_norm.weight)
-    # the outer rounding where the weight's product stays in v's dtype
-    # (engine/fused's gated_rms_norm: ROUND)
-    rounds = torch.promote_types(gated_norm.weight.dtype, v.dtype) == v.dtype
-    return {"args": (z, gated_norm.z.stride(0), gated_norm.z.stride(1), weight,
-                     float(gated_norm.eps)),
-            "flags": {"GATED_NORM": True, "Z_BF16": z_bf16, "W_BF16": w_bf16,
-                      "ROUND": rounds}}
-
-
 def recurrence_step_reference(q, k, v, a, b, a_log, dt_bias, states, offsets, positions,
-                              in_slots, write_slots, max_tokens: int,
-                              gated_norm: GatedNorm | None = None) -> torch.Tensor:
+                              in_slots, write_slots, max_tokens: int) -> torch.Tensor:
     """recurrence_step through engine/gdn.py's recurrent_gated_delta_rule
-    (output_all_states), one sequence at a time, with the model's g/beta math;
-    with gated_norm, engine/fused's reference gated norm of its output."""
-    out = _recurrence_reference(q, k, v, a, b, a_log, dt_bias, states, offsets, positions,
-                                in_slots, write_slots, max_tokens)
-    if gated_norm is None:
-        return out
-    from engine.fused import reference
-
-    return reference.gated_rms_norm(out, gated_norm.z, gated_norm.weight, gated_norm.eps)
-
-
-def _recurrence_reference(q, k, v, a, b, a_log, dt_bias, states, offsets, positions,
-                          in_slots, write_slots, max_tokens: int) -> torch.Tensor:
+    (output_all_states), one sequence at a time, with the model's g/beta math."""
     _check_fits(max_tokens)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     beta = torch.sigmoid(b.float())

@@ -280,15 +280,9 @@ class GatedDeltaNet(nn.Module):
         states, windows = cache.recurrent_state(self.layer), cache.conv_window(self.layer)
         weight = self.conv1d.weight[:, 0, :]
         # the fused steps write a snapshot like any other per-token state (batch.gdn)
-        fused = gdn_batched.use_fused_path(projected, batch)
-        if batch.takes_snapshots and not fused:
+        if batch.takes_snapshots and not gdn_batched.use_fused_path(projected, batch):
             out = self._mix_around_snapshots(mixed, a, b, batch.snapshot_split, states,
                                              windows, weight)
-        elif fused and gdn_batched.norm_in_recurrence():
-            gated_norm = (z, self.norm.weight, self.norm.eps)
-            out = self._forward_fused(mixed, a, b, batch, states, windows, weight, convolved,
-                                      gated_norm)
-            return self.out_proj(out.reshape(tokens, -1))
         else:
             out = self._mix(mixed, a, b, batch, states, windows, weight, convolved)
         return gated_norm_then_project(self.norm, out, z, self.out_proj)
@@ -347,13 +341,11 @@ class GatedDeltaNet(nn.Module):
             out[lo:hi] = o[0]
         return out
 
-    def _forward_fused(self, mixed, a, b, batch, states, windows, weight, convolved=False,
-                       gated_norm=None):
+    def _forward_fused(self, mixed, a, b, batch, states, windows, weight, convolved=False):
         """Decode and verify steps on CUDA: two Triton kernels (one when the
         conv ran in in_proj's epilogue: convolved), every index on the
         device (graph-safe); the state after each token goes to its write
-        slot (batch.gdn). gated_norm (z, weight, eps): the output norm in
-        the recurrence, its output normed. See engine/gdn_batched.py."""
+        slot (batch.gdn). See engine/gdn_batched.py."""
         tokens = mixed.shape[0]
         meta, slots = batch.attention, batch.gdn
         where = (meta.q_offsets, batch.positions, slots.read, slots.write, meta.max_new_tokens)
@@ -363,7 +355,7 @@ class GatedDeltaNet(nn.Module):
         k = k.view(tokens, self.num_k_heads, self.k_dim)
         v = v.view(tokens, self.num_v_heads, self.v_dim)
         out = gdn_batched.fused_recurrence(q, k, v, a, b, self.A_log, self.dt_bias, states,
-                                           *where, gated_norm=gated_norm)
+                                           *where)
         return out if slots.rows is None else out.index_select(0, slots.rows)
 
     def _forward_batched(self, mixed, g, beta, batch, states, windows, weight):

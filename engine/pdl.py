@@ -50,40 +50,14 @@ def pdl_launch(device: torch.device) -> dict:
     return {"PDL": False}
 
 
-RELEASE_FIRST_ENV = "TANDEM_PDL_RELEASE_BEFORE_GEMV"
-
-
-def release_first_launch(device: torch.device) -> dict:
-    """pdl_launch's keywords for a small kernel whose next kernel is a
-    persistent GEMV (the layer norms, GDN's gated norm, attention's split
-    combine), which take `RELEASE_FIRST: tl.constexpr` too: with
-    TANDEM_PDL_RELEASE_BEFORE_GEMV=1 (off by default, untimed) it lets the
-    GEMV launch before its own wait, so that the GEMV's blocks take the SM
-    slots the GEMV before leaves and load their first tiles while the chain
-    still runs, as they do behind another GEMV. A GEMV's grid is one
-    persistent wave, so blocks placed early hold no slot it needs (every
-    Triton kernel releasing first lost 0.19-0.21 ms on an H100, 12-06
-    15:45: blocks of many-program kernels held slots). Memory order is the
-    same either way: the GEMV's wait returns only once this kernel has
-    finished, which it does only after its own wait."""
-    from engine.switches import on_off
-
-    first = on_off(RELEASE_FIRST_ENV, False, on="released before the wait",
-                   off="released after it")
-    launch = pdl_launch(device)
-    return {**launch, "RELEASE_FIRST": first and launch["PDL"]}
-
-
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False):
+def pdl_prologue(PDL: tl.constexpr):
     """Wait for the kernel before (and so for every kernel before it), then
     let the next one launch: its programs take the SMs this grid's last
-    programs leave, and wait in their own prologue. RELEASE_FIRST: let it
-    launch first, then wait (release_first_launch)."""
+    programs leave, and wait in their own prologue. (Releasing first lost
+    twice on an H100: every Triton kernel 0.19-0.21 ms, 12-06 15:45; only
+    the norms and the split combine, the kernels before a GEMV, 0.22 ms,
+    12-07 15:25.)"""
     if PDL:
-        if RELEASE_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        else:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1530,60 +1530,6 @@ def test_tiles_asked_of_l2_before_the_wait_change_no_bit(n, k, rows, blocks_per_
     assert torch.equal(early, plain) and torch.equal(own, plain)
 
 
-# ------------------------------------------- the next kernel released at the last tile
-
-
-def test_the_late_release_switch_is_off_by_default_and_names_a_bad_value(monkeypatch):
-    monkeypatch.delenv(gemv_cuda.LATE_RELEASE_ENV, raising=False)
-    assert gemv_cuda.late_release() is False
-    monkeypatch.setenv(gemv_cuda.LATE_RELEASE_ENV, "1")
-    assert gemv_cuda.late_release() is True
-    monkeypatch.setenv(gemv_cuda.LATE_RELEASE_ENV, "yes")
-    with pytest.raises(ValueError, match=gemv_cuda.LATE_RELEASE_ENV):
-        gemv_cuda.late_release()
-
-
-def test_a_late_release_is_built_only_with_dependent_launches():
-    """Without PDL nothing is released: the build says 0, so it is the
-    plain one (one binary, one cache key)."""
-    plan = plan_for(5120)
-    build_options = gemv_cuda.build_options
-    assert "-DLATE_RELEASE=1" in build_options(plan, 256, True, False, True, late_release=True)
-    assert "-DLATE_RELEASE=0" in build_options(plan, 256, True, False, False, late_release=True)
-    assert "-DLATE_RELEASE=0" in build_options(plan, 256, True, False, True)
-
-
-@needs_gpu
-@pytest.mark.parametrize("n, k, rows, blocks_per_sm", [(5120, 6144, 4, 0), (3001, 768, 1, 1),
-                                                       (256, 1280, 4, 0)])
-def test_a_chain_released_at_the_last_tile_keeps_its_order_and_bits(n, k, rows, blocks_per_sm,
-                                                                    monkeypatch):
-    """Two dependent GEMVs under PDL, the first releasing the second only as
-    each block's last tile begins (blocks of one tile release at once; at
-    256 rows most of the grid's blocks have one): the second reads the
-    first's whole output (its wait still waits for the first grid), and
-    both are bitwise the chain released after the prologue."""
-    first = _quant(n, k, seed=n + 1, device="cuda")
-    second = _quant(k, n, seed=n + 2, device="cuda") if n % 32 == 0 else None
-    x = _activation(k, seed=k + 3)
-    plan = plan_for(k, rows=rows, blocks_per_sm=blocks_per_sm)
-
-    def chain() -> tuple[torch.Tensor, torch.Tensor | None]:
-        y = gemv_cuda.gemv_cuda(x, first, plan=plan, pdl=True)
-        z = gemv_cuda.gemv_cuda(y, second, pdl=True) if second is not None else None
-        torch.cuda.synchronize()
-        return y.cpu(), None if z is None else z.cpu()
-
-    monkeypatch.delenv(gemv_cuda.LATE_RELEASE_ENV, raising=False)
-    plain_y, plain_z = chain()
-    monkeypatch.setenv(gemv_cuda.LATE_RELEASE_ENV, "1")
-    late_y, late_z = chain()
-    assert not plain_y.isnan().any()
-    assert torch.equal(late_y, plain_y)
-    assert (late_z is None) or torch.equal(late_z, plain_z)
-    assert torch.equal(plain_y, _run(first, x, plan, pdl=False).cpu())
-
-
 @needs_gpu
 @pytest.mark.parametrize("rows, blocks_per_sm", [(2, 1), (4, 1), (8, 0)])
 def test_silu_epilogue_tiles_asked_of_l2_before_the_wait_change_no_bit(rows, blocks_per_sm,

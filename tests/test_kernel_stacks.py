@@ -84,8 +84,7 @@ for gated in (False, True):  # gated: the output gate too, Qwen3.5's attention
         dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*i16", signs_ptr="*fp32",
              gate_ptr="*i16"),
         dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
-             LOG2_D=8, SCALE=hadamard_scale(256), GATED=gated, Q_HEADS=24, PDL=True,
-             RELEASE_FIRST=gated))
+             LOG2_D=8, SCALE=hadamard_scale(256), GATED=gated, Q_HEADS=24, PDL=True))
 # q's and k's norm + rotary in one launch (27B: 24 + 4 heads of 256, rotary 64)
 from engine.fused import kernels as FK
 stacks["q and k norm rope"] = stack_of(
@@ -94,20 +93,6 @@ stacks["q and k norm rope"] = stack_of(
                                 "q_out_ptr", "k_out_ptr", "k_normed_ptr")} | dict(eps="fp32"),
     dict(HAS_NORM=True, ZERO_CENTERED=True, STORE_NORMED=True, HALF_BLOCK=32,
          REST_BLOCK=256, PDL=True), warps=1)
-# GDN's recurrence step (27B: 48 value heads of 128, 32 columns a program),
-# and a whole head a program with the gated norm (TANDEM_GDN_NORM_IN_RECURRENCE)
-for normed in (False, True):
-    block_v = 128 if normed else 32
-    stacks[f"gdn recurrence{' with the gated norm' if normed else ''}"] = stack_of(
-        gdn_kernels._recurrence_step_kernel,
-        {name: "*i16" for name in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "a_log_ptr",
-                                   "dt_bias_ptr", "out_ptr", "z_ptr", "norm_w_ptr")}
-        | dict(states_ptr="*fp32", offsets_ptr="*i32", positions_ptr="*i64",
-               in_slots_ptr="*i64", write_slots_ptr="*i64", scale="fp32", eps="fp32"),
-        dict(HV=48, GROUPS=3, DK=128, DV=128, DK_PAD=128, BLOCK_V=block_v, MAX_T=1,
-             X_BF16=True, G_BF16=True, A_LOG_BF16=True, DT_BF16=True, STATE_EARLY=True,
-             GATED_NORM=normed, Z_BF16=True, W_BF16=True, ROUND=True, PDL=True),
-        warps=gdn_kernels._state_warps(128, block_v))
 # the DP4A GEMV a sweep file (TANDEM_GEMV_TUNED) may pick, stream-K included
 from bench.gemv_sass import describe as describe_gemv
 from engine.quant.gemv_configs import STREAM_CANDIDATES, TUNED
@@ -133,8 +118,7 @@ def stacks() -> dict[str, int]:
                          + ["gdn conv chunk", "gdn q/k l2 norm", "rk4 rotating write",
                             "attention combine rotating back",
                             "attention combine rotating back and gating",
-                            "q and k norm rope", "gdn recurrence",
-                            "gdn recurrence with the gated norm"])
+                            "q and k norm rope"])
 def test_a_workers_kernel_needs_no_stack_on_sm90(stacks, kernel):
     assert stacks[kernel] <= STACK_BYTES, f"{kernel}: {stacks[kernel]} B of stack a thread"
 

@@ -442,11 +442,10 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
                   pdl: bool, prologue: Prologue | None = None,
                   l2_prefetch: bool = False,
                   epilogue: Epilogue | None = None,
-                  early_l2_tiles: int = 0, late_release: bool = False) -> tuple[str, ...]:
+                  early_l2_tiles: int = 0) -> tuple[str, ...]:
     """The kernel's compile-time constants as NVRTC -D options. A ring
     (stages > 0) fills its stages before the wait and takes no early tiles,
-    so its options say 0 whatever was asked: one binary, one key. Without
-    PDL there is nothing to release: LATE_RELEASE says 0."""
+    so its options say 0 whatever was asked: one binary, one key."""
     flags = {**_PROLOGUE_FLAGS, **(prologue.flags() if prologue is not None else {}),
              **_EPILOGUE_FLAGS, **(epilogue.flags() if epilogue is not None else {})}
     early_l2_tiles = 0 if plan.stages else early_l2_tiles
@@ -455,7 +454,6 @@ def build_options(plan: CudaGemvPlan, superblock: int, asymmetric: bool, d_fp32:
             f"-DASYM={int(asymmetric)}", f"-DD_F32={int(d_fp32)}", f"-DPDL={int(pdl)}",
             f"-DFLUSH={plan.flush}", f"-DSTAGES={plan.stages}",
             f"-DL2_PREFETCH={int(l2_prefetch)}", f"-DEARLY_L2_TILES={early_l2_tiles}",
-            f"-DLATE_RELEASE={int(pdl and late_release)}",
             *(f"-D{name}={value}" for name, value in flags.items()), "--std=c++17")
 
 
@@ -623,8 +621,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
 
     def build(plan: CudaGemvPlan) -> _Compiled:
         return _compiled(build_options(plan, qt.superblock, qt.asymmetric, d_fp32, pdl,
-                                       prologue, l2_prefetch is not None, epilogue, early,
-                                       late_release()),
+                                       prologue, l2_prefetch is not None, epilogue, early),
                          device, plan.threads,
                          plan.ring_bytes(qt.superblock, qt.asymmetric, d_fp32))
 
@@ -682,20 +679,6 @@ def early_l2_tiles() -> int:
     from engine.switches import one_of
 
     return one_of(EARLY_L2_TILES_ENV, 1, EARLY_L2_TILES_CHOICES)
-
-
-LATE_RELEASE_ENV = "TANDEM_GEMV_LATE_RELEASE"
-
-
-def late_release() -> bool:
-    """Whether each GEMV block lets the next kernel launch only as its last
-    tile begins (q4_gemv.cu, LATE_RELEASE) instead of after its prologue:
-    TANDEM_GEMV_LATE_RELEASE=1, off by default (untimed). Read per call, in
-    a CUDA graph at capture."""
-    from engine.switches import on_off
-
-    return on_off(LATE_RELEASE_ENV, False, on="released at the last tile",
-                  off="released after the prologue")
 
 
 def wanted() -> bool:

@@ -43,16 +43,6 @@
 //   shared memory, no barrier needed, lost 27-38% on every shape on an
 //   H100: L1 80% busy, each byte crossing it twice, and three blocks an SM
 //   for the copies' shared memory; removed, BENCHMARKS.md 2026-12-07 13:40.)
-//   * LATE_RELEASE=1: each block lets the next kernel launch
-//     (griddepcontrol.launch_dependents) only as its last tile begins,
-//     not after its prologue. Released early, the next kernel's blocks take
-//     the SM slots this grid's blocks leave and load their first tiles (a
-//     GEMV after it: 5-10 MB of first and early tiles) while this one's
-//     tail still streams; a GEMV whose norm moved into the next GEMV's
-//     prologue has that GEMV right behind it, and the out projections lost
-//     ~1 us each beside the norm prologue (BENCHMARKS.md 2026-12-07 10:28).
-//     Memory order is the same either way: a dependent's wait returns only
-//     once this grid has finished.
 //   * EARLY_L2_TILES=E > 0: before griddepcontrol.wait each block also asks
 //     L2 (one bulk prefetch an array, sm_90) for its next E tiles, the ones
 //     its first tile's registers do not hold, so that DRAM streams them
@@ -114,7 +104,7 @@
 // superblock, S/32), ASYM, D_F32, PDL, FLUSH (FLUSH x ROWS <= THREADS),
 // STAGES (0: the register pipeline; else N a multiple of ROWS, and each
 // stage's arrays whole 16-byte units: gemv_cuda.py's bulk_copyable),
-// L2_PREFETCH, EARLY_L2_TILES, LATE_RELEASE, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
+// L2_PREFETCH, EARLY_L2_TILES, NORM, HAS_PENDING, ZC, W_F32, SILU, GATED with
 // HEAD_GROUPS (a power of two up to 32) and ROUND; at most one of NORM,
 // SILU, GATED; CONV with CONV_K (the conv's width), CONV_W_F32 and
 // CONV_WIN_F32 (the weight's and the windows' dtype: fp32, else bf16);
@@ -839,20 +829,17 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
     if (lane == 0) squares_of_warp[warp] = squares;
 #endif
-#if PDL && !LATE_RELEASE
+    // (Released only as each block's last tile began, so that a GEMV's first
+    // tiles would not meet the one before's stream, the int4 step lost
+    // 0.18 ms on an H100: the kernel after a GEMV is then launched too late
+    // to be ready at its end. Removed, BENCHMARKS.md 2026-12-07 15:17.)
+#if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-#if PDL && LATE_RELEASE
-    if (index >= tiles) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     int held = 0;                 // tiles whose sums wait in partial
     int first_held = index;       // the first of them; the others follow by gridDim.x
     while (index < tiles) {
         const int following = index + gridDim.x;
-#if PDL && LATE_RELEASE
-        // the same in every thread of the block: its last tile begins
-        if (following >= tiles) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
         Group tile[ROWS][SLOTS];
 #if STAGES
         {

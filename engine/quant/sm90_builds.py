@@ -123,12 +123,12 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
     epilogues on by default, one early tile, the read-ahead), each also
     without the early tiles, the three prologues behind their switches
     (the norm's on every projection after a layer norm)."""
-    def options(n, k, early=1, prologue=None, epilogue=None, plan=None, late=False):
+    def options(n, k, early=1, prologue=None, epilogue=None, plan=None):
         # the table's plan, not picked_plan's: no switch of the environment moves the cases
         plan = plan or card_plan(card, n, k) or plan_for(k)
         return build_options(plan, SUPERBLOCK, True, False, True,
                              prologue=prologue, l2_prefetch=True, epilogue=epilogue,
-                             early_l2_tiles=early, late_release=late)
+                             early_l2_tiles=early)
 
     epilogues = {GATE_UP: SiluMulEpilogue(), GDN_IN: _conv_epilogue()}
     cases = []
@@ -153,10 +153,6 @@ def step_cases(card: str = "NVIDIA H200") -> list[tuple[str, tuple[str, ...]]]:
                                                        1e-6))),
         (f"{card}: gdn out with its own early tile count 3",
          options(*OUT_PROJ, early=3, plan=plan_for(OUT_PROJ[1], early_tiles=3))),
-        # TANDEM_GEMV_LATE_RELEASE=1's: the release moves into the tile loop
-        (f"{card}: gate_up released at its last tile",
-         options(*GATE_UP, epilogue=epilogues[GATE_UP], late=True)),
-        (f"{card}: gdn out released at its last tile", options(*OUT_PROJ, late=True)),
     ]
     return cases
 

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# A RECORD: ran 12-07 15:17 (an H100 came for an nvidia-h200 call; 483 s) and
+# a follow-up by hand on the warm machine at 15:25. Every lever lost and was
+# removed (BENCHMARKS.md 2026-12-07 15:17): this no longer runs as written.
 # The next device call (written 12-07, seventh session): the GEMV's release of
 # the next kernel moved from after its prologue to its last tile
 # (TANDEM_GEMV_LATE_RELEASE=1, q4_gemv.cu LATE_RELEASE), alone and with the
