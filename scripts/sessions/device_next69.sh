@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The next device call (written 12-07 15:35, seventh session): only what an H200
+# owes, and only on one. Why the norm prologue may pay there when it is level
+# on an H100: against the sweep's back-to-back timings of the same plans, a GEMV
+# after a norm costs 2.45 us more in the H200's step (2,916 against ~2,600 us over
+# 129 launches, 12-05 21:57 and 12-07 05:28) but 0.76 us more in the H100's
+# (3,746 against ~3,648, 12-07 07:45 and 12:23), and the early tiles, which
+# hide the same cold start, were worth 0.17 ms on the H200 against 0.07 on an
+# H100. The prologue (rstd deferred to the flush, 12-07 09:52) has never run on
+# an H200.
+#   bash scripts/sessions/device_next69.sh h200  (carry .whl; ~4 min on an H200; on
+#     an H100 it stops at once, exit 3)
+#     1. the int4 27B step alternating (ROUNDS, 3): the tree; the norm prologue;
+#        the prologue with the out projections at 3 blocks an SM;
+#     2. CRITICAL=1 (default): the critical path with the prologue, then the tree's.
+set -uo pipefail
+call=${1:?h200}
+source scripts/device_env.sh
+
+round() {  # round N
+  step_27b n$1_a_tree
+  TANDEM_NORM_PROLOGUE=1 step_27b n$1_b_norm
+  TANDEM_NORM_PROLOGUE=1 out_plan n$1_c_norm_out3 4 1 3
+}
+
+case "$call" in
+  h200)
+    grep -q H200 "$OUT/date.txt" || { echo "not an H200: nothing owed here"; exit 3; }
+    for r in $(seq "${ROUNDS:-3}"); do round "$r" > /dev/null; done
+    step_cols n
+    if [ "${CRITICAL:-1}" != "0" ]; then
+      TANDEM_NORM_PROLOGUE=1 critical_path critical_norm
+      critical_path critical_tree
+    fi ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
