@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The next device call (written 12-07 16:05, seventh session): taller tiles
+# where registers allow them. On the H200 a GEMV's rate follows its bytes in
+# flight an SM over a ~1.5 us round trip: gate_up's 4 blocks x 160 threads x 4
+# rows (~47 KB) reach 97% of the floor back to back, down's one 544-thread
+# block x 4 rows (~39 KB) 81% (12-05 21:57), about 39/47 of it. NVRTC (12-07,
+# sm_90): down at 5 rows takes 89 registers against 88 at 4 (no spill, still
+# one block an SM), so ~49 KB in flight and 8 tiles a block instead of 10;
+# 1,024 whole tiles of its 5,120 rows. in_proj and qkv at 6 rows: 118
+# registers, 3 blocks an SM, ~52 KB against ~46. Never swept: rows 1/2/4/8 only.
+#   bash scripts/sessions/device_next70.sh main  (carry .whl; ~3-4 min, either card)
+#     0. the GPU tests of rows 5 and 6 against the reference;
+#     1. bench.gemv_cuda --rows 4 5 6 on down, gdn in_proj, attn qkv (--plans-out);
+#     2. the int4 27B step alternating (ROUNDS, 2): the tree; the sweep's plans;
+#        down alone at 5 rows (its card plan's flush 16).
+set -uo pipefail
+call=${1:?main}
+source scripts/device_env.sh
+
+down5() {  # down5 NAME: the step with down at 5 rows a tile, flush 16
+  echo '{"5120,17408": {"rows": 5, "flush": 16}}' > /tmp/plans_down5.json
+  TANDEM_GEMV_CUDA_PLANS=/tmp/plans_down5.json step_27b "$1"
+}
+
+case "$call" in
+  main)
+    STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf \
+      tests/test_gemv_cuda.py -k "cuda_gemv_matches_the_reference and q4_k"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
+    STEP_TAIL=14 step rows 200 python3 -m bench.gemv_cuda --rows 4 5 6 \
+      --only down "gdn in_proj" "attn qkv" --plans-out /tmp/plans_rows.json
+    cat /tmp/plans_rows.json
+    for r in $(seq "${ROUNDS:-2}"); do
+      step_27b t${r}_a_tree > /dev/null
+      TANDEM_GEMV_CUDA_PLANS=/tmp/plans_rows.json step_27b t${r}_b_swept > /dev/null
+      down5 t${r}_c_down5 > /dev/null
+    done
+    step_cols t ;;
+  *) echo "unknown call $call"; exit 2 ;;
+esac
