@@ -13,6 +13,7 @@
 #     1. bench.gemv_cuda --rows 4 5 6 on down, gdn in_proj, attn qkv (--plans-out);
 #     2. the int4 27B step alternating (ROUNDS, 2): the tree; the sweep's plans;
 #        down alone at 5 rows (its card plan's flush 16).
+#   bash scripts/sessions/device_next70.sh lean  (~2-3 min): down only.
 set -uo pipefail
 call=${1:?main}
 source scripts/device_env.sh
@@ -35,6 +36,16 @@ case "$call" in
       TANDEM_GEMV_CUDA_PLANS=/tmp/plans_rows.json step_27b t${r}_b_swept > /dev/null
       down5 t${r}_c_down5 > /dev/null
     done
+    step_cols t ;;
+  lean)  # down only (~2-3 min): its reference tests, rows 4 and 5, the step with each
+    STEP_TAIL=4 step tests 120 python3 -m pytest -q -p no:cacheprovider -rf \
+      tests/test_gemv_cuda.py -k "cuda_gemv_matches_the_reference and q4_k and 17408"
+    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
+    STEP_TAIL=10 step rows 150 python3 -m bench.gemv_cuda --rows 4 5 --only down
+    step_27b t1_a_tree > /dev/null
+    down5 t1_c_down5 > /dev/null
+    step_27b t2_a_tree > /dev/null
+    down5 t2_c_down5 > /dev/null
     step_cols t ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
