@@ -102,8 +102,10 @@ def test_a_card_with_swept_plans_gets_them_unless_a_switch_says_otherwise(tmp_pa
     assert picked_plan(248320, 5120, "NVIDIA GeForce RTX 4090") == \
         picked_plan(248320, 5120) == plan_for(5120, rows=gemv_cuda.DEFAULT_ROWS)
     for card, plans in gemv_cuda.CARD_PLANS.items():  # every entry as written
-        for (n, k), (flush, stages) in plans.items():
-            assert picked_plan(n, k, card) == plan_for(k, rows=4, flush=flush, stages=stages)
+        for (n, k), entry in plans.items():
+            assert picked_plan(n, k, card) == plan_for(k, rows=entry.rows, flush=entry.flush,
+                                                       stages=entry.stages)
+    assert gemv_cuda.CardPlan(8) == (8, 0, gemv_cuda.DEFAULT_ROWS)
     monkeypatch.setenv(gemv_cuda.STAGES_ENV, "0")
     assert picked_plan(248320, 5120, h200) == plan_for(5120, rows=gemv_cuda.DEFAULT_ROWS)
     monkeypatch.setenv(gemv_cuda.STAGES_ENV, "2")

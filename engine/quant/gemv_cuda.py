@@ -22,6 +22,7 @@ import ctypes
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -733,26 +734,35 @@ def default_stages() -> int:
     return one_of(STAGES_ENV, 0, tuple(range(MAX_STAGES + 1)))
 
 
+class CardPlan(NamedTuple):
+    """One CARD_PLANS entry: what a sweep chose beside plan_for's slots."""
+    flush: int
+    stages: int = 0
+    rows: int = DEFAULT_ROWS
+
+
 # The sweeps' plans for the 27B's shapes, by card (torch.cuda.get_device_name)
-# and (N, K) as (flush, stages) at DEFAULT_ROWS and plan_for's slots, from
-# `bench.gemv_cuda --rows 4 --stages 2 3 4 6 --plans-out` (12-05). The int4
-# step with them against plan_for's defaults, alternating runs of one warm
-# machine (BENCHMARKS.md, 12-05 21:57-22:04): H200 6.79-6.89 ms against
-# 6.93-7.38 (four pairs, every one won); H100 7.08 / 7.31 against 7.17-7.43.
-# Shapes and cards not named get plan_for's.
-CARD_PLANS: dict[str, dict[tuple[int, int], tuple[int, int]]] = {
+# and (N, K), at plan_for's slots, from `bench.gemv_cuda --rows 4 --stages 2 3
+# 4 6 --plans-out` (12-05). The int4 step with them against plan_for's
+# defaults, alternating runs of one warm machine (BENCHMARKS.md, 12-05
+# 21:57-22:04): H200 6.79-6.89 ms against 6.93-7.38 (four pairs, every one
+# won); H100 7.08 / 7.31 against 7.17-7.43. Shapes and cards not named get
+# plan_for's. (Down at 5 rows, ~25% more bytes in flight for one more
+# register, is an H100 sweep's best but only a hundredth or two ahead in its
+# step, and untimed on the H200: BENCHMARKS.md 2026-12-07 16:06.)
+CARD_PLANS: dict[str, dict[tuple[int, int], CardPlan]] = {
     "NVIDIA H200": {
-        (34816, 5120): (16, 0),    # gate_up
-        (5120, 17408): (16, 0),    # down
-        (16480, 5120): (8, 0),     # gdn in_proj
-        (14336, 5120): (16, 0),    # attn qkv
-        (248320, 5120): (1, 3),    # lm_head, through a 3-stage ring
+        (34816, 5120): CardPlan(16),             # gate_up
+        (5120, 17408): CardPlan(16),             # down
+        (16480, 5120): CardPlan(8),              # gdn in_proj
+        (14336, 5120): CardPlan(16),             # attn qkv
+        (248320, 5120): CardPlan(1, stages=3),   # lm_head, through a 3-stage ring
     },
     "NVIDIA H100 80GB HBM3": {
-        (5120, 17408): (16, 0),
-        (16480, 5120): (8, 0),
-        (14336, 5120): (16, 0),
-        (248320, 5120): (16, 0),
+        (5120, 17408): CardPlan(16),
+        (16480, 5120): CardPlan(8),
+        (14336, 5120): CardPlan(16),
+        (248320, 5120): CardPlan(16),
     },
 }
 
@@ -763,8 +773,7 @@ def card_plan(card: str | None, n: int, k: int) -> CudaGemvPlan | None:
     found = CARD_PLANS.get(card or "", {}).get((n, k))
     if found is None:
         return None
-    flush, stages = found
-    return plan_for(k, rows=DEFAULT_ROWS, flush=flush, stages=stages)
+    return plan_for(k, rows=found.rows, flush=found.flush, stages=found.stages)
 
 
 @functools.lru_cache(maxsize=16)
