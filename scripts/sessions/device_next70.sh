@@ -15,7 +15,8 @@
 #        down alone at 5 rows (its card plan's flush 16).
 #   bash scripts/sessions/device_next70.sh lean  (~2-3 min): down only. (Ran 12-07
 #     16:06 on an H100: 4 tests passed, down's best 5 rows flush 2 at 17.9 us, the
-#     step 6.36 against 6.37-6.38 ms; `main` is owed to an H200.)
+#     step 6.36 against 6.37-6.38 ms; `main` is owed to an H200. A win there is
+#     one line: down's CARD_PLANS entry on the H200 as CardPlan(16, rows=5).)
 set -uo pipefail
 call=${1:?main}
 source scripts/device_env.sh
