@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded by device_next71.sh h200, which runs what this owes in one call.
 # The next device call (written 12-07 15:35, seventh session): only what an H200
 # owes, and only on one. Why the norm prologue may pay there when it is level
 # on an H100: against the sweep's back-to-back timings of the same plans, a GEMV
