@@ -96,8 +96,25 @@ critical_path() {  # critical_path NAME: the fused step's critical path, bf16 KV
 out_plan() {  # out_plan NAME ROWS FLUSH [BLOCKS_PER_SM [EARLY]]: the int4 27B step with the
   # out projections (gdn out, attn o: 5120 x 6144) at that plan (EARLY: its own early
   # tile count), through a plans file
-  local file=/tmp/plans_$1.json early=""
+  local early=""
   [ -n "${5:-}" ] && early=", \"early_tiles\": $5"
-  echo "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}$early}}" > "$file"
+  plans_step "$1" "{\"5120,6144\": {\"rows\": $2, \"flush\": $3, \"blocks_per_sm\": ${4:-0}$early}}"
+}
+
+plans_step() {  # plans_step NAME JSON: the int4 27B step with a plans file holding JSON
+  # ({"N,K": plan spec}; shapes it does not name keep the card's plans)
+  local file=/tmp/plans_$1.json
+  echo "$2" > "$file"
   TANDEM_GEMV_CUDA_PLANS=$file step_27b "$1"
+}
+
+down5() {  # down5 NAME: the step with down at 5 rows a tile, its card plan's flush 16
+  plans_step "$1" '{"5120,17408": {"rows": 5, "flush": 16}}'
+}
+
+after_norm_early2() {  # after_norm_early2 NAME: the GEMVs after a norm (gate_up, gdn
+  # in_proj, attn qkv at the H200's card plans) asking L2 for two tiles past their first
+  plans_step "$1" '{"34816,5120": {"rows": 4, "flush": 16, "early_tiles": 2},
+    "16480,5120": {"rows": 4, "flush": 8, "early_tiles": 2},
+    "14336,5120": {"rows": 4, "flush": 16, "early_tiles": 2}}'
 }

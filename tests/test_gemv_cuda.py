@@ -316,8 +316,8 @@ def _assert_close(y, expected):
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 6, 8])
 @pytest.mark.parametrize("kind", ["q4_k", "q4_1", "sym", "fp32-scales"])
 def test_cuda_gemv_matches_the_reference(n, k, rows, kind):
-    """Rows 5 and 6 too: tiles of any height, a last one past N (133 rows
-    at 5 and 6, 37 at 5), which down (5 rows: 1,024 whole tiles of its 5,120)
+    """Rows 5 and 6 too: tiles of any height, a last one past N (37 rows
+    at 5 and 6, 133 at 5), which down (5 rows: 1,024 whole tiles of its 5,120)
     and the K = 5120 projections may run."""
     if k == 17408 and rows in (6, 8):
         pytest.skip("6 and 8 rows at 544 threads spill: "

@@ -23,16 +23,6 @@ set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
 
-after_norm_early2() {  # after_norm_early2 NAME: the GEMVs after a norm (gate_up, gdn
-  # in_proj, attn qkv at the H200's card plans) asking L2 for two tiles past their first
-  # before the wait, the rest at the default one
-  local file=/tmp/plans_$1.json
-  echo '{"34816,5120": {"rows": 4, "flush": 16, "early_tiles": 2},
-         "16480,5120": {"rows": 4, "flush": 8, "early_tiles": 2},
-         "14336,5120": {"rows": 4, "flush": 16, "early_tiles": 2}}' > "$file"
-  TANDEM_GEMV_CUDA_PLANS=$file step_27b "$1"
-}
-
 round() {  # round N
   step_27b n$1_a_tree
   TANDEM_NORM_PROLOGUE=1 step_27b n$1_b_norm

@@ -22,11 +22,6 @@ set -uo pipefail
 call=${1:?main}
 source scripts/device_env.sh
 
-down5() {  # down5 NAME: the step with down at 5 rows a tile, flush 16
-  echo '{"5120,17408": {"rows": 5, "flush": 16}}' > /tmp/plans_down5.json
-  TANDEM_GEMV_CUDA_PLANS=/tmp/plans_down5.json step_27b "$1"
-}
-
 case "$call" in
   main)
     STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf \

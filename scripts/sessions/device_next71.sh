@@ -21,18 +21,6 @@ set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
 
-down5() {  # down5 NAME: the step with down at 5 rows a tile, flush 16
-  echo '{"5120,17408": {"rows": 5, "flush": 16}}' > /tmp/plans_down5.json
-  TANDEM_GEMV_CUDA_PLANS=/tmp/plans_down5.json step_27b "$1"
-}
-
-after_norm_early2() {  # the GEMVs after a norm at the H200's card plans, two early tiles
-  echo '{"34816,5120": {"rows": 4, "flush": 16, "early_tiles": 2},
-         "16480,5120": {"rows": 4, "flush": 8, "early_tiles": 2},
-         "14336,5120": {"rows": 4, "flush": 16, "early_tiles": 2}}' > /tmp/plans_early2.json
-  TANDEM_GEMV_CUDA_PLANS=/tmp/plans_early2.json step_27b "$1"
-}
-
 round() {  # round N
   step_27b h$1_a_tree
   TANDEM_GEMV_CUDA_PLANS=/tmp/plans_rows.json step_27b h$1_b_swept
