@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Superseded by device_next71.sh h200, which runs what this owes in one call.
-# The next device call (written 12-07 16:05, seventh session): taller tiles
+# A RECORD of its `lean` call (ran 12-07 16:06 on an H100); its `main` moved
+# into device_next71.sh h200, which runs what an H200 owes in one call.
+# Written 12-07 16:05 (seventh session): taller tiles
 # where registers allow them. On the H200 a GEMV's rate follows its bytes in
 # flight an SM over a ~1.5 us round trip: gate_up's 4 blocks x 160 threads x 4
 # rows (~47 KB) reach 97% of the floor back to back, down's one 544-thread
@@ -9,33 +10,15 @@
 # one block an SM), so ~49 KB in flight and 8 tiles a block instead of 10;
 # 1,024 whole tiles of its 5,120 rows. in_proj and qkv at 6 rows: 118
 # registers, 3 blocks an SM, ~52 KB against ~46. Never swept: rows 1/2/4/8 only.
-#   bash scripts/sessions/device_next70.sh main  (carry .whl; ~3-4 min, either card)
-#     0. the GPU tests of rows 5 and 6 against the reference;
-#     1. bench.gemv_cuda --rows 4 5 6 on down, gdn in_proj, attn qkv (--plans-out);
-#     2. the int4 27B step alternating (ROUNDS, 2): the tree; the sweep's plans;
-#        down alone at 5 rows (its card plan's flush 16).
 #   bash scripts/sessions/device_next70.sh lean  (~2-3 min): down only. (Ran 12-07
 #     16:06 on an H100: 4 tests passed, down's best 5 rows flush 2 at 17.9 us, the
-#     step 6.36 against 6.37-6.38 ms; `main` is owed to an H200. A win there is
-#     one line: down's CARD_PLANS entry on the H200 as CardPlan(16, rows=5).)
+#     step 6.36 against 6.37-6.38 ms; the H200's run is device_next71.sh's. A win
+#     there is one line: down's CARD_PLANS entry on the H200 as CardPlan(16, rows=5).)
 set -uo pipefail
-call=${1:?main}
+call=${1:?lean}
 source scripts/device_env.sh
 
 case "$call" in
-  main)
-    STEP_TAIL=4 step tests 200 python3 -m pytest -q -p no:cacheprovider -rf \
-      tests/test_gemv_cuda.py -k "cuda_gemv_matches_the_reference and q4_k"
-    grep -E "^(FAILED|E  )" "$OUT/tests.log" | head -20
-    STEP_TAIL=14 step rows 200 python3 -m bench.gemv_cuda --rows 4 5 6 \
-      --only down "gdn in_proj" "attn qkv" --plans-out /tmp/plans_rows.json
-    cat /tmp/plans_rows.json
-    for r in $(seq "${ROUNDS:-2}"); do
-      step_27b t${r}_a_tree > /dev/null
-      TANDEM_GEMV_CUDA_PLANS=/tmp/plans_rows.json step_27b t${r}_b_swept > /dev/null
-      down5 t${r}_c_down5 > /dev/null
-    done
-    step_cols t ;;
   lean)  # down only (~2-3 min): its reference tests, rows 4 and 5, the step with each
     STEP_TAIL=4 step tests 120 python3 -m pytest -q -p no:cacheprovider -rf \
       tests/test_gemv_cuda.py -k "cuda_gemv_matches_the_reference and q4_k and 17408"

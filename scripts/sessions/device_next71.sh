@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The next device call (written 12-07 16:15, seventh session): everything an
 # H200 owes in one call (~6-7 min), so that one H200 start answers it all.
-# Merges device_next69.sh h200 and device_next70.sh main; their headers say why:
+# (It merges two calls written earlier that session, the norm prologue's and the
+# taller tiles'; device_next70.sh's header and BENCHMARKS.md 2026-12-07 say why:)
 #   - down in tiles of 5 rows (89 registers against 88, ~25% more bytes in
 #     flight; the H100's sweep's best, 17.9 us, and the step 0.01-0.02 ms
 #     ahead there); in_proj and qkv at 6 rows (3 blocks an SM, ~52 KB);
