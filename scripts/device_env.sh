@@ -109,6 +109,7 @@ plans_step() {  # plans_step NAME JSON: the int4 27B step with a plans file hold
 }
 
 down5() {  # down5 NAME: the step with down at 5 rows a tile, its card plan's flush 16
+  # (the H200's and H100's card plan since 12-07: there it equals the tree)
   plans_step "$1" '{"5120,17408": {"rows": 5, "flush": 16}}'
 }
 

@@ -747,19 +747,21 @@ class CardPlan(NamedTuple):
 # defaults, alternating runs of one warm machine (BENCHMARKS.md, 12-05
 # 21:57-22:04): H200 6.79-6.89 ms against 6.93-7.38 (four pairs, every one
 # won); H100 7.08 / 7.31 against 7.17-7.43. Shapes and cards not named get
-# plan_for's. (Down at 5 rows, ~25% more bytes in flight for one more
-# register, is an H100 sweep's best but only a hundredth or two ahead in its
-# step, and untimed on the H200: BENCHMARKS.md 2026-12-07 16:06.)
+# plan_for's. Down runs 5 rows a tile (one more register than 4, ~25% more
+# bytes in flight, still one 544-thread block an SM): the int4 step 5.10
+# against 5.11-5.12 ms in four H200 pairs, 6.36 against 6.37-6.38 in two H100
+# pairs (BENCHMARKS.md 2026-12-07 16:06, 17:52). Six rows at K = 5120 (3
+# blocks an SM) win in isolation but not in the step (17:58).
 CARD_PLANS: dict[str, dict[tuple[int, int], CardPlan]] = {
     "NVIDIA H200": {
         (34816, 5120): CardPlan(16),             # gate_up
-        (5120, 17408): CardPlan(16),             # down
+        (5120, 17408): CardPlan(16, rows=5),     # down
         (16480, 5120): CardPlan(8),              # gdn in_proj
         (14336, 5120): CardPlan(16),             # attn qkv
         (248320, 5120): CardPlan(1, stages=3),   # lm_head, through a 3-stage ring
     },
     "NVIDIA H100 80GB HBM3": {
-        (5120, 17408): CardPlan(16),
+        (5120, 17408): CardPlan(16, rows=5),
         (16480, 5120): CardPlan(8),
         (14336, 5120): CardPlan(16),
         (248320, 5120): CardPlan(16),

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The next device call (written 12-07 16:15, seventh session): everything an
+# A record: it ran on an H200 at 12-07 17:52 (BENCHMARKS.md 2026-12-07 17:52-18:08);
+# down at 5 rows is the card plan since, so its tree and down5 setups now match.
+# Written 12-07 16:15, seventh session: everything an
 # H200 owes in one call (~6-7 min), so that one H200 start answers it all.
 # (It merges two calls written earlier that session, the norm prologue's and the
 # taller tiles'; device_next70.sh's header and BENCHMARKS.md 2026-12-07 say why:)
