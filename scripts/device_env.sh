@@ -23,13 +23,25 @@ step() {  # step NAME SECONDS CMD...: run with a limit, keep the log, show its t
   tail -n "${STEP_TAIL:-14}" "$OUT/$name.log"; echo "=== $name rc=$rc $((SECONDS - began))s"
 }
 
-ncu_gemv() {  # ncu_gemv SHAPE: Nsight Compute on one DP4A GEMV launch of a 27B shape
+ncu_gemv() {  # ncu_gemv SHAPE: Nsight Compute on one Triton DP4A GEMV launch of a 27B shape
   # (bench.quant's names: gate_up, down, "gdn out", ...); log ncu_gemv_SHAPE.log
   STEP_TAIL=4 step "ncu_gemv_${1// /_}" 150 ncu --clock-control none --kernel-name regex:_gemv_x8 \
     --launch-skip 20 --launch-count 1 --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis --section InstructionStats \
     python3 -m bench.quant --rows 1 --only "$1" --decode-steps 0
+}
+
+ncu_cuda_gemv() {  # ncu_cuda_gemv SHAPE ROWS: Nsight Compute on one CUDA GEMV launch
+  # (tandem_q4_gemv) of a 27B shape at ROWS a tile, full grid, flush 1: the first plan
+  # bench.gemv_cuda's sweep launches, weight copies cycled past L2; log ncu_cuda_SHAPE_rROWS.log
+  STEP_TAIL=0 step "ncu_cuda_${1// /_}_r$2" 200 ncu --clock-control none \
+    --kernel-name tandem_q4_gemv --launch-skip 5 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis --section InstructionStats \
+    python3 -m bench.gemv_cuda --rows "$2" --only "$1"
+  grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Achieved Occupancy|Registers Per|Block Limit|Stall|Warp Cycles Per Issued|No Eligible|Issue Slots Busy" \
+    "$OUT/ncu_cuda_${1// /_}_r$2.log" | head -24
 }
 
 assemble_gguf() {  # the embedded GGUF from the parts parked in /tmp/gguf (three calls

@@ -4,22 +4,17 @@
 # rows a tile, the card plan since 12-07) bought 3% (15.63 -> 15.13 us a
 # launch in the step; BENCHMARKS.md 2026-12-07 17:52), where the
 # bytes-in-flight model forecast ~15%. Nsight Compute on one down launch at
-# 5 rows and at 4, and on gate_up (95% of its floor) beside them.
-#   bash scripts/sessions/device_next73.sh h200  (carry .whl; ~3 min)
+# 5 rows and at 4 (flush 1, the sweep's first plan), and on gate_up (95% of its
+# floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
+#   bash scripts/sessions/device_next73.sh h200  (carry .whl; ~2-3 min)
 set -uo pipefail
 call=${1:?h200}
 source scripts/device_env.sh
 case "$call" in
   h200)
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: nothing owed here"; exit 3; }
-    echo '{"5120,17408": {"rows": 4, "flush": 16}}' > /tmp/plans_down4.json
-    TANDEM_GEMV_CUDA_PLANS=/tmp/plans_down4.json ncu_gemv down
-    mv "$OUT/ncu_gemv_down.log" "$OUT/ncu_gemv_down4.log" 2>/dev/null
-    ncu_gemv down
-    ncu_gemv gate_up
-    for f in "$OUT"/ncu_gemv_*.log; do
-      echo "== $f"
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|Issue Slots|L2 Hit|One or More Eligible|No Eligible" "$f" | head -24
-    done ;;
+    ncu_cuda_gemv down 4
+    ncu_cuda_gemv down 5
+    ncu_cuda_gemv gate_up 4 ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
