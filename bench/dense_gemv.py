@@ -17,7 +17,6 @@ import argparse
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
 from bench.common import print_table, write_json
 from bench.quant import L2_FLUSH_BYTES, _copy_bandwidth, _time_graph, model_shapes

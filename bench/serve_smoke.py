@@ -9,7 +9,6 @@ device and gives the plain-PyTorch baseline."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import subprocess
