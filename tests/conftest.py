@@ -127,3 +127,20 @@ def reference_rotation(monkeypatch):
     write tests need it, as the Hadamard kernel agrees with the matmul to
     fp32 rounding only (tests/test_hadamard.py holds it to that)."""
     monkeypatch.setenv("TANDEM_HADAMARD_KERNEL", "0")
+
+
+@pytest.fixture(scope="session")
+def nvrtc():
+    """NVRTC 13 (the nvidia-cuda-nvrtc wheel) for sm_90 builds without a GPU
+    (engine/quant/sm90_builds.py); where the test extra installs the wheel,
+    its absence is a broken set-up, not a skip."""
+    import platform
+
+    from engine.quant.sm90_builds import load_nvrtc
+
+    lib = load_nvrtc()
+    if lib is None:
+        if platform.system() == "Linux" and platform.machine() == "x86_64":
+            pytest.fail("no NVRTC 13: `bash scripts/setup.sh --test` installs nvidia-cuda-nvrtc")
+        pytest.skip("no NVRTC 13 wheel for this platform (x86-64 Linux only)")
+    return lib

@@ -5,26 +5,13 @@ the read-only path fails here, in CI, before any device time. The builds'
 bits and speed are tests/test_gemv_cuda.py's, on a GPU."""
 from __future__ import annotations
 
-import platform
-
 import pytest
 
 from engine.quant.gemv_cuda import CARD_PLANS
-from engine.quant.sm90_builds import (compile_sm90, load_nvrtc, reads_only_unwritten_arrays,
+from engine.quant.sm90_builds import (compile_sm90, reads_only_unwritten_arrays,
                                       step_cases)
 
 CASES = [case for card in sorted(CARD_PLANS) for case in step_cases(card)]
-
-
-@pytest.fixture(scope="module")
-def nvrtc():
-    lib = load_nvrtc()
-    if lib is None:
-        # the test extra installs the wheel where one exists: there, its absence is a broken set-up
-        if platform.system() == "Linux" and platform.machine() == "x86_64":
-            pytest.fail("no NVRTC 13: `bash scripts/setup.sh --test` installs nvidia-cuda-nvrtc")
-        pytest.skip("no NVRTC 13 wheel for this platform (x86-64 Linux only)")
-    return lib
 
 
 @pytest.fixture(scope="module")

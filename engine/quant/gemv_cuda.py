@@ -470,15 +470,19 @@ class _Compiled:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(options: tuple[str, ...], device: int, threads: int,
-              shared_bytes: int = 0) -> _Compiled:
+              shared_bytes: int = 0, source: str | None = None,
+              kernel_name: str = KERNEL) -> _Compiled:
     """Compiled and loaded once per (constants, device): a module belongs to
     its device's context. shared_bytes: the dynamic shared memory each
-    launch asks for (the ring), opted into past 48 KB."""
+    launch asks for (the ring), opted into past 48 KB. source and
+    kernel_name: another kernel built on q4_gemv.cu's helpers (a probe,
+    bench/chain_probe.py); None, this file's GEMV."""
     from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     major, minor = torch.cuda.get_device_capability(device)
     with torch.cuda.device(device):
-        binary, name = _nvrtc_compile(SOURCE.read_text(), KERNEL,
+        binary, name = _nvrtc_compile(SOURCE.read_text() if source is None else source,
+                                      kernel_name,
                                       compute_capability=f"{major}{minor}",
                                       nvcc_options=list(options))
         kernel = _cuda_load_module(binary, [name])[name]

@@ -362,15 +362,9 @@ __device__ __forceinline__ void gated_group(unsigned (&raw)[16], const unsigned 
 #endif
 
 #if NORM
-// s = round(x + pending) for group g (stored by block 0), its sum of squares
-__device__ __forceinline__ float residual_group(const u16* __restrict__ x,
-                                                const u16* __restrict__ pending,
-                                                u16* __restrict__ residual_out, int g,
-                                                unsigned (&raw)[16]) {
-    load_group(x, g, raw);
-#if HAS_PENDING
-    unsigned add[16];
-    load_group(pending, g, add);
+// raw = round(raw + add) for group g, stored to residual_out by block 0
+__device__ __forceinline__ void add_residual(unsigned (&raw)[16], const unsigned (&add)[16],
+                                             u16* __restrict__ residual_out, int g) {
 #pragma unroll
     for (int i = 0; i < 16; ++i)
         raw[i] = pack_bf16(bf16_float(raw[i] & 0xFFFF) + bf16_float(add[i] & 0xFFFF),
@@ -381,7 +375,9 @@ __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
         for (int i = 0; i < 4; ++i)
             dst[i] = uint4{raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]};
     }
-#endif
+}
+
+__device__ __forceinline__ float group_squares(const unsigned (&raw)[16]) {
     float squares = 0.0f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -389,6 +385,20 @@ __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
         squares += lo * lo + hi * hi;
     }
     return squares;
+}
+
+// s = round(x + pending) for group g (stored by block 0), its sum of squares
+__device__ __forceinline__ float residual_group(const u16* __restrict__ x,
+                                                const u16* __restrict__ pending,
+                                                u16* __restrict__ residual_out, int g,
+                                                unsigned (&raw)[16]) {
+    load_group(x, g, raw);
+#if HAS_PENDING
+    unsigned add[16];
+    load_group(pending, g, add);
+    add_residual(raw, add, residual_out, g);
+#endif
+    return group_squares(raw);
 }
 
 // a group of RMSNorm(s) before its rstd, as bf16 words: s * (1 + w) (ZC)
