@@ -17,8 +17,9 @@ counter's acquire loads).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,8 +30,10 @@ FIRST_N = 5120
 K = 5120
 
 
+@functools.lru_cache(maxsize=1)
 def chain_source() -> str:
-    """q4_gemv.cu's helpers, then the chain kernel."""
+    """q4_gemv.cu's helpers, then the chain kernel (read once: every launch
+    keys its build by it)."""
     from engine.quant.gemv_cuda import SOURCE
 
     return SOURCE.read_text() + "\n" + CHAIN_SOURCE.read_text()
@@ -39,11 +42,12 @@ def chain_source() -> str:
 def chain_options(plan, superblock: int, asymmetric: bool, d_fp32: bool, pdl: bool,
                   norm) -> tuple[str, ...]:
     """The GEMV's build constants with the norm prologue's flags (its helpers),
-    no ring, no read-ahead, no early tiles: what the chain kernel compiles
-    under."""
+    no ring, no read-ahead, no early tiles (the chain walks its tiles through
+    registers whatever the plan says): what the chain kernel compiles under."""
     from engine.quant.gemv_cuda import build_options
 
-    return build_options(plan, superblock, asymmetric, d_fp32, pdl, prologue=norm)
+    return build_options(replace(plan, stages=0), superblock, asymmetric, d_fp32, pdl,
+                         prologue=norm)
 
 
 @dataclass
@@ -137,7 +141,7 @@ def time_pair(second: str, device, check: bool) -> dict:
                   fn(a, b)) for i in range(16)]
         result[f"{label}_us"] = _time_graph(calls) * 1e6
     if check:
-        result.update(compare(lambda a, b: chained(a, b), prologue, copies_a[0], copies_b[0],
+        result.update(compare(chained, prologue, copies_a[0], copies_b[0],
                               (out_a, out_b, residual_out)))
     return result
 
