@@ -1,18 +1,21 @@
-"""Does a resident chain pay? Two one-row Q4_K GEMVs of K = 5120 with the
-add_rms_norm between them, as the int4 step runs them (three dependent
-launches: GEMV, norm, GEMV) against the norm in the second GEMV's prologue
-(two launches) and against bench/q4_chain.cu, all three in ONE persistent
-launch whose blocks wait at a grid counter, the second GEMV's first tile
-already in registers (docs/ARCHITECTURE.md, the decode step's item 4):
+"""Does a resident chain pay? Two one-row Q4_K GEMVs with the add_rms_norm
+between them, as the int4 step runs them (three dependent launches: GEMV,
+norm, GEMV) against the norm in the second GEMV's prologue (two launches)
+and against bench/q4_chain.cu, all three in ONE persistent launch whose
+blocks wait at a grid counter, the second GEMV's first tile already in
+registers (docs/ARCHITECTURE.md, the decode step's item 4):
 
-    python -m bench.chain_probe [--second gate_up "gdn in_proj" "attn qkv"] [--check]
+    python -m bench.chain_probe [--pairs NAME ...] [--check]
 
-The first GEMV is 5120 x 5120 (an out projection's N; the 27B's have K =
-6144, a block shape the chain cannot share with K = 5120's yet). Each
-variant is graph-timed 16 pairs back to back, weight copies cycled past L2,
-PDL on. --check also compares the chain's outputs with the launches'. A
-probe: nothing in the engine calls it. GPU only (sm_90: PDL and the grid
-counter's acquire loads).
+The pairs (PAIRS): a 5120 x 5120 GEMV before each K = 5120 projection (one
+block shape for both: the premise alone), then the 27B's own boundaries:
+gdn out (K = 6144) before gate_up, in 192-thread blocks whose sixth warp
+idles in gate_up's phase or in 160-thread blocks at two groups a thread,
+and down (K = 17408, 544 threads) before gdn in_proj or attn qkv, whose
+phase runs in three 160-thread parts a block. Each variant is graph-timed
+16 pairs back to back, weight copies cycled past L2, PDL on. --check also
+compares the chain's outputs with the launches'. A probe: nothing in the
+engine calls it. GPU only (sm_90: PDL and the grid counter's acquire loads).
 """
 from __future__ import annotations
 
@@ -21,13 +24,18 @@ import functools
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
+from engine.quant.gemv_cuda import CudaGemvPlan, picked_plan, plan_for
+
 CHAIN_SOURCE = Path(__file__).with_name("q4_chain.cu")
 CHAIN_KERNEL = "tandem_q4_chain"
-FIRST_N = 5120
-K = 5120
+HIDDEN = 5120          # the 27B's: K of the second GEMV, N of the first
+MAX_PARTS = 15         # named barriers 1..15
+SM_REGISTERS = 65536
+GEMV_REGISTERS = 96    # the most a 160-thread GEMV may take for 4 blocks an SM
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,15 +47,64 @@ def chain_source() -> str:
     return SOURCE.read_text() + "\n" + CHAIN_SOURCE.read_text()
 
 
-def chain_options(plan, superblock: int, asymmetric: bool, d_fp32: bool, pdl: bool,
+@dataclass(frozen=True)
+class ChainPlan:
+    """The chain's two tile shapes: phase A walks `first`'s tiles in blocks
+    of first.threads threads; phase B walks `second`'s in `parts` parts of
+    second.threads threads a block (the block's other threads idle there).
+    Both through registers: the chain has no ring and no read-ahead, and
+    one early tile, whatever the plans say. min_blocks: the blocks an SM the build
+    asks ptxas to fit (__launch_bounds__; 0: as many as fit at the GEMV's
+    96 registers, 4 of 160 threads). Left alone ptxas gave the 160-thread
+    chain 110 registers, 3 blocks an SM; asked for 4 it takes 94 and spills
+    nothing (NVRTC sm_90, 12-07)."""
+    first: CudaGemvPlan
+    second: CudaGemvPlan
+    parts: int = 1
+    min_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.parts <= MAX_PARTS:
+            raise ValueError(f"parts must be 1..{MAX_PARTS} (a named barrier each): {self}")
+        if self.parts * self.second.threads > self.first.threads:
+            raise ValueError(f"{self.parts} parts of {self.second.threads} threads exceed the "
+                             f"block's {self.first.threads}: {self}")
+        if self.first.flush * self.first.rows > self.first.threads:
+            raise ValueError(f"the first GEMV's flush x rows exceeds its threads: {self}")
+        if self.min_blocks < 0:
+            raise ValueError(f"min_blocks must be >= 0: {self}")
+
+    @property
+    def blocks_per_sm(self) -> int:
+        """What the build asks ptxas to fit an SM."""
+        return self.min_blocks or max(1, SM_REGISTERS // (GEMV_REGISTERS * self.threads))
+
+    @property
+    def threads(self) -> int:
+        return self.first.threads
+
+    def grid(self, n_a: int, n_b: int, sms: int, resident_per_sm: int) -> int:
+        """Every block resident at once (or the grid counter waits forever),
+        never more than either phase has work for."""
+        per_block_b = -(-self.second.tiles(n_b) // self.parts)
+        return max(1, min(sms * resident_per_sm, max(self.first.tiles(n_a), per_block_b)))
+
+
+def chain_options(chain: ChainPlan, superblock: int, asymmetric: bool, d_fp32: bool, pdl: bool,
                   norm) -> tuple[str, ...]:
-    """The GEMV's build constants with the norm prologue's flags (its helpers),
-    no ring, no read-ahead, no early tiles (the chain walks its tiles through
-    registers whatever the plan says): what the chain kernel compiles under."""
+    """The second GEMV's build constants with the norm prologue's flags (its
+    helpers), no ring, no read-ahead, one early tile (each phase asks L2
+    for its second tile before its wait, as the step's GEMVs do); then the
+    block's threads, the first GEMV's tile shape and the second's parts."""
     from engine.quant.gemv_cuda import build_options
 
-    return build_options(replace(plan, stages=0), superblock, asymmetric, d_fp32, pdl,
-                         prologue=norm)
+    first = chain.first
+    return (*build_options(replace(chain.second, stages=0), superblock, asymmetric, d_fp32, pdl,
+                           prologue=norm, early_l2_tiles=1),
+            f"-DCHAIN_THREADS={chain.threads}", f"-DA_ROWS={first.rows}",
+            f"-DA_SLOTS={first.slots}", f"-DA_GROUPS={first.groups}",
+            f"-DA_FLUSH={first.flush}", f"-DPARTS={chain.parts}",
+            f"-DCHAIN_MIN_BLOCKS={chain.blocks_per_sm}")
 
 
 @dataclass
@@ -56,107 +113,163 @@ class Chain:
     grid size): zeroed once, it only ever grows by a launch's grid."""
     counters: dict = field(default_factory=dict)
 
-    def __call__(self, x_a, qt_a, out_a, qt_b, out_b, residual, norm, plan,
+    def __call__(self, x_a, qt_a, out_a, qt_b, out_b, residual, norm, chain: ChainPlan,
                  pdl: bool = True) -> None:
         """out_a = qt_a x_a; out_b = qt_b RMSNorm(residual + out_a), the sum
         stored to norm.residual_out (norm.pending must be out_a)."""
         from engine.quant.gemv_cuda import _compiled, _launch, launchable
 
-        if qt_a.shape[1] != K or qt_b.shape[1] != K or qt_a.shape[0] != K:
-            raise ValueError(f"the chain takes a {K} x {K} first GEMV and a second of K = {K}")
+        if qt_a.shape[0] != qt_b.shape[1]:
+            raise ValueError(f"the first GEMV's {qt_a.shape[0]} rows are not the second's "
+                             f"K = {qt_b.shape[1]}")
+        if qt_a.shape[1] != chain.first.groups * 32 or qt_b.shape[1] != chain.second.groups * 32:
+            raise ValueError(f"the plans' K ({chain.first.groups * 32}, "
+                             f"{chain.second.groups * 32}) are not the weights' "
+                             f"({qt_a.shape[1]}, {qt_b.shape[1]})")
         if qt_a.asymmetric != qt_b.asymmetric or qt_a.d.dtype != qt_b.d.dtype:
             raise ValueError("both weights must share one format (one build)")
         if norm.pending is not out_a or norm.residual_out is None:
             raise ValueError("the chain's norm adds out_a: NormPrologue(..., pending=out_a, "
                              "residual_out=...)")
         device = x_a.device.index if x_a.device.index is not None else torch.cuda.current_device()
-        compiled = _compiled(chain_options(plan, qt_a.superblock, qt_a.asymmetric,
+        compiled = _compiled(chain_options(chain, qt_a.superblock, qt_a.asymmetric,
                                            qt_a.d.dtype == torch.float32, pdl, norm),
-                             device, plan.threads, 0, chain_source(), CHAIN_KERNEL)
+                             device, chain.threads, 0, chain_source(), CHAIN_KERNEL)
         if not launchable(compiled.local_bytes):
             raise ValueError(f"the chain's build spills {compiled.local_bytes} bytes a thread")
         sms = torch.cuda.get_device_properties(x_a.device).multi_processor_count
-        # every block resident at once, or the grid counter waits forever
-        grid = min(sms * compiled.resident_per_sm,
-                   max(plan.tiles(qt_a.shape[0]), plan.tiles(qt_b.shape[0])))
+        grid = chain.grid(qt_a.shape[0], qt_b.shape[0], sms, compiled.resident_per_sm)
         key = (device, grid)
         if key not in self.counters:
             self.counters[key] = torch.zeros(1, dtype=torch.int32, device=x_a.device)
-        _, weight, eps, residual_out = norm.operands(residual, K)
+        _, weight, eps, residual_out = norm.operands(residual, qt_b.shape[1])
 
         def arrays(qt):
             return [qt.qweight, qt.d, qt.sc, qt.dmin if qt.asymmetric else qt.d,
                     qt.m if qt.asymmetric else qt.sc]
 
-        _launch(compiled, grid, plan.threads,
+        _launch(compiled, grid, chain.threads,
                 [x_a, *arrays(qt_a), out_a, qt_a.shape[0], *arrays(qt_b), out_b, qt_b.shape[0],
                  residual, weight, eps, residual_out, self.counters[key]], pdl)
 
 
-def time_pair(second: str, device, check: bool) -> dict:
+class Pair(NamedTuple):
+    """A boundary to time: the first GEMV's shape (bench.quant's name, or
+    None: a 5120 x 5120 stand-in), the second's, and the chain's shapes
+    from the second's plan (the card's, as the step picks it)."""
+    first: str | None
+    second: str
+    chain: Callable[[CudaGemvPlan, str], ChainPlan]
+
+
+def _same_shape(second: CudaGemvPlan, card: str) -> ChainPlan:
+    return ChainPlan(second, second)
+
+
+def _out_projection(second: CudaGemvPlan, card: str) -> ChainPlan:
+    """192 threads, one group each; gate_up's phase leaves the sixth warp idle.
+    The out projection's block walks ~3 tiles: one flush at its end."""
+    return ChainPlan(plan_for(6144, flush=16), second)
+
+
+def _out_projection_at_160(second: CudaGemvPlan, card: str) -> ChainPlan:
+    """gate_up's 160 threads; the out projection at two groups a thread
+    (warp 0's second slot: groups 160..191) and two rows a tile."""
+    return ChainPlan(CudaGemvPlan(rows=2, slots=2, threads=160, groups=192, flush=16), second,
+                     min_blocks=3)   # at 4, ptxas spills 192 bytes a thread
+
+
+def _down(second: CudaGemvPlan, card: str) -> ChainPlan:
+    """down's block as the card runs it (544 threads); the second GEMV in
+    three parts of 160 threads, two warps idle."""
+    return ChainPlan(picked_plan(HIDDEN, 17408, card), second, parts=3)
+
+
+PAIRS = {
+    "5120 > gate_up": Pair(None, "gate_up", _same_shape),
+    "5120 > gdn in_proj": Pair(None, "gdn in_proj", _same_shape),
+    "5120 > attn qkv": Pair(None, "attn qkv", _same_shape),
+    "gdn out > gate_up": Pair("gdn out", "gate_up", _out_projection),
+    "gdn out (160 threads) > gate_up": Pair("gdn out", "gate_up", _out_projection_at_160),
+    "down > gdn in_proj": Pair("down", "gdn in_proj", _down),
+    "down > attn qkv": Pair("down", "attn qkv", _down),
+}
+
+
+def time_pair(name: str, device, check: bool) -> dict:
     """us per pair for the three variants (and each GEMV alone)."""
     from bench.quant import _copies, _time_graph, model_shapes
     from engine.fused import load_kernels
-    from engine.quant.gemv_cuda import NormPrologue, gemv_cuda, picked_plan
+    from engine.quant.gemv_cuda import NormPrologue, gemv_cuda
 
-    shapes = {name: (fmt, n, k) for name, fmt, n, k, _ in model_shapes() if fmt.name == "Q4_K"}
-    fmt, n_b, k_b = shapes[second]
-    if k_b != K:
-        raise ValueError(f"{second} has K = {k_b}; the chain takes K = {K}")
-    copies_a, copies_b = _copies(fmt, FIRST_N, K, device), _copies(fmt, n_b, K, device)
-    plan = picked_plan(n_b, K, torch.cuda.get_device_name(device))
+    pair = PAIRS[name]
+    shapes = {shape: (fmt, n, k) for shape, fmt, n, k, _ in model_shapes() if fmt.name == "Q4_K"}
+    fmt, n_b, k_b = shapes[pair.second]
+    n_a, k_a = (HIDDEN, HIDDEN) if pair.first is None else shapes[pair.first][1:]
+    card = torch.cuda.get_device_name(device)
+    plan_b = picked_plan(n_b, k_b, card)
+    chain_plan = pair.chain(plan_b, card)
+    # the first GEMV apart as the step runs it (the stand-in: in the second's shape)
+    plan_a = chain_plan.first if pair.first is None else picked_plan(n_a, k_a, card)
+    copies_a, copies_b = _copies(fmt, n_a, k_a, device), _copies(fmt, n_b, k_b, device)
     kernels = load_kernels()
-    x_a = torch.randn(1, K, device=device, dtype=torch.bfloat16)
-    residual = torch.randn(1, K, device=device, dtype=torch.bfloat16)
-    weight = torch.randn(K, device=device, dtype=torch.bfloat16) * 0.1
-    out_a = torch.empty(1, FIRST_N, device=device, dtype=torch.bfloat16)
+    x_a = torch.randn(1, k_a, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(1, n_a, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(n_a, device=device, dtype=torch.bfloat16) * 0.1
+    out_a = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
     out_b = torch.empty(1, n_b, device=device, dtype=torch.bfloat16)
-    residual_out = torch.empty(1, K, device=device, dtype=torch.bfloat16)
+    residual_out = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
     norm = NormPrologue(weight, 1e-6, True, out_a, residual_out)
     chain = Chain()
 
-    def first(a):
+    def first(a, plan=plan_a):
         gemv_cuda(x_a, a, out=out_a, plan=plan, pdl=True)
 
     def apart(a, b):
         first(a)
         _, normed = kernels.add_rms_norm(residual, out_a, weight, 1e-6, True)
-        gemv_cuda(normed, b, out=out_b, plan=plan, pdl=True)
+        gemv_cuda(normed, b, out=out_b, plan=plan_b, pdl=True)
 
-    def prologue(a, b):
-        first(a)
-        gemv_cuda(residual, b, out=out_b, plan=plan, pdl=True, prologue=norm)
+    def prologue(a, b, plan=plan_a):
+        first(a, plan)
+        gemv_cuda(residual, b, out=out_b, plan=plan_b, pdl=True, prologue=norm)
 
     def chained(a, b):
-        chain(x_a, a, out_a, b, out_b, residual, norm, plan)
+        chain(x_a, a, out_a, b, out_b, residual, norm, chain_plan)
 
     def second_alone(a, b):
-        gemv_cuda(residual, b, out=out_b, plan=plan, pdl=True)
+        gemv_cuda(residual, b, out=out_b, plan=plan_b, pdl=True)
 
     variants = {"apart": apart, "prologue": prologue, "chain": chained,
                 "first_alone": lambda a, b: first(a), "second_alone": second_alone}
-    result = {"second": second, "N": n_b, "plan": plan.spec()}
+    result = {"pair": name, "N_a": n_a, "K_a": k_a, "N_b": n_b, "threads": chain_plan.threads,
+              "parts": chain_plan.parts, "first_plan": chain_plan.first.spec(),
+              "second_plan": plan_b.spec()}
     for label, fn in variants.items():
         calls = [(lambda a=copies_a[i % len(copies_a)], b=copies_b[i % len(copies_b)]:
                   fn(a, b)) for i in range(16)]
         result[f"{label}_us"] = _time_graph(calls) * 1e6
     if check:
-        result.update(compare(chained, prologue, copies_a[0], copies_b[0],
+        # the reference's first GEMV in the chain's own tile shape: the same sums
+        reference = functools.partial(prologue, plan=chain_plan.first)
+        result.update(compare(chained, reference, copies_a[0], copies_b[0],
                               (out_a, out_b, residual_out)))
     return result
 
 
-def compare(chained, prologue, a, b, outputs) -> dict:
-    """The chain's three outputs (out_a, out_b, residual_out) against the
-    two launches' (the prologue variant: the same deferred-rstd numerics),
-    the outputs NaN-poisoned before the chain runs."""
-    prologue(a, b)
+def compare(chained, reference, a, b, outputs) -> dict:
+    """The chain's three outputs (out_a, out_b, residual_out) against two
+    launches' (the first GEMV, then the second with the norm in its
+    prologue: the same deferred-rstd numerics), the outputs NaN-poisoned
+    before the chain runs."""
+    reference(a, b)
     want = [t.clone() for t in outputs]
     for t in outputs:
         t.fill_(float("nan"))
     chained(a, b)
     torch.cuda.synchronize()
     return {"first_equal": bool(torch.equal(outputs[0], want[0])),
+            "second_equal": bool(torch.equal(outputs[1], want[1])),
             "second_max_diff": float((outputs[1].float() - want[1].float()).abs().max()),
             "second_scale": float(want[1].float().abs().max()),
             "residual_equal": bool(torch.equal(outputs[2], want[2]))}
@@ -165,8 +278,8 @@ def compare(chained, prologue, a, b, outputs) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.chain_probe",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--second", nargs="+", default=["gate_up", "gdn in_proj", "attn qkv"],
-                   help="the second GEMV's shapes (bench.quant's names, K = 5120)")
+    p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS),
+                   metavar="PAIR", help=f"the boundaries to time (default all: {', '.join(PAIRS)})")
     p.add_argument("--check", action="store_true", help="also compare the chain's outputs")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -175,18 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     from bench.quant import print_table
 
     device = torch.device("cuda", torch.cuda.current_device())
-    rows = [time_pair(name, device, args.check) for name in args.second]
-    print_table("5120 x 5120 GEMV, add_rms_norm, second GEMV: us a pair",
-                ["second", "N", "apart", "prologue", "chain", "first alone", "second alone",
-                 "chain saves"],
-                [[r["second"], r["N"], *(f"{r[k]:.1f}" for k in (
+    rows = []
+    for name in args.pairs:
+        rows.append(time_pair(name, device, args.check))
+        print(rows[-1], file=sys.stderr, flush=True)
+    print_table("first GEMV, add_rms_norm, second GEMV: us a pair",
+                ["pair", "threads x parts", "apart", "prologue", "chain", "first alone",
+                 "second alone", "chain saves"],
+                [[r["pair"], f"{r['threads']} x {r['parts']}", *(f"{r[k]:.1f}" for k in (
                     "apart_us", "prologue_us", "chain_us", "first_alone_us", "second_alone_us")),
                   f"{r['apart_us'] - r['chain_us']:.1f}"] for r in rows])
     for r in rows:
         if args.check:
-            print(f"{r['second']}: first equal {r['first_equal']}, residual equal "
-                  f"{r['residual_equal']}, second max diff {r['second_max_diff']:.4g} "
-                  f"of {r['second_scale']:.4g}")
+            print(f"{r['pair']}: first equal {r['first_equal']}, residual equal "
+                  f"{r['residual_equal']}, second equal {r['second_equal']} (max diff "
+                  f"{r['second_max_diff']:.4g} of {r['second_scale']:.4g})")
     return 0
 
 

@@ -201,35 +201,50 @@ __device__ __forceinline__ void clear_group(Group& e) {
 #endif
 }
 
+// The shape a tile loop walks: R rows a tile, S groups of K a thread (g =
+// thread + j * T), T threads to a row, G groups in K. A GEMV has one, its
+// build constants' (BuildShape); a kernel that chains two GEMVs of different
+// K (bench/q4_chain.cu) walks each in its own.
+template <int R, int S, int T, int G>
+struct TileShape {
+    enum : int { rows = R, slots = S, threads = T, groups = G, warps = T / 32 };   // no globals
+};
+using BuildShape = TileShape<ROWS, SLOTS, THREADS, GROUPS>;
+
 // the weight row of tile `index`'s row r
+template <int R = ROWS>
 __device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
 #if SILU_MUL
-    constexpr int HALF = ROWS / 2;   // gate rows j.., then up rows n_rows / 2 + j..
+    constexpr int HALF = R / 2;   // gate rows j.., then up rows n_rows / 2 + j..
     return (long long)(r < HALF ? 0 : n_rows / 2) + (long long)index * HALF + r % HALF;
 #else
-    return min(index * ROWS + r, n_rows - 1);   // rows past N repeat the last
+    return min(index * R + r, n_rows - 1);   // rows past N repeat the last
 #endif
 }
 
-__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
-                                          const Weight& weights) {
+// `thread`: the thread's place among Shape::threads (threadIdx.x but in a
+// chained kernel's parts)
+template <class Shape = BuildShape>
+__device__ __forceinline__ void load_tile(Group (&tile)[Shape::rows][Shape::slots], int index,
+                                          int n_rows, const Weight& weights, int thread) {
+    constexpr int S = Shape::slots, T = Shape::threads, G = Shape::groups;
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const long long n = tile_row(index, r, n_rows);
+    for (int r = 0; r < Shape::rows; ++r) {
+        const long long n = tile_row<Shape::rows>(index, r, n_rows);
 #pragma unroll
-        for (int j = 0; j < SLOTS; ++j) {
-            const int g = threadIdx.x + j * THREADS;
+        for (int j = 0; j < S; ++j) {
+            const int g = thread + j * T;
             Group& e = tile[r][j];
-            if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
-                e.words = load_streamed(weights.qw + n * GROUPS + g);
+            if (S * T == G || g < G) {   // folds away when none idle
+                e.words = load_streamed(weights.qw + n * G + g);
                 // __ldg: the early tiles' prefetch takes these pointers into
                 // an asm with a memory clobber, after which nvcc no longer
                 // proves them read-only and the scales lost ld.global.nc
-                e.sc = __ldg(weights.sc + n * GROUPS + g);
-                e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
+                e.sc = __ldg(weights.sc + n * G + g);
+                e.d = __ldg(weights.d + n * (G / GPS) + g / GPS);
 #if ASYM
-                e.m = __ldg(weights.m + n * GROUPS + g);
-                e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
+                e.m = __ldg(weights.m + n * G + g);
+                e.dmin = __ldg(weights.dmin + n * (G / GPS) + g / GPS);
 #endif
             } else {
                 clear_group(e);
@@ -303,8 +318,9 @@ __device__ __forceinline__ float weight_at(const unsigned (&w)[W_WORDS], int k) 
 #endif
 constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
 
-// vector i of slot j's group at stash[i][j * THREADS + thread]: a warp's
-// 16-byte accesses are consecutive, so they take no bank conflicts. Copied
+// vector i of slot j's group at stash[i][j * T + threadIdx.x] (T: the
+// block's threads; N = slots x T): a warp's 16-byte accesses are
+// consecutive, so they take no bank conflicts. Copied
 // by cp.async, global to shared without registers (through registers the
 // loads in flight took the kernel from 96 to 104, 4 to 3 blocks an SM).
 // .ca, through L1: every block reads the same weight (GATED: one 256-byte
@@ -314,25 +330,27 @@ constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
 // serving every copy. Untimed since the change.
 // (the 32 weights from element `first` on: g * 32 for NORM, the group's place
 // in its head for GATED)
+template <int T, int N>
 __device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ weight, int first,
-                                                  int j, uint4 (*stash)[SLOTS * THREADS]) {
+                                                  int j, uint4 (*stash)[N]) {
     const uint4* src = reinterpret_cast<const uint4*>(weight + first);
 #pragma unroll
     for (int i = 0; i < W_VECS; ++i) {
         asm volatile("{ .reg .u64 a; .reg .u32 s;\n"
                      "  cvta.to.shared.u64 a, %0; cvt.u32.u64 s, a;\n"
                      "  cp.async.ca.shared.global [s], [%1], 16; }"
-                     :: "l"(&stash[i][j * THREADS + threadIdx.x]), "l"(src + i) : "memory");
+                     :: "l"(&stash[i][j * T + threadIdx.x]), "l"(src + i) : "memory");
     }
 }
 
 // a thread reads back only what its own cp.async wrote: its wait suffices
-__device__ __forceinline__ void stashed_norm_weight(uint4 (*stash)[SLOTS * THREADS], int j,
+template <int T, int N>
+__device__ __forceinline__ void stashed_norm_weight(uint4 (*stash)[N], int j,
                                                     unsigned (&w)[W_WORDS]) {
     asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
     for (int i = 0; i < W_VECS; ++i) {
-        const uint4 v = stash[i][j * THREADS + threadIdx.x];
+        const uint4 v = stash[i][j * T + threadIdx.x];
         w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
     }
 }
@@ -362,14 +380,15 @@ __device__ __forceinline__ void gated_group(unsigned (&raw)[16], const unsigned 
 #endif
 
 #if NORM
-// raw = round(raw + add) for group g, stored to residual_out by block 0
+// raw = round(raw + add) for group g, stored to residual_out where `stores`
+// (one block's threads: every block computes the same s)
 __device__ __forceinline__ void add_residual(unsigned (&raw)[16], const unsigned (&add)[16],
-                                             u16* __restrict__ residual_out, int g) {
+                                             u16* __restrict__ residual_out, int g, bool stores) {
 #pragma unroll
     for (int i = 0; i < 16; ++i)
         raw[i] = pack_bf16(bf16_float(raw[i] & 0xFFFF) + bf16_float(add[i] & 0xFFFF),
                            bf16_float(raw[i] >> 16) + bf16_float(add[i] >> 16));
-    if (blockIdx.x == 0) {
+    if (stores) {
         uint4* dst = reinterpret_cast<uint4*>(residual_out + g * 32);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
@@ -396,7 +415,7 @@ __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
 #if HAS_PENDING
     unsigned add[16];
     load_group(pending, g, add);
-    add_residual(raw, add, residual_out, g);
+    add_residual(raw, add, residual_out, g, blockIdx.x == 0);
 #endif
     return group_squares(raw);
 }
@@ -469,29 +488,32 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 #endif
 
 #if EARLY_L2_TILES
-// rows [first, first + rows) of every array into L2
+// rows [first, first + rows) of every array (K in G groups) into L2
+template <int G = GROUPS>
 __device__ __forceinline__ void prefetch_rows_l2(long long first, long long rows,
                                                  const Weight& weights) {
-    prefetch_range_l2(weights.qw + first * GROUPS, rows * GROUPS * 16);
-    prefetch_range_l2(weights.sc + first * GROUPS, rows * GROUPS);
-    prefetch_range_l2(weights.d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+    prefetch_range_l2(weights.qw + first * G, rows * G * 16);
+    prefetch_range_l2(weights.sc + first * G, rows * G);
+    prefetch_range_l2(weights.d + first * (G / GPS), rows * (G / GPS) * (long long)sizeof(scale_t));
 #if ASYM
-    prefetch_range_l2(weights.m + first * GROUPS, rows * GROUPS);
-    prefetch_range_l2(weights.dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
+    prefetch_range_l2(weights.m + first * G, rows * G);
+    prefetch_range_l2(weights.dmin + first * (G / GPS), rows * (G / GPS) * (long long)sizeof(scale_t));
 #endif
 }
 
 // tile `index`'s rows into L2 (SILU_MUL's tile is two ranges, its gate rows
 // and its up rows, where tile_row puts them); one thread issues it
+template <class Shape = BuildShape>
 __device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
                                                  const Weight& weights) {
+    constexpr int R = Shape::rows, G = Shape::groups;
 #if SILU_MUL
-    constexpr int HALF = ROWS / 2;   // N is a multiple of ROWS: both halves whole
-    prefetch_rows_l2(tile_row(index, 0, n_rows), HALF, weights);
-    prefetch_rows_l2(tile_row(index, HALF, n_rows), HALF, weights);
+    constexpr int HALF = R / 2;   // N is a multiple of R: both halves whole
+    prefetch_rows_l2<G>(tile_row<R>(index, 0, n_rows), HALF, weights);
+    prefetch_rows_l2<G>(tile_row<R>(index, HALF, n_rows), HALF, weights);
 #else
-    const long long first = (long long)index * ROWS;
-    prefetch_rows_l2(first, min((long long)ROWS, (long long)n_rows - first), weights);
+    const long long first = (long long)index * R;
+    prefetch_rows_l2<G>(first, min((long long)R, (long long)n_rows - first), weights);
 #endif
 }
 #endif
@@ -668,24 +690,25 @@ constexpr int WARPS = THREADS / 32;
 
 // the sum of flushed tile t's row r over the block's warps, in warp order:
 // the same order in every build, so an epilogue sees the plain GEMV's sums
-__device__ __forceinline__ float warp_total(const float (&partial)[FLUSH][ROWS][WARPS], int t,
-                                            int r) {
+template <int F, int R, int W>
+__device__ __forceinline__ float warp_total(const float (&partial)[F][R][W], int t, int r) {
     float total = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
+    for (int w = 0; w < W; ++w) total += partial[t][r][w];
     return total;
 }
 
 // what the flushed sums are multiplied by: NORM's deferred rstd, from its
 // warps' sums of s^2 (`squares`, published before the tile loop and visible
 // after the flush's barrier) added in warp order, the same in every thread
-// and block; else 1
+// and block; else 1. Shape: the GEMV's whose K the norm covers
+template <class Shape = BuildShape>
 __device__ __forceinline__ float flush_scale(const float* squares, float eps) {
 #if NORM
     float row = 0.0f;
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) row += squares[w];
-    return rsqrtf(row / (float)(GROUPS * 32) + eps);
+    for (int w = 0; w < Shape::warps; ++w) row += squares[w];
+    return rsqrtf(row / (float)(Shape::groups * 32) + eps);
 #else
     return 1.0f;
 #endif
@@ -741,7 +764,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #else
     Group next[ROWS][SLOTS];
     if (index < tiles)
-        load_tile(next, index, n_rows, weights);
+        load_tile(next, index, n_rows, weights, threadIdx.x);
 #endif
 #if NORM || GATED
     __shared__ uint4 weight_stash[W_VECS][SLOTS * THREADS];
@@ -754,7 +777,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         const int first = g * 32;
 #endif
         if (SLOTS * THREADS == GROUPS || g < GROUPS)
-            stash_norm_weight(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
+            stash_norm_weight<THREADS>(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
     }
 #endif
 #if EARLY_L2_TILES && !STAGES
@@ -811,12 +834,12 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if NORM
             unsigned raw[16], weight[W_WORDS];   // this thread's own stash: no barrier needed
             squares += residual_group(x, pending, residual_out, g, raw);
-            stashed_norm_weight(weight_stash, j, weight);
+            stashed_norm_weight<THREADS>(weight_stash, j, weight);
             weighted_group(raw, weight);
             xs[j] = quantize_group(raw);
 #elif GATED
             unsigned weight[W_WORDS];
-            stashed_norm_weight(weight_stash, j, weight);
+            stashed_norm_weight<THREADS>(weight_stash, j, weight);
             gated_group(head_raw[j], gate_raw[j], weight, head_rstd[j]);
             xs[j] = quantize_group(head_raw[j]);
 #else
@@ -873,7 +896,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #pragma unroll
             for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
         if (following < tiles)
-            load_tile(next, following, n_rows, weights);
+            load_tile(next, following, n_rows, weights, threadIdx.x);
 #endif
         float acc[ROWS];
 #pragma unroll

@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# The next device call (written 12-07 18:20-18:40, eighth session):
-#   1. the resident-chain probe (bench/chain_probe.py, bench/q4_chain.cu; never
-#      run on a GPU yet): a 5120 x 5120 GEMV, the add_rms_norm and a K = 5120
-#      GEMV as three launches, as two (the norm prologue) and as ONE persistent
-#      launch whose blocks wait at a grid counter with the second GEMV's first
-#      tile in registers. Its GPU test first (the outputs against the
-#      launches'), then the timings. Worth building into the step if the chain
-#      saves >= ~2.5 us a pair on the H200 (docs/ARCHITECTURE.md, the decode
-#      step's item 4). An H100 runs this part too (same premise, Hopper).
-#   2. H200 only: what bounds down's single 17-warp block. 25% more bytes in
-#      flight (5 rows a tile, the card plan since 12-07) bought 3% (15.63 ->
+# The next device calls (written 12-07 18:20-18:40; the chain widened to the
+# 27B's own boundaries 12-07 20:50-21:40, a session that got no machine):
+#   chain: the resident-chain probe (bench/chain_probe.py, bench/q4_chain.cu;
+#      never run on a GPU yet): a GEMV, the add_rms_norm and the next GEMV
+#      as three launches, as two (the norm prologue) and as ONE persistent
+#      launch whose blocks wait at a grid counter with the second GEMV's
+#      first tile in registers. Seven pairs: a 5120 x 5120 stand-in before
+#      each K = 5120 projection (the premise), then the step's own
+#      boundaries: gdn out before gate_up (192-thread blocks, or 160 at two
+#      groups a thread) and down before gdn in_proj / attn qkv (544 threads,
+#      the second GEMV in three 160-thread parts). Its GPU test first (the
+#      outputs against the launches'), then the timings. Worth building into
+#      the step if the step's own pairs save >= ~2.5 us each on the H200
+#      (docs/ARCHITECTURE.md, the decode step's item 4). An H100 runs this
+#      part too (same premise, Hopper).
+#   ncu (H200 only): what bounds down's single 17-warp block. 25% more bytes
+#      in flight (5 rows a tile, the card plan since 12-07) bought 3% (15.63 ->
 #      15.13 us a launch in the step; BENCHMARKS.md 2026-12-07 17:52) where the
-#      bytes-in-flight model forecast ~15%. Nsight Compute on one down launch at
-#      4 rows and at 5 (flush 1, the sweep's first plan), and on gate_up (95% of
-#      its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
-#   bash scripts/sessions/device_next73.sh h200  (carry .whl; ~4-5 min)
+#      bytes-in-flight model forecast ~15%. Nsight Compute on one down launch
+#      at 4 rows and at 5 (flush 1, the sweep's first plan), and on gate_up
+#      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
+#   bash scripts/sessions/device_next73.sh chain  (carry .whl; ~5-7 min)
+#   bash scripts/sessions/device_next73.sh ncu    (carry .whl; ~3 min, H200)
 set -uo pipefail
-call=${1:?h200}
+call=${1:?chain or ncu}
 source scripts/device_env.sh
 case "$call" in
-  h200)
-    STEP_TAIL=4 STEP_SIGNAL=ABRT step chain_test 150 python3 -m pytest -q -p no:cacheprovider \
+  chain)
+    STEP_TAIL=4 STEP_SIGNAL=ABRT step chain_test 240 python3 -m pytest -q -p no:cacheprovider \
       -rf tests/test_chain_probe.py
     grep -E "^(FAILED|E  )" "$OUT/chain_test.log" | head -20
-    STEP_TAIL=10 STEP_SIGNAL=ABRT step chain 150 python3 -m bench.chain_probe --check
+    STEP_TAIL=20 STEP_SIGNAL=ABRT step chain 300 python3 -m bench.chain_probe --check ;;
+  ncu)
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
     ncu_cuda_gemv down 4
     ncu_cuda_gemv down 5
