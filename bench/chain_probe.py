@@ -162,6 +162,21 @@ class Pair(NamedTuple):
     chain: Callable[[CudaGemvPlan, str], ChainPlan]
 
 
+def boundaries_per_step() -> dict[tuple[str, str], int]:
+    """How often the 27B's int4 decode step crosses each probed boundary:
+    every layer's out projection (gdn out or attn o, one 5120 x 6144
+    shape) before its gate_up; each down before the next layer's first
+    projection (the last one's before the final norm and lm_head, not
+    probed)."""
+    from engine.config import ModelConfig, shape_hf_config
+
+    types = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b")).layer_types
+    after_down = [types[i + 1] for i in range(len(types) - 1)]
+    return {("gdn out", "gate_up"): len(types),
+            ("down", "gdn in_proj"): after_down.count("linear_attention"),
+            ("down", "attn qkv"): after_down.count("full_attention")}
+
+
 def _same_shape(second: CudaGemvPlan, card: str) -> ChainPlan:
     return ChainPlan(second, second)
 
@@ -292,12 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.pairs:
         rows.append(time_pair(name, device, args.check))
         print(rows[-1], file=sys.stderr, flush=True)
+    uses = boundaries_per_step()
+
+    def step_ms(r) -> str:   # what the chain would save a step at this boundary's count
+        count = uses.get((PAIRS[r["pair"]].first, PAIRS[r["pair"]].second), 0)
+        return f"{(r['apart_us'] - r['chain_us']) * count / 1e3:.2f} x{count}" if count else "-"
+
     print_table("first GEMV, add_rms_norm, second GEMV: us a pair",
                 ["pair", "threads x parts", "apart", "prologue", "chain", "first alone",
-                 "second alone", "chain saves"],
+                 "second alone", "chain saves", "step ms"],
                 [[r["pair"], f"{r['threads']} x {r['parts']}", *(f"{r[k]:.1f}" for k in (
                     "apart_us", "prologue_us", "chain_us", "first_alone_us", "second_alone_us")),
-                  f"{r['apart_us'] - r['chain_us']:.1f}"] for r in rows])
+                  f"{r['apart_us'] - r['chain_us']:.1f}", step_ms(r)] for r in rows])
     for r in rows:
         if args.check:
             print(f"{r['pair']}: first equal {r['first_equal']}, residual equal "

@@ -92,6 +92,19 @@ def test_a_chain_grid_is_resident_and_no_larger_than_either_phase_needs():
     assert one_row.grid(450, 1600, sms=132, resident_per_sm=4) == 450     # the first's tiles
 
 
+def test_the_probed_boundaries_are_the_steps_gemv_to_gemv_hops_but_the_last():
+    """Every layer's out projection before its gate_up, every down but the
+    last before the next layer's first projection: 2 x 64 - 1 hops, each
+    probed pair counted from the 27B's layer pattern (3 GDN, 1 attention)."""
+    from bench.chain_probe import boundaries_per_step
+
+    uses = boundaries_per_step()
+    assert uses == {("gdn out", "gate_up"): 64, ("down", "gdn in_proj"): 47,
+                    ("down", "attn qkv"): 16}
+    assert all((first, second) in {(p.first, p.second) for p in PAIRS.values()}
+               for first, second in uses)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the chain runs on a GPU only")
 @pytest.mark.parametrize("name", ["5120 > gdn in_proj", "gdn out > gate_up",
                                   "gdn out (160 threads) > gate_up", "down > attn qkv"])
