@@ -46,17 +46,6 @@ static_assert(A_SLOTS * CHAIN_THREADS >= A_GROUPS, "phase A's slots cover K_a");
 static_assert(PARTS * THREADS <= CHAIN_THREADS, "phase B's parts fit the block");
 static_assert(PARTS <= 15, "a named barrier a part (ids 1..15)");
 
-// 16 bf16 pairs of group g, read through L2 (ld.global.cg): other blocks of
-// this launch wrote them, so no non-coherent path may serve them
-__device__ __forceinline__ void load_group_coherent(const u16* x, int g, unsigned (&raw)[16]) {
-    const uint4* src = reinterpret_cast<const uint4*>(x + g * 32);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const uint4 v = __ldcg(src + i);
-        raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
-    }
-}
-
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -109,21 +98,8 @@ __device__ __forceinline__ void walk_tiles(Group (&next)[Shape::rows][Shape::slo
     while (index < tiles) {
         const int following = index + stride;
         Group tile[R][S];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int j = 0; j < S; ++j) tile[r][j] = next[r][j];
-        if (following < tiles) load_tile<Shape>(next, following, n_rows, weights, team.thread);
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            float acc = 0.0f;
-#pragma unroll
-            for (int j = 0; j < S; ++j) acc += group_dot(tile[r][j], xs[j]);
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1)
-                acc += __shfl_xor_sync(0xFFFFFFFFu, acc, offset);
-            if (lane == 0) partial[held][r][warp] = acc;
-        }
+        take_tile<Shape>(tile, next, following, tiles, n_rows, weights, team.thread);
+        accumulate_tile(tile, xs, partial, held, lane, warp);
         ++held;
         if (held == F || following >= tiles) {
             const int t = team.thread / R, r = team.thread % R;
@@ -217,8 +193,10 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
         const int g = team.thread + j * THREADS;
         if (SLOTS * THREADS == GROUPS || g < GROUPS) {
             unsigned raw[16], add[16], weight[W_WORDS];
-            load_group_coherent(residual, g, raw);
-            load_group_coherent(out_a, g, add);
+            // through L2: other blocks of this launch wrote out_a (the
+            // residual, beside it, takes the same path)
+            load_group<true>(residual, g, raw);
+            load_group<true>(out_a, g, add);
             // as residual_group: bitwise its s
             add_residual(raw, add, residual_out, g, blockIdx.x == 0 && part == 0);
             squares += group_squares(raw);

@@ -253,12 +253,29 @@ __device__ __forceinline__ void load_tile(Group (&tile)[Shape::rows][Shape::slot
     }
 }
 
-// a group's 32 bf16 values as 16 words, k = 2i in the low half of word i
+// the register pipeline's step: tile takes what next holds, and next starts
+// loading tile `following` (when there is one) while tile is multiplied
+template <class Shape = BuildShape>
+__device__ __forceinline__ void take_tile(Group (&tile)[Shape::rows][Shape::slots],
+                                          Group (&next)[Shape::rows][Shape::slots], int following,
+                                          int tiles, int n_rows, const Weight& weights,
+                                          int thread) {
+#pragma unroll
+    for (int r = 0; r < Shape::rows; ++r)
+#pragma unroll
+        for (int j = 0; j < Shape::slots; ++j) tile[r][j] = next[r][j];
+    if (following < tiles) load_tile<Shape>(next, following, n_rows, weights, thread);
+}
+
+// a group's 32 bf16 values as 16 words, k = 2i in the low half of word i;
+// COHERENT: through L2 only (ld.global.cg), for values other blocks of the
+// same launch wrote (bench/q4_chain.cu), which no non-coherent path may serve
+template <bool COHERENT = false>
 __device__ __forceinline__ void load_group(const u16* __restrict__ x, int g, unsigned (&raw)[16]) {
     const uint4* src = reinterpret_cast<const uint4*>(x + g * 32);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const uint4 v = src[i];
+        const uint4 v = COHERENT ? __ldcg(src + i) : src[i];
         raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
     }
 }
@@ -688,6 +705,25 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
 
 constexpr int WARPS = THREADS / 32;
 
+// each row's dot with x over the thread's slots, summed over its warp; lane
+// 0 leaves it in partial[held] for the flush
+template <int R, int S, int F, int W>
+__device__ __forceinline__ void accumulate_tile(const Group (&tile)[R][S],
+                                                const XSlice (&xs)[S],
+                                                float (&partial)[F][R][W], int held, int lane,
+                                                int warp) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < S; ++j) acc += group_dot(tile[r][j], xs[j]);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            acc += __shfl_xor_sync(0xFFFFFFFFu, acc, offset);
+        if (lane == 0) partial[held][r][warp] = acc;
+    }
+}
+
 // the sum of flushed tile t's row r over the block's warps, in warp order:
 // the same order in every build, so an epilogue sees the plain GEMV's sums
 template <int F, int R, int W>
@@ -891,24 +927,9 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             ++taken;
         }
 #else
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-#pragma unroll
-            for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
-        if (following < tiles)
-            load_tile(next, following, n_rows, weights, threadIdx.x);
+        take_tile(tile, next, following, tiles, n_rows, weights, threadIdx.x);
 #endif
-        float acc[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            acc[r] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < SLOTS; ++j) acc[r] += group_dot(tile[r][j], xs[j]);
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1)
-                acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
-            if (lane == 0) partial[held][r][warp] = acc[r];
-        }
+        accumulate_tile(tile, xs, partial, held, lane, warp);
         ++held;
         if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
 #if SILU_MUL
