@@ -91,16 +91,18 @@ class ChainPlan:
 
 
 def chain_options(chain: ChainPlan, superblock: int, asymmetric: bool, d_fp32: bool, pdl: bool,
-                  norm) -> tuple[str, ...]:
+                  norm, epilogue=None) -> tuple[str, ...]:
     """The second GEMV's build constants with the norm prologue's flags (its
-    helpers), no ring, no read-ahead, one early tile (each phase asks L2
-    for its second tile before its wait, as the step's GEMVs do); then the
-    block's threads, the first GEMV's tile shape and the second's parts."""
+    helpers) and its epilogue's (the step's: SiLU * up after gate_up, the
+    conv after gdn in_proj), no ring, no read-ahead, one early tile (each
+    phase asks L2 for its second tile before its wait, as the step's GEMVs
+    do); then the block's threads, the first GEMV's tile shape and the
+    second's parts."""
     from engine.quant.gemv_cuda import build_options
 
     first = chain.first
     return (*build_options(replace(chain.second, stages=0), superblock, asymmetric, d_fp32, pdl,
-                           prologue=norm, early_l2_tiles=1),
+                           prologue=norm, epilogue=epilogue, early_l2_tiles=1),
             f"-DCHAIN_THREADS={chain.threads}", f"-DA_ROWS={first.rows}",
             f"-DA_SLOTS={first.slots}", f"-DA_GROUPS={first.groups}",
             f"-DA_FLUSH={first.flush}", f"-DPARTS={chain.parts}",
@@ -114,10 +116,12 @@ class Chain:
     counters: dict = field(default_factory=dict)
 
     def __call__(self, x_a, qt_a, out_a, qt_b, out_b, residual, norm, chain: ChainPlan,
-                 pdl: bool = True) -> None:
+                 epilogue=None, pdl: bool = True) -> None:
         """out_a = qt_a x_a; out_b = qt_b RMSNorm(residual + out_a), the sum
-        stored to norm.residual_out (norm.pending must be out_a)."""
-        from engine.quant.gemv_cuda import _compiled, _launch, launchable
+        stored to norm.residual_out (norm.pending must be out_a), then
+        `epilogue` (gemv_cuda's) on out_b's rows."""
+        from engine.quant.gemv_cuda import (ConvEpilogue, SiluMulEpilogue, _compiled, _ConvStep,
+                                            _launch, launchable)
 
         if qt_a.shape[0] != qt_b.shape[1]:
             raise ValueError(f"the first GEMV's {qt_a.shape[0]} rows are not the second's "
@@ -131,9 +135,13 @@ class Chain:
         if norm.pending is not out_a or norm.residual_out is None:
             raise ValueError("the chain's norm adds out_a: NormPrologue(..., pending=out_a, "
                              "residual_out=...)")
+        if isinstance(epilogue, SiluMulEpilogue) and not epilogue.fits(chain.second,
+                                                                      qt_b.shape[0]):
+            raise ValueError(f"the SiLU epilogue pairs rows in tiles of an even row count "
+                             f"dividing N: {chain.second.spec()} cannot")
         device = x_a.device.index if x_a.device.index is not None else torch.cuda.current_device()
         compiled = _compiled(chain_options(chain, qt_a.superblock, qt_a.asymmetric,
-                                           qt_a.d.dtype == torch.float32, pdl, norm),
+                                           qt_a.d.dtype == torch.float32, pdl, norm, epilogue),
                              device, chain.threads, 0, chain_source(), CHAIN_KERNEL)
         if not launchable(compiled.local_bytes):
             raise ValueError(f"the chain's build spills {compiled.local_bytes} bytes a thread")
@@ -150,7 +158,9 @@ class Chain:
 
         _launch(compiled, grid, chain.threads,
                 [x_a, *arrays(qt_a), out_a, qt_a.shape[0], *arrays(qt_b), out_b, qt_b.shape[0],
-                 residual, weight, eps, residual_out, self.counters[key]], pdl)
+                 residual, weight, eps, residual_out, self.counters[key],
+                 epilogue.operands(x_a, qt_b.shape[0]) if isinstance(epilogue, ConvEpilogue)
+                 else _ConvStep()], pdl)
 
 
 class Pair(NamedTuple):
@@ -200,15 +210,46 @@ def _down(second: CudaGemvPlan, card: str) -> ChainPlan:
     return ChainPlan(picked_plan(HIDDEN, 17408, card), second, parts=3)
 
 
+def _down_before_in_proj(second: CudaGemvPlan, card: str) -> ChainPlan:
+    """As _down, in_proj's parts at 2 rows a tile: at its 4, with the conv
+    epilogue, the chain spills 36 bytes at 96 registers, the most a
+    544-thread block may take (17 warps on 4 schedulers, 5 on one: 16384 /
+    160 rounds down to 96; NVRTC sm_90, 12-07)."""
+    return _down(replace(second, rows=2), card)
+
+
 PAIRS = {
     "5120 > gate_up": Pair(None, "gate_up", _same_shape),
     "5120 > gdn in_proj": Pair(None, "gdn in_proj", _same_shape),
     "5120 > attn qkv": Pair(None, "attn qkv", _same_shape),
     "gdn out > gate_up": Pair("gdn out", "gate_up", _out_projection),
     "gdn out (160 threads) > gate_up": Pair("gdn out", "gate_up", _out_projection_at_160),
-    "down > gdn in_proj": Pair("down", "gdn in_proj", _down),
+    "down > gdn in_proj": Pair("down", "gdn in_proj", _down_before_in_proj),
     "down > attn qkv": Pair("down", "attn qkv", _down),
 }
+
+
+def step_epilogue(second: str, device):
+    """The epilogue the int4 step runs after `second` (gemv_cuda's): SiLU(gate)
+    * up after gate_up; GDN's conv after gdn in_proj, over the 27B's conv
+    channels with random weights and windows, reading slot 0 and writing
+    slot 1 (so a rerun reads what the first run read); none after attn qkv."""
+    from engine.config import ModelConfig, shape_hf_config
+    from engine.quant.gemv_cuda import ConvEpilogue, SiluMulEpilogue
+
+    if second == "gate_up":
+        return SiluMulEpilogue()
+    if second != "gdn in_proj":
+        return None
+    cfg = ModelConfig.from_hf(shape_hf_config("qwen3.5-27b"))
+    channels, width = cfg.linear_conv_dim, cfg.linear_conv_kernel
+
+    def index(value: int) -> torch.Tensor:
+        return torch.full((1,), value, dtype=torch.int64, device=device)
+
+    return ConvEpilogue(torch.randn(channels, width, device=device, dtype=torch.bfloat16),
+                        torch.randn(2, channels, width - 1, device=device),
+                        index(7), index(0), index(1))
 
 
 def time_pair(name: str, device, check: bool) -> dict:
@@ -219,6 +260,7 @@ def time_pair(name: str, device, check: bool) -> dict:
 
     pair = PAIRS[name]
     shapes = {shape: (fmt, n, k) for shape, fmt, n, k, _ in model_shapes() if fmt.name == "Q4_K"}
+    epilogue = step_epilogue(pair.second, device)
     fmt, n_b, k_b = shapes[pair.second]
     n_a, k_a = (HIDDEN, HIDDEN) if pair.first is None else shapes[pair.first][1:]
     card = torch.cuda.get_device_name(device)
@@ -232,7 +274,8 @@ def time_pair(name: str, device, check: bool) -> dict:
     residual = torch.randn(1, n_a, device=device, dtype=torch.bfloat16)
     weight = torch.randn(n_a, device=device, dtype=torch.bfloat16) * 0.1
     out_a = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
-    out_b = torch.empty(1, n_b, device=device, dtype=torch.bfloat16)
+    width_b = n_b // 2 if pair.second == "gate_up" else n_b   # SiLU(gate) * up
+    out_b = torch.empty(1, width_b, device=device, dtype=torch.bfloat16)
     residual_out = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
     norm = NormPrologue(weight, 1e-6, True, out_a, residual_out)
     chain = Chain()
@@ -243,17 +286,18 @@ def time_pair(name: str, device, check: bool) -> dict:
     def apart(a, b):
         first(a)
         _, normed = kernels.add_rms_norm(residual, out_a, weight, 1e-6, True)
-        gemv_cuda(normed, b, out=out_b, plan=plan_b, pdl=True)
+        gemv_cuda(normed, b, out=out_b, plan=plan_b, pdl=True, epilogue=epilogue)
 
     def prologue(a, b, plan=plan_a):
         first(a, plan)
-        gemv_cuda(residual, b, out=out_b, plan=plan_b, pdl=True, prologue=norm)
+        gemv_cuda(residual, b, out=out_b, plan=plan_b, pdl=True, prologue=norm,
+                  epilogue=epilogue)
 
     def chained(a, b):
-        chain(x_a, a, out_a, b, out_b, residual, norm, chain_plan)
+        chain(x_a, a, out_a, b, out_b, residual, norm, chain_plan, epilogue)
 
     def second_alone(a, b):
-        gemv_cuda(residual, b, out=out_b, plan=plan_b, pdl=True)
+        gemv_cuda(residual, b, out=out_b, plan=plan_b, pdl=True, epilogue=epilogue)
 
     variants = {"apart": apart, "prologue": prologue, "chain": chained,
                 "first_alone": lambda a, b: first(a), "second_alone": second_alone}
@@ -267,16 +311,18 @@ def time_pair(name: str, device, check: bool) -> dict:
     if check:
         # the reference's first GEMV in the chain's own tile shape: the same sums
         reference = functools.partial(prologue, plan=chain_plan.first)
+        written = [epilogue.windows[1]] if hasattr(epilogue, "windows") else []
         result.update(compare(chained, reference, copies_a[0], copies_b[0],
-                              (out_a, out_b, residual_out)))
+                              (out_a, out_b, residual_out, *written)))
     return result
 
 
 def compare(chained, reference, a, b, outputs) -> dict:
-    """The chain's three outputs (out_a, out_b, residual_out) against two
-    launches' (the first GEMV, then the second with the norm in its
-    prologue: the same deferred-rstd numerics), the outputs NaN-poisoned
-    before the chain runs."""
+    """The chain's outputs (out_a, out_b, residual_out, and the conv's
+    rewritten windows where it has them) against two launches' (the first
+    GEMV, then the second with the norm in its prologue: the same
+    deferred-rstd numerics), the outputs NaN-poisoned before the chain
+    runs."""
     reference(a, b)
     want = [t.clone() for t in outputs]
     for t in outputs:
@@ -287,7 +333,10 @@ def compare(chained, reference, a, b, outputs) -> dict:
             "second_equal": bool(torch.equal(outputs[1], want[1])),
             "second_max_diff": float((outputs[1].float() - want[1].float()).abs().max()),
             "second_scale": float(want[1].float().abs().max()),
-            "residual_equal": bool(torch.equal(outputs[2], want[2]))}
+            "residual_equal": bool(torch.equal(outputs[2], want[2])),
+            "windows_max_diff": max((float((o.float() - w.float()).abs().max())
+                                     for o, w in zip(outputs[3:], want[3:])), default=0.0),
+            "windows_scale": max((float(w.float().abs().max()) for w in want[3:]), default=0.0)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             print(f"{r['pair']}: first equal {r['first_equal']}, residual equal "
                   f"{r['residual_equal']}, second equal {r['second_equal']} (max diff "
-                  f"{r['second_max_diff']:.4g} of {r['second_scale']:.4g})")
+                  f"{r['second_max_diff']:.4g} of {r['second_scale']:.4g}), conv windows max "
+                  f"diff {r['windows_max_diff']:.4g} of {r['windows_scale']:.4g}")
     return 0
 
 

@@ -67,12 +67,16 @@ __device__ __forceinline__ void grid_wait(unsigned* arrived) {
     __syncthreads();
 }
 
-// the threads that walk one GEMV's tiles together: phase A's whole block
-// (barrier 0), or one part of phase B (named barrier 1 + part, THREADS
-// threads; __syncthreads where the part is the whole block)
+// the threads that walk one GEMV's tiles together, as flush_tiles sees
+// them: phase A's whole block (barrier 0, tiles grid-stride), or one part of
+// phase B (named barrier 1 + part, THREADS threads; __syncthreads where the
+// part is the whole block), its tiles PARTS x the grid apart
 struct Team {
-    int thread, part;
+    unsigned thread_;
+    int stride_, part;
     bool whole_block;
+    __device__ __forceinline__ unsigned thread() const { return thread_; }
+    __device__ __forceinline__ int stride() const { return stride_; }
     __device__ __forceinline__ void sync() const {
         if (whole_block)
             __syncthreads();
@@ -81,35 +85,29 @@ struct Team {
     }
 };
 
-// one GEMV's tiles index, index + stride, ... (q4_gemv.cu's register
-// pipeline: next holds tile `index`'s weights on entry); the flushed sums
-// times `squares`' deferred rstd (nullptr: 1) go to out
-template <class Shape, int F>
+// one GEMV's tiles index, index + stride, ... through q4_gemv.cu's register
+// pipeline (next holds tile `index`'s weights on entry) and flush: SCALED by
+// the norm's deferred rstd from `squares`, CONVOLVED by the build's conv
+template <class Shape, bool SCALED, bool CONVOLVED, int F>
 __device__ __forceinline__ void walk_tiles(Group (&next)[Shape::rows][Shape::slots], int index,
-                                           int stride, int n_rows, const Weight& weights,
+                                           int n_rows, const Weight& weights,
                                            const XSlice (&xs)[Shape::slots], u16* out,
                                            const float* squares, float eps,
                                            float (&partial)[F][Shape::rows][Shape::warps],
+                                           const ConvStep conv, const ConvLive live,
                                            const Team& team) {
-    constexpr int R = Shape::rows, S = Shape::slots;
-    const int lane = team.thread & 31, warp = team.thread >> 5;
-    const int tiles = (n_rows + R - 1) / R;
+    const int lane = team.thread() & 31, warp = team.thread() >> 5;
+    const int tiles = (n_rows + Shape::rows - 1) / Shape::rows;
     int held = 0, first_held = index;
     while (index < tiles) {
-        const int following = index + stride;
-        Group tile[R][S];
-        take_tile<Shape>(tile, next, following, tiles, n_rows, weights, team.thread);
+        const int following = index + team.stride();
+        Group tile[Shape::rows][Shape::slots];
+        take_tile<Shape>(tile, next, following, tiles, n_rows, weights, team.thread());
         accumulate_tile(tile, xs, partial, held, lane, warp);
         ++held;
         if (held == F || following >= tiles) {
-            const int t = team.thread / R, r = team.thread % R;
-            const int n = (first_held + t * stride) * R + r;
-            team.sync();
-            if (team.thread < held * R && n < n_rows) {
-                const float scale = squares != nullptr ? flush_scale<Shape>(squares, eps) : 1.0f;
-                out[n] = float_bf16(warp_total(partial, t, r) * scale);
-            }
-            team.sync();
+            flush_tiles<Shape, SCALED, CONVOLVED>(partial, held, first_held, out, n_rows,
+                                                  squares, eps, conv, live, team);
             held = 0;
             first_held = following;
         }
@@ -126,18 +124,18 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
                 const signed char* __restrict__ sc_b, const scale_t* __restrict__ dmin_b,
                 const signed char* __restrict__ m_b, u16* __restrict__ out_b, int n_b,
                 const u16* residual, const void* __restrict__ norm_w, float eps,
-                u16* residual_out, unsigned* arrived) {
+                u16* residual_out, unsigned* arrived, const ConvStep conv) {
     __shared__ float partial_a[A_FLUSH][A_ROWS][ShapeA::warps];
     __shared__ float partial_b[PARTS][FLUSH][ROWS][WARPS];
     __shared__ float squares_of_warp[PARTS][WARPS];
     __shared__ uint4 weight_stash[W_VECS][SLOTS * CHAIN_THREADS];
     const Weight a{qw_a, d_a, sc_a, dmin_a, m_a}, b{qw_b, d_b, sc_b, dmin_b, m_b};
-    const Team block{(int)threadIdx.x, 0, true};
+    const Team block{threadIdx.x, (int)gridDim.x, 0, true};
     // one part the whole block: known at compile time, so its indices fold away
     constexpr bool WHOLE = PARTS * THREADS == CHAIN_THREADS;
     const int part = PARTS == 1 ? 0 : threadIdx.x / THREADS;
-    const Team team{WHOLE && PARTS == 1 ? (int)threadIdx.x : (int)threadIdx.x - part * THREADS,
-                    part, WHOLE && PARTS == 1};
+    const Team team{WHOLE && PARTS == 1 ? threadIdx.x : threadIdx.x - part * THREADS,
+                    (int)gridDim.x * PARTS, part, WHOLE && PARTS == 1};
     const bool in_b = WHOLE || (int)threadIdx.x < PARTS * THREADS;
 
     Group next_a[A_ROWS][A_SLOTS];
@@ -146,7 +144,7 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
     if (in_b) {
 #pragma unroll
         for (int j = 0; j < SLOTS; ++j) {
-            const int g = team.thread + j * THREADS;
+            const int g = team.thread() + j * THREADS;
             if (SLOTS * THREADS == GROUPS || g < GROUPS)
                 stash_norm_weight<CHAIN_THREADS>(static_cast<const norm_w_t*>(norm_w), g * 32, j,
                                                  weight_stash);
@@ -159,6 +157,7 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    const ConvLive live = conv_live_of(conv);   // the second GEMV's epilogue, if CONV
     XSlice xs_a[A_SLOTS];
 #pragma unroll
     for (int j = 0; j < A_SLOTS; ++j) {
@@ -174,14 +173,14 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    walk_tiles<ShapeA>(next_a, blockIdx.x, gridDim.x, n_a, a, xs_a, out_a, nullptr, eps,
-                       partial_a, block);
+    walk_tiles<ShapeA, false, false>(next_a, blockIdx.x, n_a, a, xs_a, out_a, nullptr, eps,
+                                     partial_a, conv, live, block);
 
-    const int index_b = blockIdx.x * PARTS + part, stride_b = gridDim.x * PARTS;
+    const int index_b = blockIdx.x * PARTS + part, stride_b = team.stride();
     Group next_b[ROWS][SLOTS];
     if (in_b && index_b < (n_b + ROWS - 1) / ROWS)
-        load_tile<ShapeB>(next_b, index_b, n_b, b, team.thread);
-    if (in_b && team.thread == 0 && index_b + stride_b < (n_b + ROWS - 1) / ROWS)
+        load_tile<ShapeB>(next_b, index_b, n_b, b, team.thread());
+    if (in_b && team.thread() == 0 && index_b + stride_b < (n_b + ROWS - 1) / ROWS)
         prefetch_tile_l2<ShapeB>(index_b + stride_b, n_b, b);
     grid_wait(arrived);
     if (!in_b) return;   // after the last __syncthreads: the parts' barriers are named
@@ -190,7 +189,7 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
     float squares = 0.0f;
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) {
-        const int g = team.thread + j * THREADS;
+        const int g = team.thread() + j * THREADS;
         if (SLOTS * THREADS == GROUPS || g < GROUPS) {
             unsigned raw[16], add[16], weight[W_WORDS];
             // through L2: other blocks of this launch wrote out_a (the
@@ -211,7 +210,8 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
     for (int offset = 16; offset > 0; offset >>= 1)
         squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
     // read after the part's first flush barrier
-    if ((team.thread & 31) == 0) squares_of_warp[part][team.thread >> 5] = squares;
-    walk_tiles<ShapeB>(next_b, index_b, stride_b, n_b, b, xs_b, out_b, squares_of_warp[part], eps,
-                       partial_b[part], team);
+    if ((team.thread() & 31) == 0) squares_of_warp[part][team.thread() >> 5] = squares;
+    walk_tiles<ShapeB, true, CONV != 0>(next_b, index_b, n_b, b, xs_b, out_b,
+                                        squares_of_warp[part], eps, partial_b[part], conv, live,
+                                        team);
 }

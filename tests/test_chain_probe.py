@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from bench.chain_probe import PAIRS, ChainPlan, chain_options, chain_source
+from bench.chain_probe import PAIRS, ChainPlan, chain_options, chain_source, step_epilogue
 from bench.quant import model_shapes
 from engine.quant.gemv_cuda import NormPrologue, picked_plan, plan_for
 from engine.quant.sm90_builds import SUPERBLOCK, compile_sm90
@@ -39,16 +39,18 @@ def _chain(name: str, card: str) -> ChainPlan:
     return pair.chain(picked_plan(*shapes[pair.second], card), card)
 
 
-def _build(chain: ChainPlan, label: str, nvrtc):
-    return compile_sm90(label, chain_options(chain, SUPERBLOCK, True, False, True, _norm()),
-                        nvrtc, chain_source())
+def _build(name: str, chain: ChainPlan, label: str, nvrtc):
+    """The chain of pair `name` with its second GEMV's epilogue in the step."""
+    epilogue = step_epilogue(PAIRS[name].second, "cpu")
+    return compile_sm90(label, chain_options(chain, SUPERBLOCK, True, False, True, _norm(),
+                                             epilogue), nvrtc, chain_source())
 
 
 @pytest.mark.parametrize("card", CARDS)
 @pytest.mark.parametrize("name", sorted(PAIRS))
 def test_each_chain_builds_for_sm90_without_spills_at_the_blocks_it_asks(nvrtc, name, card):
     chain = _chain(name, card)
-    build = _build(chain, f"{card}: {name}", nvrtc)
+    build = _build(name, chain, f"{card}: {name}", nvrtc)
     assert build.result == 0, build.log[-2000:]
     assert build.spill_bytes == 0, build.log
     registers = _entry_registers(build.log)["tandem_q4_chain"]
@@ -63,7 +65,7 @@ def test_the_chain_reads_what_other_blocks_wrote_through_l2_only(nvrtc, name):
     grid wait. Four 16-byte loads a group of each; parts flush at their own
     named barriers where the part is not the whole block."""
     chain = _chain(name, CARDS[0])
-    ptx = _build(chain, name, nvrtc).ptx
+    ptx = _build(name, chain, name, nvrtc).ptx
     chain_ptx = ptx[ptx.index(".entry tandem_q4_chain"):]
     assert len(re.findall(r"ld\.global\.cg\.v4\.u32", chain_ptx)) == 8
     assert "ld.acquire.gpu.global.u32" in chain_ptx and "atom.global.add.u32" in chain_ptx
@@ -107,11 +109,14 @@ def test_the_probed_boundaries_are_the_steps_gemv_to_gemv_hops_but_the_last():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the chain runs on a GPU only")
 @pytest.mark.parametrize("name", ["5120 > gdn in_proj", "gdn out > gate_up",
-                                  "gdn out (160 threads) > gate_up", "down > attn qkv"])
+                                  "gdn out (160 threads) > gate_up", "down > gdn in_proj",
+                                  "down > attn qkv"])
 def test_the_chain_matches_the_launches_it_replaces(name):
     from bench.chain_probe import time_pair
 
     result = time_pair(name, torch.device("cuda"), check=True)
     assert result["first_equal"] and result["residual_equal"], result
     assert result["second_max_diff"] <= 0.02 * result["second_scale"], result  # NaN fails too
+    # the conv's rewritten windows (gdn in_proj's epilogue): from those rows
+    assert result["windows_max_diff"] <= 0.02 * max(result["windows_scale"], 1.0), result
     assert all(result[f"{v}_us"] > 0 for v in ("apart", "prologue", "chain")), result

@@ -202,24 +202,27 @@ __device__ __forceinline__ void clear_group(Group& e) {
 }
 
 // The shape a tile loop walks: R rows a tile, S groups of K a thread (g =
-// thread + j * T), T threads to a row, G groups in K. A GEMV has one, its
-// build constants' (BuildShape); a kernel that chains two GEMVs of different
-// K (bench/q4_chain.cu) walks each in its own.
-template <int R, int S, int T, int G>
+// thread + j * T), T threads to a row, G groups in K; PAIRED: SILU_MUL's
+// tiles, R / 2 gate rows and the up rows that pair with them. A GEMV has
+// one, its build constants' (BuildShape); a kernel that chains two GEMVs of
+// different K (bench/q4_chain.cu) walks each in its own.
+template <int R, int S, int T, int G, bool PAIRED = false>
 struct TileShape {
-    enum : int { rows = R, slots = S, threads = T, groups = G, warps = T / 32 };   // no globals
+    // an enum, not static constexpr members: those become PTX globals
+    enum : int { rows = R, slots = S, threads = T, groups = G, warps = T / 32, paired = PAIRED };
 };
-using BuildShape = TileShape<ROWS, SLOTS, THREADS, GROUPS>;
+using BuildShape = TileShape<ROWS, SLOTS, THREADS, GROUPS, SILU_MUL != 0>;
 
 // the weight row of tile `index`'s row r
-template <int R = ROWS>
+template <class Shape = BuildShape>
 __device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
-#if SILU_MUL
-    constexpr int HALF = R / 2;   // gate rows j.., then up rows n_rows / 2 + j..
-    return (long long)(r < HALF ? 0 : n_rows / 2) + (long long)index * HALF + r % HALF;
-#else
-    return min(index * R + r, n_rows - 1);   // rows past N repeat the last
-#endif
+    constexpr int R = Shape::rows;
+    if constexpr (Shape::paired) {
+        constexpr int HALF = R / 2;   // gate rows j.., then up rows n_rows / 2 + j..
+        return (long long)(r < HALF ? 0 : n_rows / 2) + (long long)index * HALF + r % HALF;
+    } else {
+        return min(index * R + r, n_rows - 1);   // rows past N repeat the last
+    }
 }
 
 // `thread`: the thread's place among Shape::threads (threadIdx.x but in a
@@ -230,7 +233,7 @@ __device__ __forceinline__ void load_tile(Group (&tile)[Shape::rows][Shape::slot
     constexpr int S = Shape::slots, T = Shape::threads, G = Shape::groups;
 #pragma unroll
     for (int r = 0; r < Shape::rows; ++r) {
-        const long long n = tile_row<Shape::rows>(index, r, n_rows);
+        const long long n = tile_row<Shape>(index, r, n_rows);
 #pragma unroll
         for (int j = 0; j < S; ++j) {
             const int g = thread + j * T;
@@ -524,14 +527,14 @@ template <class Shape = BuildShape>
 __device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
                                                  const Weight& weights) {
     constexpr int R = Shape::rows, G = Shape::groups;
-#if SILU_MUL
-    constexpr int HALF = R / 2;   // N is a multiple of R: both halves whole
-    prefetch_rows_l2<G>(tile_row<R>(index, 0, n_rows), HALF, weights);
-    prefetch_rows_l2<G>(tile_row<R>(index, HALF, n_rows), HALF, weights);
-#else
-    const long long first = (long long)index * R;
-    prefetch_rows_l2<G>(first, min((long long)R, (long long)n_rows - first), weights);
-#endif
+    if constexpr (Shape::paired) {
+        constexpr int HALF = R / 2;   // N is a multiple of R: both halves whole
+        prefetch_rows_l2<G>(tile_row<Shape>(index, 0, n_rows), HALF, weights);
+        prefetch_rows_l2<G>(tile_row<Shape>(index, HALF, n_rows), HALF, weights);
+    } else {
+        const long long first = (long long)index * R;
+        prefetch_rows_l2<G>(first, min((long long)R, (long long)n_rows - first), weights);
+    }
 }
 #endif
 
@@ -750,6 +753,79 @@ __device__ __forceinline__ float flush_scale(const float* squares, float eps) {
 #endif
 }
 
+// the conv epilogue's per-launch state, read once after the dependent-launch
+// wait (an earlier kernel may write it); unused where CONV is off
+struct ConvLive {
+    long long slot, dst;   // the window read (-1: a padding copy) and written (-1: none)
+    bool live, warm;       // a real token; past position 0
+};
+
+__device__ __forceinline__ ConvLive conv_live_of(const ConvStep& conv) {
+#if CONV
+    const long long slot = *conv.in_slot;
+    const bool live = slot >= 0;
+    return ConvLive{slot, live ? *conv.write_slot : -1, live, live && *conv.position > 0};
+#else
+    return ConvLive{};
+#endif
+}
+
+// the threads that walk a GEMV's tiles together, as a flush sees them: here
+// the whole block, its tiles grid-stride (a chained kernel's parts have
+// their own: bench/q4_chain.cu)
+struct WholeBlock {
+    __device__ __forceinline__ unsigned thread() const { return threadIdx.x; }
+    __device__ __forceinline__ int stride() const { return gridDim.x; }
+    __device__ __forceinline__ void sync() const { __syncthreads(); }
+};
+
+// The held tiles' sums, reduced over the team's warps, to out: tile t of
+// them is the team's tile first_held + t * team.stride(), and its thread
+// t * R + r writes row r. SCALED: times the norm's deferred rstd; Shape::paired:
+// SiLU(gate) * up of each pair of rows (SILU_MUL, out N / 2 wide);
+// CONVOLVED: the conv epilogue on rows below conv.channels. The barrier
+// pair brackets the reads of partial, which the next tiles rewrite.
+template <class Shape, bool SCALED, bool CONVOLVED, int F, class Team>
+__device__ __forceinline__ void flush_tiles(const float (&partial)[F][Shape::rows][Shape::warps],
+                                            int held, int first_held, u16* __restrict__ out,
+                                            int n_rows, const float* squares, float eps,
+                                            const ConvStep conv, const ConvLive live,
+                                            const Team& team) {
+    constexpr int R = Shape::rows;
+    if constexpr (Shape::paired != 0) {
+        constexpr int HALF = R / 2;
+        team.sync();
+        if (team.thread() < held * HALF) {
+            const int t = team.thread() / HALF, r = team.thread() % HALF;
+            const float scale = SCALED ? flush_scale<Shape>(squares, eps) : 1.0f;
+            // rounded as the plain GEMV stores them
+            const float gate = rounded_bf16(warp_total(partial, t, r) * scale);
+            const float up = rounded_bf16(warp_total(partial, t, r + HALF) * scale);
+            const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
+            out[(first_held + t * team.stride()) * HALF + r] = float_bf16(act * up);
+        }
+    } else {
+        const int t = team.thread() / R, r = team.thread() % R;
+        const int n = (first_held + t * team.stride()) * R + r;
+#if CONV
+        const bool convolved = CONVOLVED && team.thread() < held * R && n < conv.channels
+                               && live.live;
+        ConvTaps taps;
+        if (convolved) taps = load_taps(conv, n, live.slot, live.warm);
+#endif
+        team.sync();
+        if (team.thread() < held * R) {
+            float total = warp_total(partial, t, r);
+            if (SCALED) total *= flush_scale<Shape>(squares, eps);
+#if CONV
+            if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), live.dst);
+#endif
+            if (n < n_rows) out[n] = float_bf16(total);
+        }
+    }
+    team.sync();
+}
+
 // GATED asks for two blocks an SM: left alone ptxas gave it 140 registers.
 // It takes 112 then and spills nothing, yet the driver still runs two
 // 192-thread blocks an SM, not three (H200 12-04 21:40: the occupancy query
@@ -827,13 +903,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-#if CONV
-    // read once, after the wait (an earlier kernel may write them); used at each flush
-    const long long conv_slot = *conv.in_slot;
-    const bool conv_live = conv_slot >= 0;
-    const bool conv_warm = conv_live && *conv.position > 0;
-    const long long conv_dst = conv_live ? *conv.write_slot : -1;
-#endif
+    const ConvLive live = conv_live_of(conv);
     XSlice xs[SLOTS];
 #if GATED
     // each head's s^2 over its HEAD_GROUPS lanes; every lane shuffles (an
@@ -932,36 +1002,9 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         accumulate_tile(tile, xs, partial, held, lane, warp);
         ++held;
         if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
-#if SILU_MUL
-            constexpr int HALF = ROWS / 2;
-            __syncthreads();
-            if (threadIdx.x < held * HALF) {
-                const int t = threadIdx.x / HALF, r = threadIdx.x % HALF;
-                const float scale = flush_scale(norm_squares, eps);
-                // rounded as the plain GEMV stores them
-                const float gate = rounded_bf16(warp_total(partial, t, r) * scale);
-                const float up = rounded_bf16(warp_total(partial, t, r + HALF) * scale);
-                const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
-                out[(first_held + t * (int)gridDim.x) * HALF + r] = float_bf16(act * up);
-            }
-#else
-            const int t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
-            const int n = (first_held + t * (int)gridDim.x) * ROWS + r;
-#if CONV
-            const bool convolved = threadIdx.x < held * ROWS && n < conv.channels && conv_live;
-            ConvTaps taps;
-            if (convolved) taps = load_taps(conv, n, conv_slot, conv_warm);
-#endif
-            __syncthreads();
-            if (threadIdx.x < held * ROWS) {
-                float total = warp_total(partial, t, r) * flush_scale(norm_squares, eps);
-#if CONV
-                if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), conv_dst);
-#endif
-                if (n < n_rows) out[n] = float_bf16(total);
-            }
-#endif
-            __syncthreads();   // partial is rewritten by the next tiles
+            flush_tiles<BuildShape, NORM != 0, CONV != 0>(partial, held, first_held, out, n_rows,
+                                                         norm_squares, eps, conv, live,
+                                                         WholeBlock{});
             held = 0;
             first_held = following;
         }
