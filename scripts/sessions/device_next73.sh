@@ -9,8 +9,11 @@
 #      each K = 5120 projection (the premise), then the step's own
 #      boundaries: gdn out before gate_up (192-thread blocks, or 160 at two
 #      groups a thread) and down before gdn in_proj / attn qkv (544 threads,
-#      the second GEMV in three 160-thread parts). Its GPU test first (the
-#      outputs against the launches'), then the timings. Worth building into
+#      the second GEMV in three 160-thread parts), each second GEMV with the
+#      step's epilogue (SiLU * up after gate_up, the conv after in_proj).
+#      Its GPU test first (the outputs against the launches'; it also runs
+#      the GEMV's own flush, now a helper the chain shares, through the
+#      launches it compares with), then the timings. Worth building into
 #      the step if the step's own pairs save >= ~2.5 us each on the H200
 #      (docs/ARCHITECTURE.md, the decode step's item 4). An H100 runs this
 #      part too (same premise, Hopper).
@@ -20,17 +23,21 @@
 #      bytes-in-flight model forecast ~15%. Nsight Compute on one down launch
 #      at 4 rows and at 5 (flush 1, the sweep's first plan), and on gate_up
 #      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
-#   bash scripts/sessions/device_next73.sh chain  (carry .whl; ~5-7 min)
+#   bash scripts/sessions/device_next73.sh chain  (carry .whl; ~5-8 min, under 560 s)
 #   bash scripts/sessions/device_next73.sh ncu    (carry .whl; ~3 min, H200)
 set -uo pipefail
 call=${1:?chain or ncu}
 source scripts/device_env.sh
 case "$call" in
   chain)
-    STEP_TAIL=4 STEP_SIGNAL=ABRT step chain_test 240 python3 -m pytest -q -p no:cacheprovider \
+    STEP_TAIL=4 STEP_SIGNAL=ABRT step chain_test 200 python3 -m pytest -q -p no:cacheprovider \
       -rf tests/test_chain_probe.py
     grep -E "^(FAILED|E  )" "$OUT/chain_test.log" | head -20
-    STEP_TAIL=20 STEP_SIGNAL=ABRT step chain 300 python3 -m bench.chain_probe --check ;;
+    STEP_TAIL=20 STEP_SIGNAL=ABRT step chain 240 python3 -m bench.chain_probe --check
+    # the GEMV's flush moved into a helper (PTX identical but for the conv builds'
+    # preamble): its epilogue and prologue tests on the GPU
+    STEP_TAIL=4 STEP_SIGNAL=ABRT step gemv_flush 110 python3 -m pytest -q -p no:cacheprovider \
+      -rf tests/test_gemv_cuda.py -k "conv or silu or epilogue" ;;
   ncu)
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
     ncu_cuda_gemv down 4
