@@ -23,20 +23,24 @@
 #      bytes-in-flight model forecast ~15%. Nsight Compute on one down launch
 #      at 4 rows and at 5 (flush 1, the sweep's first plan), and on gate_up
 #      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
-#   bash scripts/sessions/device_next73.sh chain  (carry .whl; ~5-8 min, under 560 s)
+#   flush: the GEMV's conv / SiLU / epilogue tests, since its flush is now a
+#      helper the chain shares (PTX identical but the conv builds' preamble).
+#   bash scripts/sessions/device_next73.sh chain  (carry .whl; ~4-6 min, under 450 s)
+#   bash scripts/sessions/device_next73.sh flush  (carry .whl; ~2-3 min)
 #   bash scripts/sessions/device_next73.sh ncu    (carry .whl; ~3 min, H200)
 set -uo pipefail
-call=${1:?chain or ncu}
+call=${1:?chain, flush or ncu}
 source scripts/device_env.sh
 case "$call" in
   chain)
     STEP_TAIL=4 STEP_SIGNAL=ABRT step chain_test 200 python3 -m pytest -q -p no:cacheprovider \
       -rf tests/test_chain_probe.py
     grep -E "^(FAILED|E  )" "$OUT/chain_test.log" | head -20
-    STEP_TAIL=20 STEP_SIGNAL=ABRT step chain 240 python3 -m bench.chain_probe --check
+    STEP_TAIL=20 STEP_SIGNAL=ABRT step chain 240 python3 -m bench.chain_probe --check ;;
+  flush)
     # the GEMV's flush moved into a helper (PTX identical but for the conv builds'
     # preamble): its epilogue and prologue tests on the GPU
-    STEP_TAIL=4 STEP_SIGNAL=ABRT step gemv_flush 110 python3 -m pytest -q -p no:cacheprovider \
+    STEP_TAIL=4 STEP_SIGNAL=ABRT step gemv_flush 200 python3 -m pytest -q -p no:cacheprovider \
       -rf tests/test_gemv_cuda.py -k "conv or silu or epilogue" ;;
   ncu)
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
