@@ -120,8 +120,8 @@ class Chain:
         """out_a = qt_a x_a; out_b = qt_b RMSNorm(residual + out_a), the sum
         stored to norm.residual_out (norm.pending must be out_a), then
         `epilogue` (gemv_cuda's) on out_b's rows."""
-        from engine.quant.gemv_cuda import (ConvEpilogue, SiluMulEpilogue, _compiled, _ConvStep,
-                                            _launch, launchable)
+        from engine.quant.gemv_cuda import (SiluMulEpilogue, _compiled, _launch, conv_operand,
+                                            launchable, weight_operands)
 
         if qt_a.shape[0] != qt_b.shape[1]:
             raise ValueError(f"the first GEMV's {qt_a.shape[0]} rows are not the second's "
@@ -151,16 +151,10 @@ class Chain:
         if key not in self.counters:
             self.counters[key] = torch.zeros(1, dtype=torch.int32, device=x_a.device)
         _, weight, eps, residual_out = norm.operands(residual, qt_b.shape[1])
-
-        def arrays(qt):
-            return [qt.qweight, qt.d, qt.sc, qt.dmin if qt.asymmetric else qt.d,
-                    qt.m if qt.asymmetric else qt.sc]
-
         _launch(compiled, grid, chain.threads,
-                [x_a, *arrays(qt_a), out_a, qt_a.shape[0], *arrays(qt_b), out_b, qt_b.shape[0],
-                 residual, weight, eps, residual_out, self.counters[key],
-                 epilogue.operands(x_a, qt_b.shape[0]) if isinstance(epilogue, ConvEpilogue)
-                 else _ConvStep()], pdl)
+                [x_a, *weight_operands(qt_a), out_a, qt_a.shape[0], *weight_operands(qt_b),
+                 out_b, qt_b.shape[0], residual, weight, eps, residual_out, self.counters[key],
+                 conv_operand(epilogue, x_a, qt_b.shape[0])], pdl)
 
 
 class Pair(NamedTuple):
@@ -256,7 +250,7 @@ def time_pair(name: str, device, check: bool) -> dict:
     """us per pair for the three variants (and each GEMV alone)."""
     from bench.quant import _copies, _time_graph, model_shapes
     from engine.fused import load_kernels
-    from engine.quant.gemv_cuda import NormPrologue, gemv_cuda
+    from engine.quant.gemv_cuda import ConvEpilogue, NormPrologue, gemv_cuda, output_width
 
     pair = PAIRS[name]
     shapes = {shape: (fmt, n, k) for shape, fmt, n, k, _ in model_shapes() if fmt.name == "Q4_K"}
@@ -274,8 +268,7 @@ def time_pair(name: str, device, check: bool) -> dict:
     residual = torch.randn(1, n_a, device=device, dtype=torch.bfloat16)
     weight = torch.randn(n_a, device=device, dtype=torch.bfloat16) * 0.1
     out_a = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
-    width_b = n_b // 2 if pair.second == "gate_up" else n_b   # SiLU(gate) * up
-    out_b = torch.empty(1, width_b, device=device, dtype=torch.bfloat16)
+    out_b = torch.empty(1, output_width(epilogue, n_b), device=device, dtype=torch.bfloat16)
     residual_out = torch.empty(1, n_a, device=device, dtype=torch.bfloat16)
     norm = NormPrologue(weight, 1e-6, True, out_a, residual_out)
     chain = Chain()
@@ -311,7 +304,7 @@ def time_pair(name: str, device, check: bool) -> dict:
     if check:
         # the reference's first GEMV in the chain's own tile shape: the same sums
         reference = functools.partial(prologue, plan=chain_plan.first)
-        written = [epilogue.windows[1]] if hasattr(epilogue, "windows") else []
+        written = [epilogue.windows[1]] if isinstance(epilogue, ConvEpilogue) else []
         result.update(compare(chained, reference, copies_a[0], copies_b[0],
                               (out_a, out_b, residual_out, *written)))
     return result

@@ -131,11 +131,11 @@ tandem_q4_chain(const u16* __restrict__ x_a, const uint4* __restrict__ qw_a,
     __shared__ uint4 weight_stash[W_VECS][SLOTS * CHAIN_THREADS];
     const Weight a{qw_a, d_a, sc_a, dmin_a, m_a}, b{qw_b, d_b, sc_b, dmin_b, m_b};
     const Team block{threadIdx.x, (int)gridDim.x, 0, true};
-    // one part the whole block: known at compile time, so its indices fold away
+    // PARTS 1: part 0 at compile time, so the part's indices fold away
     constexpr bool WHOLE = PARTS * THREADS == CHAIN_THREADS;
     const int part = PARTS == 1 ? 0 : threadIdx.x / THREADS;
-    const Team team{WHOLE && PARTS == 1 ? threadIdx.x : threadIdx.x - part * THREADS,
-                    (int)gridDim.x * PARTS, part, WHOLE && PARTS == 1};
+    const Team team{threadIdx.x - part * THREADS, (int)gridDim.x * PARTS, part,
+                    WHOLE && PARTS == 1};
     const bool in_b = WHOLE || (int)threadIdx.x < PARTS * THREADS;
 
     Group next_a[A_ROWS][A_SLOTS];

@@ -393,6 +393,23 @@ class SiluMulEpilogue:
 
 Epilogue = ConvEpilogue | SiluMulEpilogue
 
+
+def output_width(epilogue: Epilogue | None, n: int) -> int:
+    """The GEMV's output row: N, or N / 2 where SiLU(gate) * up pairs the rows."""
+    return n // 2 if isinstance(epilogue, SiluMulEpilogue) else n
+
+
+def conv_operand(epilogue: Epilogue | None, x: torch.Tensor, n: int) -> _ConvStep:
+    """The kernel's ConvStep parameter: the conv's, or an empty one."""
+    return epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
+
+
+def weight_operands(qt: QuantTensor) -> list:
+    """A weight's five kernel arrays, q4_gemv.cu's Weight: qweight, d, sc, and
+    dmin and m (where the format is symmetric, d and sc stand in, unread)."""
+    return [qt.qweight, qt.d, qt.sc, qt.dmin if qt.asymmetric else qt.d,
+            qt.m if qt.asymmetric else qt.sc]
+
 L2_REGIONS = 5  # q4_gemv.cu's L2Regions: a QuantTensor's qweight, d, sc, dmin, m
 
 
@@ -600,7 +617,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                              f"row count dividing N = {n}, without a ring: plan {plan.spec()} "
                              f"cannot")
         plan = plan_for(k)
-    width = n // 2 if isinstance(epilogue, SiluMulEpilogue) else n
+    width = output_width(epilogue, n)
     if out is None:
         out = torch.empty(1, width, dtype=x.dtype, device=x.device)
     elif not _fits_out(out, x, width):
@@ -612,7 +629,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"x must be a [1, {k}] row, got {tuple(x.shape)}")
     else:
         prologue_args = [x, x, 0.0, x]
-    conv_step = epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
+    conv_step = conv_operand(epilogue, x, n)
     bulk_prefetch = torch.cuda.get_device_capability(device)[0] >= 9   # sm_90's
     if l2_prefetch is not None and (not l2_prefetch.ranges or not bulk_prefetch):
         l2_prefetch = None
@@ -646,10 +663,8 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                            f"would raise the process's local-memory reservation for good: "
                            f"use fewer rows a tile or fewer slots")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    dmin = qt.dmin if qt.asymmetric else qt.d
-    m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
-            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
+            [x, *weight_operands(qt), out, n, *prologue_args,
              l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step], pdl)
     return out
 
