@@ -393,23 +393,6 @@ class SiluMulEpilogue:
 
 Epilogue = ConvEpilogue | SiluMulEpilogue
 
-
-def output_width(epilogue: Epilogue | None, n: int) -> int:
-    """The GEMV's output row: N, or N / 2 where SiLU(gate) * up pairs the rows."""
-    return n // 2 if isinstance(epilogue, SiluMulEpilogue) else n
-
-
-def conv_operand(epilogue: Epilogue | None, x: torch.Tensor, n: int) -> _ConvStep:
-    """The kernel's ConvStep parameter: the conv's, or an empty one."""
-    return epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
-
-
-def weight_operands(qt: QuantTensor) -> list:
-    """A weight's five kernel arrays, q4_gemv.cu's Weight: qweight, d, sc, and
-    dmin and m (where the format is symmetric, d and sc stand in, unread)."""
-    return [qt.qweight, qt.d, qt.sc, qt.dmin if qt.asymmetric else qt.d,
-            qt.m if qt.asymmetric else qt.sc]
-
 L2_REGIONS = 5  # q4_gemv.cu's L2Regions: a QuantTensor's qweight, d, sc, dmin, m
 
 
@@ -487,19 +470,15 @@ class _Compiled:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(options: tuple[str, ...], device: int, threads: int,
-              shared_bytes: int = 0, source: str | None = None,
-              kernel_name: str = KERNEL) -> _Compiled:
+              shared_bytes: int = 0) -> _Compiled:
     """Compiled and loaded once per (constants, device): a module belongs to
     its device's context. shared_bytes: the dynamic shared memory each
-    launch asks for (the ring), opted into past 48 KB. source and
-    kernel_name: another kernel built on q4_gemv.cu's helpers (a probe,
-    bench/chain_probe.py); None, this file's GEMV."""
+    launch asks for (the ring), opted into past 48 KB."""
     from torch.cuda._utils import _cuda_load_module, _get_gpu_runtime_library, _nvrtc_compile
 
     major, minor = torch.cuda.get_device_capability(device)
     with torch.cuda.device(device):
-        binary, name = _nvrtc_compile(SOURCE.read_text() if source is None else source,
-                                      kernel_name,
+        binary, name = _nvrtc_compile(SOURCE.read_text(), KERNEL,
                                       compute_capability=f"{major}{minor}",
                                       nvcc_options=list(options))
         kernel = _cuda_load_module(binary, [name])[name]
@@ -617,7 +596,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                              f"row count dividing N = {n}, without a ring: plan {plan.spec()} "
                              f"cannot")
         plan = plan_for(k)
-    width = output_width(epilogue, n)
+    width = n // 2 if isinstance(epilogue, SiluMulEpilogue) else n
     if out is None:
         out = torch.empty(1, width, dtype=x.dtype, device=x.device)
     elif not _fits_out(out, x, width):
@@ -629,7 +608,7 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
         raise ValueError(f"x must be a [1, {k}] row, got {tuple(x.shape)}")
     else:
         prologue_args = [x, x, 0.0, x]
-    conv_step = conv_operand(epilogue, x, n)
+    conv_step = epilogue.operands(x, n) if isinstance(epilogue, ConvEpilogue) else _ConvStep()
     bulk_prefetch = torch.cuda.get_device_capability(device)[0] >= 9   # sm_90's
     if l2_prefetch is not None and (not l2_prefetch.ranges or not bulk_prefetch):
         l2_prefetch = None
@@ -663,8 +642,10 @@ def gemv_cuda(x: torch.Tensor, qt: QuantTensor, out: torch.Tensor | None = None,
                            f"would raise the process's local-memory reservation for good: "
                            f"use fewer rows a tile or fewer slots")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    dmin = qt.dmin if qt.asymmetric else qt.d
+    m = qt.m if qt.asymmetric else qt.sc
     _launch(compiled, plan.grid(n, sms, compiled.resident_per_sm), plan.threads,
-            [x, *weight_operands(qt), out, n, *prologue_args,
+            [x, qt.qweight, qt.d, qt.sc, dmin, m, out, n, *prologue_args,
              l2_prefetch.regions() if l2_prefetch is not None else _Regions(), conv_step], pdl)
     return out
 

@@ -201,53 +201,35 @@ __device__ __forceinline__ void clear_group(Group& e) {
 #endif
 }
 
-// The shape a tile loop walks: R rows a tile, S groups of K a thread (g =
-// thread + j * T), T threads to a row, G groups in K; PAIRED: SILU_MUL's
-// tiles, R / 2 gate rows and the up rows that pair with them. A GEMV has
-// one, its build constants' (BuildShape); a kernel that chains two GEMVs of
-// different K (bench/q4_chain.cu) walks each in its own.
-template <int R, int S, int T, int G, bool PAIRED = false>
-struct TileShape {
-    // an enum, not static constexpr members: those become PTX globals
-    enum : int { rows = R, slots = S, threads = T, groups = G, warps = T / 32, paired = PAIRED };
-};
-using BuildShape = TileShape<ROWS, SLOTS, THREADS, GROUPS, SILU_MUL != 0>;
-
 // the weight row of tile `index`'s row r
-template <class Shape = BuildShape>
 __device__ __forceinline__ long long tile_row(int index, int r, int n_rows) {
-    constexpr int R = Shape::rows;
-    if constexpr (Shape::paired) {
-        constexpr int HALF = R / 2;   // gate rows j.., then up rows n_rows / 2 + j..
-        return (long long)(r < HALF ? 0 : n_rows / 2) + (long long)index * HALF + r % HALF;
-    } else {
-        return min(index * R + r, n_rows - 1);   // rows past N repeat the last
-    }
+#if SILU_MUL
+    constexpr int HALF = ROWS / 2;   // gate rows j.., then up rows n_rows / 2 + j..
+    return (long long)(r < HALF ? 0 : n_rows / 2) + (long long)index * HALF + r % HALF;
+#else
+    return min(index * ROWS + r, n_rows - 1);   // rows past N repeat the last
+#endif
 }
 
-// `thread`: the thread's place among Shape::threads (threadIdx.x but in a
-// chained kernel's parts)
-template <class Shape = BuildShape>
-__device__ __forceinline__ void load_tile(Group (&tile)[Shape::rows][Shape::slots], int index,
-                                          int n_rows, const Weight& weights, int thread) {
-    constexpr int S = Shape::slots, T = Shape::threads, G = Shape::groups;
+__device__ __forceinline__ void load_tile(Group (&tile)[ROWS][SLOTS], int index, int n_rows,
+                                          const Weight& weights) {
 #pragma unroll
-    for (int r = 0; r < Shape::rows; ++r) {
-        const long long n = tile_row<Shape>(index, r, n_rows);
+    for (int r = 0; r < ROWS; ++r) {
+        const long long n = tile_row(index, r, n_rows);
 #pragma unroll
-        for (int j = 0; j < S; ++j) {
-            const int g = thread + j * T;
+        for (int j = 0; j < SLOTS; ++j) {
+            const int g = threadIdx.x + j * THREADS;
             Group& e = tile[r][j];
-            if (S * T == G || g < G) {   // folds away when none idle
-                e.words = load_streamed(weights.qw + n * G + g);
+            if (SLOTS * THREADS == GROUPS || g < GROUPS) {   // folds away when none idle
+                e.words = load_streamed(weights.qw + n * GROUPS + g);
                 // __ldg: the early tiles' prefetch takes these pointers into
                 // an asm with a memory clobber, after which nvcc no longer
                 // proves them read-only and the scales lost ld.global.nc
-                e.sc = __ldg(weights.sc + n * G + g);
-                e.d = __ldg(weights.d + n * (G / GPS) + g / GPS);
+                e.sc = __ldg(weights.sc + n * GROUPS + g);
+                e.d = __ldg(weights.d + n * (GROUPS / GPS) + g / GPS);
 #if ASYM
-                e.m = __ldg(weights.m + n * G + g);
-                e.dmin = __ldg(weights.dmin + n * (G / GPS) + g / GPS);
+                e.m = __ldg(weights.m + n * GROUPS + g);
+                e.dmin = __ldg(weights.dmin + n * (GROUPS / GPS) + g / GPS);
 #endif
             } else {
                 clear_group(e);
@@ -256,29 +238,12 @@ __device__ __forceinline__ void load_tile(Group (&tile)[Shape::rows][Shape::slot
     }
 }
 
-// the register pipeline's step: tile takes what next holds, and next starts
-// loading tile `following` (when there is one) while tile is multiplied
-template <class Shape = BuildShape>
-__device__ __forceinline__ void take_tile(Group (&tile)[Shape::rows][Shape::slots],
-                                          Group (&next)[Shape::rows][Shape::slots], int following,
-                                          int tiles, int n_rows, const Weight& weights,
-                                          int thread) {
-#pragma unroll
-    for (int r = 0; r < Shape::rows; ++r)
-#pragma unroll
-        for (int j = 0; j < Shape::slots; ++j) tile[r][j] = next[r][j];
-    if (following < tiles) load_tile<Shape>(next, following, n_rows, weights, thread);
-}
-
-// a group's 32 bf16 values as 16 words, k = 2i in the low half of word i;
-// COHERENT: through L2 only (ld.global.cg), for values other blocks of the
-// same launch wrote (bench/q4_chain.cu), which no non-coherent path may serve
-template <bool COHERENT = false>
+// a group's 32 bf16 values as 16 words, k = 2i in the low half of word i
 __device__ __forceinline__ void load_group(const u16* __restrict__ x, int g, unsigned (&raw)[16]) {
     const uint4* src = reinterpret_cast<const uint4*>(x + g * 32);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const uint4 v = COHERENT ? __ldcg(src + i) : src[i];
+        const uint4 v = src[i];
         raw[4 * i] = v.x; raw[4 * i + 1] = v.y; raw[4 * i + 2] = v.z; raw[4 * i + 3] = v.w;
     }
 }
@@ -338,9 +303,8 @@ __device__ __forceinline__ float weight_at(const unsigned (&w)[W_WORDS], int k) 
 #endif
 constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
 
-// vector i of slot j's group at stash[i][j * T + threadIdx.x] (T: the
-// block's threads; N = slots x T): a warp's 16-byte accesses are
-// consecutive, so they take no bank conflicts. Copied
+// vector i of slot j's group at stash[i][j * THREADS + thread]: a warp's
+// 16-byte accesses are consecutive, so they take no bank conflicts. Copied
 // by cp.async, global to shared without registers (through registers the
 // loads in flight took the kernel from 96 to 104, 4 to 3 blocks an SM).
 // .ca, through L1: every block reads the same weight (GATED: one 256-byte
@@ -350,27 +314,25 @@ constexpr int W_VECS = W_WORDS / 4;   // a group's weights in 16-byte vectors
 // serving every copy. Untimed since the change.
 // (the 32 weights from element `first` on: g * 32 for NORM, the group's place
 // in its head for GATED)
-template <int T, int N>
 __device__ __forceinline__ void stash_norm_weight(const norm_w_t* __restrict__ weight, int first,
-                                                  int j, uint4 (*stash)[N]) {
+                                                  int j, uint4 (*stash)[SLOTS * THREADS]) {
     const uint4* src = reinterpret_cast<const uint4*>(weight + first);
 #pragma unroll
     for (int i = 0; i < W_VECS; ++i) {
         asm volatile("{ .reg .u64 a; .reg .u32 s;\n"
                      "  cvta.to.shared.u64 a, %0; cvt.u32.u64 s, a;\n"
                      "  cp.async.ca.shared.global [s], [%1], 16; }"
-                     :: "l"(&stash[i][j * T + threadIdx.x]), "l"(src + i) : "memory");
+                     :: "l"(&stash[i][j * THREADS + threadIdx.x]), "l"(src + i) : "memory");
     }
 }
 
 // a thread reads back only what its own cp.async wrote: its wait suffices
-template <int T, int N>
-__device__ __forceinline__ void stashed_norm_weight(uint4 (*stash)[N], int j,
+__device__ __forceinline__ void stashed_norm_weight(uint4 (*stash)[SLOTS * THREADS], int j,
                                                     unsigned (&w)[W_WORDS]) {
     asm volatile("cp.async.wait_all;" ::: "memory");
 #pragma unroll
     for (int i = 0; i < W_VECS; ++i) {
-        const uint4 v = stash[i][j * T + threadIdx.x];
+        const uint4 v = stash[i][j * THREADS + threadIdx.x];
         w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
     }
 }
@@ -400,32 +362,6 @@ __device__ __forceinline__ void gated_group(unsigned (&raw)[16], const unsigned 
 #endif
 
 #if NORM
-// raw = round(raw + add) for group g, stored to residual_out where `stores`
-// (one block's threads: every block computes the same s)
-__device__ __forceinline__ void add_residual(unsigned (&raw)[16], const unsigned (&add)[16],
-                                             u16* __restrict__ residual_out, int g, bool stores) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-        raw[i] = pack_bf16(bf16_float(raw[i] & 0xFFFF) + bf16_float(add[i] & 0xFFFF),
-                           bf16_float(raw[i] >> 16) + bf16_float(add[i] >> 16));
-    if (stores) {
-        uint4* dst = reinterpret_cast<uint4*>(residual_out + g * 32);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            dst[i] = uint4{raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]};
-    }
-}
-
-__device__ __forceinline__ float group_squares(const unsigned (&raw)[16]) {
-    float squares = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const float lo = bf16_float(raw[i] & 0xFFFF), hi = bf16_float(raw[i] >> 16);
-        squares += lo * lo + hi * hi;
-    }
-    return squares;
-}
-
 // s = round(x + pending) for group g (stored by block 0), its sum of squares
 __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
                                                 const u16* __restrict__ pending,
@@ -435,9 +371,24 @@ __device__ __forceinline__ float residual_group(const u16* __restrict__ x,
 #if HAS_PENDING
     unsigned add[16];
     load_group(pending, g, add);
-    add_residual(raw, add, residual_out, g, blockIdx.x == 0);
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+        raw[i] = pack_bf16(bf16_float(raw[i] & 0xFFFF) + bf16_float(add[i] & 0xFFFF),
+                           bf16_float(raw[i] >> 16) + bf16_float(add[i] >> 16));
+    if (blockIdx.x == 0) {
+        uint4* dst = reinterpret_cast<uint4*>(residual_out + g * 32);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            dst[i] = uint4{raw[4 * i], raw[4 * i + 1], raw[4 * i + 2], raw[4 * i + 3]};
+    }
 #endif
-    return group_squares(raw);
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const float lo = bf16_float(raw[i] & 0xFFFF), hi = bf16_float(raw[i] >> 16);
+        squares += lo * lo + hi * hi;
+    }
+    return squares;
 }
 
 // a group of RMSNorm(s) before its rstd, as bf16 words: s * (1 + w) (ZC)
@@ -508,33 +459,30 @@ __device__ __forceinline__ void prefetch_share(const L2Regions& regions) {
 #endif
 
 #if EARLY_L2_TILES
-// rows [first, first + rows) of every array (K in G groups) into L2
-template <int G = GROUPS>
+// rows [first, first + rows) of every array into L2
 __device__ __forceinline__ void prefetch_rows_l2(long long first, long long rows,
                                                  const Weight& weights) {
-    prefetch_range_l2(weights.qw + first * G, rows * G * 16);
-    prefetch_range_l2(weights.sc + first * G, rows * G);
-    prefetch_range_l2(weights.d + first * (G / GPS), rows * (G / GPS) * (long long)sizeof(scale_t));
+    prefetch_range_l2(weights.qw + first * GROUPS, rows * GROUPS * 16);
+    prefetch_range_l2(weights.sc + first * GROUPS, rows * GROUPS);
+    prefetch_range_l2(weights.d + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #if ASYM
-    prefetch_range_l2(weights.m + first * G, rows * G);
-    prefetch_range_l2(weights.dmin + first * (G / GPS), rows * (G / GPS) * (long long)sizeof(scale_t));
+    prefetch_range_l2(weights.m + first * GROUPS, rows * GROUPS);
+    prefetch_range_l2(weights.dmin + first * (GROUPS / GPS), rows * (GROUPS / GPS) * (long long)sizeof(scale_t));
 #endif
 }
 
 // tile `index`'s rows into L2 (SILU_MUL's tile is two ranges, its gate rows
 // and its up rows, where tile_row puts them); one thread issues it
-template <class Shape = BuildShape>
 __device__ __forceinline__ void prefetch_tile_l2(int index, int n_rows,
                                                  const Weight& weights) {
-    constexpr int R = Shape::rows, G = Shape::groups;
-    if constexpr (Shape::paired) {
-        constexpr int HALF = R / 2;   // N is a multiple of R: both halves whole
-        prefetch_rows_l2<G>(tile_row<Shape>(index, 0, n_rows), HALF, weights);
-        prefetch_rows_l2<G>(tile_row<Shape>(index, HALF, n_rows), HALF, weights);
-    } else {
-        const long long first = (long long)index * R;
-        prefetch_rows_l2<G>(first, min((long long)R, (long long)n_rows - first), weights);
-    }
+#if SILU_MUL
+    constexpr int HALF = ROWS / 2;   // N is a multiple of ROWS: both halves whole
+    prefetch_rows_l2(tile_row(index, 0, n_rows), HALF, weights);
+    prefetch_rows_l2(tile_row(index, HALF, n_rows), HALF, weights);
+#else
+    const long long first = (long long)index * ROWS;
+    prefetch_rows_l2(first, min((long long)ROWS, (long long)n_rows - first), weights);
+#endif
 }
 #endif
 
@@ -708,122 +656,29 @@ __device__ __forceinline__ float group_dot(const Group& e, const XSlice& x) {
 
 constexpr int WARPS = THREADS / 32;
 
-// each row's dot with x over the thread's slots, summed over its warp; lane
-// 0 leaves it in partial[held] for the flush
-template <int R, int S, int F, int W>
-__device__ __forceinline__ void accumulate_tile(const Group (&tile)[R][S],
-                                                const XSlice (&xs)[S],
-                                                float (&partial)[F][R][W], int held, int lane,
-                                                int warp) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int j = 0; j < S; ++j) acc += group_dot(tile[r][j], xs[j]);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-            acc += __shfl_xor_sync(0xFFFFFFFFu, acc, offset);
-        if (lane == 0) partial[held][r][warp] = acc;
-    }
-}
-
 // the sum of flushed tile t's row r over the block's warps, in warp order:
 // the same order in every build, so an epilogue sees the plain GEMV's sums
-template <int F, int R, int W>
-__device__ __forceinline__ float warp_total(const float (&partial)[F][R][W], int t, int r) {
+__device__ __forceinline__ float warp_total(const float (&partial)[FLUSH][ROWS][WARPS], int t,
+                                            int r) {
     float total = 0.0f;
 #pragma unroll
-    for (int w = 0; w < W; ++w) total += partial[t][r][w];
+    for (int w = 0; w < WARPS; ++w) total += partial[t][r][w];
     return total;
 }
 
 // what the flushed sums are multiplied by: NORM's deferred rstd, from its
 // warps' sums of s^2 (`squares`, published before the tile loop and visible
 // after the flush's barrier) added in warp order, the same in every thread
-// and block; else 1. Shape: the GEMV's whose K the norm covers
-template <class Shape = BuildShape>
+// and block; else 1
 __device__ __forceinline__ float flush_scale(const float* squares, float eps) {
 #if NORM
     float row = 0.0f;
 #pragma unroll
-    for (int w = 0; w < Shape::warps; ++w) row += squares[w];
-    return rsqrtf(row / (float)(Shape::groups * 32) + eps);
+    for (int w = 0; w < WARPS; ++w) row += squares[w];
+    return rsqrtf(row / (float)(GROUPS * 32) + eps);
 #else
     return 1.0f;
 #endif
-}
-
-// the conv epilogue's per-launch state, read once after the dependent-launch
-// wait (an earlier kernel may write it); unused where CONV is off
-struct ConvLive {
-    long long slot, dst;   // the window read (-1: a padding copy) and written (-1: none)
-    bool live, warm;       // a real token; past position 0
-};
-
-__device__ __forceinline__ ConvLive conv_live_of(const ConvStep& conv) {
-#if CONV
-    const long long slot = *conv.in_slot;
-    const bool live = slot >= 0;
-    return ConvLive{slot, live ? *conv.write_slot : -1, live, live && *conv.position > 0};
-#else
-    return ConvLive{};
-#endif
-}
-
-// the threads that walk a GEMV's tiles together, as a flush sees them: here
-// the whole block, its tiles grid-stride (a chained kernel's parts have
-// their own: bench/q4_chain.cu)
-struct WholeBlock {
-    __device__ __forceinline__ unsigned thread() const { return threadIdx.x; }
-    __device__ __forceinline__ int stride() const { return gridDim.x; }
-    __device__ __forceinline__ void sync() const { __syncthreads(); }
-};
-
-// The held tiles' sums, reduced over the team's warps, to out: tile t of
-// them is the team's tile first_held + t * team.stride(), and its thread
-// t * R + r writes row r. SCALED: times the norm's deferred rstd; Shape::paired:
-// SiLU(gate) * up of each pair of rows (SILU_MUL, out N / 2 wide);
-// CONVOLVED: the conv epilogue on rows below conv.channels. The barrier
-// pair brackets the reads of partial, which the next tiles rewrite.
-template <class Shape, bool SCALED, bool CONVOLVED, int F, class Team>
-__device__ __forceinline__ void flush_tiles(const float (&partial)[F][Shape::rows][Shape::warps],
-                                            int held, int first_held, u16* __restrict__ out,
-                                            int n_rows, const float* squares, float eps,
-                                            const ConvStep conv, const ConvLive live,
-                                            const Team& team) {
-    constexpr int R = Shape::rows;
-    if constexpr (Shape::paired != 0) {
-        constexpr int HALF = R / 2;
-        team.sync();
-        if (team.thread() < held * HALF) {
-            const int t = team.thread() / HALF, r = team.thread() % HALF;
-            const float scale = SCALED ? flush_scale<Shape>(squares, eps) : 1.0f;
-            // rounded as the plain GEMV stores them
-            const float gate = rounded_bf16(warp_total(partial, t, r) * scale);
-            const float up = rounded_bf16(warp_total(partial, t, r + HALF) * scale);
-            const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
-            out[(first_held + t * team.stride()) * HALF + r] = float_bf16(act * up);
-        }
-    } else {
-        const int t = team.thread() / R, r = team.thread() % R;
-        const int n = (first_held + t * team.stride()) * R + r;
-#if CONV
-        const bool convolved = CONVOLVED && team.thread() < held * R && n < conv.channels
-                               && live.live;
-        ConvTaps taps;
-        if (convolved) taps = load_taps(conv, n, live.slot, live.warm);
-#endif
-        team.sync();
-        if (team.thread() < held * R) {
-            float total = warp_total(partial, t, r);
-            if (SCALED) total *= flush_scale<Shape>(squares, eps);
-#if CONV
-            if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), live.dst);
-#endif
-            if (n < n_rows) out[n] = float_bf16(total);
-        }
-    }
-    team.sync();
 }
 
 // GATED asks for two blocks an SM: left alone ptxas gave it 140 registers.
@@ -876,7 +731,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #else
     Group next[ROWS][SLOTS];
     if (index < tiles)
-        load_tile(next, index, n_rows, weights, threadIdx.x);
+        load_tile(next, index, n_rows, weights);
 #endif
 #if NORM || GATED
     __shared__ uint4 weight_stash[W_VECS][SLOTS * THREADS];
@@ -889,7 +744,7 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
         const int first = g * 32;
 #endif
         if (SLOTS * THREADS == GROUPS || g < GROUPS)
-            stash_norm_weight<THREADS>(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
+            stash_norm_weight(static_cast<const norm_w_t*>(norm_w), first, j, weight_stash);
     }
 #endif
 #if EARLY_L2_TILES && !STAGES
@@ -903,7 +758,13 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    const ConvLive live = conv_live_of(conv);
+#if CONV
+    // read once, after the wait (an earlier kernel may write them); used at each flush
+    const long long conv_slot = *conv.in_slot;
+    const bool conv_live = conv_slot >= 0;
+    const bool conv_warm = conv_live && *conv.position > 0;
+    const long long conv_dst = conv_live ? *conv.write_slot : -1;
+#endif
     XSlice xs[SLOTS];
 #if GATED
     // each head's s^2 over its HEAD_GROUPS lanes; every lane shuffles (an
@@ -940,12 +801,12 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
 #if NORM
             unsigned raw[16], weight[W_WORDS];   // this thread's own stash: no barrier needed
             squares += residual_group(x, pending, residual_out, g, raw);
-            stashed_norm_weight<THREADS>(weight_stash, j, weight);
+            stashed_norm_weight(weight_stash, j, weight);
             weighted_group(raw, weight);
             xs[j] = quantize_group(raw);
 #elif GATED
             unsigned weight[W_WORDS];
-            stashed_norm_weight<THREADS>(weight_stash, j, weight);
+            stashed_norm_weight(weight_stash, j, weight);
             gated_group(head_raw[j], gate_raw[j], weight, head_rstd[j]);
             xs[j] = quantize_group(head_raw[j]);
 #else
@@ -997,14 +858,56 @@ tandem_q4_gemv(const u16* __restrict__ x, const uint4* __restrict__ qw,
             ++taken;
         }
 #else
-        take_tile(tile, next, following, tiles, n_rows, weights, threadIdx.x);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+            for (int j = 0; j < SLOTS; ++j) tile[r][j] = next[r][j];
+        if (following < tiles)
+            load_tile(next, following, n_rows, weights);
 #endif
-        accumulate_tile(tile, xs, partial, held, lane, warp);
+        float acc[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < SLOTS; ++j) acc[r] += group_dot(tile[r][j], xs[j]);
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1)
+                acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
+            if (lane == 0) partial[held][r][warp] = acc[r];
+        }
         ++held;
         if (held == FLUSH || following >= tiles) {   // the same in every thread of the block
-            flush_tiles<BuildShape, NORM != 0, CONV != 0>(partial, held, first_held, out, n_rows,
-                                                         norm_squares, eps, conv, live,
-                                                         WholeBlock{});
+#if SILU_MUL
+            constexpr int HALF = ROWS / 2;
+            __syncthreads();
+            if (threadIdx.x < held * HALF) {
+                const int t = threadIdx.x / HALF, r = threadIdx.x % HALF;
+                const float scale = flush_scale(norm_squares, eps);
+                // rounded as the plain GEMV stores them
+                const float gate = rounded_bf16(warp_total(partial, t, r) * scale);
+                const float up = rounded_bf16(warp_total(partial, t, r + HALF) * scale);
+                const float act = rounded_bf16(gate / (1.0f + __expf(-gate)));
+                out[(first_held + t * (int)gridDim.x) * HALF + r] = float_bf16(act * up);
+            }
+#else
+            const int t = threadIdx.x / ROWS, r = threadIdx.x % ROWS;
+            const int n = (first_held + t * (int)gridDim.x) * ROWS + r;
+#if CONV
+            const bool convolved = threadIdx.x < held * ROWS && n < conv.channels && conv_live;
+            ConvTaps taps;
+            if (convolved) taps = load_taps(conv, n, conv_slot, conv_warm);
+#endif
+            __syncthreads();
+            if (threadIdx.x < held * ROWS) {
+                float total = warp_total(partial, t, r) * flush_scale(norm_squares, eps);
+#if CONV
+                if (convolved) total = conv_channel(conv, taps, n, rounded_bf16(total), conv_dst);
+#endif
+                if (n < n_rows) out[n] = float_bf16(total);
+            }
+#endif
+            __syncthreads();   // partial is rewritten by the next tiles
             held = 0;
             first_held = following;
         }

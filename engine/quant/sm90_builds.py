@@ -84,12 +84,10 @@ def load_nvrtc() -> ctypes.CDLL | None:
         return None
 
 
-def compile_sm90(name: str, options: tuple[str, ...], nvrtc: ctypes.CDLL,
-                 source: str | None = None) -> Build:
-    """q4_gemv.cu (or `source`, a kernel built on its helpers) under
-    `options` for sm_90, with ptxas -v's log and the PTX."""
+def compile_sm90(name: str, options: tuple[str, ...], nvrtc: ctypes.CDLL) -> Build:
+    """q4_gemv.cu under `options` for sm_90, with ptxas -v's log and the PTX."""
     prog = ctypes.c_void_p()
-    source = (gemv_cuda.SOURCE.read_text() if source is None else source).encode()
+    source = gemv_cuda.SOURCE.read_text().encode()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"q4_gemv.cu", 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
     try:
