@@ -1,22 +1,44 @@
 #!/usr/bin/env bash
 # The next device calls (written 12-07 23:10, after the resident-chain probe lost on an
 # H100 at 22:50 and was removed):
+#   ring (H200 only): the out projections (gdn out, attn o: 5120 x 6144) through a
+#      shared-memory ring of bulk copies, in the step. Their tiles (1,280 over 528 blocks,
+#      2-3 a block) are a chain of dependent loads in the register pipeline (62-73% of the
+#      floor); a ring of 2-3 stages asks for every tile of the matrix before the
+#      dependent-launch wait, while the recurrence / attention ahead leave DRAM mostly idle.
+#      The sweep never picks it (12-05: back to back, the GEMV ahead saturates DRAM, so
+#      nothing is gained there), and the step has not timed it on the out projections
+#      alone. Builds (NVRTC sm_90, 12-07): 4 rows, 2 stages 53 registers / 28.4 KB a block;
+#      3 stages 53 / 42.6 KB (5 blocks an SM); capped at 4 blocks an SM, 3 stages still
+#      cover all 1,280 tiles. Rounds alternate tree / ring3 / ring2 / ring3 at 4 an SM.
 #   ncu (H200 only): what bounds down's single 17-warp block. 25% more bytes in flight
-#      (5 rows a tile, the card plan since 12-07) bought 3% (15.63 -> 15.13 us a launch in
-#      the step; BENCHMARKS.md 2026-12-07 17:52) where the bytes-in-flight model forecast
-#      ~15%. Nsight Compute on one down launch at 4 rows and at 5 (flush 1, the sweep's
-#      first plan), and on gate_up (95% of its floor) beside them: `ncu_cuda_gemv` in
-#      scripts/device_env.sh. Then the step once, so the call also says which H200 it was.
-#   bash scripts/sessions/device_next74.sh ncu  (carry .whl; ~3-4 min, H200)
+#      (5 rows a tile) bought 3% (15.63 -> 15.13 us a launch in the step; BENCHMARKS.md
+#      2026-12-07 17:52) where the bytes-in-flight model forecast ~15%. Nsight Compute on
+#      one down launch at 4 rows and at 5 (flush 1, the sweep's first plan), and gate_up
+#      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
+#   bash scripts/sessions/device_next74.sh ring  (carry .whl; ~4-5 min)
+#   bash scripts/sessions/device_next74.sh ncu   (carry .whl; ~3 min)
 set -uo pipefail
-call=${1:?ncu}
+call=${1:?ring or ncu}
 source scripts/device_env.sh
+grep -q H200 "$OUT/date.txt" || { echo "not an H200: these calls are the H200's"; exit 3; }
 case "$call" in
+  ring)
+    R3='"5120,6144": {"rows": 4, "flush": 1, "stages": 3}'
+    R2='"5120,6144": {"rows": 4, "flush": 1, "stages": 2}'
+    R34='"5120,6144": {"rows": 4, "flush": 1, "stages": 3, "blocks_per_sm": 4}'
+    STEP_TAIL=4 STEP_SIGNAL=ABRT step ring_test 120 python3 -m pytest -q -p no:cacheprovider \
+      -rf tests/test_gemv_cuda.py -k "shared_memory_ring and 6144 or walking_many_tiles"
+    for r in 1 2; do
+      step_27b r${r}_a_tree > /dev/null
+      plans_step r${r}_b_ring3 "{$R3}" > /dev/null
+      plans_step r${r}_c_ring2 "{$R2}" > /dev/null
+      plans_step r${r}_d_ring3_4 "{$R34}" > /dev/null
+    done
+    step_cols r ;;
   ncu)
-    grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
     ncu_cuda_gemv down 4
     ncu_cuda_gemv down 5
-    ncu_cuda_gemv gate_up 4
-    step_27b step_tree ;;
+    ncu_cuda_gemv gate_up 4 ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
