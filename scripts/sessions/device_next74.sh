@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next device calls (written 12-07 23:10, after the resident-chain probe lost on an
 # H100 at 22:50 and was removed):
-#   ring (H200 only): the out projections (gdn out, attn o: 5120 x 6144) through a
+#   ring (any Hopper, the H200's figure is the one that counts): the out projections (gdn out, attn o: 5120 x 6144) through a
 #      shared-memory ring of bulk copies, in the step. Their tiles (1,280 over 528 blocks,
 #      2-3 a block) are a chain of dependent loads in the register pipeline (62-73% of the
 #      floor); a ring of 2-3 stages asks for every tile of the matrix before the
@@ -21,9 +21,8 @@
 set -uo pipefail
 call=${1:?ring or ncu}
 source scripts/device_env.sh
-grep -q H200 "$OUT/date.txt" || { echo "not an H200: these calls are the H200's"; exit 3; }
 case "$call" in
-  ring)
+  ring)   # any Hopper: the premise (DRAM idle under the recurrence) holds on both
     R3='"5120,6144": {"rows": 4, "flush": 1, "stages": 3}'
     R2='"5120,6144": {"rows": 4, "flush": 1, "stages": 2}'
     R34='"5120,6144": {"rows": 4, "flush": 1, "stages": 3, "blocks_per_sm": 4}'
@@ -37,6 +36,7 @@ case "$call" in
     done
     step_cols r ;;
   ncu)
+    grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
     ncu_cuda_gemv down 4
     ncu_cuda_gemv down 5
     ncu_cuda_gemv gate_up 4 ;;
