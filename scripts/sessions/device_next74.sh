@@ -34,7 +34,9 @@ case "$call" in
       plans_step r${r}_c_ring2 "{$R2}" > /dev/null
       plans_step r${r}_d_ring3_4 "{$R34}" > /dev/null
     done
-    step_cols r ;;
+    step_cols r
+    TANDEM_GEMV_CUDA_PLANS=/tmp/plans_r1_b_ring3.json critical_path cp_ring3 > /dev/null
+    sed -n '/critical path/,$p' "$OUT/cp_ring3.log" | head -24 ;;
   ncu)
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
     ncu_cuda_gemv down 4
