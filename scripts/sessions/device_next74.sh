@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# `ring` ran 12-07 23:47 on an H100 and lost (BENCHMARKS.md 2026-12-07 23:47); `ncu` is still
+# owed (an H200).
 # The next device calls (written 12-07 23:10, after the resident-chain probe lost on an
 # H100 at 22:50 and was removed):
 #   ring (any Hopper, the H200's figure is the one that counts): the out projections (gdn out, attn o: 5120 x 6144) through a
