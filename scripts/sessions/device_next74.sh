@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # `ring` ran 12-07 23:47 on an H100 and lost (BENCHMARKS.md 2026-12-07 23:47); `ncu` is still
-# owed (an H200).
+# owed (an H200), and with it the removed resident-chain probe, run once on the H200 from a
+# git archive of 7efd4b0: on the H100 the boundary it fuses costs 0.3-2.3 us, but in the H200's
+# step a GEMV after a norm runs 2.6 us over its isolated time (the H100's: 0.8), so the H100
+# may have tested the premise where it is weakest.
 # The next device calls (written 12-07 23:10, after the resident-chain probe lost on an
 # H100 at 22:50 and was removed):
 #   ring (any Hopper, the H200's figure is the one that counts): the out projections (gdn out, attn o: 5120 x 6144) through a
@@ -19,7 +22,7 @@
 #      one down launch at 4 rows and at 5 (flush 1, the sweep's first plan), and gate_up
 #      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
 #   bash scripts/sessions/device_next74.sh ring  (carry .whl; ~4-5 min)
-#   bash scripts/sessions/device_next74.sh ncu   (carry .whl; ~3 min)
+#   bash scripts/sessions/device_next74.sh ncu   (carry .whl; ~4 min)
 set -uo pipefail
 call=${1:?ring or ncu}
 source scripts/device_env.sh
@@ -43,6 +46,11 @@ case "$call" in
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
     ncu_cuda_gemv down 4
     ncu_cuda_gemv down 5
-    ncu_cuda_gemv gate_up 4 ;;
+    ncu_cuda_gemv gate_up 4
+    # the removed probe (bench/chain_probe.py, bench/q4_chain.cu at 7efd4b0) on this H200
+    rm -rf /tmp/chain && mkdir -p /tmp/chain
+    git archive 7efd4b0 | tar -x -C /tmp/chain || { echo "7efd4b0 is not in this copy's git"; exit 4; }
+    (cd /tmp/chain && PYTHONPATH=/tmp/chain:/tmp/site STEP_TAIL=12 step chain_h200 200 \
+      python3 -m bench.chain_probe --check) ;;
   *) echo "unknown call $call"; exit 2 ;;
 esac
