@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode steps timed per point (the first ones warm up)")
     p.add_argument("--batch", type=int, nargs="+", default=[1])
     p.add_argument("--kv-format", default="int8")
+    p.add_argument("--weights", default="auto",
+                   help="weight format (tandem serve's --weights; e.g. int4 for the dummy 27B, "
+                        "whose packed codes and scales the roofline then counts)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--repeats", type=int, default=1, help="(kept for old scripts; unused)")
     p.add_argument("--vs-transformers", action="store_true",
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.kv import make_format
     from engine.loader import load_model
 
-    loaded = load_model(args.model, device=args.device, progress=False)
+    loaded = load_model(args.model, device=args.device, progress=False, weights=args.weights)
     bandwidth = copy_bandwidth(loaded.device)
     options = {"dtype": loaded.dtype} if args.kv_format == "bf16" else {}
     kv_format = make_format(args.kv_format, **options)
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.json, {"env": environment(), "model": loaded.source, "args": vars(args),
                            "copy_bandwidth_gb_s": bandwidth / 1e9, "results": results,
                            "transformers_tok_s": transformers_rate})
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {args.kv_format} KV; "
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {args.kv_format} KV; weights {args.weights}; "
           f"CUDA graphs {'off' if args.no_cuda_graphs or args.device == 'cpu' else 'on'}")
     print_table(f"decode ({loaded.source}, {args.device}, {torch.get_num_threads()} threads)",
                 ["batch", "context", "step ms", "tok/s", "GB/step", "floor ms", "roofline %"],

@@ -45,7 +45,9 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, repeats: int = 10) ->
 
 def decode_weight_bytes(model) -> int:
     """Weights one plain decode step reads: everything but the embedding table
-    (one row per token) and the MTP head; a tied table is read as the lm_head."""
+    (one row per token) and the MTP head; a tied table is read as the lm_head.
+    Packed (low-bit) matrices are buffers, not parameters: their codes and
+    scales count as stored (_packed_bytes)."""
     total = 0
     for name, p in model.named_parameters():
         if name.startswith("mtp."):
@@ -53,6 +55,23 @@ def decode_weight_bytes(model) -> int:
         if name == "model.embed_tokens.weight" and model.lm_head is not None:
             continue
         total += p.numel() * p.element_size()
+    return total + _packed_bytes(model)
+
+
+def _packed_bytes(model) -> int:
+    """Bytes of the packed matrices a plain decode step reads: every
+    QuantLinear outside the MTP head, and a packed token table where it is
+    the (tied) lm_head."""
+    from engine.quant.linear import QuantEmbedding, QuantLinear
+
+    total = 0
+    for name, module in model.named_modules():
+        if name.startswith("mtp."):
+            continue
+        if isinstance(module, QuantLinear) or (
+                isinstance(module, QuantEmbedding) and name == "model.embed_tokens"
+                and model.lm_head is None):
+            total += module.quant.nbytes
     return total
 
 

@@ -359,9 +359,16 @@ def back_to_back_seconds(engine, position: int, replays: int = 16) -> float:
     return (now() - began) / replays
 
 
-def decode_27b(steps: int, device, temperature: float = 0.0) -> dict:
+def decode_27b(steps: int, device, temperature: float = 0.0, context: int = 256,
+               kv_format: str = "bf16", bandwidth: float | None = None) -> dict:
+    """The int4 27B's batch-1 decode step after a `context`-token prompt with
+    `kv_format` KV; with `bandwidth` (bytes/s) also its floor, the bytes the
+    step must move at the prompt's length (bench.limits.decode_step_bytes)
+    over that bandwidth, and the step's share of it (issue 7's roofline
+    goal: >= 75% at 4K with rk4)."""
     from bench.common import now
-    from engine.llm import EngineConfig, OfflineEngine
+    from bench.limits import decode_step_bytes
+    from engine.llm import EngineConfig, OfflineEngine, kv_format_for
     from engine.loader import load_model
     from engine.quant.gemv_cuda import _compiled
     from engine.sampling import SamplingParams
@@ -369,8 +376,10 @@ def decode_27b(steps: int, device, temperature: float = 0.0) -> dict:
     torch.cuda.reset_peak_memory_stats(device)
     loaded = load_model("qwen3.5-27b", device=device, weights="int4", progress=False)
     weights = sum(t.numel() * t.element_size() for t in loaded.model.state_dict().values())
-    engine = OfflineEngine(loaded, EngineConfig(max_batch=1, max_context=1024))
-    prompt = [(7 * i + 3) % 256 for i in range(256)]
+    config = EngineConfig(max_batch=1, max_context=max(1024, context + steps + 64),
+                          kv_format=kv_format)
+    engine = OfflineEngine(loaded, config)
+    prompt = [(7 * i + 3) % 256 for i in range(context)]
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, seed=1,
                             max_new_tokens=steps, ignore_eos=True)
     # when each token reaches the host, with no wait of the bench's own (one
@@ -378,19 +387,30 @@ def decode_27b(steps: int, device, temperature: float = 0.0) -> dict:
     stamps = [now() for _ in engine.generate([prompt], params)]
     gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
     forward = engine.decode_forward
+    floor = {}
+    if bandwidth:
+        moved = decode_step_bytes(loaded.model, loaded.config,
+                                  kv_format_for(kv_format, config.page_size, loaded.dtype), 1,
+                                  context)
+        floor = {"floor_ms": moved / bandwidth * 1e3,
+                 "roofline_pct": 100 * moved / bandwidth / median(gaps)}
     return {"weights_GiB": weights / 2**30, "step_ms": median(gaps) * 1e3,
             "back_to_back_ms": back_to_back_seconds(engine, position=len(prompt)) * 1e3,
             "tok_s": 1 / median(gaps), "peak_alloc_GiB": torch.cuda.max_memory_allocated() / 2**30,
             "graph_replays": float(forward.replays),
             "eager_buckets": float(len(forward.capture_errors)),
             # shapes the CUDA GEMV was built for (TANDEM_GEMV_CUDA=1: it ran there)
-            "cuda_gemv_builds": float(_compiled.cache_info().currsize)}
+            "cuda_gemv_builds": float(_compiled.cache_info().currsize), **floor}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.quant", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     p.add_argument("--decode-steps", type=int, default=16, help="0 skips the 27B decode")
+    p.add_argument("--decode-context", type=int, default=256,
+                   help="the 27B decode's prompt length (issue 7's roofline goal: 4096)")
+    p.add_argument("--decode-kv-format", default="bf16",
+                   help="the 27B decode's KV format (issue 7's roofline goal: rk4)")
     p.add_argument("--decode-temperature", type=float, default=0.0,
                    help="the 27B decode's sampling temperature (0: greedy; above it, seeded "
                         "with top-p 0.95, the draw a chat request makes)")
@@ -419,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if any(not 1 <= s <= 16 for s in args.splits):
         print("--splits takes split-K counts 1..16", file=sys.stderr)
+        return 2
+    if args.decode_context < 1:
+        print("--decode-context takes a prompt length >= 1", file=sys.stderr)
+        return 2
+    from engine.kv.formats import FORMATS
+    if args.decode_kv_format not in FORMATS:
+        print(f"--decode-kv-format takes one of {sorted(FORMATS)}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("bench.quant needs a CUDA GPU", file=sys.stderr)
@@ -454,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.decode_temperature < 0:
         print("--decode-temperature takes 0 (greedy) or more", file=sys.stderr)
         return 2
-    decode = (decode_27b(args.decode_steps, device, args.decode_temperature)
+    decode = (decode_27b(args.decode_steps, device, args.decode_temperature,
+                         args.decode_context, args.decode_kv_format, bandwidth)
               if args.decode_steps else None)
     if decode:
         print_table("27B dummy, int4 weights, batch-1 decode", list(decode),

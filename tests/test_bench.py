@@ -47,6 +47,33 @@ def test_hybrid_step_bytes_count_gdn_state():
         p.numel() * 4 for p in loaded.model.parameters()) - mtp - table
 
 
+def test_decode_bench_counts_packed_weights_as_stored(tmp_path):
+    """--weights int4: the roofline reads each packed matrix's codes and
+    scales (Q4_K repacked: 4-bit codes, an int8 scale and minimum per 32
+    weights, fp16 d and dmin per superblock), not only the dense parameters."""
+    from engine.quant.linear import QuantLinear
+
+    out = tmp_path / "decode.json"
+    assert decode.main(["--model", "tiny-qwen3.5", "--weights", "int4", "--context", "24",
+                        "--steps", "4", "--kv-format", "int8", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())["results"][0]
+    loaded = load_model("tiny-qwen3.5", weights="int4", progress=False)
+    model, c = loaded.model, loaded.config
+    packed = [(name, m.quant) for name, m in model.named_modules()
+              if isinstance(m, QuantLinear) and not name.startswith("mtp.")]
+    assert any(name == "lm_head" for name, _ in packed)
+    assert all(q.asymmetric and q.group == 32 for _, q in packed)
+    codes_and_scales = sum(q.out_features * q.in_features // 32 * (16 + 1 + 1)
+                           + q.out_features * q.in_features // q.superblock * (2 + 2)
+                           for _, q in packed)
+    dense = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if not name.startswith("mtp."))   # the norms, the conv, A_log, dt_bias
+    kv = len(c.attention_layers) * 2 * c.num_kv_heads * (c.head_dim + 2) * 24  # int8 + fp16 scale
+    state = 2 * limits.gdn_state_bytes(c)
+    assert result["bytes_per_step"] == codes_and_scales + dense + kv + state
+    assert 0 < result["roofline_pct"] < 100
+
+
 @pytest.mark.parametrize("kv_format", ["int8", "rk4p"])  # rk4p: staged sink and newest pages
 def test_prefill_bench_flops(tmp_path, kv_format):
     out = tmp_path / "prefill.json"

@@ -3,7 +3,8 @@
 # owed (an H200), and with it the removed resident-chain probe, run once on the H200 from a
 # git archive of 7efd4b0: on the H100 the boundary it fuses costs 0.3-2.3 us, but in the H200's
 # step a GEMV after a norm runs 2.6 us over its isolated time (the H100's: 0.8), so the H100
-# may have tested the premise where it is weakest.
+# may have tested the premise where it is weakest. First, issue 7's roofline goal at 4K with
+# rk4 KV (bench.quant --decode-context / --decode-kv-format, 12-07): never measured.
 # The next device calls (written 12-07 23:10, after the resident-chain probe lost on an
 # H100 at 22:50 and was removed):
 #   ring (any Hopper, the H200's figure is the one that counts): the out projections (gdn out, attn o: 5120 x 6144) through a
@@ -22,7 +23,7 @@
 #      one down launch at 4 rows and at 5 (flush 1, the sweep's first plan), and gate_up
 #      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
 #   bash scripts/sessions/device_next74.sh ring  (carry .whl; ~4-5 min)
-#   bash scripts/sessions/device_next74.sh ncu   (carry .whl; ~4 min)
+#   bash scripts/sessions/device_next74.sh ncu   (carry .whl; ~5-6 min)
 set -uo pipefail
 call=${1:?ring or ncu}
 source scripts/device_env.sh
@@ -44,6 +45,9 @@ case "$call" in
     sed -n '/critical path/,$p' "$OUT/cp_ring3.log" | head -24 ;;
   ncu)
     grep -q H200 "$OUT/date.txt" || { echo "not an H200: the ncu part is the H200's"; exit 3; }
+    # issue 7's roofline goal (>= 75% at 4K, rk4 KV), never measured for the int4 step
+    STEP_TAIL=4 step roofline_4k 240 python3 -m bench.quant --rows 1 --only lm_head \
+      --decode-steps 16 --decode-context 4096 --decode-kv-format rk4
     ncu_cuda_gemv down 4
     ncu_cuda_gemv down 5
     ncu_cuda_gemv gate_up 4
