@@ -50,14 +50,40 @@ def pdl_launch(device: torch.device) -> dict:
     return {"PDL": False}
 
 
+RELEASE_FIRST_ENV = "TANDEM_PDL_RELEASE_BEFORE_GEMV"
+
+
+def release_first_launch(device: torch.device) -> dict:
+    """pdl_launch's keywords for a small kernel whose next kernel is a
+    persistent GEMV (the layer norms, GDN's gated norm, attention's split
+    combine), which take `RELEASE_FIRST: tl.constexpr` too. With
+    TANDEM_PDL_RELEASE_BEFORE_GEMV=1 (off) it lets the GEMV launch before
+    its own wait, so the GEMV's blocks are placed, and ask for their first
+    tiles, while the GEMV before still runs, as they are behind another
+    GEMV. On an H100 it lost 0.22 ms (12-07 15:25), where a GEMV after a
+    norm runs only ~0.8 us over its back-to-back time; on the H200 that
+    cold start is ~2.5 us and the launch boundary GEMV -> norm -> GEMV
+    ~4.5 us against ~0.4 for GEMV -> GEMV (12-07 17:58), so it is back,
+    off, for one H200 A/B (scripts/sessions/device_next74.sh). Memory order
+    is the same either way: the GEMV's wait returns only once this kernel
+    has finished, which it does only after its own wait."""
+    first = on_off(RELEASE_FIRST_ENV, False, on="released before the wait",
+                   off="released after it")
+    launch = pdl_launch(device)
+    return {**launch, "RELEASE_FIRST": first and launch["PDL"]}
+
+
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
+def pdl_prologue(PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False):
     """Wait for the kernel before (and so for every kernel before it), then
     let the next one launch: its programs take the SMs this grid's last
-    programs leave, and wait in their own prologue. (Releasing first lost
-    twice on an H100: every Triton kernel 0.19-0.21 ms, 12-06 15:45; only
-    the norms and the split combine, the kernels before a GEMV, 0.22 ms,
-    12-07 15:25.)"""
+    programs leave, and wait in their own prologue. RELEASE_FIRST: let it
+    launch first, then wait (release_first_launch; every Triton kernel
+    releasing first lost 0.19-0.21 ms on an H100, 12-06 15:45)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if RELEASE_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        else:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()

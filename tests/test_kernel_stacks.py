@@ -84,7 +84,8 @@ for gated in (False, True):  # gated: the output gate too, Qwen3.5's attention
         dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr="*i16", signs_ptr="*fp32",
              gate_ptr="*i16"),
         dict(D=256, D_PAD=256, NUM_SPLITS=64, SPLITS_PAD=64, OUT_BF16=True, ROTATE_BACK=True,
-             LOG2_D=8, SCALE=hadamard_scale(256), GATED=gated, Q_HEADS=24, PDL=True))
+             LOG2_D=8, SCALE=hadamard_scale(256), GATED=gated, Q_HEADS=24, PDL=True,
+             RELEASE_FIRST=gated))
 # q's and k's norm + rotary in one launch (27B: 24 + 4 heads of 256, rotary 64)
 from engine.fused import kernels as FK
 stacks["q and k norm rope"] = stack_of(

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from engine.fused import reference
-from engine.pdl import pdl_launch, pdl_prologue
+from engine.pdl import pdl_launch, pdl_prologue, release_first_launch
 
 MAX_ROW = 16384  # widest row one program normalizes (registers: 16 warps x 32 values)
 
@@ -49,7 +49,7 @@ def _scaled(xhat, w_ptr, offs, mask, ZERO_CENTERED: tl.constexpr, DT: tl.constex
 @triton.jit
 def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_stride, sum_stride,
                      out_stride, eps, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr):
     """One row: optionally s = x + h (stored, rounded), then RMSNorm(s). The
     Llama product w * round(x̂) is rounded by the store to out's dtype (x's, or
     fp32 when the weight is wider). The weight is read before the
@@ -58,7 +58,7 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_strid
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    pdl_prologue(PDL)
+    pdl_prologue(PDL, RELEASE_FIRST)
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     xf = x.to(tl.float32)
@@ -78,7 +78,7 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, out_ptr, N, x_stride, h_strid
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, H, g_stride_t, g_stride_h, eps,
                            ROUND: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr):
     """One head row (x: contiguous rows of N; g: head h of token t at
     t * g_stride_t + h * g_stride_h, H heads): round(w * round(x̂)) * SiLU(g)
     in fp32. The weight is read before the dependent-launch wait."""
@@ -86,7 +86,7 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, N, H, g_stride_t, g_str
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    pdl_prologue(PDL)
+    pdl_prologue(PDL, RELEASE_FIRST)
     DT: tl.constexpr = x_ptr.dtype.element_ty
     xf = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0).to(tl.float32)
     g_row = (row // H) * g_stride_t + (row % H) * g_stride_h
@@ -268,7 +268,7 @@ def _launch_rms_norm(rows, residual, weight, total, out, eps, zero_centered) -> 
         rows, residual, weight, total, out, rows.shape[-1], rows.stride(0),
         residual.stride(0), total.stride(0), out.stride(0), eps, HAS_RESIDUAL=has_residual,
         ZERO_CENTERED=zero_centered, BLOCK=block, num_warps=warps,
-        **pdl_launch(rows.device))
+        **release_first_launch(rows.device))
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
@@ -287,7 +287,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     _gated_rms_norm_kernel[(xr.shape[0],)](
         xr, gr, weight, out, n, gr.shape[1], gr.stride(0), gr.stride(1), eps,
         ROUND=torch.promote_types(weight.dtype, x.dtype) == x.dtype, BLOCK=block,
-        num_warps=warps, **pdl_launch(x.device))
+        num_warps=warps, **release_first_launch(x.device))
     return out.view(x.shape)
 
 

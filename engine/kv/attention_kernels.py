@@ -69,7 +69,7 @@ from engine.kv.fwht import rotate_rows
 from engine.kv.kernels import (_bf16_bits, _e8m0_scale, _k_step_decode, _load_dense,
                                _store_dense, as_kernel_dense)
 from engine.kv.rotation import hadamard_scale
-from engine.pdl import pdl_launch, pdl_prologue
+from engine.pdl import pdl_launch, pdl_prologue, release_first_launch
 
 # KV layouts the kernel knows (constexpr KIND).
 DENSE, DENSE_BF16, INT8, RK4, RK4P = 0, 1, 2, 3, 4
@@ -901,14 +901,14 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, signs_ptr, gate_
                            SPLITS_PAD: tl.constexpr, OUT_BF16: tl.constexpr,
                            ROTATE_BACK: tl.constexpr, LOG2_D: tl.constexpr,
                            SCALE: tl.constexpr, GATED: tl.constexpr, Q_HEADS: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr):
     """out = sum_s w_s o_s / sum_s w_s with w_s = 2**(lse_s - max lse); with
     ROTATE_BACK (D a power of two) times R.T before the store, the rotated
     formats' way back from the stored space (fwht.rotate_rows: bitwise the
     Hadamard row kernel's, which would otherwise be a launch of its own);
     with GATED, times round(sigmoid(gate)) (_gated), the gated attention's
     output gate, which would otherwise be a launch of its own too."""
-    pdl_prologue(PDL)
+    pdl_prologue(PDL, RELEASE_FIRST)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < NUM_SPLITS
@@ -1036,7 +1036,8 @@ def launch(kind_args: tuple, q: torch.Tensor, q_offsets: torch.Tensor, kv_lens: 
             D=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), OUT_BF16=out_bf16,
             ROTATE_BACK=rotate_back, LOG2_D=d_pad.bit_length() - 1,
-            SCALE=hadamard_scale(d_pad), GATED=gated, Q_HEADS=q_heads, **pdl_launch(q.device))
+            SCALE=hadamard_scale(d_pad), GATED=gated, Q_HEADS=q_heads,
+            **release_first_launch(q.device))
     return out
 
 

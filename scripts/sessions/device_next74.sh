@@ -22,12 +22,31 @@
 #      2026-12-07 17:52) where the bytes-in-flight model forecast ~15%. Nsight Compute on
 #      one down launch at 4 rows and at 5 (flush 1, the sweep's first plan), and gate_up
 #      (95% of its floor) beside them: `ncu_cuda_gemv` in scripts/device_env.sh.
+#   release (H200 only): TANDEM_PDL_RELEASE_BEFORE_GEMV=1, back behind its switch (12-07 23:59):
+#      the norms and the combine let the GEMV after them launch before their own wait. On
+#      the H100 it lost 0.22 ms (15:25), where a GEMV after a norm runs ~0.8 us over its
+#      back-to-back time; on the H200 the GEMV -> norm -> GEMV boundary costs ~4.5 us against
+#      ~0.4 for GEMV -> GEMV (17:58's critical path), which is what an earlier placement of
+#      the GEMV after a norm would attack. Its GPU test (bitwise decode graphs), two rounds
+#      tree / first, and the critical path with it.
+#   bash scripts/sessions/device_next74.sh release (carry .whl; ~3 min)
 #   bash scripts/sessions/device_next74.sh ring  (carry .whl; ~4-5 min)
 #   bash scripts/sessions/device_next74.sh ncu   (carry .whl; ~5-6 min)
 set -uo pipefail
-call=${1:?ring or ncu}
+call=${1:?release, ring or ncu}
 source scripts/device_env.sh
 case "$call" in
+  release)   # H200: the norms and the combine releasing the GEMV after them first
+    grep -q H200 "$OUT/date.txt" || { echo "not an H200: the H100 ran this (12-07 15:25)"; exit 3; }
+    STEP_TAIL=4 STEP_SIGNAL=ABRT step release_test 150 python3 -m pytest -q -p no:cacheprovider \
+      -rf tests/test_pdl.py
+    for r in 1 2; do
+      step_27b r${r}_a_tree > /dev/null
+      TANDEM_PDL_RELEASE_BEFORE_GEMV=1 step_27b r${r}_b_first > /dev/null
+    done
+    step_cols r
+    TANDEM_PDL_RELEASE_BEFORE_GEMV=1 critical_path cp_first > /dev/null
+    sed -n '/critical path/,$p' "$OUT/cp_first.log" | head -16 ;;
   ring)   # any Hopper: the premise (DRAM idle under the recurrence) holds on both
     R3='"5120,6144": {"rows": 4, "flush": 1, "stages": 3}'
     R2='"5120,6144": {"rows": 4, "flush": 1, "stages": 2}'
