@@ -1,7 +1,8 @@
 """The CUDA GEMV's builds (q4_gemv.cu) compiled for sm_90 without a GPU.
 
 NVRTC compiles without a device: this takes it from the `nvidia-cuda-nvrtc`
-wheel (the test extra installs it), so CI and a CPU-only checkout check a
+wheel (the test extra installs 13.0, the one the GPU host's torch compiles
+with: another minor gives other registers), so CI and a CPU-only checkout check a
 kernel edit before it costs device time: every build the 27B's decode step
 runs compiles, spills nothing, and loads what no kernel writes through the
 read-only path. What it must not know: anything of a launch (gemv_cuda.py
