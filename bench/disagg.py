@@ -25,7 +25,8 @@ import statistics
 import time
 import urllib.request
 
-from bench.service import Service, add_service_arguments, free_port
+from bench.service import Service, add_service_arguments
+from tandem.ports import free_port
 
 
 def _metric(port: int, name: str) -> float:
@@ -177,8 +178,6 @@ def _raw_rank(rank: int, port: int, args, results) -> None:
 
 def _raw_dist(args) -> dict:
     import torch.multiprocessing as mp
-
-    from bench.service import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

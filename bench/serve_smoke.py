@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from bench.common import environment, print_table, write_json
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.ports import free_port
 
 
 def _turn(stub, pb, prompt, new_tokens):
@@ -86,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     from tandem.v1 import generation_pb2 as pb
     from tandem.v1 import generation_pb2_grpc as pb_grpc
 
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", args.model, "--device", args.device,
-           "--kv-format", args.kv_format, "--grpc-port", str(port), "--metrics-port", str(_free_port()),
+           "--kv-format", args.kv_format, "--grpc-port", str(port), "--metrics-port", str(free_port()),
            "--max-context-tokens", str(args.max_context_tokens), "--live-slots", "4", "--http-port", "0",
            "--snapshot-slots", "8", "--socket-dir", tempfile.mkdtemp(prefix="tandem-bench-"),
            "--speculative", args.speculative, "--draft-tokens", str(args.draft_tokens)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,12 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.chunking import parse_prefill_chunk
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.ports import free_port
 
 
 @dataclass

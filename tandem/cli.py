@@ -494,7 +494,9 @@ def _disaggregated_specs(args, socket_dir: str) -> list:
     decodes = [f"decode-{j}" for j in range(m)]
     workers = prefills + decodes
     sock = _socket_paths(socket_dir, workers + [f"kvstore-{w}" for w in workers])
-    port = args.transfer_port or _free_tcp_port()
+    from tandem.ports import free_port
+
+    port = args.transfer_port or free_port()
     if not 0 < port < 65536:
         raise TandemError(f"--transfer-port {port} must be in 1..65535")
     py = sys.executable
@@ -529,14 +531,6 @@ def _disaggregated_specs(args, socket_dir: str) -> list:
     specs.append(ProcessSpec("router", router, _local_target(args.host, args.grpc_port), False,
                              start_timeout_s=900))
     return specs + _gateway_specs(args)
-
-
-def _free_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gateway_specs(args) -> list:

@@ -14,13 +14,13 @@ import urllib.error
 import urllib.request
 import uuid
 
-import grpc
 import openai
 import pytest
 
 from openai_api.tools import ToolCallStream, parse_tool_calls
 from tandem.v1 import generation_pb2 as pb
-from tests.test_service import PAGE, Service, _free_port, _generate
+from tandem.ports import free_port
+from tests.test_service import PAGE, Service, _generate
 
 KEY = "sk-tandem-test"
 WEATHER = {"type": "function", "function": {
@@ -377,7 +377,7 @@ def test_ten_turn_agent_conversation_is_served_from_the_cache(client, model):
 def test_standalone_gateway_without_a_key(service):
     """`python -m openai_api`, as compose runs it, against the same router; no
     key needed when none is set; a taken port is a one-line error, exit 2."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_KEY"}
     argv = [sys.executable, "-m", "openai_api", "--router", f"127.0.0.1:{service.port}",
             "--port", str(port), "--model-name", "smol"]

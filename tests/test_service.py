@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from engine.llm import EngineConfig, OfflineEngine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
+from tandem.ports import free_port
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
 from tandem.v1 import generation_pb2 as pb
@@ -54,12 +54,6 @@ GPU_DUMMY_GAP = 1.5
 GPU_WIDE_SHARE = 0.2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Service:
     """`tandem serve` in a subprocess; the OpenAI HTTP gateway only when `http`
     (on a free port, with `api_key` if given); `extra` flags go last (they
@@ -69,8 +63,8 @@ class Service:
                  api_key: str | None = None, extra: tuple[str, ...] = (),
                  env: dict[str, str] | None = None):
         self.dir = str(directory)
-        self.port, self.metrics_port = _free_port(), _free_port()
-        self.http_port = _free_port() if http else 0
+        self.port, self.metrics_port = free_port(), free_port()
+        self.http_port = free_port() if http else 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem.cli", "serve", "--device", DEVICE, "--kv-format", SERVICE_KV,
              "--grpc-port", str(self.port), "--metrics-port", str(self.metrics_port),

@@ -19,7 +19,8 @@ from engine.llm import EngineConfig, OfflineEngine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from tandem.v1 import generation_pb2 as pb
-from tests.test_service import DEVICE, Service, _chat, _free_port, _generate
+from tandem.ports import free_port
+from tests.test_service import DEVICE, Service, _chat, _generate
 
 GREEDY = pb.SamplingParameters(temperature=0.0)
 DRAFTED, ACCEPTED = "tandem_spec_drafted_tokens_total", "tandem_spec_accepted_tokens_total"
@@ -216,7 +217,7 @@ def test_cancel_mid_stream_gives_back_every_page_and_slot(mtp_service):
 ])
 def test_serve_rejects_bad_speculation(tmp_path, flags, message):
     run = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--device", "cpu",
-                          "--http-port", "0", "--metrics-port", "0", "--grpc-port", str(_free_port()),
+                          "--http-port", "0", "--metrics-port", "0", "--grpc-port", str(free_port()),
                           "--max-context-tokens", "1024", "--socket-dir", str(tmp_path), *flags],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr, run.stderr

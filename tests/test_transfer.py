@@ -5,13 +5,12 @@ per-layer payloads, END) into the registered pages, drops a cancelled one
 and keeps the pair in step."""
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tandem.ports import free_port
 from transfer.outbox import OutgoingTransfer, PeerLink
 from transfer.pages import StoreBuffers
 from transfer.protocol import TransferError, TransferSpec
@@ -103,12 +102,6 @@ def test_a_transfer_must_name_every_page_it_sends():
 # ------------------------------------------------------- a real gloo group
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     from transfer.group import GroupConfig, TransferGroup
@@ -155,7 +148,7 @@ def _rank(rank: int, port: int, results) -> None:
 def test_gloo_group_carries_a_transfer_and_drains_a_cancelled_one():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in (0, 1)]
     for p in procs:
         p.start()
