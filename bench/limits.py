@@ -59,20 +59,23 @@ def decode_weight_bytes(model) -> int:
 
 
 def _packed_bytes(model) -> int:
-    """Bytes of the packed matrices a plain decode step reads: every
-    QuantLinear outside the MTP head, and a packed token table where it is
-    the (tied) lm_head."""
-    from engine.quant.linear import QuantEmbedding, QuantLinear
+    """Bytes of the packed matrices a plain decode step reads: the packed
+    matmuls, and a packed token table where it is the (tied) lm_head."""
+    from engine.quant.linear import QuantEmbedding
 
-    total = 0
-    for name, module in model.named_modules():
-        if name.startswith("mtp."):
-            continue
-        if isinstance(module, QuantLinear) or (
-                isinstance(module, QuantEmbedding) and name == "model.embed_tokens"
-                and model.lm_head is None):
-            total += module.quant.nbytes
-    return total
+    table = model.model.embed_tokens
+    tied = model.lm_head is None and isinstance(table, QuantEmbedding)
+    return (sum(m.quant.nbytes for m in _packed_matmuls(model))
+            + (table.quant.nbytes if tied else 0))
+
+
+def _packed_matmuls(model):
+    """The packed (low-bit) matmul modules outside the MTP head: their
+    weights are buffers, not parameters (engine/quant/linear.py)."""
+    from engine.quant.linear import QuantLinear
+
+    return [m for n, m in model.named_modules()
+            if isinstance(m, QuantLinear) and not n.startswith("mtp.")]
 
 
 def kv_bytes(config, kv_format, tokens: int) -> int:
@@ -98,13 +101,8 @@ def decode_step_bytes(model, config, kv_format, batch: int, context: int) -> int
 
 
 def _packed_matmul_weights(model) -> int:
-    """Weights of the packed (low-bit) matrices, which are buffers, not
-    parameters (engine/quant/linear.py); the token table excluded."""
-    from engine.quant.linear import QuantEmbedding
-
-    return sum(m.quant.out_features * m.quant.in_features for n, m in model.named_modules()
-               if hasattr(m, "qweight") and not isinstance(m, QuantEmbedding)
-               and not n.startswith("mtp."))
+    """Weights of the packed matmuls (the token table excluded)."""
+    return sum(m.quant.out_features * m.quant.in_features for m in _packed_matmuls(model))
 
 
 def prefill_flops(model, config, tokens: int, start: int = 0) -> float:

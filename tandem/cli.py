@@ -484,6 +484,7 @@ def _disaggregated_specs(args, socket_dir: str) -> list:
     """A store per worker (each on its device), N prefill and M decode workers
     in one transfer group (prefill i = rank i, decode j = rank N + j), a router
     over all of them."""
+    from tandem.ports import free_port
     from tandem.supervisor import ProcessSpec
 
     n, m = args.prefill_workers, args.decode_workers
@@ -494,8 +495,6 @@ def _disaggregated_specs(args, socket_dir: str) -> list:
     decodes = [f"decode-{j}" for j in range(m)]
     workers = prefills + decodes
     sock = _socket_paths(socket_dir, workers + [f"kvstore-{w}" for w in workers])
-    from tandem.ports import free_port
-
     port = args.transfer_port or free_port()
     if not 0 < port < 65536:
         raise TandemError(f"--transfer-port {port} must be in 1..65535")

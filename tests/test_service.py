@@ -21,9 +21,9 @@ from engine.llm import EngineConfig, OfflineEngine
 from engine.loader import load_model
 from engine.sampling import SamplingParams
 from kvstore.client import StoreClient
-from tandem.ports import free_port
 from tandem.internal.v1 import workers_pb2 as wpb
 from tandem.internal.v1 import workers_pb2_grpc as wpb_grpc
+from tandem.ports import free_port
 from tandem.v1 import generation_pb2 as pb
 from tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem.wire import pack_token_ids

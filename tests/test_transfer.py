@@ -5,7 +5,6 @@ per-layer payloads, END) into the registered pages, drops a cancelled one
 and keeps the pair in step."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.multiprocessing as mp
